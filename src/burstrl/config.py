@@ -1,0 +1,197 @@
+"""Configuration for every burstrl role: pydantic models, TOML files, dotted CLI overrides.
+
+Why one module: every process reads its slice of the same tree, so a run's resolved config is one
+file that can be saved in the run directory and replayed. It must not import torch: the CLI loads
+it to answer `--help` and `--dry-run` fast.
+
+Layering: defaults < TOML files (in order) < `--a.b value` overrides. Unknown keys anywhere are
+errors that name the key (`unknown config key 'engine.max_tokens_total'`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the same parser, packaged as tomli
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A config file or override is wrong; the message names the key."""
+
+
+class Section(BaseModel):
+    """Base for config sections: unknown keys are rejected, defaults are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+class ModelConfig(Section):
+    path: str = Field("", description="Hugging Face model directory (config.json, weights, tokenizer).")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weights dtype; auto = float32 on CPU, bfloat16 on GPU."
+    )
+    device: str = Field("auto", description="torch device; auto = cuda if available else cpu.")
+
+
+class EngineConfig(Section):
+    max_total_num_tokens: int = Field(
+        65536, ge=16, description="KV budget in tokens: cached sessions plus running requests."
+    )
+    max_running_requests: int = Field(64, ge=1, description="Most requests in one decode batch.")
+    max_model_len: int = Field(
+        0, ge=0, description="Longest prompt+completion; 0 = the model's max_position_embeddings."
+    )
+    max_prefill_tokens: int = Field(
+        4096, ge=1, description="Prefill tokens per scheduler iteration, so decoding is not starved."
+    )
+    num_threads: int = Field(
+        0, ge=0, description="torch intra-op threads; 0 = the cores this process may use."
+    )
+    session_cache: bool = Field(
+        True, description="Keep a session's KV cache between its calls (off = re-prefill each call)."
+    )
+    capture: bool = Field(True, description="Record every call of a session (token ids, logprobs).")
+    session_ttl_s: float = Field(
+        1800.0, gt=0, description="A session idle this long is released (cache and trace)."
+    )
+    thrash_window_s: float = Field(
+        60.0, gt=0, description="A session evicted again within this window of its re-fill is thrashing."
+    )
+    seed: int = Field(0, description="Seed of the engine's generator for requests without a seed.")
+
+
+class ServerConfig(Section):
+    host: str = Field("127.0.0.1", description="Bind address.")
+    port: int = Field(8000, ge=0, le=65535, description="Bind port; 0 = any free port.")
+    admin_token: str = Field(
+        "", description="Bearer token for admin endpoints; empty = BURSTRL_ADMIN_TOKEN or generated."
+    )
+    ssl_certfile: str = Field("", description="TLS certificate (PEM); with ssl_keyfile enables HTTPS.")
+    ssl_keyfile: str = Field("", description="TLS private key (PEM).")
+    max_body_bytes: int = Field(8 << 20, ge=1024, description="Largest JSON request body.")
+    max_shard_bytes: int = Field(2 << 30, ge=1024, description="Largest adapter shard upload.")
+    state_dir: str = Field(
+        "", description="Where uploaded adapters and the admin token live; empty = a temp dir."
+    )
+
+
+class ServeConfig(Section):
+    """`burstrl serve`: one inference replica."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    served_model_name: str = Field("base", description="Name the base model is served under.")
+    adapters: dict[str, str] = Field(
+        default_factory=dict, description="Adapters loaded at start: name -> PEFT directory."
+    )
+
+
+C = TypeVar("C", bound=BaseModel)
+
+
+def parse_overrides(args: list[str]) -> dict[str, Any]:
+    """Turn `--a.b value` / `--a.b=value` pairs into a nested dict (hyphens read as underscores)."""
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or len(arg) <= 2:
+            raise ConfigError(f"expected an override like --section.key value, got {arg!r}")
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(args):
+                raise ConfigError(f"override --{key} has no value")
+            value = args[i + 1]
+            i += 1
+        i += 1
+        _set_path(out, key.replace("-", "_").split("."), _parse_value(value))
+    return out
+
+
+def _parse_value(text: str) -> Any:
+    """TOML/JSON literal when it parses (numbers, bools, lists), else the raw string."""
+    for candidate in (text, text.lower()):
+        try:
+            return json.loads(candidate)
+        except json.JSONDecodeError:
+            continue
+    return text
+
+
+def _set_path(tree: dict[str, Any], path: list[str], value: Any) -> None:
+    for part in path[:-1]:
+        node = tree.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {'.'.join(path)} conflicts with a value at {part}")
+        tree = node
+    tree[path[-1]] = value
+
+
+def merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    """Deep-merge `top` over `base` (dicts merge, anything else replaces)."""
+    out = dict(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_config(cls: type[C], files: list[str | Path] = (), overrides: list[str] = ()) -> C:
+    """Build `cls` from TOML files then dotted overrides; errors name the offending key."""
+    data: dict[str, Any] = {}
+    for path in files:
+        try:
+            data = merge(data, tomllib.loads(Path(path).read_text()))
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: {exc}") from None
+    data = merge(data, parse_overrides(list(overrides)))
+    return validate(cls, data)
+
+
+def validate(cls: type[C], data: dict[str, Any]) -> C:
+    """`cls.model_validate(data)` with errors rewritten to name keys the way a user typed them."""
+    try:
+        return cls.model_validate(data)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            key = ".".join(str(p) for p in err["loc"])
+            if err["type"] == "extra_forbidden":
+                lines.append(f"unknown config key '{key}'")
+            else:
+                lines.append(f"config key '{key}': {err['msg']}")
+        raise ConfigError("; ".join(lines)) from None
+
+
+def dump_toml(cfg: BaseModel) -> str:
+    """Render a config as TOML (for the run directory and `--dry-run`)."""
+    return _toml_table(cfg.model_dump(mode="json"), prefix="")
+
+
+def _toml_table(data: dict[str, Any], prefix: str) -> str:
+    scalars = [f"{_toml_key(k)} = {json.dumps(v)}" for k, v in data.items() if not isinstance(v, dict)]
+    text = ""
+    if scalars:
+        text = (f"[{prefix}]\n" if prefix else "") + "\n".join(scalars) + "\n\n"
+    for key, value in data.items():
+        if isinstance(value, dict):
+            name = f"{prefix}.{_toml_key(key)}" if prefix else _toml_key(key)
+            text += _toml_table(value, name) if value else f"[{name}]\n\n"
+    return text
+
+
+def _toml_key(key: str) -> str:
+    """Bare keys as is; anything else (an adapter named `policy.v1`) quoted so it stays one key."""
+    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else json.dumps(key)

@@ -1,0 +1,200 @@
+"""Adapter versions on a replica: load, retire, and assemble sharded uploads.
+
+Why retire instead of unload: a rollout is pinned to the version it started on. Unloading
+`policy-v3` while a session still uses it would strand that rollout, so an unloaded version stops
+taking new sessions at once and is freed when its last session is released.
+
+Sharded upload: the trainer ranks each `PUT` a byte range of the adapter directory packed as a tar
+(`/v1/adapters/{name}/shards/{i}?of={n}`), rank 0 `PUT`s a manifest with the sha256 of every shard
+and of the whole, and `POST .../commit` verifies everything and loads it. Nothing is served until
+all checks pass; a corrupt or incomplete upload is refused and its staging area deleted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import re
+import shutil
+import tarfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from burstrl.inference.lora import AdapterError, LoraAdapter, load_adapter
+
+NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+ADAPTER_FILES = {"adapter_config.json", "adapter_model.safetensors"}
+
+
+class UploadError(ValueError):
+    """A sharded upload is incomplete or does not match its manifest."""
+
+
+@dataclass
+class Manifest:
+    """What a sharded upload must add up to (sha256 hex digests)."""
+
+    name: str
+    num_shards: int
+    total_bytes: int
+    sha256: str
+    shard_sha256: list[str]
+
+    @classmethod
+    def parse(cls, data: Any) -> Manifest:
+        try:
+            m = cls(name=str(data["name"]), num_shards=int(data["num_shards"]),
+                    total_bytes=int(data["total_bytes"]), sha256=str(data["sha256"]),
+                    shard_sha256=[str(s) for s in data["shard_sha256"]])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise UploadError(f"bad manifest: {exc!r}") from None
+        if not 1 <= m.num_shards <= 4096 or len(m.shard_sha256) != m.num_shards:
+            raise UploadError("manifest: num_shards must be 1..4096 and match shard_sha256")
+        return m
+
+    def to_json(self) -> dict[str, Any]:
+        return self.__dict__.copy()
+
+
+def pack_adapter(directory: str | Path, num_shards: int, name: str) -> tuple[Manifest, list[bytes]]:
+    """Tar a PEFT adapter directory and split it into `num_shards` byte ranges (the sender side)."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for fname in sorted(ADAPTER_FILES):
+            tar.add(Path(directory) / fname, arcname=fname)
+    blob = buf.getvalue()
+    step = -(-len(blob) // num_shards)
+    shards = [blob[i * step:(i + 1) * step] for i in range(num_shards)]
+    manifest = Manifest(name=name, num_shards=num_shards, total_bytes=len(blob),
+                        sha256=hashlib.sha256(blob).hexdigest(),
+                        shard_sha256=[hashlib.sha256(s).hexdigest() for s in shards])
+    return manifest, shards
+
+
+class AdapterRegistry:
+    """Loaded adapter versions by name, with retirement and sharded-upload staging."""
+
+    def __init__(self, state_dir: Path, num_layers: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.state_dir = state_dir
+        self.num_layers, self.dtype, self.device = num_layers, dtype, device
+        self.active: dict[str, LoraAdapter] = {}
+        self.retiring: dict[str, LoraAdapter] = {}
+        self._lock = threading.Lock()
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return list(self.active)
+
+    def for_new_session(self, name: str) -> LoraAdapter | None:
+        """The adapter a new session on `name` gets; KeyError if not served for new sessions."""
+        with self._lock:
+            return self.active[name]
+
+    def for_session(self, name: str) -> LoraAdapter:
+        """The adapter of an existing session (retiring versions still serve their sessions)."""
+        with self._lock:
+            if name in self.active:
+                return self.active[name]
+            return self.retiring[name]
+
+    def load(self, name: str, path: str | Path) -> LoraAdapter:
+        if not NAME.match(name) or name == "base":
+            raise AdapterError(f"adapter name must match {NAME.pattern} and not be 'base'")
+        adapter = load_adapter(name, path, self.num_layers, self.dtype, self.device)
+        with self._lock:
+            if name in self.active or name in self.retiring:
+                raise AdapterError(f"adapter {name!r} is already loaded; versions never change")
+            self.active[name] = adapter
+        return adapter
+
+    def unload(self, name: str, in_use: dict[str, int]) -> str:
+        """Stop new sessions on `name`; free it now if no session uses it. Returns the state."""
+        with self._lock:
+            if name not in self.active:
+                raise KeyError(name)
+            adapter = self.active.pop(name)
+            if in_use.get(name, 0):
+                self.retiring[name] = adapter
+                return "retiring"
+            return "unloaded"
+
+    def collect(self, in_use: dict[str, int]) -> list[str]:
+        """Free retiring versions whose last session has been released."""
+        with self._lock:
+            done = [n for n in self.retiring if not in_use.get(n, 0)]
+            for n in done:
+                del self.retiring[n]
+            return done
+
+    # ---- sharded upload ----
+    def _staging(self, name: str) -> Path:
+        if not NAME.match(name) or name == "base":
+            raise UploadError(f"adapter name must match {NAME.pattern} and not be 'base'")
+        return self.state_dir / "uploads" / name
+
+    def put_shard(self, name: str, index: int, of: int, data: bytes, sha256: str | None) -> None:
+        if not 0 <= index < of <= 4096:
+            raise UploadError("shard index must satisfy 0 <= i < of <= 4096")
+        if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256.lower():
+            raise UploadError(f"shard {index}: sha256 mismatch")
+        staging = self._staging(name)
+        staging.mkdir(parents=True, exist_ok=True)
+        tmp = staging / f"shard-{index}.of-{of}.tmp"
+        tmp.write_bytes(data)
+        tmp.rename(staging / f"shard-{index}.of-{of}")
+
+    def put_manifest(self, name: str, data: Any) -> Manifest:
+        manifest = Manifest.parse(data)
+        if manifest.name != name:
+            raise UploadError(f"manifest names {manifest.name!r}, not {name!r}")
+        staging = self._staging(name)
+        staging.mkdir(parents=True, exist_ok=True)
+        (staging / "manifest.json").write_text(json.dumps(manifest.to_json()))
+        return manifest
+
+    def commit(self, name: str) -> LoraAdapter:
+        """Verify the staged shards against the manifest, unpack, load. Staging is always removed."""
+        staging = self._staging(name)
+        try:
+            blob = self._assemble(staging)
+            target = self.state_dir / "adapters" / name
+            if target.exists():
+                shutil.rmtree(target)
+            target.mkdir(parents=True)
+            _extract(blob, target)
+            return self.load(name, target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    def _assemble(self, staging: Path) -> bytes:
+        if not (staging / "manifest.json").is_file():
+            raise UploadError("no manifest uploaded")
+        manifest = Manifest.parse(json.loads((staging / "manifest.json").read_text()))
+        parts = []
+        for i, want in enumerate(manifest.shard_sha256):
+            path = staging / f"shard-{i}.of-{manifest.num_shards}"
+            if not path.is_file():
+                raise UploadError(f"shard {i} of {manifest.num_shards} missing")
+            data = path.read_bytes()
+            if hashlib.sha256(data).hexdigest() != want:
+                raise UploadError(f"shard {i}: sha256 does not match the manifest")
+            parts.append(data)
+        blob = b"".join(parts)
+        if len(blob) != manifest.total_bytes or hashlib.sha256(blob).hexdigest() != manifest.sha256:
+            raise UploadError("assembled adapter does not match the manifest sha256/size")
+        return blob
+
+
+def _extract(blob: bytes, target: Path) -> None:
+    """Unpack only the two PEFT files, as regular files (no links, no paths)."""
+    with tarfile.open(fileobj=io.BytesIO(blob), mode="r:") as tar:
+        members = tar.getmembers()
+        names = {m.name for m in members}
+        if names != ADAPTER_FILES or not all(m.isfile() for m in members):
+            raise UploadError(f"upload must contain exactly {sorted(ADAPTER_FILES)} as files")
+        tar.extractall(target, filter="data")

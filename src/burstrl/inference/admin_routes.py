@@ -1,0 +1,85 @@
+"""Admin endpoints of a replica: adapter versions (vLLM shapes) and sharded uploads.
+
+All need the bearer token. Loading is synchronous: when the call returns 200 the version serves new
+sessions; an upload that fails any check returns 4xx and is never served.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+
+from burstrl.inference.adapters import UploadError
+from burstrl.inference.lora import AdapterError
+from burstrl.inference.replica import Replica
+
+
+def add_admin_routes(app: FastAPI, rep: Replica, api_error: type[Exception],
+                     read_json: Callable, read_body: Callable, require_admin: Callable) -> None:
+    """Register the adapter routes on `app` (kept apart so server.py stays about generation)."""
+
+    def fail(status: int, exc: Exception) -> Exception:
+        rep.counters.uploads_refused += 1
+        return api_error(status, str(exc))
+
+    async def field(request: Request, name: str) -> str:
+        data = await read_json(request, rep.cfg.server.max_body_bytes)
+        value = data.get(name) if isinstance(data, dict) else None
+        if not isinstance(value, str) or not value:
+            raise api_error(400, f"'{name}' (a non-empty string) is required")
+        return value
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> dict[str, Any]:
+        require_admin(rep, request)
+        data = await read_json(request, rep.cfg.server.max_body_bytes)
+        if not isinstance(data, dict) or not all(isinstance(data.get(k), str) for k in ("lora_name", "lora_path")):
+            raise api_error(400, "'lora_name' and 'lora_path' (strings) are required")
+        try:
+            rep.registry.load(data["lora_name"], data["lora_path"])
+        except AdapterError as exc:
+            raise fail(400, exc) from None
+        rep.counters.adapters_loaded += 1
+        return {"status": "loaded", "lora_name": data["lora_name"]}
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> dict[str, Any]:
+        require_admin(rep, request)
+        name = await field(request, "lora_name")
+        try:
+            state = rep.registry.unload(name, rep.sessions.versions_in_use())
+        except KeyError:
+            raise api_error(404, f"adapter {name!r} is not loaded") from None
+        return {"status": state, "lora_name": name}
+
+    @app.put("/v1/adapters/{name}/shards/{index}")
+    async def put_shard(name: str, index: int, request: Request, of: int) -> dict[str, Any]:
+        require_admin(rep, request)
+        data = await read_body(request, rep.cfg.server.max_shard_bytes)
+        try:
+            rep.registry.put_shard(name, index, of, data, request.headers.get("x-shard-sha256"))
+        except UploadError as exc:
+            raise fail(400, exc) from None
+        return {"name": name, "shard": index, "of": of, "bytes": len(data)}
+
+    @app.put("/v1/adapters/{name}/manifest")
+    async def put_manifest(name: str, request: Request) -> dict[str, Any]:
+        require_admin(rep, request)
+        data = await read_json(request, rep.cfg.server.max_body_bytes)
+        try:
+            manifest = rep.registry.put_manifest(name, data)
+        except UploadError as exc:
+            raise fail(400, exc) from None
+        return {"name": name, "num_shards": manifest.num_shards}
+
+    @app.post("/v1/adapters/{name}/commit")
+    async def commit(name: str, request: Request) -> dict[str, Any]:
+        require_admin(rep, request)
+        try:
+            rep.registry.commit(name)
+        except (UploadError, AdapterError) as exc:
+            raise fail(422, exc) from None
+        rep.counters.adapters_loaded += 1
+        return {"status": "loaded", "lora_name": name}

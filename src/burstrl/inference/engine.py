@@ -1,0 +1,383 @@
+"""The `torch` engine: a continuous-batching decode loop with session caches and capture.
+
+One thread owns the model, the KV storage and the budget. HTTP handlers hand it `Request`s through
+`submit` and get called back (`on_token`, `on_done`) from that thread. Each iteration: take new
+requests and aborts, admit waiting requests while the budget allows (prefill each over its
+session's cached prefix, sample its first token), then run one decode step for every running
+request. Requests therefore join and leave the batch at token boundaries, and a batch mixes
+sessions, lengths and adapter versions freely.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from burstrl.config import EngineConfig
+from burstrl.inference.kvcache import DecodeBatch, PrefillAttention, SessionCache, SessionKV
+from burstrl.inference.lora import LoraAdapter, LoraBatch
+from burstrl.inference.runner import ModelRunner
+from burstrl.inference.sampling import SamplingParams, sample
+from burstrl.inference.sessions import CallRecord, Session, SessionTable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Request:
+    """One call: what to feed, how to sample, and where to report; the engine fills the rest."""
+
+    id: str
+    session: Session
+    prompt_ids: list[int]
+    params: SamplingParams
+    version: str
+    adapter: LoraAdapter | None
+    on_done: Callable[[Request], None]
+    on_token: Callable[[Request], None] | None = None
+    messages: list[dict] | None = None
+    completion_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: str | None = None
+    text: str | None = None
+    cached_tokens: int = 0
+    error: str | None = None
+    t_submit: float = field(default_factory=time.monotonic)
+    t_start: float = 0.0
+    t_first: float = 0.0
+    t_end: float = 0.0
+    reserved: int = 0
+    kv: SessionKV | None = None
+    generator: torch.Generator | None = None
+
+
+@dataclass
+class EngineCounters:
+    requests: dict[str, int] = field(default_factory=dict)  # by finish reason
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    decode_steps: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+
+def default_threads() -> int:
+    """The cores this process may run on (affinity-aware, so containers are not oversubscribed)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+class Engine:
+    """Owns the model runner, the decode batch and the session caches; runs in one thread."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer, cfg: EngineConfig, eos_ids: list[int],
+                 sessions: SessionTable, max_model_len: int,
+                 on_release: Callable[[], None] | None = None) -> None:
+        torch.set_num_threads(cfg.num_threads or default_threads())
+        self.cfg = cfg
+        self.runner = ModelRunner(model)
+        self.tokenizer = tokenizer
+        self.eos_ids = set(eos_ids)
+        self.sessions = sessions
+        self.max_model_len = max_model_len
+        self.on_release = on_release
+        r = self.runner
+        self.cache = SessionCache(cfg.max_total_num_tokens, cfg.thrash_window_s)
+        self.batch = DecodeBatch(r.num_layers, r.num_kv_heads, r.head_dim, r.dtype, r.device, r.scaling)
+        self.rows: list[Request] = []
+        self.waiting: deque[Request] = deque()
+        self.counters = EngineCounters()
+        self.error: str | None = None
+        self._inbox: deque[Request] = deque()
+        self._aborts: set[str] = set()
+        self._drops: list[str] = []
+        self._cv = threading.Condition()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._gen = torch.Generator(device=r.device)
+        self._gen.manual_seed(cfg.seed)
+        self._lora: LoraBatch | None = None
+        self._lora_dirty = True
+        self._next_expiry = 0.0
+
+    # ---- public, any thread ----
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="burstrl-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    def submit(self, req: Request) -> None:
+        if not self.alive:
+            raise RuntimeError(f"engine is not running: {self.error or 'stopped'}")
+        req.generator = req.params.generator(self.runner.device)
+        with self._cv:
+            self._inbox.append(req)
+            self._cv.notify()
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request at the next token boundary (its client went away)."""
+        with self._cv:
+            self._aborts.add(request_id)
+            self._cv.notify()
+
+    def drop_session(self, session_id: str) -> None:
+        """Free a released session's idle cache."""
+        with self._cv:
+            self._drops.append(session_id)
+            self._cv.notify()
+
+    # ---- engine thread ----
+    def _run(self) -> None:
+        try:
+            while self._iterate():
+                pass
+        except Exception as exc:  # the engine is dead: fail every request loudly, keep the reason
+            log.exception("engine loop failed")
+            self.error = f"{type(exc).__name__}: {exc}"
+            for req in [*self.rows, *self.waiting, *self._inbox]:
+                req.error = self.error
+                self._report_done(req, "error")
+            raise
+
+    def _iterate(self) -> bool:
+        with self._cv:
+            if not (self._inbox or self._aborts or self._drops or self.waiting or self.rows):
+                self._cv.wait(timeout=1.0)
+            if self._stop:
+                return False
+            self.waiting.extend(self._inbox)
+            self._inbox.clear()
+            aborts, self._aborts = self._aborts, set()
+            drops, self._drops = self._drops, []
+        for session_id in drops:
+            self.cache.drop(session_id)
+        if aborts:
+            self._apply_aborts(aborts)
+        self._expire_sessions()
+        self._admit()
+        if self.rows:
+            self._decode_step()
+        return True
+
+    def _apply_aborts(self, ids: set[str]) -> None:
+        for req in [r for r in self.waiting if r.id in ids]:
+            self.waiting.remove(req)
+            self._report_done(req, "abort")
+        for i in reversed(range(len(self.rows))):
+            if self.rows[i].id in ids:
+                self.rows[i].finish_reason = "abort"
+                self._leave(i)
+
+    def _expire_sessions(self) -> None:
+        now = time.monotonic()
+        if now < self._next_expiry:
+            return
+        self._next_expiry = now + 1.0
+        expired = self.sessions.expire()
+        for s in expired:
+            self.cache.drop(s.id)
+        if expired and self.on_release is not None:
+            self.on_release()
+
+    def _admit(self) -> None:
+        prefill_budget = self.cfg.max_prefill_tokens
+        while self.waiting and len(self.rows) < self.cfg.max_running_requests and prefill_budget > 0:
+            req = self.waiting[0]
+            sid = req.session.id
+            kv, reuse = (None, 0)
+            if self.cfg.session_cache and not req.session.ephemeral:
+                kv, reuse = self.cache.take(sid, req.prompt_ids)
+            need = len(req.prompt_ids) + req.params.max_tokens
+            if not self.cache.reserve(need):
+                if kv is not None:
+                    self.cache.put(sid, kv, req.prompt_ids)
+                break
+            self.waiting.popleft()
+            self.cache.record(sid, len(req.prompt_ids), reuse)
+            req.reserved = need
+            prefill_budget -= len(req.prompt_ids) - reuse
+            self._prefill(req, kv, reuse)
+
+    def _new_kv(self, capacity: int) -> SessionKV:
+        r = self.runner
+        return SessionKV(r.num_layers, r.num_kv_heads, r.head_dim, r.dtype, r.device, capacity)
+
+    def _prefill(self, req: Request, kv: SessionKV | None, reuse: int) -> None:
+        req.t_start = time.monotonic()
+        kv = kv if kv is not None else self._new_kv(len(req.prompt_ids) + 1)
+        req.kv, req.cached_tokens = kv, reuse
+        new = req.prompt_ids[reuse:]
+        attention = PrefillAttention(kv, len(new), self.runner.scaling)
+        ids = torch.tensor([new], device=self.runner.device)
+        positions = torch.arange(reuse, reuse + len(new), device=self.runner.device)[None]
+        lora = LoraBatch([req.adapter]) if req.adapter is not None else None
+        logits = self.runner.forward(ids, positions, attention, lora)
+        attention.commit()
+        self.cache.running_tokens += kv.length
+        req.session.kv_tokens = kv.length
+        self.counters.prompt_tokens += len(new)
+        self.counters.prefill_s += time.monotonic() - req.t_start
+        sampled = sample(logits, [req.params], [req.generator], self._gen)
+        top = sampled.top[0] if sampled.top else None
+        if self._append(req, sampled.tokens[0], sampled.logprobs[0], top):
+            self._finish(req)
+        else:
+            self.batch.add(kv)
+            self.rows.append(req)
+            self._lora_dirty = True
+
+    def _decode_step(self) -> None:
+        t0 = time.monotonic()
+        rows = self.rows
+        self.batch.prepare()
+        ids = torch.tensor([[r.completion_ids[-1]] for r in rows], device=self.runner.device)
+        positions = self.batch.lens[:, None].clone()
+        logits = self.runner.forward(ids, positions, self.batch, self._lora_batch())
+        self.batch.advance()
+        self.cache.running_tokens += len(rows)
+        sampled = sample(logits, [r.params for r in rows], [r.generator for r in rows], self._gen)
+        done = []
+        for i, req in enumerate(rows):
+            req.session.kv_tokens += 1
+            top = sampled.top[i] if sampled.top else None
+            if self._append(req, sampled.tokens[i], sampled.logprobs[i], top):
+                done.append(i)
+        for i in reversed(done):
+            self._leave(i)
+        self.counters.decode_steps += 1
+        self.counters.decode_s += time.monotonic() - t0
+
+    def _lora_batch(self) -> LoraBatch | None:
+        if self._lora_dirty:
+            batch = LoraBatch([r.adapter for r in self.rows])
+            self._lora = None if batch.empty else batch
+            self._lora_dirty = False
+        return self._lora
+
+    def _append(self, req: Request, token: int, logprob: float, top: list | None) -> bool:
+        """Record a sampled token; True when the request is finished."""
+        req.logprobs.append(logprob)  # before completion_ids: streaming readers index by its length
+        if top is not None:
+            req.top_logprobs.append(top)
+        req.completion_ids.append(token)
+        if not req.t_first:
+            req.t_first = time.monotonic()
+        self.counters.generation_tokens += 1
+        reason = None
+        if token in self.eos_ids and not req.params.ignore_eos:
+            reason = "stop"
+        elif req.params.stop and self._hit_stop(req):
+            reason = "stop"
+        elif len(req.completion_ids) >= req.params.max_tokens:
+            reason = "length"
+        elif len(req.prompt_ids) + len(req.completion_ids) >= self.max_model_len:
+            reason = "length"
+        if req.on_token is not None:
+            req.on_token(req)
+        req.finish_reason = reason
+        return reason is not None
+
+    def _hit_stop(self, req: Request) -> bool:
+        text = self.tokenizer.decode(req.completion_ids, skip_special_tokens=True)
+        window = len(text) - max(len(s) for s in req.params.stop) - 8
+        cuts = [i for i in (text.find(s, max(0, window)) for s in req.params.stop) if i >= 0]
+        if cuts:
+            req.text = text[: min(cuts)]
+        return bool(cuts)
+
+    def _leave(self, row: int) -> None:
+        req = self.rows[row]
+        self.batch.remove(row, req.kv)
+        self.rows[row] = self.rows[-1]
+        self.rows.pop()
+        self._lora_dirty = True
+        self._finish(req)
+
+    def _finish(self, req: Request) -> None:
+        """Return the request's budget, keep its cache for the session's next call, capture it."""
+        kv, session = req.kv, req.session
+        self.cache.running_tokens -= kv.length
+        self.cache.unreserve(req.reserved)
+        fed = req.prompt_ids + req.completion_ids[:-1]
+        assert kv.length == len(fed), (kv.length, len(fed))
+        if self.cfg.session_cache and not session.ephemeral:
+            self.cache.put(session.id, kv, fed)
+        else:
+            session.kv_tokens = 0
+        if req.text is None:
+            req.text = self.tokenizer.decode(req.completion_ids, skip_special_tokens=True)
+        session.messages = req.messages
+        session.prompt_ids = req.prompt_ids
+        session.completion_ids = req.completion_ids
+        session.completion_text = req.text
+        req.kv = None
+        self._report_done(req, req.finish_reason or "abort")
+
+    def _report_done(self, req: Request, reason: str) -> None:
+        req.finish_reason = reason
+        req.t_end = time.monotonic()
+        c = self.counters.requests
+        c[reason] = c.get(reason, 0) + 1
+        session = req.session
+        if self.cfg.capture and not session.ephemeral and req.error is None:
+            session.calls.append(self._record(req))
+        self.sessions.end(session)
+        req.on_done(req)
+
+    def _record(self, req: Request) -> CallRecord:
+        start = req.t_start or req.t_end
+        timings = {
+            "queued_s": start - req.t_submit,
+            "ttft_s": (req.t_first or req.t_end) - req.t_submit,
+            "total_s": req.t_end - req.t_submit,
+        }
+        return CallRecord(
+            request_id=req.id, version=req.version, prompt_ids=list(req.prompt_ids),
+            completion_ids=list(req.completion_ids), logprobs=list(req.logprobs),
+            finish_reason=req.finish_reason or "", cached_tokens=req.cached_tokens,
+            timings=timings, created=time.time(),
+        )
+
+    # ---- load reporting (read from any thread; values are a snapshot) ----
+    def loads(self) -> dict:
+        c, stats = self.cache, self.cache.stats
+        sessions = [{"session_id": s.id, "version": s.version,
+                     "tokens": s.kv_tokens if s.busy else c.cached_length(s.id),
+                     "context_tokens": len(s.prompt_ids) + len(s.completion_ids),
+                     "busy": s.busy} for s in self.sessions.snapshot()]
+        return {
+            "num_running_reqs": len(self.rows),
+            "num_waiting_reqs": len(self.waiting) + len(self._inbox),
+            "num_used_tokens": c.used_tokens,
+            "max_total_num_tokens": c.capacity,
+            "token_usage": c.used_tokens / c.capacity,
+            "reserved_tokens": c.reserved + c.idle_tokens,
+            "cache_hit_rate": stats.hit_tokens / stats.queries_tokens if stats.queries_tokens else 0.0,
+            "prefix_cache_queries_tokens": stats.queries_tokens,
+            "prefix_cache_hit_tokens": stats.hit_tokens,
+            "evictions": stats.evictions,
+            "refills": stats.refills,
+            "thrash": stats.thrash,
+            "num_sessions": len(sessions),
+            "sessions": sessions,
+        }

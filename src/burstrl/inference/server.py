@@ -1,0 +1,269 @@
+"""The replica's HTTP API: OpenAI-compatible generation, capture, adapters, load and metrics.
+
+Every error from outside is a 4xx JSON body in OpenAI's shape (`{"error": {"message", ...}}`),
+never a traceback, and one bad request never disturbs the others. A client that disconnects
+mid-request has its request aborted at the next token boundary, freeing its batch slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from burstrl.inference import openai_api as api
+from burstrl.inference.chat import ChatError, normalize_messages
+from burstrl.inference.engine import Request as EngineRequest
+from burstrl.inference.metrics import prometheus_text
+from burstrl.inference.replica import Replica
+from burstrl.inference.sessions import SessionError
+
+log = logging.getLogger(__name__)
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind = status, message, kind
+
+
+def build_app(rep: Replica, on_ready: Callable[[], None] | None = None) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if on_ready is not None:
+            on_ready()
+        yield
+
+    app = FastAPI(title="burstrl replica", lifespan=lifespan, docs_url=None, redoc_url=None)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        if exc.status < 500:
+            rep.counters.bad_requests += 1
+        return JSONResponse(api.error_body(exc.status, exc.message, exc.kind), status_code=exc.status)
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("internal error")
+        return JSONResponse(api.error_body(500, f"internal error: {type(exc).__name__}", "server_error"),
+                            status_code=500)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if not rep.engine.alive:
+            return JSONResponse({"status": "error", "error": rep.engine.error}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return api.models_list([rep.cfg.served_model_name, *rep.registry.names()], rep.cfg.model.path)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        if rep.chat is None:
+            raise ApiError(400, "this model has no chat template; use /v1/completions")
+        body = _parse(api.ChatRequest, await _read_json(request, rep.cfg.server.max_body_bytes))
+        try:
+            messages = normalize_messages(body.messages)
+        except ChatError as exc:
+            raise ApiError(400, str(exc)) from None
+        top = (body.top_logprobs or 0) if body.logprobs else 0
+        return await _generate(rep, request, body, "chat", messages=messages, top_logprobs=top,
+                               max_tokens=body.max_completion_tokens or body.max_tokens,
+                               want_logprobs=body.logprobs)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = _parse(api.CompletionRequest, await _read_json(request, rep.cfg.server.max_body_bytes))
+        if body.echo:
+            raise ApiError(400, "echo is not supported")
+        ids = body.input_ids if body.input_ids is not None else body.prompt
+        if ids is None or (isinstance(ids, (str, list)) and len(ids) == 0):
+            raise ApiError(400, "prompt (text or token ids) or input_ids is required")
+        if isinstance(ids, list) and any(not 0 <= t < rep.engine.runner.vocab_size for t in ids):
+            raise ApiError(400, f"prompt token ids must be in [0, {rep.engine.runner.vocab_size})")
+        prompt = ids if isinstance(ids, list) else rep.tokenizer.encode(ids, add_special_tokens=False)
+        top = body.logprobs or 0
+        return await _generate(rep, request, body, "text", prompt_ids=prompt, top_logprobs=top,
+                               max_tokens=body.max_tokens, want_logprobs=body.logprobs is not None)
+
+    @app.get("/v1/traces/{session_id:path}")
+    async def get_trace(session_id: str) -> dict[str, Any]:
+        session = rep.sessions.get(session_id)
+        if session is None:
+            raise ApiError(404, f"unknown session {session_id!r}", "not_found_error")
+        return {"session_id": session.id, "version": session.version, "busy": session.busy,
+                "calls": [c.to_json() for c in list(session.calls)]}
+
+    @app.delete("/v1/traces/{session_id:path}")
+    async def delete_trace(session_id: str, request: Request) -> dict[str, Any]:
+        _require_admin(rep, request)
+        try:
+            session = rep.sessions.release(session_id)
+        except SessionError as exc:
+            raise ApiError(exc.status, str(exc)) from None
+        rep.engine.drop_session(session_id)
+        rep.collect_retired()
+        return {"session_id": session_id, "released": True, "calls": len(session.calls)}
+
+    from burstrl.inference.admin_routes import add_admin_routes  # adapters: load/unload/upload
+
+    add_admin_routes(app, rep, ApiError, _read_json, _read_body, _require_admin)
+
+    @app.get("/v1/loads")
+    async def loads() -> dict[str, Any]:
+        out = rep.engine.loads()
+        out["versions"] = [rep.cfg.served_model_name, *rep.registry.names()]
+        out["retiring_versions"] = list(rep.registry.retiring)
+        return out
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(prometheus_text(rep), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+def _require_admin(rep: Replica, request: Request) -> None:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), rep.admin_token.encode()):
+        raise ApiError(401, "admin endpoint: missing or wrong bearer token", "authentication_error")
+
+
+async def _read_json(request: Request, limit: int) -> Any:
+    body = await _read_body(request, limit)
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"malformed JSON body: {exc}") from None
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise ApiError(413, f"request body over {limit} bytes")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise ApiError(413, f"request body over {limit} bytes")
+    return bytes(body)
+
+
+def _parse(cls: type[BaseModel], data: Any) -> Any:
+    if not isinstance(data, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    try:
+        return cls.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        key = ".".join(str(p) for p in err["loc"])
+        raise ApiError(400, f"{key}: {err['msg']}") from None
+
+
+def _session_id(body: Any, request: Request) -> str | None:
+    if body.session_id:
+        return body.session_id
+    for name in api.SESSION_HEADERS:
+        if request.headers.get(name):
+            return request.headers[name]
+    return None
+
+
+async def _generate(rep: Replica, request: Request, body: Any, kind: str, *, top_logprobs: int,
+                    max_tokens: int | None, want_logprobs: bool, messages: list | None = None,
+                    prompt_ids: list[int] | None = None) -> Response:
+    if body.n != 1:
+        raise ApiError(400, "n must be 1 (start one session per sample)")
+    rid = api.new_id("chatcmpl" if kind == "chat" else "cmpl")
+    sid = _session_id(body, request)
+    existing = rep.sessions.get(sid) if sid else None
+    adapter = _resolve_adapter(rep, body.model, existing is not None)
+    try:
+        session = rep.sessions.begin(sid, body.model, rid)
+    except SessionError as exc:
+        raise ApiError(exc.status, str(exc)) from None
+    try:
+        if messages is not None:
+            prompt_ids = rep.chat.prompt_ids(messages, session)
+        params = _params(rep, body, prompt_ids, max_tokens, top_logprobs)
+    except BaseException:
+        rep.sessions.end(session)
+        raise
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue[str] = asyncio.Queue()
+    req = EngineRequest(
+        id=rid, session=session, prompt_ids=prompt_ids, params=params, version=body.model,
+        adapter=adapter, messages=messages,
+        on_done=lambda _: loop.call_soon_threadsafe(events.put_nowait, "done"),
+        on_token=(lambda _: loop.call_soon_threadsafe(events.put_nowait, "token")) if body.stream else None,
+    )
+    try:
+        rep.engine.submit(req)
+    except RuntimeError as exc:
+        rep.sessions.end(session)
+        raise ApiError(503, str(exc), "server_error") from None
+    if body.stream:
+        from burstrl.inference.streaming import stream_response
+
+        return StreamingResponse(stream_response(rep, req, events, body, kind, want_logprobs),
+                                 media_type="text/event-stream")
+    await _wait_done(rep, request, req, events)
+    if req.error is not None:
+        raise ApiError(500, f"engine error: {req.error}", "server_error")
+    build = api.chat_response if kind == "chat" else api.completion_response
+    return JSONResponse(build(req, body.model, body.return_token_ids, want_logprobs, rep.text))
+
+
+def _resolve_adapter(rep: Replica, model: str, existing_session: bool) -> Any:
+    if model == rep.cfg.served_model_name:
+        return None
+    try:
+        if existing_session:
+            return rep.registry.for_session(model)
+        return rep.registry.for_new_session(model)
+    except KeyError:
+        raise ApiError(404, f"model {model!r} not found; served: "
+                            f"{[rep.cfg.served_model_name, *rep.registry.names()]}", "not_found_error") from None
+
+
+def _params(rep: Replica, body: Any, prompt_ids: list[int], max_tokens: int | None, top_logprobs: int) -> Any:
+    limit = rep.max_model_len
+    if len(prompt_ids) >= limit:
+        raise ApiError(400, f"prompt has {len(prompt_ids)} tokens; this model's maximum context "
+                            f"length is {limit} tokens")
+    if max_tokens is None:
+        max_tokens = limit - len(prompt_ids)
+    if max_tokens < 1:
+        raise ApiError(400, "max_tokens must be at least 1")
+    if len(prompt_ids) + max_tokens > limit:
+        raise ApiError(400, f"this model's maximum context length is {limit} tokens; you requested "
+                            f"{len(prompt_ids)} prompt + {max_tokens} completion tokens")
+    try:
+        return api.sampling_params(body, max_tokens, top_logprobs)
+    except ValueError as exc:
+        raise ApiError(400, str(exc)) from None
+
+
+async def _wait_done(rep: Replica, request: Request, req: EngineRequest, events: asyncio.Queue[str]) -> None:
+    """Wait for the engine; abort the request if the client goes away meanwhile."""
+    while True:
+        try:
+            await asyncio.wait_for(events.get(), timeout=0.5)
+            return
+        except TimeoutError:
+            if await request.is_disconnected():
+                rep.counters.client_disconnects += 1
+                rep.engine.abort(req.id)
+                await events.get()
+                return
+

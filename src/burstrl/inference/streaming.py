@@ -1,0 +1,84 @@
+"""Server-sent events for streaming completions (OpenAI chunk shapes plus token ids).
+
+Text is sent as it becomes stable: a trailing partial UTF-8 character is held back, and so are the
+last characters that could still turn into a stop string (which is then cut, as OpenAI does).
+If the client goes away the generator is cancelled and the request aborted, freeing its slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from burstrl.inference import openai_api as api
+from burstrl.inference.engine import Request
+from burstrl.inference.replica import Replica
+
+
+async def stream_response(rep: Replica, req: Request, events: asyncio.Queue[str], body: Any,
+                          kind: str, want_logprobs: bool) -> AsyncIterator[bytes]:
+    created = int(time.time())
+    holdback = max((len(s) for s in req.params.stop), default=1) - 1
+    sent_tokens, sent_text, finished = 0, "", False
+    try:
+        if kind == "chat":
+            first = {"role": "assistant", "content": ""}
+            extra = {"prompt_token_ids": req.prompt_ids} if body.return_token_ids else {}
+            yield _sse(_chunk(req, body, kind, created, first, None, [], None, extra))
+        while not finished:
+            event = await events.get()
+            finished = event == "done"
+            if req.error is not None:
+                yield _sse(api.error_body(500, f"engine error: {req.error}", "server_error"))
+                break
+            n = len(req.completion_ids)
+            if finished:
+                text = req.text or ""
+            else:
+                text = rep.tokenizer.decode(req.completion_ids[:n], skip_special_tokens=True).rstrip("\ufffd")
+                text = text[: len(text) - holdback] if holdback else text
+            delta = text[len(sent_text):] if len(text) > len(sent_text) else ""
+            if n == sent_tokens and not delta and not finished:
+                continue
+            logprobs = None
+            if want_logprobs:
+                logprobs = (rep.text.chat_logprobs(req, sent_tokens, n) if kind == "chat"
+                            else rep.text.completion_logprobs(req, sent_tokens, n, len(sent_text)))
+            ids = req.completion_ids[sent_tokens:n] if body.return_token_ids else None
+            reason = req.finish_reason if finished else None
+            content = {"content": delta} if kind == "chat" else delta
+            yield _sse(_chunk(req, body, kind, created, content, logprobs, ids, reason, {}))
+            sent_tokens, sent_text = n, sent_text + delta
+        if finished and (body.stream_options or {}).get("include_usage"):
+            yield _sse({"id": req.id, "object": _object(kind), "created": created, "model": body.model,
+                        "choices": [], "usage": api.usage(req), "meta_info": api.meta(req)})
+        yield b"data: [DONE]\n\n"
+    finally:
+        if not finished:
+            rep.counters.client_disconnects += 1
+            rep.engine.abort(req.id)
+
+
+def _object(kind: str) -> str:
+    return "chat.completion.chunk" if kind == "chat" else "text_completion"
+
+
+def _chunk(req: Request, body: Any, kind: str, created: int, content: Any, logprobs: Any,
+           ids: list[int] | None, reason: str | None, extra: dict[str, Any]) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0, "logprobs": logprobs, "finish_reason": reason}
+    if kind == "chat":
+        choice["delta"] = content
+    else:
+        choice["text"] = content
+    if ids is not None:
+        choice["token_ids"] = ids
+    choice.update(extra)
+    return {"id": req.id, "object": _object(kind), "created": created, "model": body.model,
+            "choices": [choice], "meta_info": api.meta(req)}
+
+
+def _sse(data: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(data)}\n\n".encode()
