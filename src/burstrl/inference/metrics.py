@@ -24,6 +24,7 @@ def prometheus_text(rep: Replica) -> str:
         ("vllm:prefix_cache_hits_total", "counter", "Prompt tokens served from the cache.", stats.hit_tokens),
         ("vllm:prompt_tokens_total", "counter", "Prompt tokens prefilled.", eng.counters.prompt_tokens),
         ("vllm:generation_tokens_total", "counter", "Tokens sampled.", eng.counters.generation_tokens),
+        ("burstrl:decode_steps_total", "counter", "Batched decode steps run.", eng.counters.decode_steps),
         ("burstrl:kv_evictions_total", "counter", "Idle session caches evicted.", stats.evictions),
         ("burstrl:kv_evicted_tokens_total", "counter", "Tokens of evicted caches.", stats.evicted_tokens),
         ("burstrl:kv_refills_total", "counter", "Sessions re-prefilled after eviction.", stats.refills),
