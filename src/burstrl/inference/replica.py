@@ -130,15 +130,13 @@ def serve(cfg: ServeConfig) -> None:
     tls = bool(cfg.server.ssl_certfile)
     host, port = sock.getsockname()[:2]
     url = f"{'https' if tls else 'http'}://{host if ':' not in host else f'[{host}]'}:{port}"
-    app = build_app(replica)
+    def ready() -> None:
+        print(json.dumps({"event": "ready", "url": url, "pid": os.getpid()}), flush=True)
+
+    app = build_app(replica, on_ready=ready)
     config = uvicorn.Config(app, log_level="warning", ssl_certfile=cfg.server.ssl_certfile or None,
                             ssl_keyfile=cfg.server.ssl_keyfile or None, timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
-
-    @app.on_event("startup")
-    async def _ready() -> None:
-        print(json.dumps({"event": "ready", "url": url, "pid": os.getpid()}), flush=True)
-
     try:
         server.run(sockets=[sock])
     finally:

@@ -1,0 +1,184 @@
+"""A real replica on loopback: OpenAI clients, mixed-version batches, exact logprobs, session cache."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from openai import OpenAI
+
+from .conftest import Server, start_server, stop_server
+
+PROMPT = [{"role": "user", "content": "Write a short story about a robot."}]
+
+
+def client(server: Server) -> OpenAI:
+    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def load(server: Server, name: str, path: Path) -> None:
+    r = httpx.post(server.url + "/v1/load_lora_adapter", headers=server.admin(),
+                   json={"lora_name": name, "lora_path": str(path)}, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+@pytest.fixture(scope="module")
+def loaded(server: Server, adapters: dict[str, Path]) -> Server:
+    for name, path in adapters.items():
+        load(server, name, path)
+    return server
+
+
+def chat(server: Server, session: str, messages: list, model: str = "base", **kw) -> dict:
+    body = {"model": model, "messages": messages, "session_id": session, "return_token_ids": True,
+            "logprobs": True, **kw}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def complete_ids(server: Server, ids: list[int], model: str = "base", **kw) -> dict:
+    body = {"model": model, "input_ids": ids, "return_token_ids": True, "temperature": 0, **kw}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_openai_client_sync_and_stream_return_ids_and_logprobs(server: Server) -> None:
+    c = client(server)
+    extra = {"return_token_ids": True, "session_id": "oa-sync"}
+    r = c.chat.completions.create(model="base", messages=PROMPT, max_tokens=12, temperature=0,
+                                  logprobs=True, top_logprobs=3, extra_body=extra)
+    choice = r.choices[0]
+    ids = choice.model_extra["token_ids"]
+    assert len(ids) == r.usage.completion_tokens == len(choice.logprobs.content)
+    assert r.model_extra["prompt_token_ids"] and len(r.model_extra["prompt_token_ids"]) == r.usage.prompt_tokens
+    assert all(len(t.top_logprobs) == 3 for t in choice.logprobs.content)
+    # greedy: the chosen token is the best of the top alternatives
+    assert all(t.logprob >= t.top_logprobs[0].logprob - 1e-5 for t in choice.logprobs.content)
+    assert r.model_extra["meta_info"]["weight_version"] == "base"
+
+    stream = c.chat.completions.create(model="base", messages=PROMPT, max_tokens=12, temperature=0,
+                                       logprobs=True, stream=True, stream_options={"include_usage": True},
+                                       extra_body={"return_token_ids": True, "session_id": "oa-stream"})
+    text, got, lps, usage = "", [], [], None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for ch in chunk.choices:
+            text += ch.delta.content or ""
+            got += ch.model_extra.get("token_ids") or []
+            lps += [t.logprob for t in (ch.logprobs.content if ch.logprobs else [])]
+    assert got == ids and text == choice.message.content
+    assert lps == pytest.approx([t.logprob for t in choice.logprobs.content], abs=1e-6)
+    assert usage is not None and usage.completion_tokens == len(ids)
+    trace = server.get("/v1/traces/oa-stream")
+    assert trace["calls"][0]["completion_ids"] == ids
+
+    legacy = c.completions.create(model="base", prompt="Once upon a time", max_tokens=5, logprobs=2,
+                                  extra_body={"return_token_ids": True})
+    assert len(legacy.choices[0].logprobs.token_logprobs) == len(legacy.choices[0].model_extra["token_ids"]) == 5
+
+
+def test_two_versions_decode_in_one_batch_equal_solo(loaded: Server) -> None:
+    n = 48
+    kw = {"max_tokens": n, "temperature": 0, "ignore_eos": True}
+    solo = {v: chat(loaded, f"solo-{v}", PROMPT, model=v, **kw)["choices"][0]["token_ids"]
+            for v in ("policy-v1", "policy-v2")}
+    base = chat(loaded, "solo-base", PROMPT, **kw)["choices"][0]["token_ids"]
+    assert solo["policy-v1"] != solo["policy-v2"] != base  # the adapters change the model
+
+    steps_before = loaded.metric("burstrl:decode_steps_total")
+    mixed: dict[str, list[int]] = {}
+    start = threading.Barrier(2)
+
+    def run(version: str) -> None:
+        start.wait()
+        mixed[version] = chat(loaded, f"mix-{version}", PROMPT, model=version, **kw)["choices"][0]["token_ids"]
+
+    threads = [threading.Thread(target=run, args=(v,)) for v in ("policy-v1", "policy-v2")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    steps = loaded.metric("burstrl:decode_steps_total") - steps_before
+    assert mixed == solo
+    # alone, the two requests would need 2 * (n - 1) decode steps; together they share most
+    assert steps < 1.5 * (n - 1), steps
+
+
+def _reference_logprobs(model_dir: Path, adapter: Path | None, ids: list[int], start: int) -> torch.Tensor:
+    from burstrl.model.hf import load_model
+
+    model = load_model(model_dir, "float32", "cpu")
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(adapter))
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    logp = torch.log_softmax(logits, dim=-1)
+    return logp[start - 1:-1].gather(1, torch.tensor(ids[start:])[:, None])[:, 0]
+
+
+@pytest.mark.parametrize("version", ["base", "policy-v1"])
+def test_logprobs_equal_a_fresh_forward_pass(loaded: Server, tiny_model_dir: Path,
+                                             adapters: dict[str, Path], version: str) -> None:
+    """Sampled at temperature 1 over two turns (the second on a cached prefix): |diff| < 1e-4."""
+    session = f"lp-{version}"
+    messages = list(PROMPT)
+    for turn in range(2):
+        r = chat(loaded, session, messages, model=version, max_tokens=16, temperature=1.0, seed=turn)
+        messages += [r["choices"][0]["message"], {"role": "user", "content": "And then?"}]
+    trace = loaded.get(f"/v1/traces/{session}")
+    assert trace["calls"][1]["cached_tokens"] > 0
+    for call in trace["calls"]:
+        ids = call["prompt_ids"] + call["completion_ids"]
+        ref = _reference_logprobs(tiny_model_dir, adapters.get(version), ids, len(call["prompt_ids"]))
+        got = torch.tensor(call["logprobs"])
+        assert call["version"] == version
+        assert (got - ref).abs().max().item() < 1e-4
+
+
+def test_multi_turn_prefills_only_the_suffix_and_equals_no_cache(server: Server) -> None:
+    session, messages, prev = "mt", list(PROMPT), None
+    for turn in range(4):
+        r = chat(server, session, messages, max_tokens=8, temperature=0)
+        ch = r["choices"][0]
+        prompt_ids = r["prompt_token_ids"]
+        if prev is not None:
+            fed = prev["prompt_token_ids"] + prev["choices"][0]["token_ids"]
+            assert prompt_ids[: len(fed)] == fed  # sampled ids reused verbatim
+            assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == len(fed) - 1
+        # the same prompt with no session (no cache) gives the same greedy completion
+        ref = complete_ids(server, prompt_ids, max_tokens=8)
+        assert ref["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert ref["choices"][0]["token_ids"] == ch["token_ids"]
+        messages += [ch["message"], {"role": "user", "content": f"Turn {turn}: continue."}]
+        prev = r
+    assert server.get("/v1/loads")["cache_hit_rate"] > 0
+
+
+@pytest.mark.slow
+def test_eviction_under_a_small_budget_keeps_outputs_correct(server: Server, tiny_model_dir: Path,
+                                                            tmp_path: Path) -> None:
+    small = start_server(tiny_model_dir, tmp_path, "--engine.max_total_num_tokens", "300",
+                         "--engine.max_model_len", "300")
+    try:
+        sessions = {f"ev-{i}": list(range(10 + i, 40 + i)) for i in range(5)}
+        for turn in range(3):
+            for sid, ids in sessions.items():
+                body = {"model": "base", "input_ids": ids, "session_id": sid, "max_tokens": 12,
+                        "temperature": 0, "return_token_ids": True}
+                got = httpx.post(small.url + "/v1/completions", json=body, timeout=60).json()
+                want = complete_ids(server, ids, max_tokens=12)
+                assert got["choices"][0]["token_ids"] == want["choices"][0]["token_ids"], (sid, turn)
+                sessions[sid] = ids + got["choices"][0]["token_ids"] + [100 + turn, 101, 102]
+        loads = small.get("/v1/loads")
+        assert loads["evictions"] > 0 and loads["refills"] > 0
+        assert loads["num_used_tokens"] <= loads["max_total_num_tokens"]
+    finally:
+        stop_server(small.proc)
