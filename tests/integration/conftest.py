@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import json
-import os
-import selectors
-import signal
-import subprocess
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
+
+from burstrl.inference.process import ReplicaProcess, start_replica
 
 ADMIN_TOKEN = "test-admin-token"
 
@@ -21,8 +16,7 @@ ADMIN_TOKEN = "test-admin-token"
 @dataclass
 class Server:
     url: str
-    proc: subprocess.Popen
-    log: Path
+    replica: ReplicaProcess
 
     def admin(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {ADMIN_TOKEN}"}
@@ -41,38 +35,14 @@ class Server:
 
 
 def start_server(model_dir: Path, workdir: Path, *overrides: str) -> Server:
-    """Start `burstrl serve` on a free port in its own process group; wait for its ready line."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    log = workdir / "serve.log"
-    cmd = [sys.executable, "-c", "from burstrl.cli import main; main()", "serve",
-           "--model", str(model_dir), "--port", "0", "--server.admin_token", ADMIN_TOKEN,
-           "--server.state_dir", str(workdir / "state"), "--engine.num_threads", "1", *overrides]
-    with open(log, "w") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"replica exited {proc.returncode}: {log.read_text()[-3000:]}")
-        if sel.select(timeout=0.5):
-            line = proc.stdout.readline()
-            if line.startswith("{"):
-                event = json.loads(line)
-                if event.get("event") == "ready":
-                    return Server(url=event["url"], proc=proc, log=log)
-    stop_server(proc)
-    raise RuntimeError(f"replica not ready in time: {log.read_text()[-3000:]}")
+    """A replica child process (its own process group) on a free loopback port."""
+    rep = start_replica(model_dir, workdir, "--server.admin_token", ADMIN_TOKEN,
+                        "--server.state_dir", str(workdir / "state"), "--engine.num_threads", "1", *overrides)
+    return Server(url=rep.url, replica=rep)
 
 
-def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+def stop_server(server: Server) -> None:
+    server.replica.stop()
 
 
 @pytest.fixture(scope="session")
@@ -89,4 +59,4 @@ def adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     srv = start_server(tiny_model_dir, tmp_path_factory.mktemp("replica"))
     yield srv
-    stop_server(srv.proc)
+    stop_server(srv)

@@ -181,4 +181,4 @@ def test_eviction_under_a_small_budget_keeps_outputs_correct(server: Server, tin
         assert loads["evictions"] > 0 and loads["refills"] > 0
         assert loads["num_used_tokens"] <= loads["max_total_num_tokens"]
     finally:
-        stop_server(small.proc)
+        stop_server(small)
