@@ -100,7 +100,11 @@ C = TypeVar("C", bound=BaseModel)
 
 
 def parse_overrides(args: list[str]) -> dict[str, Any]:
-    """Turn `--a.b value` / `--a.b=value` pairs into a nested dict (hyphens read as underscores)."""
+    """Turn `--a.b value` / `--a.b=value` pairs into a nested dict, keys as typed.
+
+    Hyphens become underscores later, in `validate`, and only in keys that name a field: the keys
+    of free-form tables (an adapter named `policy-v1`) must keep their hyphens.
+    """
     out: dict[str, Any] = {}
     i = 0
     while i < len(args):
@@ -114,7 +118,7 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
             value = args[i + 1]
             i += 1
         i += 1
-        _set_path(out, key.replace("-", "_").split("."), _parse_value(value))
+        _set_path(out, key.split("."), _parse_value(value))
     return out
 
 
@@ -163,7 +167,7 @@ def load_config(cls: type[C], files: list[str | Path] = (), overrides: list[str]
 def validate(cls: type[C], data: dict[str, Any]) -> C:
     """`cls.model_validate(data)` with errors rewritten to name keys the way a user typed them."""
     try:
-        return cls.model_validate(data)
+        return cls.model_validate(_field_keys(cls, data))
     except ValidationError as exc:
         lines = []
         for err in exc.errors():
@@ -173,6 +177,22 @@ def validate(cls: type[C], data: dict[str, Any]) -> C:
             else:
                 lines.append(f"config key '{key}': {err['msg']}")
         raise ConfigError("; ".join(lines)) from None
+
+
+def _field_keys(cls: type[BaseModel], data: dict[str, Any]) -> dict[str, Any]:
+    """Read `max-running-requests` as the field `max_running_requests`, in nested sections too."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = key.replace("-", "_")
+        field = cls.model_fields.get(name)
+        if field is None:
+            out[key] = value  # not a field: left as typed, so the unknown-key error shows it
+            continue
+        section = field.annotation
+        if isinstance(value, dict) and isinstance(section, type) and issubclass(section, BaseModel):
+            value = _field_keys(section, value)
+        out[name] = value
+    return out
 
 
 def dump_toml(cfg: BaseModel) -> str:

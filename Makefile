@@ -1,0 +1,32 @@
+# `make test` and `make run` work on a fresh machine: they create .venv and install into it.
+# torch is installed first and on its own so pip takes the CPU wheel already on disk instead of
+# resolving a multi-GB CUDA build as a dependency of the package.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+TORCH := torch==2.13.0
+STAMP := $(VENV)/.burstrl-installed
+PIP := $(PY) -m pip install --quiet --progress-bar off
+
+.PHONY: install test run clean
+
+install: $(STAMP)
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# Reinstall only when the dependencies change.
+$(STAMP): pyproject.toml | $(PY)
+	$(PIP) $(TORCH)
+	$(PIP) -e '.[dev]'
+	touch $(STAMP)
+
+test: install
+	$(PY) -m pytest -m "not gpu" -q
+
+run: install
+	$(PY) examples/replica_demo.py
+
+clean:
+	rm -rf .pytest_cache build src/*.egg-info

@@ -1,0 +1,120 @@
+"""The `burstrl` command: one subcommand per role, each a thin shell over its package.
+
+Why thin and lazy: `burstrl --help` and `--dry-run` must answer at once, and a role process must
+not pay for imports it never uses, so torch, transformers, fastapi and even pydantic are imported
+inside the commands that need them.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import NoReturn
+
+import typer
+
+app = typer.Typer(
+    name="burstrl",
+    help="Asynchronous, elastic RL post-training for LLM agents.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+model_app = typer.Typer(help="Make and inspect models.", no_args_is_help=True)
+app.add_typer(model_app, name="model")
+
+OVERRIDES_HELP = (
+    "Any config key can be set with --section.key value (or --section.key=value), "
+    "e.g. --engine.max_total_num_tokens 4096; unknown keys are errors."
+)
+
+
+@app.command()
+def version() -> None:
+    """Print the burstrl version."""
+    from burstrl import __version__
+
+    typer.echo(__version__)
+
+
+@model_app.command("make-tiny")
+def make_tiny(
+    out: Path = typer.Argument(..., help="Directory to write (must be missing or empty)."),
+    layers: int = typer.Option(4, help="Decoder layers."),
+    hidden: int = typer.Option(128, help="Hidden size (4 heads of hidden/4)."),
+    vocab: int = typer.Option(2048, help="Vocabulary size, special tokens included."),
+    seed: int = typer.Option(0, help="Seed of the random weights."),
+    force: bool = typer.Option(False, "--force", help="Replace a non-empty OUT."),
+) -> None:
+    """Write a tiny random-init Qwen3 (HF directory: weights, config, tokenizer, chat template)."""
+    from burstrl.model.tiny import make_tiny_model
+
+    try:
+        make_tiny_model(out, layers=layers, hidden=hidden, vocab=vocab, seed=seed, force=force)
+    except (FileExistsError, ValueError) as exc:
+        _fail(str(exc))
+
+
+@app.command(
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    epilog=OVERRIDES_HELP,
+    options_metavar="[CONFIG.toml ...] [OPTIONS] [--section.key VALUE ...]",
+)
+def serve(
+    ctx: typer.Context,
+    model: str | None = typer.Option(None, "--model", help="Model directory (= --model.path)."),
+    port: int | None = typer.Option(None, "--port", help="Bind port (= --server.port)."),
+    host: str | None = typer.Option(None, "--host", help="Bind address (= --server.host)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the resolved config and exit."),
+) -> None:
+    """Run one inference replica: [CONFIG.toml ...] then --section.key value overrides."""
+    from burstrl.config import ConfigError, ServeConfig, dump_toml, load_config
+
+    files, overrides = split_args(list(ctx.args))
+    sugar = {"--model.path": model, "--server.port": port, "--server.host": host}
+    overrides += [f"{key}={value}" for key, value in sugar.items() if value is not None]
+    try:
+        cfg = load_config(ServeConfig, files, overrides)
+    except (ConfigError, OSError) as exc:
+        _fail(str(exc))
+    if dry_run:
+        typer.echo(dump_toml(cfg), nl=False)
+        return
+    from burstrl.inference.replica import serve as run_server
+
+    run_server(cfg)
+
+
+def split_args(args: list[str]) -> tuple[list[str], list[str]]:
+    """Split leftover command-line words into config files and `--key value` overrides.
+
+    Click cannot do this itself: a variadic CONFIG argument would swallow the values of the
+    unknown `--a.b value` options. An override takes the next word unless written `--a.b=value`.
+    """
+    files: list[str] = []
+    overrides: list[str] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg.startswith("--") and "=" not in arg and i + 1 < len(args):
+            overrides += [arg, args[i + 1]]
+            i += 2
+            continue
+        (overrides if arg.startswith("--") else files).append(arg)
+        i += 1
+    return files, overrides
+
+
+def _fail(message: str) -> NoReturn:
+    """User errors get one line on stderr and exit status 2, never a traceback."""
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(2)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

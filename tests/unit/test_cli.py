@@ -1,0 +1,80 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def burstrl(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """Run the installed console script when there is one, else `python -m burstrl.cli`."""
+    script = Path(sys.executable).parent / "burstrl"
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "burstrl.cli"]
+    env = {**os.environ, "NO_COLOR": "1", "COLUMNS": "200"}
+    return subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_help_lists_commands():
+    result = burstrl("--help")
+    assert result.returncode == 0, result.stderr
+    for command in ("serve", "model", "version"):
+        assert command in result.stdout
+
+
+def test_version():
+    from burstrl import __version__
+
+    result = burstrl("version")
+    assert result.returncode == 0
+    assert result.stdout.strip() == __version__
+
+
+def test_module_entry_point():
+    result = subprocess.run(
+        [sys.executable, "-m", "burstrl.cli", "version"], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_serve_dry_run_prints_resolved_config(tmp_path):
+    config = tmp_path / "serve.toml"
+    config.write_text("[engine]\nmax_running_requests = 3\n")
+    result = burstrl(
+        "serve", str(config), "--engine.max_total_num_tokens", "4096", "--model", "/models/x", "--port=9001", "--dry-run"
+    )
+    assert result.returncode == 0, result.stderr
+    assert "max_total_num_tokens = 4096" in result.stdout
+    assert "max_running_requests = 3" in result.stdout
+    assert 'path = "/models/x"' in result.stdout
+    assert "port = 9001" in result.stdout
+
+
+def test_serve_unknown_key_exits_2_naming_it():
+    result = burstrl("serve", "--engine.bogus", "1", "--dry-run")
+    assert result.returncode == 2
+    assert "error:" in result.stderr and "engine.bogus" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_serve_missing_config_file_exits_2():
+    result = burstrl("serve", "/no/such/config.toml", "--dry-run")
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+
+
+def test_make_tiny_writes_a_model_dir(tmp_path):
+    out = tmp_path / "tiny"
+    result = burstrl("model", "make-tiny", str(out), "--layers", "1", "--hidden", "64", "--vocab", "512")
+    assert result.returncode == 0, result.stderr
+    for name in ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json"):
+        assert (out / name).is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny"]  # no temp dirs left behind
+
+
+def test_cli_import_stays_light():
+    """`--help` must be instant: heavy libraries are imported inside commands only."""
+    result = subprocess.run(
+        [sys.executable, "-c", "import sys, burstrl.cli; print(sorted(sys.modules))"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    for heavy in ("torch", "transformers", "fastapi", "pydantic"):
+        assert f"'{heavy}'" not in result.stdout
