@@ -177,3 +177,28 @@ def test_health_loads_and_metrics_shapes(server: Server) -> None:
     for name in ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting",
                  "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "burstrl:kv_thrash_total"):
         assert f"{name}{{" in text
+
+
+@pytest.mark.slow
+def test_tls_serves_https(tiny_model_dir: Path, tmp_path: Path) -> None:
+    import shutil
+    import subprocess
+
+    from .conftest import start_server, stop_server
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl CLI not installed")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    srv = start_server(tiny_model_dir, tmp_path / "tls", "--server.ssl_certfile", str(cert),
+                       "--server.ssl_keyfile", str(key))
+    try:
+        assert srv.url.startswith("https://")
+        r = httpx.post(srv.url + "/v1/chat/completions", json=CHAT, verify=str(cert))
+        assert r.status_code == 200
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(srv.url.replace("https://", "http://") + "/health", timeout=5)
+    finally:
+        stop_server(srv)

@@ -27,7 +27,7 @@ import torch
 
 from burstrl.inference.lora import AdapterError, LoraAdapter, load_adapter
 
-NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # used with fullmatch: no "..", no "\n"
 ADAPTER_FILES = {"adapter_config.json", "adapter_model.safetensors"}
 
 
@@ -103,7 +103,7 @@ class AdapterRegistry:
             return self.retiring[name]
 
     def load(self, name: str, path: str | Path) -> LoraAdapter:
-        if not NAME.match(name) or name == "base":
+        if not NAME.fullmatch(name) or name == "base":
             raise AdapterError(f"adapter name must match {NAME.pattern} and not be 'base'")
         adapter = load_adapter(name, path, self.num_layers, self.dtype, self.device)
         with self._lock:
@@ -133,7 +133,7 @@ class AdapterRegistry:
 
     # ---- sharded upload ----
     def _staging(self, name: str) -> Path:
-        if not NAME.match(name) or name == "base":
+        if not NAME.fullmatch(name) or name == "base":
             raise UploadError(f"adapter name must match {NAME.pattern} and not be 'base'")
         return self.state_dir / "uploads" / name
 
@@ -160,16 +160,23 @@ class AdapterRegistry:
     def commit(self, name: str) -> LoraAdapter:
         """Verify the staged shards against the manifest, unpack, load. Staging is always removed."""
         staging = self._staging(name)
+        unpacked = self.state_dir / "unpacking" / name  # its own namespace: no staging dir collides
         try:
+            with self._lock:
+                if name in self.active or name in self.retiring:
+                    raise UploadError(f"adapter {name!r} is already loaded; versions never change")
             blob = self._assemble(staging)
+            shutil.rmtree(unpacked, ignore_errors=True)
+            unpacked.mkdir(parents=True)
+            _extract(blob, unpacked)
             target = self.state_dir / "adapters" / name
-            if target.exists():
-                shutil.rmtree(target)
-            target.mkdir(parents=True)
-            _extract(blob, target)
+            shutil.rmtree(target, ignore_errors=True)  # a refused earlier attempt, never served
+            target.parent.mkdir(parents=True, exist_ok=True)
+            unpacked.rename(target)
             return self.load(name, target)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
+            shutil.rmtree(unpacked, ignore_errors=True)
 
     def _assemble(self, staging: Path) -> bytes:
         if not (staging / "manifest.json").is_file():

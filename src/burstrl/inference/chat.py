@@ -36,9 +36,10 @@ def normalize_messages(messages: Any) -> list[dict[str, str]]:
         if content is None:
             content = ""
         if isinstance(content, list):
-            parts = [p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+            parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+            parts = [t for t in parts if isinstance(t, str)]
             if len(parts) != len(content):
-                raise ChatError(f"messages[{i}]: only text content parts are supported")
+                raise ChatError(f"messages[{i}]: only text content parts with string text are supported")
             content = "".join(parts)
         if not isinstance(content, str):
             raise ChatError(f"messages[{i}].content must be a string or text parts")

@@ -227,7 +227,12 @@ class SessionCache:
             self._refilled_at[session_id] = time.monotonic()
 
     def reserve(self, tokens: int) -> bool:
-        """Reserve budget for a running request, evicting idle sessions LRU; False if it cannot fit."""
+        """Reserve budget for a running request, evicting idle sessions LRU; False if it cannot fit.
+
+        Nothing is evicted when even an empty cache could not make room.
+        """
+        if self.reserved + tokens > self.capacity:
+            return False
         while self.idle_tokens + self.reserved + tokens > self.capacity and self.idle:
             self._evict_oldest()
         if self.idle_tokens + self.reserved + tokens > self.capacity:

@@ -79,7 +79,7 @@ def _check_config(path: Path, cfg: dict) -> None:
         raise AdapterError(f"{path}: peft_type {cfg.get('peft_type')!r} is not LORA")
     if "r" not in cfg:
         raise AdapterError(f"{path}: adapter_config.json has no 'r'")
-    for key in ("use_dora", "lora_bias"):
+    for key in ("use_dora", "lora_bias", "alora_invocation_tokens", "layer_replication", "target_parameters"):
         if cfg.get(key):
             raise AdapterError(f"{path}: {key} is not supported by the torch engine")
     for key in ("rank_pattern", "alpha_pattern"):

@@ -104,7 +104,7 @@ def _truncate(scaled: torch.Tensor, top_k: list[int], top_p: list[float]) -> tor
     p = torch.tensor(top_p, device=scaled.device)[:, None]
     probs = sorted_logits.softmax(dim=-1)
     before = probs.cumsum(dim=-1) - probs  # mass of strictly better tokens
-    remove = remove | (before >= p)
+    remove = remove | ((before >= p) & (p < 1.0))  # rows at top_p=1 keep their whole tail
     remove[:, 0] = False
     masked = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.full_like(scaled, float("-inf")).scatter(1, order, masked)

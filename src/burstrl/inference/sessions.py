@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-SESSION_ID = re.compile(r"^[A-Za-z0-9._:@/-]{1,128}$")
+SESSION_ID = re.compile(r"[A-Za-z0-9._:@/-]{1,128}")  # used with fullmatch
 
 
 class SessionError(Exception):
@@ -77,7 +77,7 @@ class SessionTable:
         """Start a call: create or look up the session, check its version, mark it busy."""
         if session_id is None:
             return Session(id=f"ephemeral-{request_id}", version=version, ephemeral=True, busy=True)
-        if not SESSION_ID.match(session_id):
+        if not SESSION_ID.fullmatch(session_id):
             raise SessionError(400, "session_id must be 1-128 characters of [A-Za-z0-9._:@/-]")
         with self._lock:
             session = self._sessions.get(session_id)
