@@ -102,7 +102,8 @@ class LoraBatch:
         n = len(adapters)
         self.groups: list[tuple[LoraAdapter, slice | torch.Tensor]] = []
         for adapter, rows in groups.values():
-            index = slice(None) if len(rows) == n else torch.tensor(rows)
+            device = next(iter(adapter.weights.values()))[0].device
+            index = slice(None) if len(rows) == n else torch.tensor(rows, device=device)
             self.groups.append((adapter, index))
 
     @property
