@@ -151,6 +151,12 @@ class Engine:
         try:
             while self._iterate():
                 pass
+            for req in [*self.waiting, *self._inbox]:  # stopping: nobody is left waiting forever
+                req.error = "replica shutting down"
+                self._report_done(req, "abort")
+            for i in reversed(range(len(self.rows))):
+                self.rows[i].finish_reason = "abort"
+                self._leave(i)
         except Exception as exc:  # the engine is dead: fail every request loudly, keep the reason
             log.exception("engine loop failed")
             self.error = f"{type(exc).__name__}: {exc}"

@@ -204,8 +204,8 @@ async def _generate(rep: Replica, request: Request, body: Any, kind: str, *, top
     req = EngineRequest(
         id=rid, session=session, prompt_ids=prompt_ids, params=params, version=body.model,
         adapter=adapter, messages=messages,
-        on_done=lambda _: loop.call_soon_threadsafe(events.put_nowait, "done"),
-        on_token=(lambda _: loop.call_soon_threadsafe(events.put_nowait, "token")) if body.stream else None,
+        on_done=lambda _: _notify(loop, events, "done"),
+        on_token=(lambda _: _notify(loop, events, "token")) if body.stream else None,
     )
     try:
         rep.engine.submit(req)
@@ -222,6 +222,12 @@ async def _generate(rep: Replica, request: Request, body: Any, kind: str, *, top
         raise ApiError(500, f"engine error: {req.error}", "server_error")
     build = api.chat_response if kind == "chat" else api.completion_response
     return JSONResponse(build(req, body.model, body.return_token_ids, want_logprobs, rep.text))
+
+
+def _notify(loop: asyncio.AbstractEventLoop, events: asyncio.Queue[str], event: str) -> None:
+    """Called from the engine thread; the loop is gone only when the server is shutting down."""
+    if not loop.is_closed():
+        loop.call_soon_threadsafe(events.put_nowait, event)
 
 
 def _resolve_adapter(rep: Replica, model: str, existing_session: bool) -> Any:
