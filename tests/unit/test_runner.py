@@ -252,6 +252,34 @@ def test_mixed_lora_decode_batch_equals_rows_alone(qwen3, adapters):
             assert torch.allclose(logits[r], want[r][t], atol=1e-5), (s, r)
 
 
+def test_packed_prefill_of_mixed_sessions_equals_each_alone(qwen3, adapters):
+    """Three requests (different cached prefixes and versions) in one packed forward."""
+    from burstrl.inference.kvcache import PackedPrefillAttention
+
+    runner = ModelRunner(qwen3)
+    a, b = adapters["a"][2], adapters["b"][2]
+    which = [a, None, b]
+    refs = [adapters["a"][0], qwen3, adapters["b"][0]]
+    cached = [_ids(n, seed=90 + n) for n in (6, 0, 3)]
+    new = [_ids(n, seed=95 + n) for n in (4, 7, 1)]
+    kvs = []
+    for prefix, adapter in zip(cached, which):
+        kv = _new_kv(runner)
+        if prefix:
+            _prefill(runner, kv, prefix, LoraBatch([adapter]) if adapter else None)
+        kvs.append(kv)
+    att = PackedPrefillAttention(kvs, [len(n) for n in new], runner.scaling)
+    ids = torch.tensor([[t for n in new for t in n]])
+    positions = torch.cat([torch.arange(len(c), len(c) + len(n)) for c, n in zip(cached, new)])[None]
+    lora = LoraBatch([w for w, n in zip(which, new) for _ in n], per_token=True)
+    got = runner.forward(ids, positions, att, lora, select=torch.tensor(att.last_positions))
+    att.commit()
+    for r in range(3):
+        assert kvs[r].length == len(cached[r]) + len(new[r])
+        want = _hf_logits(refs[r], cached[r] + new[r])[-1]
+        assert torch.allclose(got[r], want, atol=1e-5), r
+
+
 def test_lora_subset_of_targets_matches_peft(qwen3, tmp_path):
     torch.manual_seed(3)
     cfg = LoraConfig(r=2, lora_alpha=3, target_modules=["v_proj", "up_proj"], init_lora_weights=False,

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from burstrl.config import EngineConfig
-from burstrl.inference.kvcache import DecodeBatch, PrefillAttention, SessionCache, SessionKV
+from burstrl.inference.kvcache import DecodeBatch, PackedPrefillAttention, SessionCache, SessionKV
 from burstrl.inference.lora import LoraAdapter, LoraBatch
 from burstrl.inference.runner import ModelRunner
 from burstrl.inference.sampling import SamplingParams, sample
@@ -206,8 +206,10 @@ class Engine:
             self.on_release()
 
     def _admit(self) -> None:
-        prefill_budget = self.cfg.max_prefill_tokens
-        while self.waiting and len(self.rows) < self.cfg.max_running_requests and prefill_budget > 0:
+        """Take waiting requests (FCFS) while rows, prefill tokens and the KV budget allow."""
+        prefill_budget, admitted = self.cfg.max_prefill_tokens, []
+        while (self.waiting and len(self.rows) + len(admitted) < self.cfg.max_running_requests
+               and prefill_budget > 0):
             req = self.waiting[0]
             sid = req.session.id
             kv, reuse = (None, 0)
@@ -220,37 +222,45 @@ class Engine:
                 break
             self.waiting.popleft()
             self.cache.record(sid, len(req.prompt_ids), reuse)
-            req.reserved = need
+            req.reserved, req.cached_tokens, req.t_start = need, reuse, time.monotonic()
+            req.kv = kv if kv is not None else self._new_kv(len(req.prompt_ids) + 1)
             prefill_budget -= len(req.prompt_ids) - reuse
-            self._prefill(req, kv, reuse)
+            admitted.append(req)
+        if admitted:
+            self._prefill(admitted)
 
     def _new_kv(self, capacity: int) -> SessionKV:
         r = self.runner
         return SessionKV(r.num_layers, r.num_kv_heads, r.head_dim, r.dtype, r.device, capacity)
 
-    def _prefill(self, req: Request, kv: SessionKV | None, reuse: int) -> None:
-        req.t_start = time.monotonic()
-        kv = kv if kv is not None else self._new_kv(len(req.prompt_ids) + 1)
-        req.kv, req.cached_tokens = kv, reuse
-        new = req.prompt_ids[reuse:]
-        attention = PrefillAttention(kv, len(new), self.runner.scaling)
-        ids = torch.tensor([new], device=self.runner.device)
-        positions = torch.arange(reuse, reuse + len(new), device=self.runner.device)[None]
-        lora = LoraBatch([req.adapter]) if req.adapter is not None else None
-        logits = self.runner.forward(ids, positions, attention, lora)
+    def _prefill(self, reqs: list[Request]) -> None:
+        """One packed forward over every admitted request's uncached suffix; sample first tokens."""
+        t0 = time.monotonic()
+        device = self.runner.device
+        new = [r.prompt_ids[r.cached_tokens:] for r in reqs]
+        attention = PackedPrefillAttention([r.kv for r in reqs], [len(n) for n in new], self.runner.scaling)
+        ids = torch.tensor([[t for n in new for t in n]], device=device)
+        positions = torch.cat([torch.arange(r.cached_tokens, len(r.prompt_ids)) for r in reqs])[None].to(device)
+        lora = None
+        if any(r.adapter is not None for r in reqs):
+            lora = LoraBatch([r.adapter for r, n in zip(reqs, new) for _ in n], per_token=True)
+        select = torch.tensor(attention.last_positions, device=device)
+        logits = self.runner.forward(ids, positions, attention, lora, select=select)
         attention.commit()
-        self.cache.running_tokens += kv.length
-        req.session.kv_tokens = kv.length
-        self.counters.prompt_tokens += len(new)
-        self.counters.prefill_s += time.monotonic() - req.t_start
-        sampled = sample(logits, [req.params], [req.generator], self._gen)
-        top = sampled.top[0] if sampled.top else None
-        if self._append(req, sampled.tokens[0], sampled.logprobs[0], top):
-            self._finish(req)
-        else:
-            self.batch.add(kv)
-            self.rows.append(req)
-            self._lora_dirty = True
+        for req in reqs:
+            self.cache.running_tokens += req.kv.length
+            req.session.kv_tokens = req.kv.length
+        self.counters.prompt_tokens += ids.shape[1]
+        self.counters.prefill_s += time.monotonic() - t0
+        sampled = sample(logits, [r.params for r in reqs], [r.generator for r in reqs], self._gen)
+        for i, req in enumerate(reqs):
+            top = sampled.top[i] if sampled.top else None
+            if self._append(req, sampled.tokens[i], sampled.logprobs[i], top):
+                self._finish(req)
+            else:
+                self.batch.add(req.kv)
+                self.rows.append(req)
+                self._lora_dirty = True
 
     def _decode_step(self) -> None:
         t0 = time.monotonic()

@@ -91,15 +91,18 @@ class LoraBatch:
     """Which adapter each row of a batch uses; adds each row's LoRA delta to a projection output.
 
     Rows are grouped by adapter once per step, so a batch mixing three versions does three small
-    matmul pairs per projection, and rows on the base model do none.
+    matmul pairs per projection, and rows on the base model do none. A row is a batch row
+    ([B, T, ...] inputs), or with `per_token` a position of the flattened [B * T] tokens (a packed
+    prefill of several requests in one sequence).
     """
 
-    def __init__(self, adapters: list[LoraAdapter | None]) -> None:
+    def __init__(self, adapters: list[LoraAdapter | None], per_token: bool = False) -> None:
         groups: dict[int, tuple[LoraAdapter, list[int]]] = {}
         for row, adapter in enumerate(adapters):
             if adapter is not None:
                 groups.setdefault(id(adapter), (adapter, []))[1].append(row)
         n = len(adapters)
+        self.per_token = per_token
         self.groups: list[tuple[LoraAdapter, slice | torch.Tensor]] = []
         for adapter, rows in groups.values():
             device = next(iter(adapter.weights.values()))[0].device
@@ -110,15 +113,16 @@ class LoraBatch:
     def empty(self) -> bool:
         return not self.groups
 
-    def apply(self, layer: int, name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """x: [B, T, in], y: [B, T, out] base output -> y with each row's LoRA delta added."""
+    def add_(self, layer: int, name: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        """x: [B, T, in], y: [B, T, out] base output (may be a view) -> each row's delta added in place."""
+        if self.per_token:
+            x, y = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
         for adapter, index in self.groups:
             w = adapter.weights.get((layer, name))
             if w is None:
                 continue
             a, b, scale = w
             if isinstance(index, slice):
-                y = y + (x @ a.T) @ b.T * scale
+                y.add_((x @ a.T) @ b.T, alpha=scale)
             else:
-                y = y.index_add(0, index, (x[index] @ a.T) @ b.T * scale)
-        return y
+                y.index_add_(0, index, (x[index] @ a.T) @ b.T, alpha=scale)

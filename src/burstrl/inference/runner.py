@@ -2,7 +2,7 @@
 
 Why not `model(...)`: the engine decodes a batch whose sequences all have different cached
 lengths, keeps each session's KV cache between calls, and mixes LoRA versions in one batch. The
-HF forward knows none of that, and `generate` costs ~10x more per token here. So this module walks
+HF forward knows none of that. So this module walks
 the model's own submodules (embeddings, norms, projections, rotary table, MLP) with the same math,
 and asks an `Attention` object to store the new keys/values and attend. Weights stay where HF
 loaded them, so any checkpoint of a supported architecture works unchanged.
@@ -12,9 +12,11 @@ Shapes: B = sequences, T = new tokens per sequence, H / KVH = query / key-value 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from burstrl.inference.lora import ATTN_PROJ, MLP_PROJ, LoraBatch
@@ -32,8 +34,26 @@ class Attention(Protocol):
         ...
 
 
+@dataclass
+class _Fused:
+    """One layer's fused projections: q|k|v and gate|up as single matmuls (the modules keep views)."""
+
+    qkv_w: torch.Tensor
+    qkv_b: torch.Tensor | None
+    qkv_split: tuple[int, int, int]
+    gate_up_w: torch.Tensor
+    gate_up_b: torch.Tensor | None
+    gate_up_split: tuple[int, int]
+
+
 class ModelRunner:
-    """Functional forward over an HF causal LM with pluggable attention storage and LoRA."""
+    """Functional forward over an HF causal LM with pluggable attention storage and LoRA.
+
+    On CPU the cost of a small model's decode step is the number of ops, not the FLOPs, so the
+    runner fuses q/k/v and gate/up into single matmuls (rebinding the modules' weights as views of
+    the fused tensors, so memory is not doubled and the HF model still works), uses fused RMSNorm,
+    and applies rotary to queries and keys in one go. The math is the model's own.
+    """
 
     def __init__(self, model: nn.Module) -> None:
         inner = getattr(model, "model", None)
@@ -59,6 +79,9 @@ class ModelRunner:
         self.vocab_size: int = cfg.vocab_size
         self.dtype = self.embed.weight.dtype
         self.device = self.embed.weight.device
+        self.qk_norm = hasattr(attn, "q_norm")
+        with torch.no_grad():
+            self.fused = [_fuse(layer) for layer in self.layers]
 
     @torch.inference_mode()
     def forward(
@@ -68,50 +91,103 @@ class ModelRunner:
         attention: Attention,
         lora: LoraBatch | None = None,
         all_logits: bool = False,
+        select: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """ids, positions: [B, T] -> float32 logits [B, V] of the last position ([B, T, V] if all_logits)."""
+        """ids, positions: [B, T] -> float32 logits.
+
+        [B, V] of the last position by default; [B, T, V] with all_logits; [N, V] of the packed
+        positions `select` (indices into T, B = 1) for a packed prefill.
+        """
         h = self.embed(ids)  # [B, T, hidden]
         cos, sin = self.rotary(h, positions)  # [B, T, D]
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        half = self.head_dim // 2
+        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # rotate_half's signs folded in
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [B, T, 1, D]: heads broadcast
         for i, layer in enumerate(self.layers):
-            h = h + self._attention(i, layer, layer.input_layernorm(h), cos, sin, attention, lora)
-            h = h + self._mlp(i, layer.mlp, layer.post_attention_layernorm(h), lora)
-        if not all_logits:
+            h = h + self._attention(i, layer, self.fused[i], _rms(layer.input_layernorm, h), cos, sin,
+                                    attention, lora)
+            h = h + self._mlp(i, layer.mlp, self.fused[i], _rms(layer.post_attention_layernorm, h), lora)
+        if select is not None:
+            h = h[0, select]
+        elif not all_logits:
             h = h[:, -1]
-        return self.lm_head(self.norm(h)).float()
+        return self.lm_head(_rms(self.norm, h)).float()
 
-    def _attention(self, i: int, layer: nn.Module, x: torch.Tensor, cos: torch.Tensor,
+    def _attention(self, i: int, layer: nn.Module, f: _Fused, x: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, attention: Attention, lora: LoraBatch | None) -> torch.Tensor:
         attn = layer.self_attn
         b, t, _ = x.shape
-        q = _proj(attn.q_proj, x, i, "q_proj", lora).view(b, t, -1, self.head_dim)
-        k = _proj(attn.k_proj, x, i, "k_proj", lora).view(b, t, -1, self.head_dim)
-        v = _proj(attn.v_proj, x, i, "v_proj", lora).view(b, t, -1, self.head_dim)
-        if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before rotary
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        qkv = F.linear(x, f.qkv_w, f.qkv_b)
+        if lora is not None:
+            _lora_split(lora, i, ("q_proj", "k_proj", "v_proj"), x, qkv, f.qkv_split)
+        qkv = qkv.view(b, t, -1, self.head_dim)  # [B, T, H + 2 KVH, D]
+        h, kvh = self.num_heads, self.num_kv_heads
+        if self.qk_norm:  # Qwen3: per-head RMSNorm before rotary
+            qk = torch.cat((_rms(attn.q_norm, qkv[:, :, :h]), _rms(attn.k_norm, qkv[:, :, h:h + kvh])), dim=2)
+        else:
+            qk = qkv[:, :, : h + kvh]
+        half = self.head_dim // 2
+        qk = torch.addcmul(qk * cos, qk.roll(half, dims=-1), sin)  # rotary on q and k at once
+        q, k = qk[:, :, :h].transpose(1, 2), qk[:, :, h:].transpose(1, 2)  # [B, heads, T, D]
+        v = qkv[:, :, h + kvh:].transpose(1, 2)
         out = attention.attend(i, q, k, v)  # [B, H, T, D]
         out = out.transpose(1, 2).reshape(b, t, -1)
         return _proj(attn.o_proj, out, i, "o_proj", lora)
 
-    def _mlp(self, i: int, mlp: nn.Module, x: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:
-        gate = _proj(mlp.gate_proj, x, i, "gate_proj", lora)
-        up = _proj(mlp.up_proj, x, i, "up_proj", lora)
+    def _mlp(self, i: int, mlp: nn.Module, f: _Fused, x: torch.Tensor, lora: LoraBatch | None) -> torch.Tensor:
+        gate_up = F.linear(x, f.gate_up_w, f.gate_up_b)
+        if lora is not None:
+            _lora_split(lora, i, ("gate_proj", "up_proj"), x, gate_up, f.gate_up_split)
+        gate, up = gate_up.split(f.gate_up_split, dim=-1)
         return _proj(mlp.down_proj, mlp.act_fn(gate) * up, i, "down_proj", lora)
+
+
+def _fuse(layer: nn.Module) -> _Fused:
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv_w, qkv_b = _concat_linears(attn.q_proj, attn.k_proj, attn.v_proj)
+    gate_up_w, gate_up_b = _concat_linears(mlp.gate_proj, mlp.up_proj)
+    return _Fused(
+        qkv_w=qkv_w, qkv_b=qkv_b,
+        qkv_split=(attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features),
+        gate_up_w=gate_up_w, gate_up_b=gate_up_b,
+        gate_up_split=(mlp.gate_proj.out_features, mlp.up_proj.out_features),
+    )
+
+
+def _concat_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate weights (and biases) along outputs; each module's weight becomes a view."""
+    weight = torch.cat([m.weight.detach() for m in linears])
+    has_bias = [m.bias is not None for m in linears]
+    if any(has_bias) and not all(has_bias):
+        raise UnsupportedModel("fused projections need all or none of q/k/v (gate/up) biased")
+    bias = torch.cat([m.bias.detach() for m in linears]) if all(has_bias) else None
+    start = 0
+    for m in linears:
+        end = start + m.out_features
+        m.weight = nn.Parameter(weight[start:end], requires_grad=False)
+        if bias is not None:
+            m.bias = nn.Parameter(bias[start:end], requires_grad=False)
+        start = end
+    return weight, bias
+
+
+def _rms(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
+    return F.rms_norm(x, (x.shape[-1],), norm.weight, eps)
+
+
+def _lora_split(lora: LoraBatch, layer: int, names: tuple[str, ...], x: torch.Tensor, y: torch.Tensor,
+                split: tuple[int, ...]) -> None:
+    """Add each module's LoRA delta into its slice of a fused projection's output (in place)."""
+    for name, part in zip(names, y.split(split, dim=-1)):
+        lora.add_(layer, name, x, part)
 
 
 def _proj(linear: nn.Module, x: torch.Tensor, layer: int, name: str, lora: LoraBatch | None) -> torch.Tensor:
     y = linear(x)
     if lora is not None:
-        y = lora.apply(layer, name, x, y)
+        lora.add_(layer, name, x, y)
     return y
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def _check_layer(i: int, layer: nn.Module) -> None:
