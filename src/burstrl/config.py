@@ -59,6 +59,9 @@ class EngineConfig(Section):
     session_cache: bool = Field(
         True, description="Keep a session's KV cache between its calls (off = re-prefill each call)."
     )
+    prefix_sharing: bool = Field(
+        True, description="A call without its own cache copies the longest cached prefix of another session."
+    )
     capture: bool = Field(True, description="Record every call of a session (token ids, logprobs).")
     session_ttl_s: float = Field(
         1800.0, gt=0, description="A session idle this long is released (cache and trace)."

@@ -60,3 +60,21 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     srv = start_server(tiny_model_dir, tmp_path_factory.mktemp("replica"))
     yield srv
     stop_server(srv)
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(tiny_model_dir: Path):
+    """Reference decoding with no engine and no cache: HF `generate`, greedy, EOS ignored."""
+    import torch
+
+    from burstrl.model.hf import load_model
+
+    model = load_model(tiny_model_dir, "float32", "cpu")
+
+    def run(ids: list[int], n: int) -> list[int]:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        return out[0, len(ids):].tolist()
+
+    return run

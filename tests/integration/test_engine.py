@@ -95,3 +95,17 @@ def test_stopping_the_engine_finishes_every_request(tiny_model_dir: Path, tmp_pa
     assert running_done.wait(10) and waiting_done.wait(10)
     assert running.finish_reason == waiting.finish_reason == "abort"
     assert rep.sessions.get("a").busy is False
+
+
+def test_a_group_arriving_together_prefills_its_prompt_once(replica: Replica) -> None:
+    """Four rollouts of one task (same 80-token prompt) arrive at once: one prefill, three copies."""
+    prompt = list(range(300, 380))
+    before = replica.engine.counters.prompt_tokens
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    reqs = [submit(replica, prompt, params, session=f"group-{i}") for i in range(4)]
+    for _, done in reqs:
+        assert done.wait(60)
+    outs = [r.completion_ids for r, _ in reqs]
+    assert all(o == outs[0] for o in outs)
+    assert sorted(r.cached_tokens for r, _ in reqs) == [0, 79, 79, 79]
+    assert replica.engine.counters.prompt_tokens - before == 80 + 3

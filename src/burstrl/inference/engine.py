@@ -23,6 +23,7 @@ import torch
 from burstrl.config import EngineConfig
 from burstrl.inference.kvcache import DecodeBatch, PackedPrefillAttention, SessionCache, SessionKV
 from burstrl.inference.lora import LoraAdapter, LoraBatch
+from burstrl.inference.prefix import block_hashes
 from burstrl.inference.runner import ModelRunner
 from burstrl.inference.sampling import SamplingParams, sample
 from burstrl.inference.sessions import CallRecord, Session, SessionTable
@@ -212,22 +213,46 @@ class Engine:
                and prefill_budget > 0):
             req = self.waiting[0]
             sid = req.session.id
-            kv, reuse = (None, 0)
+            kv, reuse, shared = None, 0, False
             if self.cfg.session_cache and not req.session.ephemeral:
                 kv, reuse = self.cache.take(sid, req.prompt_ids)
+            if kv is None and self.cfg.prefix_sharing:
+                if self._better_after(req, admitted):
+                    break  # shares more with a request prefilled now: admit next iteration, copy it
+                kv, reuse = self.cache.share(req.prompt_ids, self._new_kv)
+                shared = kv is not None
             need = len(req.prompt_ids) + req.params.max_tokens
             if not self.cache.reserve(need):
-                if kv is not None:
+                if kv is not None and not shared:
                     self.cache.put(sid, kv, req.prompt_ids)
                 break
             self.waiting.popleft()
-            self.cache.record(sid, len(req.prompt_ids), reuse)
+            self.cache.record(sid, len(req.prompt_ids), reuse, shared)
             req.reserved, req.cached_tokens, req.t_start = need, reuse, time.monotonic()
             req.kv = kv if kv is not None else self._new_kv(len(req.prompt_ids) + 1)
             prefill_budget -= len(req.prompt_ids) - reuse
             admitted.append(req)
         if admitted:
             self._prefill(admitted)
+
+    def _better_after(self, req: Request, admitted: list[Request]) -> bool:
+        """Does `req` share more prompt blocks with one being admitted than with any cache now?
+
+        Rollouts of a GRPO group arrive together with the same prompt: prefilling the first and
+        copying its prefix into the others next iteration beats prefilling every one of them.
+        """
+        if not admitted:
+            return False
+        mine = block_hashes(req.prompt_ids)
+        if not mine:
+            return False
+        now = self.cache.prefixes.longest(req.prompt_ids)[1]
+        for other in admitted:
+            theirs = block_hashes(other.prompt_ids, limit=len(req.prompt_ids))
+            common = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
+            if common > now:
+                return True
+        return False
 
     def _new_kv(self, capacity: int) -> SessionKV:
         r = self.runner
@@ -261,6 +286,8 @@ class Engine:
                 self.batch.add(req.kv)
                 self.rows.append(req)
                 self._lora_dirty = True
+                if self.cfg.prefix_sharing:
+                    self.cache.add_running(req.id, req.kv, req.prompt_ids)
 
     def _decode_step(self) -> None:
         t0 = time.monotonic()
@@ -278,10 +305,10 @@ class Engine:
             top = sampled.top[i] if sampled.top else None
             if self._append(req, sampled.tokens[i], sampled.logprobs[i], top):
                 done.append(i)
-        for i in reversed(done):
-            self._leave(i)
         self.counters.decode_steps += 1
         self.counters.decode_s += time.monotonic() - t0
+        for i in reversed(done):
+            self._leave(i)
 
     def _lora_batch(self) -> LoraBatch | None:
         if self._lora_dirty:
@@ -323,6 +350,7 @@ class Engine:
 
     def _leave(self, row: int) -> None:
         req = self.rows[row]
+        self.cache.remove_running(req.id)  # before its cache is rewritten from the batch row
         self.batch.remove(row, req.kv)
         self.rows[row] = self.rows[-1]
         self.rows.pop()
@@ -391,6 +419,7 @@ class Engine:
             "cache_hit_rate": stats.hit_tokens / stats.queries_tokens if stats.queries_tokens else 0.0,
             "prefix_cache_queries_tokens": stats.queries_tokens,
             "prefix_cache_hit_tokens": stats.hit_tokens,
+            "prefix_cache_shared_hit_tokens": stats.shared_hit_tokens,
             "evictions": stats.evictions,
             "refills": stats.refills,
             "thrash": stats.thrash,

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from burstrl.inference.prefix import PrefixIndex
 from burstrl.inference.runner import causal_attention
 
 
@@ -206,6 +208,7 @@ class CacheStats:
 
     queries_tokens: int = 0
     hit_tokens: int = 0
+    shared_hit_tokens: int = 0  # of hit_tokens: copied from another session's cache
     evictions: int = 0
     evicted_tokens: int = 0
     refills: int = 0
@@ -237,6 +240,8 @@ class SessionCache:
         self.stats = CacheStats()
         self._evicted: set[str] = set()
         self._refilled_at: dict[str, float] = {}
+        self.prefixes = PrefixIndex()
+        self._running: dict[str, tuple[SessionKV, list[int]]] = {}  # prompts being decoded: donors too
 
     @property
     def used_tokens(self) -> int:
@@ -249,19 +254,56 @@ class SessionCache:
         At least one prompt token is always left to prefill (the forward needs an input). Give the
         cache back with `put` if the call cannot start yet.
         """
-        entry = self.idle.pop(session_id, None)
+        entry = self._pop(session_id)
         if entry is None:
             return None, 0
-        self.idle_tokens -= entry.kv.length
         reuse = _common_prefix(entry.tokens, prompt, limit=min(entry.kv.length, len(prompt) - 1))
         entry.kv.truncate(reuse)
         return entry.kv, reuse
 
-    def record(self, session_id: str, prompt_tokens: int, reused: int) -> None:
+    def share(self, prompt: list[int], new_kv: Callable[[int], SessionKV]) -> tuple[SessionKV | None, int]:
+        """A fresh cache holding the longest prefix of `prompt` found in any idle session (a copy).
+
+        The donor stays idle (and becomes most recently used). Returns (None, 0) if no idle session
+        shares a full block with the prompt. At least one prompt token is left to prefill.
+        """
+        donor_id, _ = self.prefixes.longest(prompt)
+        if donor_id is None:
+            return None, 0
+        if donor_id in self.idle:
+            entry = self.idle[donor_id]
+            source, tokens = entry.kv, entry.tokens[: entry.kv.length]
+            self.idle.move_to_end(donor_id)
+        else:  # a running request: its prompt's keys/values stay in its cache until it leaves
+            source, tokens = self._running[donor_id]
+        reuse = _common_prefix(tokens, prompt, limit=min(len(tokens), len(prompt) - 1))
+        if reuse == 0:
+            return None, 0
+        kv = new_kv(len(prompt) + 1)
+        for dst, src in ((kv.k, source.k), (kv.v, source.v)):
+            for layer, tensor in enumerate(src):
+                dst[layer][:, :reuse] = tensor[:, :reuse]
+        kv.length = reuse
+        return kv, reuse
+
+    def add_running(self, request_id: str, kv: SessionKV, prompt: list[int]) -> None:
+        """Offer a running request's prefilled prompt as a donor (until `remove_running`)."""
+        key = f" {request_id}"  # a space: never a session id
+        self._running[key] = (kv, prompt)
+        self.prefixes.add(key, prompt)
+
+    def remove_running(self, request_id: str) -> None:
+        key = f" {request_id}"
+        if self._running.pop(key, None) is not None:
+            self.prefixes.remove(key)
+
+    def record(self, session_id: str, prompt_tokens: int, reused: int, shared: bool = False) -> None:
         """Count a started call's prefix-cache query and hit (in tokens), and re-fills."""
         self.stats.queries_tokens += prompt_tokens
         self.stats.hit_tokens += reused
-        if reused == 0 and session_id in self._evicted:
+        if shared:
+            self.stats.shared_hit_tokens += reused
+        if (reused == 0 or shared) and session_id in self._evicted:
             self._evicted.discard(session_id)
             self.stats.refills += 1
             self._refilled_at[session_id] = time.monotonic()
@@ -285,14 +327,13 @@ class SessionCache:
 
     def put(self, session_id: str, kv: SessionKV, tokens: list[int]) -> None:
         """A finished call's cache becomes idle (most recently used). `tokens` match kv.length."""
-        self.idle[session_id] = _Entry(kv=kv, tokens=tokens[: kv.length])
+        entry = self.idle[session_id] = _Entry(kv=kv, tokens=tokens[: kv.length])
         self.idle_tokens += kv.length
+        self.prefixes.add(session_id, entry.tokens)
 
     def drop(self, session_id: str) -> None:
         """Forget a session (released by its owner); not an eviction."""
-        entry = self.idle.pop(session_id, None)
-        if entry is not None:
-            self.idle_tokens -= entry.kv.length
+        self._pop(session_id)
         self._evicted.discard(session_id)
         self._refilled_at.pop(session_id, None)
 
@@ -300,9 +341,16 @@ class SessionCache:
         entry = self.idle.get(session_id)
         return entry.kv.length if entry else 0
 
+    def _pop(self, session_id: str) -> _Entry | None:
+        entry = self.idle.pop(session_id, None)
+        if entry is not None:
+            self.idle_tokens -= entry.kv.length
+            self.prefixes.remove(session_id)
+        return entry
+
     def _evict_oldest(self) -> None:
-        session_id, entry = self.idle.popitem(last=False)
-        self.idle_tokens -= entry.kv.length
+        session_id = next(iter(self.idle))
+        entry = self._pop(session_id)
         self.stats.evictions += 1
         self.stats.evicted_tokens += entry.kv.length
         self._evicted.add(session_id)

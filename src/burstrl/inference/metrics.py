@@ -22,6 +22,8 @@ def prometheus_text(rep: Replica) -> str:
         ("vllm:kv_cache_usage_perc", "gauge", "KV tokens held / budget (0-1).", cache.used_tokens / cache.capacity),
         ("vllm:prefix_cache_queries_total", "counter", "Prompt tokens looked up in the cache.", stats.queries_tokens),
         ("vllm:prefix_cache_hits_total", "counter", "Prompt tokens served from the cache.", stats.hit_tokens),
+        ("burstrl:prefix_cache_shared_hits_total", "counter", "Hit tokens copied from another session.",
+         stats.shared_hit_tokens),
         ("vllm:prompt_tokens_total", "counter", "Prompt tokens prefilled.", eng.counters.prompt_tokens),
         ("vllm:generation_tokens_total", "counter", "Tokens sampled.", eng.counters.generation_tokens),
         ("burstrl:decode_steps_total", "counter", "Batched decode steps run.", eng.counters.decode_steps),

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import secrets
+import shutil
 import socket
 import sys
 import tempfile
@@ -51,6 +52,7 @@ class Replica:
     admin_token: str
     max_model_len: int
     state_dir: Path
+    owns_state_dir: bool = False  # a temp dir made for this replica: removed on close
     counters: ReplicaCounters = field(default_factory=ReplicaCounters)
 
     def collect_retired(self) -> None:
@@ -60,6 +62,8 @@ class Replica:
 
     def close(self) -> None:
         self.engine.stop()
+        if self.owns_state_dir:
+            shutil.rmtree(self.state_dir, ignore_errors=True)
 
 
 def build_replica(cfg: ServeConfig) -> Replica:
@@ -86,7 +90,7 @@ def build_replica(cfg: ServeConfig) -> Replica:
         chat = None
     replica = Replica(cfg=cfg, engine=engine, registry=registry, sessions=sessions, tokenizer=tokenizer,
                       chat=chat, text=TokenText(tokenizer), admin_token=_admin_token(cfg, state_dir),
-                      max_model_len=max_len, state_dir=state_dir)
+                      max_model_len=max_len, state_dir=state_dir, owns_state_dir=not cfg.server.state_dir)
     engine.on_release = replica.collect_retired
     for name, path in cfg.adapters.items():
         registry.load(name, path)

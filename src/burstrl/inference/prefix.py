@@ -1,0 +1,58 @@
+"""Find an idle session whose cached tokens start like a new prompt (cross-session prefix reuse).
+
+Why: rollouts of one GRPO group share their whole first prompt, and every rollout of a run shares
+the system prompt. A session's first call can then copy another session's keys/values for the
+common prefix instead of recomputing them (a copy is far cheaper than a prefill), as SGLang's radix
+cache and vLLM's prefix caching do. Sessions keep their own storage, so sharing is a copy, never an
+alias: eviction and truncation of one session never touch another.
+
+Index: each full block of BLOCK tokens of an idle cache is keyed by a hash chained over all the
+blocks before it, so one dict lookup per prompt block finds a session that holds that whole prefix.
+Hash collisions are harmless: the caller verifies the common prefix token by token.
+"""
+
+from __future__ import annotations
+
+BLOCK = 32
+
+
+def block_hashes(tokens: list[int], limit: int | None = None) -> list[int]:
+    """Chained hashes of the full BLOCK-token blocks of tokens[:limit]."""
+    n = len(tokens) if limit is None else min(limit, len(tokens))
+    out, prev = [], 0
+    for start in range(0, n - BLOCK + 1, BLOCK):
+        prev = hash((prev, tuple(tokens[start:start + BLOCK])))
+        out.append(prev)
+    return out
+
+
+class PrefixIndex:
+    """Block hash -> the idle sessions whose cache holds that block (with everything before it)."""
+
+    def __init__(self) -> None:
+        self._owners: dict[int, dict[str, None]] = {}  # insertion-ordered set
+        self._hashes: dict[str, list[int]] = {}
+
+    def add(self, session_id: str, tokens: list[int]) -> None:
+        hashes = block_hashes(tokens)
+        self._hashes[session_id] = hashes
+        for h in hashes:
+            self._owners.setdefault(h, {})[session_id] = None
+
+    def remove(self, session_id: str) -> None:
+        for h in self._hashes.pop(session_id, []):
+            owners = self._owners.get(h)
+            if owners is not None:
+                owners.pop(session_id, None)
+                if not owners:
+                    del self._owners[h]
+
+    def longest(self, prompt: list[int]) -> tuple[str | None, int]:
+        """(a session holding the most leading blocks of `prompt`, how many blocks)."""
+        best, blocks = None, 0
+        for i, h in enumerate(block_hashes(prompt)):
+            owners = self._owners.get(h)
+            if not owners:
+                break
+            best, blocks = next(reversed(owners)), i + 1  # the most recently added owner
+        return best, blocks

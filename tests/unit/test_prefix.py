@@ -1,0 +1,91 @@
+"""Cross-session prefix reuse: the block index and SessionCache.share."""
+
+from __future__ import annotations
+
+import torch
+
+from burstrl.inference.kvcache import SessionCache, SessionKV
+from burstrl.inference.prefix import BLOCK, PrefixIndex, block_hashes
+
+LAYERS, KVH, D = 2, 2, 4
+
+
+def new_kv(capacity: int) -> SessionKV:
+    return SessionKV(LAYERS, KVH, D, torch.float32, torch.device("cpu"), capacity)
+
+
+def filled(tokens: list[int]) -> SessionKV:
+    """A cache whose key/value at position p is p + 1000 * token (so copies are checkable)."""
+    kv = new_kv(len(tokens))
+    for store in (kv.k, kv.v):
+        for t in store:
+            for p, tok in enumerate(tokens):
+                t[:, p] = p + 1000 * tok
+    kv.length = len(tokens)
+    return kv
+
+
+def test_block_hashes_are_chained_and_only_full_blocks() -> None:
+    a = list(range(2 * BLOCK + 5))
+    assert len(block_hashes(a)) == 2
+    b = [99] + a[1:]  # same second block, different first block
+    assert block_hashes(a)[1] != block_hashes(b)[1]
+    assert block_hashes(a, limit=BLOCK + 3) == block_hashes(a)[:1]
+
+
+def test_index_finds_the_longest_and_forgets_removed() -> None:
+    idx = PrefixIndex()
+    base = list(range(3 * BLOCK))
+    idx.add("short", base[: BLOCK + 1])
+    idx.add("long", base)
+    assert idx.longest(base + [7]) == ("long", 3)
+    idx.remove("long")
+    assert idx.longest(base) == ("short", 1)
+    idx.remove("short")
+    assert idx.longest(base) == (None, 0)
+
+
+def test_share_copies_the_common_prefix_and_keeps_the_donor() -> None:
+    cache = SessionCache(capacity=10_000, thrash_window_s=60)
+    system = list(range(100, 100 + 2 * BLOCK + 6))
+    donor_tokens = system + [1, 2, 3]
+    cache.put("donor", filled(donor_tokens), donor_tokens)
+    cache.put("other", filled([5] * 40), [5] * 40)
+    prompt = system + [9, 9]
+    kv, reuse = cache.share(prompt, new_kv)
+    assert reuse == len(system)  # exact common prefix, past the last full block
+    want = filled(donor_tokens)
+    for layer in range(LAYERS):
+        assert torch.equal(kv.k[layer][:, :reuse], want.k[layer][:, :reuse])
+    assert kv.length == reuse and kv.capacity >= len(prompt) + 1
+    assert list(cache.idle) == ["other", "donor"]  # donor stays, now most recently used
+    assert cache.idle_tokens == len(donor_tokens) + 40
+
+
+def test_share_leaves_one_token_and_needs_a_full_block() -> None:
+    cache = SessionCache(capacity=10_000, thrash_window_s=60)
+    tokens = list(range(2 * BLOCK))
+    cache.put("d", filled(tokens), tokens)
+    kv, reuse = cache.share(tokens, new_kv)  # the whole prompt is cached: one token left to feed
+    assert reuse == len(tokens) - 1
+    assert cache.share(list(range(BLOCK - 1)), new_kv) == (None, 0)
+    assert cache.share([7] + tokens[1:], new_kv) == (None, 0)
+
+
+def test_evicted_or_taken_sessions_are_no_donors() -> None:
+    cache = SessionCache(capacity=3 * BLOCK, thrash_window_s=60)
+    tokens = list(range(2 * BLOCK))
+    cache.put("d", filled(tokens), tokens)
+    assert cache.reserve(2 * BLOCK)  # evicts d
+    assert cache.share(tokens + [1], new_kv) == (None, 0)
+    cache.unreserve(2 * BLOCK)
+    cache.put("e", filled(tokens), tokens)
+    cache.take("e", tokens + [1])
+    assert cache.share(tokens + [1], new_kv) == (None, 0)
+
+
+def test_shared_hits_are_counted() -> None:
+    cache = SessionCache(capacity=10_000, thrash_window_s=60)
+    cache.record("s", 100, 64, shared=True)
+    cache.record("t", 50, 49)
+    assert (cache.stats.queries_tokens, cache.stats.hit_tokens, cache.stats.shared_hit_tokens) == (150, 113, 64)
