@@ -202,3 +202,11 @@ def test_tls_serves_https(tiny_model_dir: Path, tmp_path: Path) -> None:
             httpx.get(srv.url.replace("https://", "http://") + "/health", timeout=5)
     finally:
         stop_server(srv)
+
+
+@pytest.mark.parametrize("header", ["X-Session-ID", "X-SMG-Routing-Key", "X-Dynamo-Session-ID"])
+def test_session_id_from_headers(server: Server, header: str) -> None:
+    sid = f"hdr-{header.lower()}"
+    r = httpx.post(server.url + "/v1/chat/completions", json=CHAT, headers={header: sid})
+    assert r.status_code == 200 and r.json()["meta_info"]["session_id"] == sid
+    assert len(server.get(f"/v1/traces/{sid}")["calls"]) == 1
