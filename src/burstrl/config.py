@@ -218,3 +218,56 @@ def _toml_table(data: dict[str, Any], prefix: str) -> str:
 def _toml_key(key: str) -> str:
     """Bare keys as is; anything else (an adapter named `policy.v1`) quoted so it stays one key."""
     return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else json.dumps(key)
+
+
+class LoraConfigSection(Section):
+    rank: int = Field(8, ge=1, description="LoRA rank r.")
+    alpha: int = Field(16, ge=1, description="LoRA alpha; the update is scaled by alpha / r.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        description="Linear layers that get an adapter.",
+    )
+
+
+class TrainerConfig(Section):
+    world_size: int = Field(1, ge=1, description="Data-parallel ranks (processes) started by `burstrl train`.")
+    backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="torch.distributed backend; auto = nccl on GPU.")
+    steps: int = Field(100, ge=1, description="Train steps to run (the last one is step `steps`).")
+    batch_groups: int = Field(8, ge=1, description="Groups (tasks x G attempts) per step.")
+    micro_batch_tokens: int = Field(4096, ge=16, description="Token budget of one forward/backward.")
+    lr: float = Field(1e-4, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up steps.")
+    grad_clip: float = Field(1.0, ge=0, description="Max global gradient norm; 0 = off.")
+    clip_low: float = Field(0.2, ge=0, description="PPO ratio clip: lower bound 1 - clip_low.")
+    clip_high: float = Field(0.28, ge=0, description="PPO ratio clip: upper bound 1 + clip_high.")
+    tis_cap: float = Field(2.0, ge=0, description="Truncated importance sampling cap on the ratio; 0 = off.")
+    kl_coef: float = Field(0.0, ge=0, description="Coefficient of the KL penalty to the base model; 0 = off.")
+    loss_agg: Literal["token-mean", "sequence-mean"] = Field("token-mean", description="Loss aggregation.")
+    std_norm: bool = Field(True, description="Divide group advantages by the group's reward std.")
+    max_staleness: int = Field(4, ge=0, description="Drop groups sampled more than this many versions ago.")
+    seed: int = Field(0, description="Seed of every rank's RNGs.")
+    wait_timeout_s: float = Field(0.0, ge=0, description="Fail if no batch arrives in this time; 0 = wait forever.")
+    poll_s: float = Field(0.2, gt=0, description="How often to look for new groups while waiting.")
+
+
+class WeightsConfig(Section):
+    volume: str = Field("", description="Where versions are written; empty = RUN_DIR/adapters.")
+    replicas: list[str] = Field(default_factory=list, description="Replica URLs to push each version to.")
+    replicas_file: str = Field("", description="File with one replica URL per line, re-read before each push.")
+    admin_token: str = Field("", description="Replicas' bearer token; empty = $BURSTRL_ADMIN_TOKEN.")
+    verify_tls: bool = Field(True, description="Verify replicas' TLS certificates.")
+    ca_file: str = Field("", description="CA bundle for replicas' certificates.")
+    push_retries: int = Field(3, ge=0, description="Retries per shard/commit, with exponential backoff.")
+    keep_versions: int = Field(5, ge=1, description="Versions kept on the volume (older ones are deleted).")
+
+
+class TrainConfig(Section):
+    """`burstrl train`: GRPO on a LoRA adapter from the rollout store."""
+
+    run_dir: str = Field("runs/default", description="Run directory: store, checkpoints, adapters, metrics.")
+    store: str = Field("", description="Rollout store path; empty = RUN_DIR/store.sqlite.")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    lora: LoraConfigSection = Field(default_factory=LoraConfigSection)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    weights: WeightsConfig = Field(default_factory=WeightsConfig)
