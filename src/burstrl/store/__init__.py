@@ -5,6 +5,7 @@ groups; the trainer (rank 0) takes batches and commits consumption marks togethe
 checkpoint. Both talk to it only through SQLite transactions, from different processes.
 """
 
+from burstrl.store.store import RolloutStore, StoreError
 from burstrl.store.types import BadRollout, Group, Rollout, Turn
 
-__all__ = ["BadRollout", "Group", "Rollout", "Turn"]
+__all__ = ["BadRollout", "Group", "Rollout", "RolloutStore", "StoreError", "Turn"]

@@ -1,0 +1,136 @@
+"""The trainer as real processes: 2 ranks equal 1 rank, and kill -9 at every commit window resumes."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from burstrl.store import RolloutStore, Rollout, Turn
+
+
+def behaviour_logprobs(model, ids: list[int], start: int) -> list[float]:
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    logp = torch.log_softmax(logits, dim=-1)
+    return logp[start - 1:-1].gather(1, torch.tensor(ids[start:])[:, None])[:, 0].tolist()
+
+
+def fill_store(store_path: Path, model_dir: Path, groups: int, group_size: int = 4, seed: int = 0,
+               multi_turn: bool = True) -> list[int]:
+    """Groups of synthetic rollouts whose behaviour logprobs are the base model's own (ratio ~ 1)."""
+    from burstrl.model.hf import load_model
+
+    model = load_model(model_dir, "float32", "cpu")
+    rng = random.Random(seed)
+    ids = []
+    with RolloutStore(store_path) as store:
+        for g in range(groups):
+            prompt = [rng.randrange(3, 2000) for _ in range(rng.randint(4, 10))]
+            rollouts = []
+            for i in range(group_size):
+                turns, context = [], list(prompt)
+                for _ in range(2 if multi_turn else 1):
+                    completion = [rng.randrange(3, 2000) for _ in range(rng.randint(2, 6))]
+                    lps = behaviour_logprobs(model, context + completion, len(context))
+                    turns.append(Turn(prompt_ids=list(context), completion_ids=completion, logprobs=lps, version=0))
+                    context = context + completion + [rng.randrange(3, 2000) for _ in range(3)]
+                rollouts.append(Rollout(id=f"g{seed}-{g}-{i}", turns=turns, reward=rng.random()))
+            ids.append(store.put_group(f"task-{g}", rollouts))
+    return ids
+
+
+def run_train(run_dir: Path, model_dir: Path, *overrides: str, env: dict | None = None,
+              timeout: float = 300) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-c", "from burstrl.cli import main; main()", "train",
+           "--model.path", str(model_dir), "--run_dir", str(run_dir), "--trainer.batch_groups", "2",
+           "--trainer.lr", "1e-3", "--lora.rank", "4", *overrides]
+    full_env = {**__import__("os").environ, "BURSTRL_ADMIN_TOKEN": "unused", **(env or {})}
+    return subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def adapter(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "checkpoints" / f"step-{step}" / "adapter" / "adapter_model.safetensors"))
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_two_ranks_train_like_one(tiny_model_dir: Path, tmp_path: Path) -> None:
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir()
+    fill_store(one / "store.sqlite", tiny_model_dir, groups=4)
+    shutil.copytree(one, two)
+    common = ("--trainer.steps", "2", "--trainer.micro_batch_tokens", "64")
+    r1 = run_train(one, tiny_model_dir, *common)
+    assert r1.returncode == 0, r1.stderr[-3000:]
+    r2 = run_train(two, tiny_model_dir, *common, "--trainer.world_size", "2")
+    assert r2.returncode == 0, r2.stderr[-3000:] + (two / "logs" / "rank-1.log").read_text()[-2000:]
+    m1, m2 = metrics(one), metrics(two)
+    for a, b in zip(m1, m2):
+        assert a["tokens"] == b["tokens"] and a["kept_groups"] == b["kept_groups"]
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-7)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+    w1, w2 = adapter(one, 2), adapter(two, 2)
+    assert w1.keys() == w2.keys()
+    for key in w1:
+        assert torch.allclose(w1[key], w2[key], atol=1e-6, rtol=1e-4), key
+    assert any(not torch.equal(w, adapter(one, 1)[k]) for k, w in w1.items())  # it did train
+
+
+@pytest.mark.slow
+def test_kill_9_at_every_commit_window_then_resume(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Crash inside steps 1-4 at each point of the commit protocol; resume each time."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    all_groups = fill_store(run_dir / "store.sqlite", tiny_model_dir, groups=9, multi_turn=False)
+    args = ("--trainer.steps", "4", "--weights.keep_versions", "10")
+    crashes = ["checkpoint_written@1", "committed@2", "backward@3", "published@3", "wait@4"]
+    published_v3 = None
+    for i, crash in enumerate(crashes):
+        extra = ("--resume",) if i else ()
+        r = run_train(run_dir, tiny_model_dir, *args, *extra, env={"BURSTRL_CRASH": crash})
+        assert r.returncode == -signal.SIGKILL, (crash, r.returncode, r.stderr[-3000:])
+        if crash == "published@3":
+            published_v3 = (run_dir / "adapters" / "policy-v3" / "manifest.json").read_text()
+    r = run_train(run_dir, tiny_model_dir, *args, "--resume")
+    assert r.returncode == 0, r.stderr[-3000:]
+
+    with RolloutStore(run_dir / "store.sqlite") as store:
+        assert store.last_step() == 4
+        assert all(store.step_meta(s) is not None for s in range(1, 5))
+        consumed = store.consumed()
+        counts = store.counts()
+    # 4 steps x 2 groups x 4 rollouts consumed exactly once; the ninth group still buffered
+    assert len(consumed) == 32 and sorted(set(consumed.values())) == [1, 2, 3, 4]
+    assert counts["consumed"] == 8 and counts["buffered"] == 1
+    assert len(all_groups) == 9
+    steps = [m["step"] for m in metrics(run_dir)]
+    assert steps == [1, 2, 3, 4]  # continuous, no step recorded twice
+    assert sorted(p.name for p in (run_dir / "adapters").iterdir() if p.name.startswith("policy-v")) == \
+        [f"policy-v{n}" for n in range(1, 5)]
+    # a version, once published, never changes: v3 survived the crash right after its publish
+    assert (run_dir / "adapters" / "policy-v3" / "manifest.json").read_text() == published_v3
+    assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".tmp")]
+
+
+def test_resume_refusals(tiny_model_dir: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    fill_store(run_dir / "store.sqlite", tiny_model_dir, groups=2, multi_turn=False)
+    assert run_train(run_dir, tiny_model_dir, "--trainer.steps", "1").returncode == 0
+    again = run_train(run_dir, tiny_model_dir, "--trainer.steps", "1")
+    assert again.returncode != 0 and "--resume" in again.stderr
+    shutil.rmtree(run_dir / "checkpoints" / "step-1")
+    missing = run_train(run_dir, tiny_model_dir, "--trainer.steps", "2", "--resume")
+    assert missing.returncode != 0 and "step-1" in missing.stderr
