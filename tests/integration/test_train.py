@@ -127,8 +127,16 @@ def test_kill_9_at_every_commit_window_then_resume(tiny_model_dir: Path, tmp_pat
 def test_resume_refusals(tiny_model_dir: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    fill_store(run_dir / "store.sqlite", tiny_model_dir, groups=2, multi_turn=False)
-    assert run_train(run_dir, tiny_model_dir, "--trainer.steps", "1").returncode == 0
+    with RolloutStore(run_dir / "store.sqlite") as store:  # ids outside the vocabulary: skipped, counted
+        bad = Turn(prompt_ids=[1, 2], completion_ids=[5000], logprobs=[-1.0], version=0)
+        good = Turn(prompt_ids=[1, 2], completion_ids=[7], logprobs=[-1.0], version=0)
+        store.put_group("bad", [Rollout(id="bad-0", turns=[bad], reward=1.0),
+                                Rollout(id="bad-1", turns=[good], reward=0.0),
+                                Rollout(id="bad-2", turns=[good], reward=1.0)])
+    fill_store(run_dir / "store.sqlite", tiny_model_dir, groups=1, multi_turn=False)
+    first = run_train(run_dir, tiny_model_dir, "--trainer.steps", "1")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert metrics(run_dir)[0]["invalid_rollouts"] == 1 and metrics(run_dir)[0]["kept_groups"] == 2
     again = run_train(run_dir, tiny_model_dir, "--trainer.steps", "1")
     assert again.returncode != 0 and "--resume" in again.stderr
     shutil.rmtree(run_dir / "checkpoints" / "step-1")

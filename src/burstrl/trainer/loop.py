@@ -42,6 +42,7 @@ class StepBatch:
     sequences: list[Sequence]
     kept_groups: int
     zero_variance_groups: int
+    invalid_rollouts: int = 0
     rewards: list[float] = field(default_factory=list)
     staleness: list[int] = field(default_factory=list)
 
@@ -75,6 +76,7 @@ class Trainer:
         self.loss_cfg = LossConfig(clip_low=t.clip_low, clip_high=t.clip_high, tis_cap=t.tis_cap, kl_coef=t.kl_coef)
         self.store = RolloutStore(cfg.store or self.run_dir / "store.sqlite") if dist.is_main else None
         self.step = 0
+        self.tensorboard: Any = None  # SummaryWriter, made on first use (rank 0)
 
     # ---- start / resume ----
     def start(self, resume: bool) -> None:
@@ -159,8 +161,18 @@ class Trainer:
                 continue
             batch.kept_groups += 1
             for rollout, adv in zip(group.rollouts, advantages):
-                batch.sequences += rollout_sequences(rollout, adv)
+                seqs = rollout_sequences(rollout, adv)
+                if any(not self._fits(s) for s in seqs):
+                    batch.invalid_rollouts += 1  # out-of-vocabulary ids or too long: never trained on
+                    log.warning("step %d: rollout %s skipped: ids outside the vocabulary or context",
+                                step, rollout.id)
+                    continue
+                batch.sequences += seqs
         return batch
+
+    def _fits(self, seq: Sequence) -> bool:
+        cfg = self.model.config
+        return max(seq.tokens) < cfg.vocab_size and len(seq.tokens) <= cfg.max_position_embeddings
 
     def optimize(self, batch: StepBatch, step: int) -> dict[str, Any]:
         """Forward/backward this rank's share, sum gradients across ranks, one optimizer step."""
@@ -191,7 +203,7 @@ class Trainer:
             "loss": float(sums[0]), "tokens": int(sums[1]), "sequences": len(seqs),
             "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std(unbiased=False)),
             "groups": len(batch.groups), "kept_groups": batch.kept_groups,
-            "zero_variance_groups": batch.zero_variance_groups,
+            "zero_variance_groups": batch.zero_variance_groups, "invalid_rollouts": batch.invalid_rollouts,
             "staleness_mean": sum(batch.staleness) / max(len(batch.staleness), 1),
             "staleness_max": max(batch.staleness, default=0),
             "ratio_mean": float(sums[2]) / tokens, "ratio_max": float(ratio_max[0]),
@@ -266,17 +278,28 @@ class Trainer:
         os.replace(tmp, path)
 
     def write_metrics(self, metrics: dict[str, Any]) -> None:
+        """One line per step in metrics.jsonl (fsynced), and the numbers to TensorBoard."""
         path = self.run_dir / "metrics.jsonl"
         with open(path, "a") as f:
             f.write(json.dumps(metrics) + "\n")
             f.flush()
             os.fsync(f.fileno())
+        if self.tensorboard is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(str(self.run_dir / "tensorboard"))
+        for key, value in metrics.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
+                self.tensorboard.add_scalar(f"train/{key}", value, metrics["step"])
+        self.tensorboard.flush()
         log.info("step %d: loss %.4f reward %.3f kept %d/%d groups, %.2f s", metrics["step"], metrics["loss"],
                  metrics["reward_mean"], metrics["kept_groups"], metrics["groups"], metrics["step_s"])
 
     def close(self) -> None:
         if self.store is not None:
             self.store.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
 
 
 def train(cfg: TrainConfig, resume: bool = False) -> None:
