@@ -40,6 +40,14 @@ class Dist:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's object, in rank order, on every rank."""
+        if self.world == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
     def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.world > 1:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM)

@@ -33,16 +33,20 @@ def publish_version(cfg: TrainConfig, step: int, adapter_dir: Path, dist: Dist) 
     dist.barrier()
     if not targets:
         return {"push_ok": 0, "push_failed": 0}
-    from burstrl.weights.push import push_commit, push_shards
+    from burstrl.weights.push import PushReport, push_commit, push_shards
 
-    report = push_shards(volume / name, name, targets, dist.rank, dist.world, retries=w.push_retries)
-    dist.barrier()
+    mine = push_shards(volume / name, name, targets, dist.rank, dist.world, retries=w.push_retries)
+    sent = PushReport.merge(dist.gather(mine))  # every rank's shards are in (or failed)
     if not dist.is_main:
         return {}
-    final = push_commit(volume / name, name, targets, dist.world, retries=w.push_retries)
-    failed = {**report.failed, **final.failed}
-    return {"push_ok": len(targets) - len(failed), "push_failed": len(failed),
-            "push_failures": failed, "push_bytes": report.bytes_sent}
+    final = push_commit(volume / name, name, sent.usable(targets), dist.world, retries=w.push_retries)
+    report = PushReport.merge([sent, final])
+    from burstrl.weights.gc import unload_old
+
+    keep = {f"policy-v{n}" for n in range(max(1, step - w.keep_versions + 1), step + 1)}
+    unload_old(targets, keep)  # a replica keeps a version alive while sessions still use it
+    return {"push_ok": len(report.ok) + len(report.already), "push_failed": len(report.failed),
+            "push_failures": report.failed, "push_bytes": sent.bytes_sent}
 
 
 def _targets(cfg: TrainConfig) -> list:
