@@ -97,6 +97,10 @@ class ServeConfig(Section):
     adapters: dict[str, str] = Field(
         default_factory=dict, description="Adapters loaded at start: name -> PEFT directory."
     )
+    adapter_volume: str = Field(
+        "", description="Versions directory (policy-vN); at start the replica loads the newest "
+        "version from it before it reports ready (late joiners); empty = none."
+    )
 
 
 C = TypeVar("C", bound=BaseModel)
@@ -247,6 +251,7 @@ class TrainerConfig(Section):
     std_norm: bool = Field(True, description="Divide group advantages by the group's reward std.")
     max_staleness: int = Field(4, ge=0, description="Drop groups sampled more than this many versions ago.")
     seed: int = Field(0, description="Seed of every rank's RNGs.")
+    num_threads: int = Field(0, ge=0, description="torch intra-op threads per rank; 0 = cores / world_size.")
     wait_timeout_s: float = Field(0.0, ge=0, description="Fail if no batch arrives in this time; 0 = wait forever.")
     poll_s: float = Field(0.2, gt=0, description="How often to look for new groups while waiting.")
 

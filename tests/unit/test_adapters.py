@@ -81,6 +81,21 @@ def test_upload_without_shard_headers(registry, adapter_dirs):
     assert registry.names() == ["policy-v2"]
 
 
+def test_pack_depends_only_on_file_contents(adapter_dirs, tmp_path):
+    """Trainer ranks pack their own copies: times, owners and modes must not change the bytes."""
+    import os
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(adapter_dirs[0], copy)
+    for f in copy.iterdir():
+        os.utime(f, (1_000_000_000.5, 1_000_000_000.5))
+        f.chmod(0o600)
+    assert pack_adapter(copy, 3, "policy-v1") == pack_adapter(adapter_dirs[0], 3, "policy-v1")
+    with tarfile.open(fileobj=io.BytesIO(b"".join(pack_adapter(copy, 1, "x")[1]))) as tar:
+        assert all(m.mtime == 0 and m.uid == 0 and m.uname == "" for m in tar.getmembers())
+
+
 def test_manifest_round_trips_json(adapter_dirs):
     manifest, _ = pack_adapter(adapter_dirs[0], 2, "policy-v1")
     again = Manifest.parse(json.loads(json.dumps(manifest.to_json())))

@@ -62,11 +62,16 @@ class Manifest:
 
 
 def pack_adapter(directory: str | Path, num_shards: int, name: str) -> tuple[Manifest, list[bytes]]:
-    """Tar a PEFT adapter directory and split it into `num_shards` byte ranges (the sender side)."""
+    """Tar a PEFT adapter directory and split it into `num_shards` byte ranges (the sender side).
+
+    The tar depends only on the files' contents: every trainer rank packs the same version on its
+    own and sends its own shard, so the ranks' bytes (and the manifest rank 0 sends) must agree
+    even when their copies differ in mtime, owner or permissions.
+    """
     buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
         for fname in sorted(ADAPTER_FILES):
-            tar.add(Path(directory) / fname, arcname=fname)
+            tar.add(Path(directory) / fname, arcname=fname, recursive=False, filter=_plain_member)
     blob = buf.getvalue()
     step = -(-len(blob) // num_shards)
     shards = [blob[i * step:(i + 1) * step] for i in range(num_shards)]
@@ -74,6 +79,15 @@ def pack_adapter(directory: str | Path, num_shards: int, name: str) -> tuple[Man
                         sha256=hashlib.sha256(blob).hexdigest(),
                         shard_sha256=[hashlib.sha256(s).hexdigest() for s in shards])
     return manifest, shards
+
+
+def _plain_member(info: tarfile.TarInfo) -> tarfile.TarInfo:
+    """Drop what differs between copies of the same file: times, owners, mode."""
+    info.mtime = 0
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    info.mode = 0o644
+    return info
 
 
 class AdapterRegistry:

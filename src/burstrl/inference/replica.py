@@ -26,6 +26,7 @@ from burstrl.inference.chat import ChatError, ChatTokenizer
 from burstrl.inference.engine import Engine
 from burstrl.inference.openai_api import TokenText
 from burstrl.inference.sessions import SessionTable
+from burstrl.weights.volume import latest, version_name
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +95,23 @@ def build_replica(cfg: ServeConfig) -> Replica:
     engine.on_release = replica.collect_retired
     for name, path in cfg.adapters.items():
         registry.load(name, path)
+    if cfg.adapter_volume:
+        _load_newest_version(registry, Path(cfg.adapter_volume))
     engine.start()
     return replica
+
+
+def _load_newest_version(registry: AdapterRegistry, volume: Path) -> None:
+    """A late joiner serves the newest published version at once instead of after the next push."""
+    found = latest(volume)
+    if found is None:
+        log.info("adapter volume %s holds no version: serving the base model only", volume)
+        return
+    version, path = found
+    name = version_name(version)
+    if name not in registry.names():
+        registry.load(name, path)
+    log.info("loaded %s from the adapter volume (%s)", name, path)
 
 
 def _admin_token(cfg: ServeConfig, state_dir: Path) -> str:

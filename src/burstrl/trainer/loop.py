@@ -58,6 +58,8 @@ class Trainer:
         self.cfg, self.dist = cfg, dist
         self.run_dir = Path(cfg.run_dir)
         self.device = resolve_device(cfg.model.device)
+        cores = max(1, len(os.sched_getaffinity(0)) // dist.world) if hasattr(os, "sched_getaffinity") else 1
+        torch.set_num_threads(cfg.trainer.num_threads or cores)
         torch.manual_seed(cfg.trainer.seed)
         random.seed(cfg.trainer.seed)
         base = load_model(cfg.model.path, cfg.model.dtype, cfg.model.device)

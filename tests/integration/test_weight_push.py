@@ -1,0 +1,216 @@
+"""Publishing versions to real replica processes: sharded push, faults, late joiners, retirement."""
+
+from __future__ import annotations
+
+import socket
+import ssl
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+
+from burstrl.weights.gc import unload_old
+from burstrl.weights.push import PushReport, ReplicaTarget, push, push_commit, push_shards
+from burstrl.weights.volume import publish
+
+from .conftest import ADMIN_TOKEN, Server, start_server, stop_server
+
+PROMPT = [{"role": "user", "content": "Name three colours."}]
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """Two replica processes, started at the same time."""
+    servers: list[Server] = []
+    errors: list[BaseException] = []
+
+    def start(i: int) -> None:
+        try:
+            servers.append(start_server(tiny_model_dir, tmp_path_factory.mktemp(f"replica{i}")))
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, after the other start
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        if errors:
+            raise errors[0]
+        yield sorted(servers, key=lambda s: s.url)
+    finally:
+        for srv in servers:
+            stop_server(srv)
+
+
+@pytest.fixture(scope="module")
+def volume(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A versions directory with policy-v1 .. policy-v4 (random adapters of the tiny model)."""
+    from burstrl.model.lora import make_random_adapter
+
+    root = tmp_path_factory.mktemp("weights")
+    for v in range(1, 5):
+        publish(root / "adapters", v, make_random_adapter(tiny_model_dir, root / f"src{v}", seed=10 + v))
+    return root / "adapters"
+
+
+def targets(servers: list[Server], token: str = ADMIN_TOKEN) -> list[ReplicaTarget]:
+    return [ReplicaTarget(url=s.url, token=token) for s in servers]
+
+
+def models(server: Server) -> list[str]:
+    return [m["id"] for m in server.get("/v1/models")["data"]]
+
+
+def greedy(server: Server, model: str) -> tuple[list[int], list[float]]:
+    body = {"model": model, "messages": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            "logprobs": True, "return_token_ids": True}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["meta_info"]["weight_version"] == model
+    choice = out["choices"][0]
+    return choice["token_ids"], [t["logprob"] for t in choice["logprobs"]["content"]]
+
+
+def closed_port_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+@pytest.mark.parametrize("senders,version", [(1, 1), (3, 2)])
+def test_push_makes_a_version_servable_on_every_replica(pair: list[Server], volume: Path,
+                                                        senders: int, version: int) -> None:
+    name, path = f"policy-v{version}", volume / f"policy-v{version}"
+    report = push(path, name, targets(pair), senders=senders)
+    assert report.failed == {} and sorted(report.ok) == [s.url for s in pair], report
+    assert report.retries == 0 and report.bytes_sent > 2 * path.joinpath("adapter_model.safetensors").stat().st_size
+    for srv in pair:
+        assert name in models(srv)
+    # the pushed bytes serve exactly what the same directory loaded directly serves
+    direct = f"direct-v{version}"
+    r = httpx.post(pair[0].url + "/v1/load_lora_adapter", headers=pair[0].admin(),
+                   json={"lora_name": direct, "lora_path": str(path)}, timeout=60)
+    assert r.status_code == 200, r.text
+    ids_a, lp_a = greedy(pair[0], name)
+    ids_b, lp_b = greedy(pair[1], name)
+    ids_d, lp_d = greedy(pair[0], direct)
+    assert ids_a == ids_b == ids_d and len(ids_a) == 8
+    assert lp_a == pytest.approx(lp_d, abs=1e-5) and lp_b == pytest.approx(lp_d, abs=1e-5)
+    assert greedy(pair[0], "base") != (ids_a, lp_a)  # the adapter is really applied
+
+
+def test_ranks_push_their_own_shards_then_rank_zero_commits(pair: list[Server], volume: Path) -> None:
+    """The trainer's flow: W ranks each pack and send their shards; a barrier; rank 0 commits."""
+    name, path, world = "policy-v3", volume / "policy-v3", 4
+    reports = [push_shards(path, name, targets(pair), rank=r, world_size=world) for r in range(world)]
+    assert [len(r.ok) for r in reports] == [2] * world
+    sent = PushReport.merge(reports)
+    assert sent.ok == reports[0].ok and sent.failed == {}
+    committed = push_commit(path, name, sent.usable(targets(pair)), world_size=world)
+    assert sorted(committed.ok) == [s.url for s in pair] and committed.failed == {}
+    assert all(name in models(s) for s in pair)
+    again = push(path, name, targets(pair), senders=2)  # a resumed trainer pushing the same version
+    assert sorted(again.already) == sorted(again.ok) == [s.url for s in pair] and again.bytes_sent == 0
+
+
+def test_a_replica_that_is_down_is_reported_and_the_others_serve(pair: list[Server], volume: Path) -> None:
+    dead = closed_port_url()
+    report = push(volume / "policy-v4", "policy-v4", [*targets(pair), ReplicaTarget(dead, ADMIN_TOKEN)],
+                  senders=2, retries=2, backoff_s=0.01)
+    assert sorted(report.ok) == [s.url for s in pair]
+    assert list(report.failed) == [dead] and "ConnectError" in report.failed[dead]
+    assert "after 2 retries" in report.failed[dead] and report.retries >= 2
+    assert all("policy-v4" in models(s) for s in pair)
+
+
+def test_a_wrong_token_is_reported_with_the_401(pair: list[Server], volume: Path,
+                                                tiny_model_dir: Path, tmp_path: Path) -> None:
+    from burstrl.model.lora import make_random_adapter
+
+    path = publish(volume, 5, make_random_adapter(tiny_model_dir, tmp_path / "v5", seed=15))
+    good, bad = pair[0], pair[1]
+    report = push(path, "policy-v5", [ReplicaTarget(good.url, ADMIN_TOKEN), ReplicaTarget(bad.url, "wrong")],
+                  senders=2, backoff_s=0.01)
+    assert report.ok == [good.url] and list(report.failed) == [bad.url]
+    assert "HTTP 401" in report.failed[bad.url] and "bearer token" in report.failed[bad.url]
+    assert report.retries == 0  # a 4xx is not retried
+    assert "policy-v5" in models(good) and "policy-v5" not in models(bad)
+
+
+def test_a_late_joiner_serves_the_newest_version_at_once(tiny_model_dir: Path, volume: Path,
+                                                         tmp_path: Path) -> None:
+    from burstrl.model.lora import make_random_adapter
+
+    newest = publish(volume, 9, make_random_adapter(tiny_model_dir, tmp_path / "v9", seed=19))
+    broken = publish(volume, 10, newest)  # same files as v9, then damaged: must be skipped
+    (broken / "adapter_model.safetensors").write_bytes(b"truncated")
+    srv = start_server(tiny_model_dir, tmp_path / "late", "--adapter_volume", str(volume))
+    try:
+        served = models(srv)
+        assert "policy-v9" in served and "policy-v10" not in served
+        assert greedy(srv, "policy-v9")[0]
+        assert "loaded policy-v9 from the adapter volume" in srv.replica.log.read_text()
+        report = push(newest, "policy-v9", targets([srv]))  # it already serves it: nothing to send
+        assert report.already == [srv.url] and report.bytes_sent == 0
+    finally:
+        stop_server(srv)
+
+
+def test_a_replica_with_an_empty_volume_serves_the_base_model(tiny_model_dir: Path, tmp_path: Path) -> None:
+    srv = start_server(tiny_model_dir, tmp_path / "empty", "--adapter_volume", str(tmp_path / "none"))
+    try:
+        assert models(srv) == ["base"]
+    finally:
+        stop_server(srv)
+
+
+@pytest.mark.slow
+def test_push_over_tls_checks_the_certificate(tiny_model_dir: Path, volume: Path, tmp_path: Path) -> None:
+    import shutil
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl CLI not installed")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    srv = start_server(tiny_model_dir, tmp_path / "tls", "--server.ssl_certfile", str(cert),
+                       "--server.ssl_keyfile", str(key))
+    try:
+        untrusted = push(volume / "policy-v1", "policy-v1", [ReplicaTarget(srv.url, ADMIN_TOKEN)], retries=0)
+        assert list(untrusted.failed) == [srv.url] and "CERTIFICATE_VERIFY_FAILED" in untrusted.failed[srv.url]
+        trusted = push(volume / "policy-v1", "policy-v1", [ReplicaTarget(srv.url, ADMIN_TOKEN, verify=str(cert))],
+                       senders=2)
+        assert trusted.ok == [srv.url] and trusted.failed == {}
+        r = httpx.get(srv.url + "/v1/models", verify=ssl.create_default_context(cafile=str(cert)))
+        assert "policy-v1" in [m["id"] for m in r.json()["data"]]
+    finally:
+        stop_server(srv)
+
+
+def test_unload_old_retires_old_versions(pair: list[Server], volume: Path) -> None:
+    for v in (6, 7):
+        report = push(publish(volume, v, volume / "policy-v4"), f"policy-v{v}", targets(pair))
+        assert not report.failed, report
+    pinned = {"model": "policy-v6", "messages": PROMPT, "max_tokens": 2, "session_id": "pinned-v6"}
+    assert httpx.post(pair[0].url + "/v1/chat/completions", json=pinned, timeout=60).status_code == 200
+    report = unload_old(targets(pair), keep_names={"policy-v7"})
+    assert report.failed == {} and sorted(report.ok) == [s.url for s in pair]
+    assert report.unloaded[pair[0].url]["policy-v6"] == "retiring"  # its session still runs on it
+    assert report.unloaded[pair[1].url]["policy-v6"] == "unloaded"
+    for srv in pair:
+        served = models(srv)
+        assert "policy-v7" in served
+        assert all(n in ("base", "policy-v7") or n.startswith("direct-") for n in served)  # others left alone
+    again = httpx.post(pair[0].url + "/v1/chat/completions", json=pinned, timeout=60)
+    assert again.status_code == 200  # the pinned rollout finishes on its version
+    assert "policy-v6" in pair[0].get("/v1/loads")["retiring_versions"]
+    assert httpx.delete(pair[0].url + "/v1/traces/pinned-v6", headers=pair[0].admin()).status_code == 200
+    assert "policy-v6" not in pair[0].get("/v1/loads")["retiring_versions"]
+
