@@ -119,7 +119,7 @@ def test_shard_sha_header_mismatch_is_refused(registry, adapter_dirs):
     with pytest.raises(UploadError, match="sha256 mismatch"):
         registry.put_shard("policy-v1", 2, 3, shards[2], "0" * 64)
     # the corrupt shard was never staged
-    assert sorted(p.name for p in _staging(registry, "policy-v1").iterdir()) == ["shard-0.of-3"]
+    assert sorted(p.name for p in _staging(registry, "policy-v1").iterdir()) == ["shard-0.of-3", "shard-0.of-3.sha256"]
     registry.put_shard("policy-v1", 2, 3, shards[2], manifest.shard_sha256[2].upper())
     registry.put_manifest("policy-v1", manifest.to_json())
     _refused(registry, "policy-v1", "shard 1 of 3 missing")

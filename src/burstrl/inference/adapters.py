@@ -154,13 +154,16 @@ class AdapterRegistry:
     def put_shard(self, name: str, index: int, of: int, data: bytes, sha256: str | None) -> None:
         if not 0 <= index < of <= 4096:
             raise UploadError("shard index must satisfy 0 <= i < of <= 4096")
-        if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256.lower():
+        digest = hashlib.sha256(data).hexdigest()  # once, on arrival: commit compares, never rehashes
+        if sha256 is not None and digest != sha256.lower():
             raise UploadError(f"shard {index}: sha256 mismatch")
         staging = self._staging(name)
         staging.mkdir(parents=True, exist_ok=True)
-        tmp = staging / f"shard-{index}.of-{of}.tmp"
+        final = staging / f"shard-{index}.of-{of}"
+        tmp = final.with_name(final.name + ".tmp")
         tmp.write_bytes(data)
-        tmp.rename(staging / f"shard-{index}.of-{of}")
+        final.with_name(final.name + ".sha256").write_text(digest)
+        tmp.rename(final)
 
     def put_manifest(self, name: str, data: Any) -> Manifest:
         manifest = Manifest.parse(data)
@@ -196,17 +199,19 @@ class AdapterRegistry:
         if not (staging / "manifest.json").is_file():
             raise UploadError("no manifest uploaded")
         manifest = Manifest.parse(json.loads((staging / "manifest.json").read_text()))
-        parts = []
+        parts, whole = [], hashlib.sha256()
         for i, want in enumerate(manifest.shard_sha256):
             path = staging / f"shard-{i}.of-{manifest.num_shards}"
-            if not path.is_file():
+            digest = path.with_name(path.name + ".sha256")
+            if not path.is_file() or not digest.is_file():
                 raise UploadError(f"shard {i} of {manifest.num_shards} missing")
-            data = path.read_bytes()
-            if hashlib.sha256(data).hexdigest() != want:
+            if digest.read_text() != want:
                 raise UploadError(f"shard {i}: sha256 does not match the manifest")
+            data = path.read_bytes()
+            whole.update(data)
             parts.append(data)
         blob = b"".join(parts)
-        if len(blob) != manifest.total_bytes or hashlib.sha256(blob).hexdigest() != manifest.sha256:
+        if len(blob) != manifest.total_bytes or whole.hexdigest() != manifest.sha256:
             raise UploadError("assembled adapter does not match the manifest sha256/size")
         return blob
 

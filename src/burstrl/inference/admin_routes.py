@@ -6,6 +6,7 @@ sessions; an upload that fails any check returns 4xx and is never served.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any
 
@@ -59,7 +60,9 @@ def add_admin_routes(app: FastAPI, rep: Replica, api_error: type[Exception],
         require_admin(rep, request)
         data = await read_body(request, rep.cfg.server.max_shard_bytes)
         try:
-            rep.registry.put_shard(name, index, of, data, request.headers.get("x-shard-sha256"))
+            # off the event loop: hashing and writing a large shard must not stall generation
+            await asyncio.to_thread(rep.registry.put_shard, name, index, of, data,
+                                    request.headers.get("x-shard-sha256"))
         except UploadError as exc:
             raise fail(400, exc) from None
         return {"name": name, "shard": index, "of": of, "bytes": len(data)}
@@ -78,7 +81,7 @@ def add_admin_routes(app: FastAPI, rep: Replica, api_error: type[Exception],
     async def commit(name: str, request: Request) -> dict[str, Any]:
         require_admin(rep, request)
         try:
-            rep.registry.commit(name)
+            await asyncio.to_thread(rep.registry.commit, name)
         except (UploadError, AdapterError) as exc:
             raise fail(422, exc) from None
         rep.counters.adapters_loaded += 1
