@@ -247,6 +247,10 @@ class TrainerConfig(Section):
     clip_high: float = Field(0.28, ge=0, description="PPO ratio clip: upper bound 1 + clip_high.")
     tis_cap: float = Field(2.0, ge=0, description="Truncated importance sampling cap on the ratio; 0 = off.")
     kl_coef: float = Field(0.0, ge=0, description="Coefficient of the KL penalty to the base model; 0 = off.")
+    temperature: float = Field(
+        1.0, gt=0, description="Sampling temperature of the rollouts: the trainer scores tokens with logits / T, "
+        "the distribution the replica sampled from and reported logprobs for."
+    )
     loss_agg: Literal["token-mean", "sequence-mean"] = Field("token-mean", description="Loss aggregation.")
     std_norm: bool = Field(True, description="Divide group advantages by the group's reward std.")
     max_staleness: int = Field(4, ge=0, description="Drop groups sampled more than this many versions ago.")

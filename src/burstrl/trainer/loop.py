@@ -236,6 +236,8 @@ class Trainer:
     def _token_logprobs(self, ids: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
         """log pi(token_j | tokens_<j) for j = 1..L-1: [B, L-1], float32."""
         logits = self.model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
+        if self.cfg.trainer.temperature != 1.0:  # the behaviour logprobs are of logits / T
+            logits = logits / self.cfg.trainer.temperature
         targets = ids[:, 1:]
         return logits.gather(-1, targets[..., None])[..., 0] - torch.logsumexp(logits, dim=-1)
 

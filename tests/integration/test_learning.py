@@ -1,0 +1,99 @@
+"""RL actually learns: GRPO on a LoRA, rollouts sampled from a live replica that serves each new version.
+
+The test plays a minimal synchronous orchestrator: for each step it samples groups of attempts at
+toy tasks from the newest version the replica serves, grades them, writes them to the store, and
+waits for the trainer (a real `burstrl train` process) to push the next version.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from burstrl.envs import toy
+from burstrl.store import Rollout, RolloutStore, Turn
+
+from .conftest import ADMIN_TOKEN, Server, start_server, stop_server
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS, GROUPS, G = 30, 8, 8
+TEMPERATURE = 0.5  # the warm model is flat: at T = 1 almost no attempt succeeds
+
+
+def attempt(server: Server, model: str, task: toy.ToyTask, sid: str, seed: int) -> Rollout:
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
+        "model": model, "messages": toy.messages(task), "max_tokens": 4, "temperature": TEMPERATURE,
+        "seed": seed, "session_id": sid})
+    r.raise_for_status()
+    total, parts = toy.reward(task, r.json()["choices"][0]["message"]["content"])
+    calls = httpx.get(f"{server.url}/v1/traces/{sid}", timeout=30).json()["calls"]
+    httpx.delete(f"{server.url}/v1/traces/{sid}", headers=server.admin(), timeout=30)
+    version = 0 if model == "base" else int(model.removeprefix("policy-v"))
+    turns = [Turn(prompt_ids=c["prompt_ids"], completion_ids=c["completion_ids"], logprobs=c["logprobs"],
+                  version=version) for c in calls]
+    return Rollout(id=sid, turns=turns, reward=total, reward_parts=parts)
+
+
+def wait_for_version(server: Server, name: str, trainer: subprocess.Popen, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if name in [m["id"] for m in server.get("/v1/models")["data"]]:
+            return
+        assert trainer.poll() is None, f"trainer exited with {trainer.returncode}"
+        time.sleep(0.1)
+    raise TimeoutError(f"{name} was not pushed in {timeout:.0f} s")
+
+
+def greedy_score(server: Server, model: str, tasks: list[toy.ToyTask]) -> float:
+    scores = []
+    for task in tasks:
+        r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+            "model": model, "messages": toy.messages(task), "max_tokens": 4, "temperature": 0})
+        scores.append(toy.reward(task, r.json()["choices"][0]["message"]["content"])[0])
+    return sum(scores) / len(scores)
+
+
+@pytest.mark.slow
+def test_grpo_raises_the_reward_of_a_warm_started_model(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from burstrl.trainer.sft import ensure_warm_model
+
+    warm = ensure_warm_model(tiny_model_dir, REPO / ".cache" / "tiny-qwen3-warm")
+    server = start_server(warm, tmp_path / "replica")
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-c", "from burstrl.cli import main; main()", "train", "--model.path", str(warm),
+           "--run_dir", str(run_dir), "--trainer.steps", str(STEPS), "--trainer.batch_groups", str(GROUPS),
+           "--trainer.lr", "2e-3", "--trainer.temperature", str(TEMPERATURE), "--trainer.max_staleness", "0", "--trainer.num_threads", "1",
+           "--weights.replicas", json.dumps([server.url])]
+    env = {**os.environ, "BURSTRL_ADMIN_TOKEN": ADMIN_TOKEN}
+    trainer = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "train.log", "w"))
+    held_out = toy.make_tasks(52, seed=7, split="test")
+    try:
+        before = greedy_score(server, "base", held_out)
+        with RolloutStore(run_dir / "store.sqlite") as store, ThreadPoolExecutor(G) as pool:
+            for step in range(STEPS):
+                model = "base" if step == 0 else f"policy-v{step}"
+                for g, task in enumerate(toy.make_tasks(GROUPS, seed=step, split="train")):
+                    futures = [pool.submit(attempt, server, model, task, f"s{step}-{g}-{i}", 1000 * step + 8 * g + i)
+                               for i in range(G)]
+                    store.put_group(task.id, [f.result() for f in futures])
+                wait_for_version(server, f"policy-v{step + 1}", trainer)
+        assert trainer.wait(timeout=120) == 0, (tmp_path / "train.log").read_text()[-3000:]
+        after = greedy_score(server, f"policy-v{STEPS}", held_out)
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+        stop_server(server)
+    rewards = [json.loads(line)["reward_mean"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    last = sum(rewards[-5:]) / 5
+    print(f"sampled reward {rewards[0]:.3f} -> {last:.3f} (last 5); greedy held-out {before:.3f} -> {after:.3f}")
+    # measured (seeded): sampled 0.19 -> 0.42, greedy held-out 0.37 -> 0.93; margins leave room for noise
+    assert last >= rewards[0] + 0.12, rewards
+    assert after >= before + 0.3, (before, after)
