@@ -71,7 +71,7 @@ def test_two_ranks_train_like_one(tiny_model_dir: Path, tmp_path: Path) -> None:
     one.mkdir()
     fill_store(one / "store.sqlite", tiny_model_dir, groups=4)
     shutil.copytree(one, two)
-    common = ("--trainer.steps", "2", "--trainer.micro_batch_tokens", "64")
+    common = ("--trainer.steps", "2", "--trainer.micro_batch_tokens", "64", "--trainer.kl_coef", "0.1")
     r1 = run_train(one, tiny_model_dir, *common)
     assert r1.returncode == 0, r1.stderr[-3000:]
     r2 = run_train(two, tiny_model_dir, *common, "--trainer.world_size", "2")
@@ -81,6 +81,7 @@ def test_two_ranks_train_like_one(tiny_model_dir: Path, tmp_path: Path) -> None:
         assert a["tokens"] == b["tokens"] and a["kept_groups"] == b["kept_groups"]
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-7)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+    assert m1[0]["kl"] == 0.0 and m1[1]["kl"] > 0  # the adapter starts as the base model (B = 0)
     w1, w2 = adapter(one, 2), adapter(two, 2)
     assert w1.keys() == w2.keys()
     for key in w1:
