@@ -55,6 +55,33 @@ def make_tiny(
         _fail(str(exc))
 
 
+@app.command("sft")
+def sft_command(
+    model: Path = typer.Option(..., "--model", help="Base model directory (HF format)."),
+    data: Path = typer.Option(..., "--data", help='JSONL demonstrations, one {"messages": [...]} per line.'),
+    out: Path = typer.Option(..., "--out", help="Directory to write (must be missing or empty)."),
+    steps: int = typer.Option(200, min=1, help="Optimizer steps."),
+    epochs: int | None = typer.Option(None, min=1, help="Passes over the data (overrides --steps)."),
+    lr: float = typer.Option(1e-4, min=0.0, help="AdamW learning rate."),
+    batch_size: int = typer.Option(8, "--batch-size", min=1, help="Conversations per step."),
+    lora: bool = typer.Option(False, "--lora", help="Train a LoRA adapter; OUT is a PEFT adapter dir."),
+    seed: int = typer.Option(0, help="Seed of data order and initialisation."),
+    log_every: int = typer.Option(10, "--log-every", min=0, help="Print the loss every N steps (0 = never)."),
+    device: str = typer.Option("auto", help="torch device; auto = cuda if available else cpu."),
+    force: bool = typer.Option(False, "--force", help="Replace a non-empty OUT."),
+) -> None:
+    """Supervised fine-tuning on chat demonstrations (loss on assistant replies only)."""
+    if not model.is_dir():
+        _fail(f"{model}: no such model directory")
+    from burstrl.trainer.sft import SFTDataError, sft
+
+    try:
+        sft(model, data, out, steps=steps, epochs=epochs, lr=lr, batch_size=batch_size, lora=lora,
+            seed=seed, log_every=log_every, device=device, force=force)
+    except (SFTDataError, FileExistsError) as exc:
+        _fail(str(exc))
+
+
 @app.command(
     context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
     epilog=OVERRIDES_HELP,
@@ -83,6 +110,44 @@ def serve(
     from burstrl.inference.replica import serve as run_server
 
     run_server(cfg)
+
+
+@app.command(
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    epilog=OVERRIDES_HELP,
+    options_metavar="[CONFIG.toml ...] [OPTIONS] [--section.key VALUE ...]",
+)
+def train(
+    ctx: typer.Context,
+    resume: bool = typer.Option(False, "--resume", help="Continue from the last committed step."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the resolved config and exit."),
+) -> None:
+    """GRPO on a LoRA adapter from the rollout store: [CONFIG.toml ...] then overrides."""
+    import logging
+
+    from burstrl.config import ConfigError, TrainConfig, dump_toml, load_config
+
+    files, overrides = split_args(list(ctx.args))
+    try:
+        cfg = load_config(TrainConfig, files, overrides)
+    except (ConfigError, OSError) as exc:
+        _fail(str(exc))
+    if not cfg.model.path:
+        _fail("model.path is required (--model.path DIR)")
+    if dry_run:
+        typer.echo(dump_toml(cfg), nl=False)
+        return
+    from burstrl.store.store import StoreError
+    from burstrl.trainer.checkpoint import CheckpointError
+    from burstrl.trainer.launch import launch
+    from burstrl.trainer.loop import TrainError
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        code = launch(cfg, resume)
+    except (TrainError, CheckpointError, StoreError) as exc:
+        _fail(str(exc))
+    raise typer.Exit(code)
 
 
 def split_args(args: list[str]) -> tuple[list[str], list[str]]:

@@ -1,0 +1,122 @@
+"""Toy single-turn task: repeat the letters the user gives, nothing else.
+
+Why this task: the tiny model (4 layers, 128 wide, random init) must be able to learn it in
+seconds on a CPU, and GRPO needs a reward that is verifiable and dense enough that a group of
+attempts at one prompt rarely scores all the same. Copying 1-3 uppercase letters fits: in the
+tiny tokenizer `Repeat the letter: K` carries the letter as the token " K", and the answer is the
+different token "K", so the model must learn a real mapping (chance is 1 in 26 per letter), and
+partial answers (right first letter, right length) earn partial credit.
+
+Difficulty is the number of letters (1 = a single letter). The train and test splits draw from
+separate random streams: with one letter there are only 26 distinct prompts, so "held out" means
+fresh draws from the same distribution, not unseen content.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import string
+from dataclasses import dataclass
+from pathlib import Path
+
+SYSTEM_PROMPT = "Reply with exactly the letters the user asks for, nothing else."
+LETTERS = string.ascii_uppercase
+MAX_DIFFICULTY = 8
+SPLITS = ("train", "test")
+
+# total = sum(weight * part); the weights sum to 1, so total is in [0, 1].
+# exact dominates (that is the task); prefix gives credit for each leading letter right; format
+# rewards replying with only letters, as many as asked (the model learned to stop and not chatter).
+REWARD_WEIGHTS = {"exact": 0.6, "prefix": 0.3, "format": 0.1}
+
+
+@dataclass
+class ToyTask:
+    """One prompt and its exact expected answer."""
+
+    id: str
+    prompt: str
+    answer: str
+    difficulty: int
+
+
+def make_tasks(n: int, seed: int, difficulty: int = 1, split: str = "train") -> list[ToyTask]:
+    """`n` tasks of `difficulty` letters each; the same arguments always give the same tasks.
+
+    Letters are drawn independently (repeats allowed). Ids name the split, difficulty, seed and
+    index, so tasks from different calls never share an id.
+    """
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    if not 1 <= difficulty <= MAX_DIFFICULTY:
+        raise ValueError(f"difficulty must be in 1..{MAX_DIFFICULTY}, got {difficulty}")
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    # A string seed is hashed with sha512 by `random`, so it is stable across processes.
+    rng = random.Random(f"burstrl-toy:{split}:{seed}:{difficulty}")
+    noun = "letter" if difficulty == 1 else "letters"
+    tasks = []
+    for i in range(n):
+        answer = "".join(rng.choice(LETTERS) for _ in range(difficulty))
+        tasks.append(
+            ToyTask(
+                id=f"toy-{split}-d{difficulty}-s{seed}-{i:05d}",
+                prompt=f"Repeat the {noun}: {answer}",
+                answer=answer,
+                difficulty=difficulty,
+            )
+        )
+    return tasks
+
+
+def messages(task: ToyTask) -> list[dict[str, str]]:
+    """The chat the model answers: a short system prompt, then the user's request."""
+    return [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": task.prompt},
+    ]
+
+
+def reward(task: ToyTask, completion_text: str) -> tuple[float, dict[str, float]]:
+    """Grade a completion: (total in [0, 1], named parts each in [0, 1]).
+
+    Surrounding whitespace is ignored (a trailing newline is not an error); everything else,
+    case included, must match. Parts:
+      exact  - 1 if the reply is exactly the answer;
+      prefix - fraction of the answer's letters matched from the start, before the first mistake;
+      format - 1 if the reply is only ASCII letters, exactly as many as the answer has.
+    total = 0.6 * exact + 0.3 * prefix + 0.1 * format (REWARD_WEIGHTS).
+    """
+    text = completion_text.strip()
+    answer = task.answer
+    matched = 0
+    for got, want in zip(text, answer):
+        if got != want:
+            break
+        matched += 1
+    parts = {
+        "exact": float(text == answer),
+        "prefix": matched / len(answer),
+        "format": float(len(text) == len(answer) and text.isascii() and text.isalpha()),
+    }
+    total = sum(REWARD_WEIGHTS[name] * value for name, value in parts.items())
+    return round(total, 6), parts  # rounded so a perfect reply scores exactly 1.0
+
+
+def demonstrations(tasks: list[ToyTask]) -> list[dict[str, list[dict[str, str]]]]:
+    """Chat rows for supervised warm starts: the task's messages plus the correct reply."""
+    return [
+        {"messages": messages(task) + [{"role": "assistant", "content": task.answer}]}
+        for task in tasks
+    ]
+
+
+def write_jsonl(rows: list[dict], path: str | Path) -> Path:
+    """One JSON object per line (the format `burstrl sft --data` reads)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    return path
