@@ -12,9 +12,7 @@ leaves half a model where a cache expects a whole one. Same arguments, same Pyth
 
 from __future__ import annotations
 
-import errno
 import json
-import os
 import random
 import shutil
 import string
@@ -28,6 +26,7 @@ from pathlib import Path
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from burstrl.atomic import check_target, make_readable, publish_dir
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
@@ -74,7 +73,7 @@ def make_tiny_model(
 ) -> Path:
     """Write the tiny model directory at `out` atomically; refuse a non-empty `out` unless force."""
     out = Path(out).absolute()
-    _check_target(out, force)
+    check_target(out, force)
     if hidden % 8 or hidden <= 0:
         raise ValueError(f"hidden must be a positive multiple of 8 (4 heads, even head_dim), got {hidden}")
     recipe = _recipe(layers, hidden, vocab, seed)
@@ -88,8 +87,8 @@ def make_tiny_model(
         n_params = _write_weights(tmp, tokenizer, layers=layers, hidden=hidden, seed=seed)
         _log(f"model: {n_params / 1e6:.2f}M parameters ({time.perf_counter() - start:.1f}s)")
         (tmp / RECIPE_FILE).write_text(json.dumps(recipe, indent=2) + "\n")
-        _make_readable(tmp)
-        _publish(tmp, out, force)
+        make_readable(tmp)
+        publish_dir(tmp, out, force)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -225,40 +224,8 @@ def _write_weights(out: Path, tokenizer: PreTrainedTokenizerFast, *, layers: int
     return sum(p.numel() for p in model.parameters())
 
 
-def _check_target(out: Path, force: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise FileExistsError(f"{out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise FileExistsError(f"{out} exists and is not empty (use --force to replace it)")
-
-
-def _publish(tmp: Path, out: Path, force: bool) -> None:
-    """Rename the finished temp dir to `out`; with force, swap out the old one first."""
-    if out.is_dir() and any(out.iterdir()):
-        if not force:
-            raise FileExistsError(f"{out} appeared while the model was being written")
-        trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-        os.replace(out, trash / out.name)
-        os.replace(tmp, out)
-        shutil.rmtree(trash)
-        return
-    try:
-        os.replace(tmp, out)  # atomic; also replaces an empty directory
-    except OSError as exc:
-        if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
-            raise FileExistsError(f"{out} appeared while the model was being written") from exc
-        raise
-
-
 def _recipe(layers: int, hidden: int, vocab: int, seed: int) -> dict:
     return {"recipe": RECIPE_VERSION, "layers": layers, "hidden": hidden, "vocab": vocab, "seed": seed}
-
-
-def _make_readable(tmp: Path) -> None:
-    """mkdtemp makes a private dir (and safetensors a private file); a model dir is for everyone."""
-    os.chmod(tmp, 0o755)
-    for path in tmp.iterdir():
-        os.chmod(path, 0o644)
 
 
 def _read_recipe(out: Path) -> dict | None:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from burstrl.atomic import fsync_dir
 
 
 class CheckpointError(RuntimeError):
@@ -52,7 +53,7 @@ def save(run_dir: Path, step: int, model: Any, optimizer: torch.optim.Optimizer,
     if final.exists():  # a leftover of a crash before its commit: never referenced by the store
         shutil.rmtree(final)
     os.rename(tmp, final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
     return final
 
 
@@ -90,12 +91,6 @@ def _fsync_tree(root: Path) -> None:
         if path.is_file():
             with open(path, "rb") as f:
                 os.fsync(f.fileno())
-    _fsync_dir(root)
+    fsync_dir(root)
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

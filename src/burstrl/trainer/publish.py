@@ -45,7 +45,7 @@ def publish_version(cfg: TrainConfig, step: int, adapter_dir: Path, dist: Dist) 
 
     keep = {f"policy-v{n}" for n in range(max(1, step - w.keep_versions + 1), step + 1)}
     unload_old(targets, keep)  # a replica keeps a version alive while sessions still use it
-    return {"push_ok": len(report.ok) + len(report.already), "push_failed": len(report.failed),
+    return {"push_ok": len(report.ok), "push_failed": len(report.failed),
             "push_failures": report.failed, "push_bytes": sent.bytes_sent}
 
 

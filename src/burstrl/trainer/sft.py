@@ -13,10 +13,8 @@ Only assistant tokens are trained on: each assistant turn's content and its end 
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
-import os
 import random
 import shutil
 import sys
@@ -33,6 +31,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from burstrl.envs import toy
 from burstrl.model.hf import load_model, load_tokenizer
 from burstrl.trainer.toy_eval import ToyScore, greedy_score, sampled_score
+from burstrl.atomic import check_target, make_readable, publish_dir
 
 IGNORE = -100  # label of tokens the loss skips (HF's convention)
 SFT_MARKER = "burstrl_sft.json"
@@ -89,7 +88,7 @@ def sft(
     atomically; a non-empty `out_dir` is refused unless `force`.
     """
     out = Path(out_dir).absolute()
-    _check_target(out, force)
+    check_target(out, force)
     conversations = load_conversations(data_path)  # before loading the model: fail fast
     tokenizer = load_tokenizer(model_dir)
     examples = [encode_conversation(tokenizer, conv) for conv in conversations]
@@ -125,8 +124,8 @@ def _write_output(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, ou
         else:
             save_model_dir(model, tokenizer, tmp)
         (tmp / SFT_MARKER).write_text(json.dumps(recipe, indent=2) + "\n")
-        _make_readable(tmp)
-        _publish(tmp, out, force)
+        make_readable(tmp)
+        publish_dir(tmp, out, force)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -386,8 +385,8 @@ def _publish_warm(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, ou
     try:
         save_model_dir(model, tokenizer, tmp)
         (tmp / WARM_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
-        _make_readable(tmp)
-        _publish(tmp, out, force=stale)
+        make_readable(tmp)
+        publish_dir(tmp, out, force=stale)
     except FileExistsError:
         shutil.rmtree(tmp, ignore_errors=True)
         winner = _read_marker(out, WARM_MARKER)
@@ -398,38 +397,6 @@ def _publish_warm(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, ou
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
-
-
-def _check_target(out: Path, force: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise FileExistsError(f"{out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise FileExistsError(f"{out} exists and is not empty (use --force to replace it)")
-
-
-def _publish(tmp: Path, out: Path, force: bool) -> None:
-    """Rename the finished temp dir to `out`; with force, swap out a non-empty `out` first."""
-    if force and out.is_dir() and any(out.iterdir()):
-        trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-        try:
-            os.replace(out, trash / out.name)
-        except FileNotFoundError:
-            pass  # a racing writer moved it first
-        shutil.rmtree(trash)
-    try:
-        os.replace(tmp, out)  # atomic; replaces a missing or empty directory only
-    except OSError as exc:
-        if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
-            raise FileExistsError(f"{out} appeared while it was being written") from exc
-        raise
-
-
-def _make_readable(path: Path) -> None:
-    """mkdtemp makes a private dir; a model dir is for every user of the cache."""
-    os.chmod(path, 0o755)
-    for child in path.iterdir():
-        if child.is_file():
-            os.chmod(child, 0o644)
 
 
 def _read_marker(out: Path, name: str) -> dict | None:

@@ -7,10 +7,9 @@ its last session is released: a rollout always finishes on the version it starte
 
 from __future__ import annotations
 
-import time
+import httpx
 
-from burstrl.weights.push import (TRANSIENT, PushReport, ReplicaTarget, TargetFailed, call_with_retries,
-                                  in_parallel)
+from burstrl.weights.push import TRANSIENT, PushReport, ReplicaTarget, call_with_retries, for_each_target
 from burstrl.weights.volume import VERSION_DIR
 
 
@@ -21,27 +20,14 @@ def unload_old(targets: list[ReplicaTarget], keep_names: set[str], retries: int 
     Other adapters (names that are not versions) are left alone. The report's `unloaded` maps each
     replica to {name: 'unloaded' | 'retiring'}; a replica that fails is reported, not raised.
     """
-    start = time.monotonic()
+    def unload(target: ReplicaTarget, client: httpx.Client, report: PushReport) -> None:
+        r = call_with_retries(client, "GET", "/v1/models", report, retries, backoff_s, TRANSIENT)
+        names = [m["id"] for m in r.json().get("data", []) if VERSION_DIR.fullmatch(str(m.get("id")))]
+        states = report.unloaded.setdefault(target.url, {})
+        for name in names:
+            if name not in keep_names:
+                r = call_with_retries(client, "POST", "/v1/unload_lora_adapter", report, retries,
+                                      backoff_s, TRANSIENT, json={"lora_name": name})
+                states[name] = r.json()["status"]
 
-    def one(target: ReplicaTarget) -> PushReport:
-        report = PushReport()
-        with target.client(timeout_s) as client:
-            try:
-                r = call_with_retries(client, "GET", "/v1/models", report, retries, backoff_s, TRANSIENT)
-                names = [m["id"] for m in r.json().get("data", []) if VERSION_DIR.fullmatch(str(m.get("id")))]
-                states = report.unloaded.setdefault(target.url, {})
-                for name in names:
-                    if name in keep_names:
-                        continue
-                    r = call_with_retries(client, "POST", "/v1/unload_lora_adapter", report, retries,
-                                          backoff_s, TRANSIENT, json={"lora_name": name})
-                    states[name] = r.json()["status"]
-            except TargetFailed as exc:
-                report.failed[target.url] = str(exc)
-                return report
-        report.ok.append(target.url)
-        return report
-
-    report = PushReport.merge(in_parallel(one, targets))
-    report.seconds = time.monotonic() - start
-    return report
+    return for_each_target(targets, timeout_s, unload)

@@ -116,25 +116,39 @@ def send_shards(manifest: Manifest, shards: list[bytes], targets: list[ReplicaTa
                 timeout_s: float = 120.0) -> PushReport:
     """`push_shards` for an already packed version (so one process can pack once for all senders)."""
     mine = list(range(rank, manifest.num_shards, world_size))
+
+    def send(target: ReplicaTarget, client: httpx.Client, report: PushReport) -> None:
+        if _serves(client, manifest.name, report, retries, backoff_s):
+            report.already.append(target.url)
+            return
+        for i in mine:
+            call_with_retries(
+                client, "PUT", f"/v1/adapters/{manifest.name}/shards/{i}", report, retries,
+                backoff_s, TRANSIENT, body=shards[i], params={"of": manifest.num_shards},
+                headers={"X-Shard-SHA256": manifest.shard_sha256[i]})
+            report.bytes_sent += len(shards[i])
+
+    return for_each_target(targets, timeout_s, send)
+
+
+def for_each_target(targets: list[ReplicaTarget], timeout_s: float,
+                    work: Callable[[ReplicaTarget, httpx.Client, PushReport], None]) -> PushReport:
+    """Run `work` for every target in parallel, each with its own client and report.
+
+    A target whose work raises TargetFailed is reported failed (with the reason), never raised;
+    one that finishes is ok. `seconds` is the wall time of the whole.
+    """
     start = time.monotonic()
 
     def one(target: ReplicaTarget) -> PushReport:
         report = PushReport()
         with target.client(timeout_s) as client:
             try:
-                if _serves(client, manifest.name, report, retries, backoff_s):
-                    report.already.append(target.url)
-                else:
-                    for i in mine:
-                        call_with_retries(
-                            client, "PUT", f"/v1/adapters/{manifest.name}/shards/{i}", report, retries,
-                            backoff_s, TRANSIENT, body=shards[i], params={"of": manifest.num_shards},
-                            headers={"X-Shard-SHA256": manifest.shard_sha256[i]})
-                        report.bytes_sent += len(shards[i])
+                work(target, client, report)
             except TargetFailed as exc:
                 report.failed[target.url] = str(exc)
                 return report
-        report.ok.append(target.url)
+        report.ok.append(target.url)  # `already` targets are ok too
         return report
 
     report = PushReport.merge(in_parallel(one, targets))
@@ -154,28 +168,17 @@ def push_commit(version_dir: Path, name: str, targets: list[ReplicaTarget], worl
         manifest, _ = pack_adapter(version_dir, world_size, name)
     if manifest.name != name or manifest.num_shards != world_size:
         raise ValueError(f"manifest is for {manifest.name!r} in {manifest.num_shards} shards")
-    start = time.monotonic()
 
-    def one(target: ReplicaTarget) -> PushReport:
-        report = PushReport()
-        with target.client(timeout_s) as client:
-            try:
-                if _serves(client, name, report, retries, backoff_s):
-                    report.already.append(target.url)
-                else:
-                    call_with_retries(client, "PUT", f"/v1/adapters/{name}/manifest", report, retries,
-                                      backoff_s, TRANSIENT, json=manifest.to_json())
-                    call_with_retries(client, "POST", f"/v1/adapters/{name}/commit", report, retries,
-                                      backoff_s, NOT_SENT, retry_5xx=False)
-            except TargetFailed as exc:
-                report.failed[target.url] = str(exc)
-                return report
-        report.ok.append(target.url)
-        return report
+    def commit(target: ReplicaTarget, client: httpx.Client, report: PushReport) -> None:
+        if _serves(client, name, report, retries, backoff_s):
+            report.already.append(target.url)
+            return
+        call_with_retries(client, "PUT", f"/v1/adapters/{name}/manifest", report, retries,
+                          backoff_s, TRANSIENT, json=manifest.to_json())
+        call_with_retries(client, "POST", f"/v1/adapters/{name}/commit", report, retries,
+                          backoff_s, NOT_SENT, retry_5xx=False)
 
-    report = PushReport.merge(in_parallel(one, targets))
-    report.seconds = time.monotonic() - start
-    return report
+    return for_each_target(targets, timeout_s, commit)
 
 
 def push(version_dir: Path, name: str, targets: list[ReplicaTarget], senders: int = 1, retries: int = 3,

@@ -26,6 +26,7 @@ import shutil
 import time
 from pathlib import Path
 from typing import Any
+from burstrl.atomic import fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -70,14 +71,14 @@ def publish(volume: Path, version: int, adapter_dir: Path) -> Path:
         files = {name: _copy_hashed(adapter_dir / name, tmp / name) for name in sorted(ADAPTER_FILES)}
         manifest = {"version": version, "name": final.name, "files": files}
         _write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         try:
             tmp.rename(final)
         except OSError:
             if not final.exists():
                 raise
             return _same_or_refuse(final, files)  # another publisher won the race
-        _fsync_dir(volume)
+        fsync_dir(volume)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     log.info("published %s (%d bytes)", final, sum(f["bytes"] for f in files.values()))
@@ -209,14 +210,6 @@ def _write_synced(path: Path, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _sha256(path: Path) -> str:
