@@ -22,6 +22,9 @@ class Dist:
         self.rank = int(os.environ.get("BURSTRL_RANK", os.environ.get("RANK", "0")))
         self.world = int(os.environ.get("BURSTRL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
         self.device = device or torch.device("cpu")
+        if self.device.type == "cuda" and self.device.index is None:  # one GPU per rank on a node
+            self.device = torch.device("cuda", self.rank % max(torch.cuda.device_count(), 1))
+            torch.cuda.set_device(self.device)
         if self.world > 1:
             if backend == "auto":
                 backend = "nccl" if self.device.type == "cuda" else "gloo"
@@ -49,13 +52,17 @@ class Dist:
         return out
 
     def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.world > 1:
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-        return tensor
+        return self._reduce(tensor, dist.ReduceOp.SUM)
 
     def max_(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self._reduce(tensor, dist.ReduceOp.MAX)
+
+    def _reduce(self, tensor: torch.Tensor, op: Any) -> torch.Tensor:
+        """All-reduce in place; a CPU tensor travels through the device (NCCL reduces GPU tensors only)."""
         if self.world > 1:
-            dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+            moved = tensor.to(self.device)
+            dist.all_reduce(moved, op=op)
+            tensor.copy_(moved)
         return tensor
 
     def barrier(self) -> None:

@@ -53,21 +53,23 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, dist: Dist) -> None:
         from peft import LoraConfig, get_peft_model
 
-        from burstrl.model.hf import load_model, load_tokenizer, resolve_device
+        from burstrl.model.hf import load_model, load_tokenizer
 
         self.cfg, self.dist = cfg, dist
         self.run_dir = Path(cfg.run_dir)
-        self.device = resolve_device(cfg.model.device)
+        self.device = dist.device
         cores = max(1, len(os.sched_getaffinity(0)) // dist.world) if hasattr(os, "sched_getaffinity") else 1
         torch.set_num_threads(cfg.trainer.num_threads or cores)
         torch.manual_seed(cfg.trainer.seed)
         random.seed(cfg.trainer.seed)
-        base = load_model(cfg.model.path, cfg.model.dtype, cfg.model.device)
+        base = load_model(cfg.model.path, cfg.model.dtype, str(self.device))
         lora = LoraConfig(r=cfg.lora.rank, lora_alpha=cfg.lora.alpha, target_modules=cfg.lora.target_modules,
                           lora_dropout=0.0, task_type="CAUSAL_LM")
         self.model = get_peft_model(base, lora)
         self.model.train()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        for p in self.params:  # bf16 base, fp32 adapter and optimizer state (PEFT casts inputs)
+            p.data = p.data.float()
         self.tokenizer = load_tokenizer(cfg.model.path)
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else 0
