@@ -143,3 +143,8 @@ def test_resume_refusals(tiny_model_dir: Path, tmp_path: Path) -> None:
     shutil.rmtree(run_dir / "checkpoints" / "step-1")
     missing = run_train(run_dir, tiny_model_dir, "--trainer.steps", "2", "--resume")
     assert missing.returncode != 0 and "step-1" in missing.stderr
+
+
+def test_no_data_in_time_is_a_clear_error(tiny_model_dir: Path, tmp_path: Path) -> None:
+    r = run_train(tmp_path / "empty", tiny_model_dir, "--trainer.steps", "1", "--trainer.wait_timeout_s", "1")
+    assert r.returncode == 2 and "fewer than 2 groups arrived" in r.stderr

@@ -142,14 +142,15 @@ class Trainer:
         if self.store is not None:
             t = self.cfg.trainer
             deadline = time.monotonic() + t.wait_timeout_s if t.wait_timeout_s else None
-            while True:
+            while True:  # poll the cheap count; decode groups only once enough are buffered
+                left = deadline - time.monotonic() if deadline is not None else 3600.0
+                self.store.wait_for(t.batch_groups, timeout_s=max(left, 0.0), poll_s=t.poll_s)
                 groups = self.store.take(t.batch_groups, trainer_version=step - 1, max_staleness=t.max_staleness)
                 if len(groups) >= t.batch_groups:
-                    break
+                    break  # (fewer: some were too stale and set aside; wait for more)
                 if deadline is not None and time.monotonic() > deadline:
                     raise TrainError(f"step {step}: fewer than {t.batch_groups} groups arrived in "
                                      f"{t.wait_timeout_s:.0f} s ({len(groups)} buffered)")
-                time.sleep(t.poll_s)
         groups = self.dist.broadcast(groups)
         return self.sequences(groups, step)
 
