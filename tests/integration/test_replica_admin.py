@@ -180,18 +180,10 @@ def test_health_loads_and_metrics_shapes(server: Server) -> None:
 
 
 @pytest.mark.slow
-def test_tls_serves_https(tiny_model_dir: Path, tmp_path: Path) -> None:
-    import shutil
-    import subprocess
-
+def test_tls_serves_https(tiny_model_dir: Path, tmp_path: Path, tls_cert: tuple[Path, Path]) -> None:
     from .conftest import start_server, stop_server
 
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl CLI not installed")
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
-                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    cert, key = tls_cert
     srv = start_server(tiny_model_dir, tmp_path / "tls", "--server.ssl_certfile", str(cert),
                        "--server.ssl_keyfile", str(key))
     try:

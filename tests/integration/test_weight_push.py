@@ -170,16 +170,9 @@ def test_a_replica_with_an_empty_volume_serves_the_base_model(tiny_model_dir: Pa
 
 
 @pytest.mark.slow
-def test_push_over_tls_checks_the_certificate(tiny_model_dir: Path, volume: Path, tmp_path: Path) -> None:
-    import shutil
-    import subprocess
-
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl CLI not installed")
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
-                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+def test_push_over_tls_checks_the_certificate(tiny_model_dir: Path, volume: Path, tmp_path: Path,
+                                              tls_cert: tuple[Path, Path]) -> None:
+    cert, key = tls_cert
     srv = start_server(tiny_model_dir, tmp_path / "tls", "--server.ssl_certfile", str(cert),
                        "--server.ssl_keyfile", str(key))
     try:
