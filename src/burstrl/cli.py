@@ -22,6 +22,8 @@ app = typer.Typer(
 )
 model_app = typer.Typer(help="Make and inspect models.", no_args_is_help=True)
 app.add_typer(model_app, name="model")
+route_app = typer.Typer(help="Route sessions to replicas; simulate placement policies.", no_args_is_help=True)
+app.add_typer(route_app, name="route")
 
 OVERRIDES_HELP = (
     "Any config key can be set with --section.key value (or --section.key=value), "
@@ -53,6 +55,34 @@ def make_tiny(
         make_tiny_model(out, layers=layers, hidden=hidden, vocab=vocab, seed=seed, force=force)
     except (FileExistsError, ValueError) as exc:
         _fail(str(exc))
+
+
+@route_app.command("sim")
+def route_sim(
+    config: Path | None = typer.Option(None, "--config", help="Sim parameters, TOML or JSON (defaults otherwise)."),
+    policies: str = typer.Option("headroom,random,round_robin,least_loaded,cache_aware", "--policies",
+                                 help="Comma-separated policies, all run on the same trace."),
+    k: int = typer.Option(2, "--k", min=1, help="Replicas sampled per new session (headroom)."),
+    trace: Path | None = typer.Option(None, "--trace", help="Replay a Mooncake JSONL trace instead of generating one."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+) -> None:
+    """Compare placement policies in the discrete-event simulator (one trace, every policy)."""
+    import json
+
+    from burstrl.router.policies import POLICY_NAMES
+    from burstrl.router.sim import format_table, load_config, load_mooncake, simulate
+
+    names = [p.strip() for p in policies.split(",") if p.strip()]
+    unknown = [p for p in names if p not in POLICY_NAMES]
+    if unknown or not names:
+        _fail(f"unknown policy {', '.join(unknown) or '(none given)'}; choose from {', '.join(POLICY_NAMES)}")
+    try:
+        cfg = load_config(config)
+        replay = load_mooncake(trace) if trace is not None else None
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        _fail(f"{exc}")
+    results = simulate(cfg, names, k=k, trace=replay)
+    typer.echo(json.dumps(results) if as_json else format_table(results))
 
 
 @app.command("sft")

@@ -1,0 +1,306 @@
+"""Placement policies: pick the replica for a new session from a (slightly stale) view of the fleet.
+
+Why one interface `choose(session, replicas, rng) -> ReplicaView`: the router server and the
+simulator both hold a list of `ReplicaView`s (refreshed by periodic load scrapes) and must be able
+to swap policies to compare them on the same trace. A policy never mutates the views; the caller
+records the placement with `record_assignment` (until the next scrape clears it), which is what
+keeps a policy from herding every new session onto the replica that looked emptiest at the last
+scrape. `cache_aware` is the one stateful policy: like SGLang's router it keeps its own prefix tree
+per replica of what it has sent there.
+"""
+
+from __future__ import annotations
+
+import bisect
+import random
+import re
+import statistics
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+from typing import Protocol
+
+POOLS = ("reserved", "on_demand")
+
+
+class NoReplicaError(Exception):
+    """No healthy replica serves the version a session is pinned to."""
+
+
+@dataclass
+class Session:
+    """What a policy knows about a new session (the body of `POST /v1/assign`)."""
+
+    id: str
+    kind: str = "default"
+    version: str = "v0"
+    expected_tokens: int = 0  # caller's hint (a lower bound on the final size); 0 = unknown
+    prefix_hashes: tuple[int, ...] = ()  # block hashes of the first prompt (cache_aware only)
+
+
+@dataclass
+class ReplicaView:
+    """One replica as the router last saw it; `recent_assignments` is what it sent since."""
+
+    id: str
+    pool: str = "reserved"
+    weight: float = 1.0  # size: 8 for an 8-GPU reserved replica, 1 for one on-demand GPU
+    capacity_tokens: int = 0  # KV budget
+    used_tokens: int = 0  # from the last load scrape
+    live_sessions: dict[str, int] = field(default_factory=dict)  # session id -> current tokens
+    session_kinds: dict[str, str] = field(default_factory=dict)  # session id -> task kind
+    versions: set[str] = field(default_factory=set)
+    healthy: bool = True
+    recent_assignments: list[Session] = field(default_factory=list)
+
+
+def record_assignment(replica: ReplicaView, session: Session) -> None:
+    """Remember a placement until the next scrape, so later choices see its projected size."""
+    replica.recent_assignments.append(session)
+
+
+def version_key(version: str) -> tuple[int, str]:
+    """Order versions by their trailing number (`policy-v12` > `policy-v9`), then by name."""
+    match = re.search(r"(\d+)$", version)
+    return (int(match.group(1)) if match else -1, version)
+
+
+def newest_routable_version(replicas: list[ReplicaView], pools: tuple[str, ...] | None = None) -> str | None:
+    """Newest version that at least one healthy replica of each pool serves (None if none does).
+
+    Why every pool: new sessions must be placeable anywhere, and a version only on the reserved
+    pool would pile the new sessions there while on-demand replicas are still loading it.
+    `pools` defaults to the pools that have a healthy replica.
+    """
+    healthy = [r for r in replicas if r.healthy]
+    wanted = pools if pools is not None else tuple(sorted({r.pool for r in healthy}))
+    if not wanted:
+        return None
+    per_pool = [set().union(*[r.versions for r in healthy if r.pool == pool]) for pool in wanted]
+    common = set.intersection(*per_pool)
+    return max(common, key=version_key) if common else None
+
+
+def eligible(session: Session, replicas: list[ReplicaView]) -> list[ReplicaView]:
+    """Healthy replicas that serve the session's version; raises when there is none."""
+    ok = [r for r in replicas if r.healthy and session.version in r.versions]
+    if not ok:
+        raise NoReplicaError(f"no healthy replica serves version {session.version!r} (session {session.id!r})")
+    return ok
+
+
+class SizeModel:
+    """Projects the final size (tokens) of a session from finished sessions of the same kind.
+
+    Why: a session's current size says little about the KV it will need (agent contexts grow with
+    every tool call), and headroom must be judged on what sessions will become. The estimate per
+    kind is a quantile (default p90, conservative) or the mean of the last `window` finished
+    sizes; while a kind has fewer than `min_samples` it is blended linearly with `prior_tokens`.
+    A live session is projected from the finished ones that grew past its current size (a session
+    already at 40k tokens will likely end well above the kind's p90), never below its size now.
+    """
+
+    def __init__(self, prior_tokens: int = 8192, stat: str = "quantile", quantile: float = 0.9,
+                 min_samples: int = 8, window: int = 1000) -> None:
+        if stat not in ("quantile", "mean"):
+            raise ValueError(f"stat must be 'quantile' or 'mean', not {stat!r}")
+        self.prior_tokens = prior_tokens
+        self.stat = stat
+        self.quantile = quantile
+        self.min_samples = min_samples
+        self.window = window
+        self._order: dict[str, deque[int]] = defaultdict(deque)  # arrival order, for the window
+        self._sorted: dict[str, list[int]] = defaultdict(list)
+        self._cache: dict[str, float] = {}
+
+    def observe(self, kind: str, final_tokens: int) -> None:
+        """Record the final size of a finished session."""
+        order, ordered = self._order[kind], self._sorted[kind]
+        order.append(final_tokens)
+        bisect.insort(ordered, final_tokens)
+        if len(order) > self.window:
+            del ordered[bisect.bisect_left(ordered, order.popleft())]
+        self._cache.pop(kind, None)
+
+    def _stat(self, ordered: list[int]) -> float:
+        if self.stat == "mean":
+            return statistics.fmean(ordered)
+        return float(ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))])
+
+    def expected(self, kind: str) -> float:
+        """Expected final size of a new session of this kind."""
+        if kind not in self._cache:
+            ordered = self._sorted.get(kind)
+            if not ordered:
+                self._cache[kind] = float(self.prior_tokens)
+            else:
+                w = min(1.0, len(ordered) / self.min_samples)
+                self._cache[kind] = (1 - w) * self.prior_tokens + w * self._stat(ordered)
+        return self._cache[kind]
+
+    def project(self, kind: str, current_tokens: int) -> float:
+        """Projected final size of a live session: conditioned on its size now, never below it."""
+        value = max(float(current_tokens), self.expected(kind))
+        ordered = self._sorted.get(kind)
+        if ordered and len(ordered) >= self.min_samples and current_tokens > 0:
+            larger = ordered[bisect.bisect_right(ordered, current_tokens):]
+            if larger:
+                value = max(value, self._stat(larger))
+        return value
+
+    def project_new(self, session: Session) -> float:
+        """Projected final size of a new session: the model's estimate, or the caller's hint if larger."""
+        return max(float(session.expected_tokens), self.expected(session.kind))
+
+
+class Policy(Protocol):
+    name: str
+
+    def choose(self, session: Session, replicas: list[ReplicaView], rng: random.Random) -> ReplicaView: ...
+
+
+def projected_headroom(replica: ReplicaView, session: Session, sizes: SizeModel) -> float:
+    """Capacity minus the projected final sizes of its live sessions, recent assignments and this one."""
+    total = 0.0
+    for sid, tokens in replica.live_sessions.items():
+        total += sizes.project(replica.session_kinds.get(sid, "default"), tokens)
+    for recent in replica.recent_assignments:
+        if recent.id not in replica.live_sessions:
+            total += sizes.project_new(recent)
+    return replica.capacity_tokens - total - sizes.project_new(session)
+
+
+class HeadroomPolicy:
+    """Best of K sampled replicas by projected KV headroom per unit of replica size.
+
+    Why weighted: an 8-GPU replica has 8x the KV and 8x the compute of one on-demand GPU, so it
+    should take 8x the sessions. Replicas are sampled in proportion to their weight (uniform
+    sampling would offer a few big replicas as rarely as each small one) and scored by headroom
+    divided by weight, so load spreads in proportion to size. Power-of-K keeps the choice cheap
+    and robust to stale load figures.
+    """
+
+    name = "headroom"
+
+    def __init__(self, k: int = 2, sizes: SizeModel | None = None) -> None:
+        if k < 1:
+            raise ValueError("k must be >= 1")
+        self.k = k
+        self.sizes = sizes if sizes is not None else SizeModel()
+
+    def score(self, replica: ReplicaView, session: Session) -> float:
+        return projected_headroom(replica, session, self.sizes) / max(replica.weight, 1e-9)
+
+    def choose(self, session: Session, replicas: list[ReplicaView], rng: random.Random) -> ReplicaView:
+        pool = eligible(session, replicas)
+        sample = weighted_sample(pool, min(self.k, len(pool)), rng)
+        return max(sample, key=lambda r: self.score(r, session))
+
+
+def weighted_sample(replicas: list[ReplicaView], k: int, rng: random.Random) -> list[ReplicaView]:
+    """k distinct replicas drawn with probability proportional to weight (Efraimidis-Spirakis keys)."""
+    keyed = [(rng.random() ** (1.0 / max(r.weight, 1e-9)), i) for i, r in enumerate(replicas)]
+    keyed.sort(reverse=True)
+    return [replicas[i] for _, i in keyed[:k]]
+
+
+class RandomPolicy:
+    """Uniformly random eligible replica (baseline)."""
+
+    name = "random"
+
+    def choose(self, session: Session, replicas: list[ReplicaView], rng: random.Random) -> ReplicaView:
+        return rng.choice(eligible(session, replicas))
+
+
+class RoundRobinPolicy:
+    """Eligible replicas in turn (baseline)."""
+
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def choose(self, session: Session, replicas: list[ReplicaView], rng: random.Random) -> ReplicaView:
+        pool = eligible(session, replicas)
+        chosen = pool[self._next % len(pool)]
+        self._next += 1
+        return chosen
+
+
+def load_fraction(replica: ReplicaView) -> float:
+    """Used KV fraction at the last scrape plus the hinted sizes of sessions sent since."""
+    recent = sum(s.expected_tokens for s in replica.recent_assignments if s.id not in replica.live_sessions)
+    return (replica.used_tokens + recent) / max(replica.capacity_tokens, 1)
+
+
+class LeastLoadedPolicy:
+    """Lowest used/capacity (baseline); counts its own recent sends so it is not trivially herding."""
+
+    name = "least_loaded"
+
+    def choose(self, session: Session, replicas: list[ReplicaView], rng: random.Random) -> ReplicaView:
+        pool = eligible(session, replicas)
+        return min(pool, key=lambda r: (load_fraction(r), rng.random()))
+
+
+class CacheAwarePolicy:
+    """SGLang-router-like: longest prefix match when load is balanced, else least loaded (baseline).
+
+    The policy keeps, per replica, a prefix tree (nested dicts) of the prompt block hashes it sent
+    there. When the spread of load fractions is within `balance_threshold` and the best match
+    covers at least `match_threshold` of the prompt, the best-matching replica wins; otherwise the
+    least loaded one does.
+    """
+
+    name = "cache_aware"
+
+    def __init__(self, match_threshold: float = 0.5, balance_threshold: float = 0.2) -> None:
+        self.match_threshold = match_threshold
+        self.balance_threshold = balance_threshold
+        self.trees: dict[str, dict] = defaultdict(dict)
+
+    def match_length(self, replica_id: str, hashes: tuple[int, ...]) -> int:
+        node = self.trees[replica_id]
+        n = 0
+        for h in hashes:
+            if h not in node:
+                break
+            node = node[h]
+            n += 1
+        return n
+
+    def insert(self, replica_id: str, hashes: tuple[int, ...]) -> None:
+        node = self.trees[replica_id]
+        for h in hashes:
+            node = node.setdefault(h, {})
+
+    def choose(self, session: Session, replicas: list[ReplicaView], rng: random.Random) -> ReplicaView:
+        pool = eligible(session, replicas)
+        loads = {r.id: load_fraction(r) for r in pool}
+        least = min(pool, key=lambda r: (loads[r.id], rng.random()))
+        chosen = least
+        hashes = session.prefix_hashes
+        if hashes and max(loads.values()) - min(loads.values()) <= self.balance_threshold:
+            best = max(pool, key=lambda r: (self.match_length(r.id, hashes), -loads[r.id]))
+            if self.match_length(best.id, hashes) / len(hashes) >= self.match_threshold:
+                chosen = best
+        self.insert(chosen.id, hashes)
+        return chosen
+
+
+POLICY_NAMES = ("headroom", "random", "round_robin", "least_loaded", "cache_aware")
+
+
+def make_policy(name: str, k: int = 2, sizes: SizeModel | None = None) -> Policy:
+    """A fresh policy by name (fresh state: round-robin counter, prefix trees)."""
+    if name == "headroom":
+        return HeadroomPolicy(k=k, sizes=sizes)
+    if name == "random":
+        return RandomPolicy()
+    if name == "round_robin":
+        return RoundRobinPolicy()
+    if name == "least_loaded":
+        return LeastLoadedPolicy()
+    if name == "cache_aware":
+        return CacheAwarePolicy()
+    raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICY_NAMES)}")

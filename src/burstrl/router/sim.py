@@ -1,0 +1,397 @@
+"""Trace-driven discrete-event simulation of replicas serving agentic rollouts under a placement policy.
+
+Why a simulator: whether a policy keeps sessions' KV caches hit near saturation depends on fleet
+shape, session sizes and load, which a unit test on constructed states cannot show and a live
+fleet is too costly to sweep. Every policy runs on the same generated (or replayed) trace.
+
+Model: the KV cache of a replica is a set of fixed-size blocks (hash per block, as in a prefix
+cache) with a token budget and LRU eviction of blocks not used by a running call; a session's
+context is a chain of blocks, so a call whose session was evicted re-prefills its whole context
+(a cache miss). Earlier blocks of a chain are kept more recent than later ones, so LRU trims a
+context from its tail. A call costs prefill (per token not in cache) plus decode steps whose time
+grows with the batch; a replica of weight w prefills w times faster, decodes a batch w times
+cheaper and runs w times more concurrent sequences. Load figures the policy sees are refreshed by
+a scrape every `scrape_interval_s` (stale in between, as in a real router).
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import math
+import random
+import statistics
+from collections import OrderedDict, deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from burstrl.router.policies import (
+    ReplicaView,
+    Session,
+    SizeModel,
+    make_policy,
+    record_assignment,
+)
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
+
+
+@dataclass
+class TaskKind:
+    """One kind of rollout; token counts are means of exponential draws (heterogeneous lengths)."""
+
+    name: str = "swe"
+    share: float = 1.0
+    calls_min: int = 8
+    calls_max: int = 30
+    prompt_tokens: int = 3000
+    tool_tokens: int = 600  # tool output appended before each later call
+    output_tokens: int = 250  # generated per call
+    tool_time_s: float = 3.0  # mean gap between calls
+
+
+@dataclass
+class PoolSpec:
+    pool: str = "on_demand"
+    count: int = 1
+    weight: float = 1.0
+    capacity_tokens: int = 200_000
+
+
+@dataclass
+class SimConfig:
+    """Trace generator, fleet and cost model; every field can be set from a TOML/JSON file."""
+
+    seed: int = 0
+    sessions: int = 400
+    arrival_rate: float = 4.0  # new sessions per second (Poisson)
+    block_size: int = 256
+    kinds: list[TaskKind] = field(default_factory=lambda: [
+        TaskKind(),
+        TaskKind(name="math", share=0.5, calls_min=1, calls_max=4, prompt_tokens=800, tool_tokens=200,
+                 output_tokens=600, tool_time_s=1.0)])
+    pools: list[PoolSpec] = field(default_factory=lambda: [
+        PoolSpec(pool="reserved", count=2, weight=8, capacity_tokens=1_600_000),
+        PoolSpec(pool="on_demand", count=8, weight=1, capacity_tokens=200_000)])
+    prefill_s_per_token: float = 1 / 20000
+    decode_base_s: float = 0.02
+    decode_per_seq_s: float = 0.0005
+    max_seqs: int = 32  # concurrent sequences per unit of weight
+    scrape_interval_s: float = 2.0
+    thrash_window_s: float = 60.0
+    size_prior_tokens: int = 8192
+
+
+def load_config(path: str | Path | None = None, **overrides: object) -> SimConfig:
+    """Defaults, then a TOML or JSON file (by suffix), then keyword overrides."""
+    data: dict = {}
+    if path is not None:
+        text = Path(path).read_text()
+        data = json.loads(text) if str(path).endswith(".json") else tomllib.loads(text)
+    data.update(overrides)
+    known = set(SimConfig.__dataclass_fields__)
+    unknown = set(data) - known
+    if unknown:
+        raise ValueError(f"unknown sim config keys: {', '.join(sorted(unknown))}")
+    if "kinds" in data:
+        data["kinds"] = [k if isinstance(k, TaskKind) else TaskKind(**k) for k in data["kinds"]]
+    if "pools" in data:
+        data["pools"] = [p if isinstance(p, PoolSpec) else PoolSpec(**p) for p in data["pools"]]
+    return SimConfig(**data)
+
+
+@dataclass
+class Call:
+    input_hashes: tuple[int, ...]
+    output_hashes: tuple[int, ...]  # blocks the output adds to the context (empty: not kept)
+    input_tokens: int
+    output_tokens: int
+    gap_after_s: float = 0.0
+
+
+@dataclass
+class TraceSession:
+    id: str
+    kind: str
+    arrival_s: float
+    calls: list[Call]
+
+
+def generate_trace(cfg: SimConfig) -> list[TraceSession]:
+    """Agentic rollouts: sessions of several calls whose context grows by tool output and replies."""
+    rng = random.Random(cfg.seed)
+    bs = cfg.block_size
+    shares = [k.share for k in cfg.kinds]
+
+    def blocks(mean_tokens: float) -> int:
+        return max(1, round(rng.expovariate(bs / mean_tokens)))
+
+    trace, t = [], 0.0
+    for i in range(cfg.sessions):
+        t += rng.expovariate(cfg.arrival_rate)
+        kind = rng.choices(cfg.kinds, weights=shares)[0]
+        base = (i + 1) * 10_000_000  # block hashes of this session: base, base + 1, ...
+        ctx, calls = 0, []
+        for c in range(rng.randint(kind.calls_min, kind.calls_max)):
+            new = blocks(kind.prompt_tokens if c == 0 else kind.tool_tokens)
+            out = blocks(kind.output_tokens)
+            calls.append(Call(tuple(range(base, base + ctx + new)), tuple(range(base + ctx + new, base + ctx + new + out)),
+                              (ctx + new) * bs, out * bs, rng.expovariate(1 / kind.tool_time_s)))
+            ctx += new + out
+        trace.append(TraceSession(f"s{i}", kind.name, t, calls))
+    return trace
+
+
+def load_mooncake(path: str | Path) -> list[TraceSession]:
+    """A Mooncake request trace (JSONL: timestamp ms, input_length, output_length, hash_ids).
+
+    Each request is a one-call session; requests sharing leading hash_ids share a prefix.
+    """
+    trace = []
+    for i, line in enumerate(Path(path).read_text().splitlines()):
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        call = Call(tuple(row["hash_ids"]), (), int(row["input_length"]), int(row["output_length"]))
+        trace.append(TraceSession(f"r{i}", "mooncake", float(row["timestamp"]) / 1000, [call]))
+    trace.sort(key=lambda s: s.arrival_s)
+    return trace
+
+
+class Replica:
+    """Simulated replica: block LRU cache with pinning, a FIFO of waiting calls, busy slots."""
+
+    def __init__(self, view: ReplicaView, cfg: SimConfig) -> None:
+        self.view = view
+        self.capacity_blocks = view.capacity_tokens // cfg.block_size
+        self.slots = max(1, int(cfg.max_seqs * view.weight))
+        self.cache: OrderedDict[int, None] = OrderedDict()  # oldest first
+        self.pinned: dict[int, int] = {}
+        self.evicted_at: dict[int, float] = {}
+        self.queue: deque[tuple[TraceSession, int]] = deque()
+        self.running = 0
+        self.live: dict[str, int] = {}  # session id -> context tokens now
+
+
+def pin(r: Replica, hashes: list[int] | tuple[int, ...]) -> None:
+    for h in hashes:
+        r.pinned[h] = r.pinned.get(h, 0) + 1
+
+
+def unpin(r: Replica, hashes: list[int] | tuple[int, ...]) -> None:
+    for h in hashes:
+        left = r.pinned[h] - 1
+        if left:
+            r.pinned[h] = left
+        else:
+            del r.pinned[h]
+
+
+class Simulator:
+    """Runs one policy over one trace; `run()` returns the figures."""
+
+    def __init__(self, cfg: SimConfig, trace: list[TraceSession], policy_name: str, k: int = 2) -> None:
+        self.cfg, self.trace = cfg, trace
+        self.sizes = SizeModel(prior_tokens=cfg.size_prior_tokens)
+        self.policy = make_policy(policy_name, k=k, sizes=self.sizes)
+        self.rng = random.Random(cfg.seed + 1)
+        self.replicas: list[Replica] = []
+        for p in cfg.pools:
+            for j in range(p.count):
+                view = ReplicaView(f"{p.pool}-{j}", p.pool, p.weight, p.capacity_tokens, versions={"v1"})
+                self.replicas.append(Replica(view, cfg))
+        self.views = [r.view for r in self.replicas]
+        self.by_view = {id(r.view): r for r in self.replicas}
+        self.home: dict[str, Replica] = {}
+        self.kind_by_id = {s.id: s.kind for s in trace}
+        self.events: list = []
+        self.seq = 0
+        self.seen: set[int] = set()
+        self.stats = {"input_tokens": 0, "output_tokens": 0, "hit_tokens": 0, "reusable_tokens": 0, "evicted_tokens": 0,
+                          "refill_tokens": 0, "thrash_tokens": 0}
+        self.rollout_s: list[float] = []
+        self.live_fraction_sum = [0.0] * len(self.replicas)  # summed over scrapes, for the imbalance
+        self.fleet_live: list[float] = []  # live tokens / fleet capacity at each scrape
+        self.total_capacity = sum(r.view.capacity_tokens for r in self.replicas)
+
+    def push(self, t: float, what: str, payload: object) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (t, self.seq, what, payload))
+
+    def run(self) -> dict:
+        for s in self.trace:
+            self.push(s.arrival_s, "arrive", s)
+        self.push(0.0, "scrape", None)
+        t = 0.0
+        while self.events and len(self.rollout_s) < len(self.trace):
+            t, _, what, payload = heapq.heappop(self.events)
+            if what == "arrive":
+                self.arrive(t, payload)
+            elif what == "call":
+                session, idx = payload
+                replica = self.home[session.id]
+                replica.queue.append((session, idx))
+                self.try_start(t, replica)
+            elif what == "done":
+                self.done(t, *payload)
+            elif what == "scrape":
+                self.scrape()
+                self.push(t + self.cfg.scrape_interval_s, "scrape", None)
+        return self.report(t)
+
+    def arrive(self, t: float, s: TraceSession) -> None:
+        first = s.calls[0]
+        session = Session(s.id, s.kind, "v1", expected_tokens=first.input_tokens, prefix_hashes=first.input_hashes)
+        view = self.policy.choose(session, self.views, self.rng)
+        record_assignment(view, session)
+        replica = self.by_view[id(view)]
+        self.home[s.id] = replica
+        replica.live[s.id] = 0
+        replica.queue.append((s, 0))
+        self.try_start(t, replica)
+
+    def try_start(self, t: float, r: Replica) -> None:
+        while r.queue and r.running < r.slots:
+            session, idx = r.queue[0]
+            if not self.start(t, r, session, idx):
+                return  # head of line waits for KV to free up
+            r.queue.popleft()
+
+    def start(self, t: float, r: Replica, s: TraceSession, idx: int) -> bool:
+        call, bs = s.calls[idx], self.cfg.block_size
+        blocks = call.input_hashes + call.output_hashes
+        matched = 0
+        for h in call.input_hashes:
+            if h not in r.cache:
+                break
+            matched += 1
+        reusable = 0
+        for h in call.input_hashes:
+            if h not in self.seen:
+                break
+            reusable += 1
+        fits = len(blocks) <= r.capacity_blocks
+        if fits:
+            cached = [h for h in blocks if h in r.cache]
+            pin(r, cached)  # the call's own cached blocks must not be evicted to make room for it
+            new = [h for h in blocks if h not in r.cache]
+            free = r.capacity_blocks - len(r.cache)
+            if free + len(r.cache) - len(r.pinned) < len(new):
+                unpin(r, cached)
+                return False
+            self.evict(t, r, len(new) - free)
+            pin(r, new)
+            for h in reversed(blocks):  # earlier blocks end most recent: LRU trims from the tail
+                r.cache[h] = None
+                r.cache.move_to_end(h)
+        for h in call.input_hashes[matched:]:
+            if h in r.evicted_at:
+                self.stats["refill_tokens"] += bs
+                if t - r.evicted_at.pop(h) <= self.cfg.thrash_window_s:
+                    self.stats["thrash_tokens"] += bs
+        self.seen.update(blocks)
+        hit = min(matched * bs, call.input_tokens)
+        self.stats["hit_tokens"] += hit
+        self.stats["reusable_tokens"] += min(reusable * bs, call.input_tokens)
+        self.stats["input_tokens"] += call.input_tokens
+        self.stats["output_tokens"] += call.output_tokens
+        r.running += 1
+        w = r.view.weight
+        step = self.cfg.decode_base_s + self.cfg.decode_per_seq_s * r.running / w
+        duration = (call.input_tokens - hit) * self.cfg.prefill_s_per_token / w + call.output_tokens * step
+        self.push(t + duration, "done", (r, s, idx, fits))
+        return True
+
+    def evict(self, t: float, r: Replica, need: int) -> None:
+        if need <= 0:
+            return
+        victims = []
+        for h in r.cache:  # oldest first
+            if h not in r.pinned:
+                victims.append(h)
+                if len(victims) == need:
+                    break
+        for h in victims:
+            del r.cache[h]
+            r.evicted_at[h] = t
+        self.stats["evicted_tokens"] += len(victims) * self.cfg.block_size
+
+    def done(self, t: float, r: Replica, s: TraceSession, idx: int, pinned: bool) -> None:
+        call = s.calls[idx]
+        r.running -= 1
+        if pinned:
+            unpin(r, call.input_hashes + call.output_hashes)
+        size = call.input_tokens + call.output_tokens
+        if idx + 1 < len(s.calls):
+            r.live[s.id] = size
+            self.push(t + call.gap_after_s, "call", (s, idx + 1))
+        else:
+            del r.live[s.id]
+            self.sizes.observe(s.kind, size)
+            self.rollout_s.append(t - s.arrival_s)
+        self.try_start(t, r)
+
+    def scrape(self) -> None:
+        """Refresh the views as a load scrape would, and sample each replica's live KV fraction."""
+        for i, r in enumerate(self.replicas):
+            r.view.used_tokens = len(r.cache) * self.cfg.block_size
+            r.view.live_sessions = dict(r.live)
+            r.view.session_kinds = {sid: self.kind_by_id[sid] for sid in r.live}
+            r.view.recent_assignments.clear()
+            self.live_fraction_sum[i] += sum(r.live.values()) / r.view.capacity_tokens
+        self.fleet_live.append(sum(sum(r.live.values()) for r in self.replicas) / self.total_capacity)
+
+    def report(self, t_end: float) -> dict:
+        st, times = self.stats, sorted(self.rollout_s)
+        mean_fraction = statistics.fmean(self.live_fraction_sum)
+        # max over mean of each replica's time-averaged live KV fraction (1.0 = perfectly even)
+        imbalance = max(self.live_fraction_sum) / mean_fraction if mean_fraction > 0 else 1.0
+        makespan = max(t_end - self.trace[0].arrival_s, 1e-9) if self.trace else 1e-9
+        return {
+            "hit_rate": st["hit_tokens"] / max(st["reusable_tokens"], 1),
+            "prefix_hit_rate": st["hit_tokens"] / max(st["input_tokens"], 1),
+            "evicted_tokens": st["evicted_tokens"],
+            "refill_tokens": st["refill_tokens"],
+            "thrash_tokens": st["thrash_tokens"],
+            "throughput_tok_s": (st["input_tokens"] + st["output_tokens"]) / makespan,
+            "p50_rollout_s": percentile(times, 0.50),
+            "p99_rollout_s": percentile(times, 0.99),
+            "imbalance": imbalance,
+            "makespan_s": makespan,
+            "kv_live_mean": statistics.fmean(self.fleet_live) if self.fleet_live else 0.0,
+            "kv_live_peak": max(self.fleet_live, default=0.0),
+            "sessions": len(times),
+        }
+
+
+def percentile(ordered: list[float], q: float) -> float:
+    """Nearest-rank percentile of a sorted list (0 for an empty one)."""
+    if not ordered:
+        return 0.0
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def simulate(cfg: SimConfig, policies: list[str], k: int = 2, trace: list[TraceSession] | None = None) -> dict[str, dict]:
+    """Run each policy on the same trace (generated from cfg.seed unless given); figures per policy."""
+    trace = trace if trace is not None else generate_trace(cfg)
+    return {name: Simulator(cfg, trace, name, k=k).run() for name in policies}
+
+
+def format_table(results: dict[str, dict]) -> str:
+    """A plain-text table, one row per policy."""
+    cols = [("hit_rate", "{:.4f}"), ("prefix_hit_rate", "{:.4f}"), ("evicted_tokens", "{:d}"),
+            ("thrash_tokens", "{:d}"), ("throughput_tok_s", "{:.0f}"), ("p50_rollout_s", "{:.1f}"),
+            ("p99_rollout_s", "{:.1f}"), ("imbalance", "{:.2f}")]
+    rows = [["policy"] + [c for c, _ in cols]]
+    for name, fig in results.items():
+        rows.append([name] + [fmt.format(fig[c]) for c, fmt in cols])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows)
+
+
+def config_dict(cfg: SimConfig) -> dict:
+    """The config as plain data (for the benchmark's JSON line)."""
+    return asdict(cfg)
