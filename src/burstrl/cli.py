@@ -29,6 +29,11 @@ OVERRIDES_HELP = (
     "Any config key can be set with --section.key value (or --section.key=value), "
     "e.g. --engine.max_total_num_tokens 4096; unknown keys are errors."
 )
+CONFIG_COMMAND = {  # commands that take config files then dotted overrides
+    "context_settings": {"allow_extra_args": True, "ignore_unknown_options": True},
+    "epilog": OVERRIDES_HELP,
+    "options_metavar": "[CONFIG.toml ...] [OPTIONS] [--section.key VALUE ...]",
+}
 
 
 @app.command()
@@ -112,11 +117,7 @@ def sft_command(
         _fail(str(exc))
 
 
-@app.command(
-    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
-    epilog=OVERRIDES_HELP,
-    options_metavar="[CONFIG.toml ...] [OPTIONS] [--section.key VALUE ...]",
-)
+@app.command(**CONFIG_COMMAND)
 def serve(
     ctx: typer.Context,
     model: str | None = typer.Option(None, "--model", help="Model directory (= --model.path)."),
@@ -125,28 +126,18 @@ def serve(
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the resolved config and exit."),
 ) -> None:
     """Run one inference replica: [CONFIG.toml ...] then --section.key value overrides."""
-    from burstrl.config import ConfigError, ServeConfig, dump_toml, load_config
+    from burstrl.config import ServeConfig
 
-    files, overrides = split_args(list(ctx.args))
     sugar = {"--model.path": model, "--server.port": port, "--server.host": host}
-    overrides += [f"{key}={value}" for key, value in sugar.items() if value is not None]
-    try:
-        cfg = load_config(ServeConfig, files, overrides)
-    except (ConfigError, OSError) as exc:
-        _fail(str(exc))
+    cfg = _config(ServeConfig, ctx, [f"{key}={value}" for key, value in sugar.items() if value is not None])
     if dry_run:
-        typer.echo(dump_toml(cfg), nl=False)
-        return
+        return _print_config(cfg)
     from burstrl.inference.replica import serve as run_server
 
     run_server(cfg)
 
 
-@app.command(
-    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
-    epilog=OVERRIDES_HELP,
-    options_metavar="[CONFIG.toml ...] [OPTIONS] [--section.key VALUE ...]",
-)
+@app.command(**CONFIG_COMMAND)
 def train(
     ctx: typer.Context,
     resume: bool = typer.Option(False, "--resume", help="Continue from the last committed step."),
@@ -155,18 +146,13 @@ def train(
     """GRPO on a LoRA adapter from the rollout store: [CONFIG.toml ...] then overrides."""
     import logging
 
-    from burstrl.config import ConfigError, TrainConfig, dump_toml, load_config
+    from burstrl.config import TrainConfig
 
-    files, overrides = split_args(list(ctx.args))
-    try:
-        cfg = load_config(TrainConfig, files, overrides)
-    except (ConfigError, OSError) as exc:
-        _fail(str(exc))
+    cfg = _config(TrainConfig, ctx, [])
     if not cfg.model.path:
         _fail("model.path is required (--model.path DIR)")
     if dry_run:
-        typer.echo(dump_toml(cfg), nl=False)
-        return
+        return _print_config(cfg)
     from burstrl.store.store import StoreError
     from burstrl.trainer.checkpoint import CheckpointError
     from burstrl.trainer.launch import launch
@@ -178,6 +164,23 @@ def train(
     except (TrainError, CheckpointError, StoreError) as exc:
         _fail(str(exc))
     raise typer.Exit(code)
+
+
+def _config(cls: type, ctx: typer.Context, extra_overrides: list[str]):
+    """Config files and overrides from the command line (then `extra_overrides`); errors exit 2."""
+    from burstrl.config import ConfigError, load_config
+
+    files, overrides = split_args(list(ctx.args))
+    try:
+        return load_config(cls, files, overrides + extra_overrides)
+    except (ConfigError, OSError) as exc:
+        _fail(str(exc))
+
+
+def _print_config(cfg) -> None:
+    from burstrl.config import dump_toml
+
+    typer.echo(dump_toml(cfg), nl=False)
 
 
 def split_args(args: list[str]) -> tuple[list[str], list[str]]:
