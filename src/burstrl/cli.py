@@ -90,6 +90,29 @@ def route_sim(
     typer.echo(json.dumps(results) if as_json else format_table(results))
 
 
+@route_app.command("serve", **CONFIG_COMMAND)
+def route_serve(
+    ctx: typer.Context,
+    port: int | None = typer.Option(None, "--port", help="Bind port (= --port in the config; 0 = any)."),
+    host: str | None = typer.Option(None, "--host", help="Bind address."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the resolved config and exit."),
+) -> None:
+    """Run the session router in front of replicas: [CONFIG.toml ...] then --key value overrides."""
+    from burstrl.config import RouteConfig
+
+    sugar = {"--port": port, "--host": host}
+    cfg = _config(RouteConfig, ctx, [f"{key}={value}" for key, value in sugar.items() if value is not None])
+    if dry_run:
+        return _print_config(cfg)
+    from burstrl.router.registry import RouteError
+    from burstrl.router.server import serve as run_router
+
+    try:
+        run_router(cfg)
+    except RouteError as exc:
+        _fail(exc.message)
+
+
 @app.command("sft")
 def sft_command(
     model: Path = typer.Option(..., "--model", help="Base model directory (HF format)."),

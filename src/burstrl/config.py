@@ -280,3 +280,29 @@ class TrainConfig(Section):
     lora: LoraConfigSection = Field(default_factory=LoraConfigSection)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     weights: WeightsConfig = Field(default_factory=WeightsConfig)
+
+
+class RouteConfig(Section):
+    """`burstrl route serve`: the session router in front of the replicas."""
+
+    host: str = Field("127.0.0.1", description="Bind address.")
+    port: int = Field(8080, ge=0, le=65535, description="Bind port; 0 = any free port.")
+    cluster_token: str = Field(
+        "", description="Bearer token replicas register with; empty = $BURSTRL_CLUSTER_TOKEN, else "
+        "generated and printed to stderr."
+    )
+    policy: Literal["headroom", "random", "round_robin", "least_loaded", "cache_aware"] = Field(
+        "headroom", description="Placement policy for new sessions."
+    )
+    k: int = Field(2, ge=1, description="Replicas sampled per new session (headroom).")
+    scrape_s: float = Field(1.0, gt=0, description="Seconds between load scrapes of every replica.")
+    health_failures: int = Field(
+        2, ge=1, description="Consecutive failed scrapes after which a replica is dropped."
+    )
+    request_timeout_s: float = Field(
+        600.0, gt=0, description="Timeout of every call forwarded to a replica (connect: 5 s)."
+    )
+    max_body_bytes: int = Field(8 << 20, ge=1024, description="Largest JSON request body.")
+    replicas: list[str] = Field(
+        default_factory=list, description="Replica URLs registered at start (pool reserved, weight 1)."
+    )

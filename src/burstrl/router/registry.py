@@ -1,0 +1,213 @@
+"""The router's view of the fleet: registered replicas, session homes, and placement.
+
+Why a separate, network-free module: every decision the router makes (which replica a call goes
+to, when a session is re-homed, which error a caller gets) is a function of this state, so it can
+be tested without sockets. The HTTP server (`server.py`) only scrapes replicas, feeds the results
+in here, and forwards calls to the URL this module picks.
+
+Errors carry the HTTP status the caller should get: a bad replica URL is 400, a model that no
+replica serves is 404, a session whose version no healthy replica serves any more is 503.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+from burstrl.router.policies import (
+    POOLS,
+    NoReplicaError,
+    Policy,
+    ReplicaView,
+    Session,
+    SizeModel,
+    eligible,
+    load_fraction,
+    make_policy,
+    projected_headroom,
+    record_assignment,
+)
+
+
+class RouteError(Exception):
+    """A routing failure with the HTTP status and OpenAI error type to answer with."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind = status, message, kind
+
+
+def validate_url(url: str) -> str:
+    """A replica URL must be plain http(s) with a host: a `file://` or `gopher://` URL is refused.
+
+    Why: the router sends requests to whatever is registered, so a registration is a way to make
+    it fetch arbitrary schemes; only http(s) is ever a replica.
+    """
+    if not isinstance(url, str) or not url:
+        raise RouteError(400, "replica url is required")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https"):
+        raise RouteError(400, f"replica url must be http(s), got scheme {parts.scheme!r}")
+    if not parts.hostname:
+        raise RouteError(400, f"replica url {url!r} has no host")
+    if parts.query or parts.fragment or parts.username or parts.password:
+        raise RouteError(400, f"replica url {url!r} must not carry credentials, a query or a fragment")
+    return url.rstrip("/")
+
+
+@dataclass
+class Counters:
+    requests: int = 0
+    errors: int = 0
+    rehomes: int = 0
+    replicas_dropped: int = 0
+
+
+class Registry:
+    """Replicas by URL (the view's id is its URL), session homes, the policy and counters.
+
+    A replica that is dropped (dead or deregistered) disappears from `replicas`; the sessions that
+    lived there keep their stale home until their next call, which re-homes them. That is the
+    "cache miss, not a lost rollout" the design asks for.
+    """
+
+    def __init__(self, policy: str = "headroom", k: int = 2, health_failures: int = 2, seed: int | None = None) -> None:
+        self.sizes = SizeModel()
+        self.policy: Policy = make_policy(policy, k=k, sizes=self.sizes)
+        self.rng = random.Random(seed)
+        self.health_failures = health_failures
+        self.replicas: dict[str, ReplicaView] = {}
+        self.homes: dict[str, str] = {}  # session id -> replica url
+        self.failures: dict[str, int] = {}  # consecutive failed scrapes per replica
+        self.cache_hit_rate: dict[str, float] = {}
+        self.counters = Counters()
+
+    # --- membership -------------------------------------------------------------------------
+
+    def add(self, url: str, pool: str = "reserved", weight: float = 1.0, capacity_tokens: int = 0) -> ReplicaView:
+        """Register (or re-register, keeping nothing stale) a replica; it is routable once scraped."""
+        url = validate_url(url)
+        if pool not in POOLS:
+            raise RouteError(400, f"pool must be one of {', '.join(POOLS)}, got {pool!r}")
+        if not weight > 0:
+            raise RouteError(400, "weight must be > 0")
+        if capacity_tokens < 0:
+            raise RouteError(400, "capacity_tokens must be >= 0")
+        view = ReplicaView(id=url, pool=pool, weight=float(weight), capacity_tokens=int(capacity_tokens))
+        self.replicas[url] = view
+        self.failures[url] = 0
+        return view
+
+    def remove(self, url: str) -> bool:
+        """Drop a replica (drain or death); its sessions re-home on their next call."""
+        url = url.rstrip("/")
+        self.failures.pop(url, None)
+        self.cache_hit_rate.pop(url, None)
+        return self.replicas.pop(url, None) is not None
+
+    def mark_dead(self, url: str) -> None:
+        """A connection to the replica failed: stop routing there at once, counted."""
+        if self.remove(url):
+            self.counters.replicas_dropped += 1
+
+    # --- scrapes ----------------------------------------------------------------------------
+
+    def apply_scrape(self, url: str, loads: dict[str, Any], models: dict[str, Any]) -> None:
+        """Fill a replica's view from its `/v1/loads` and `/v1/models` answers.
+
+        Sessions that were live at the last scrape and are gone now have finished: their last
+        size feeds the size model, so headroom projections learn from real sessions.
+        """
+        view = self.replicas.get(url)
+        if view is None:
+            return
+        live = {s["session_id"]: int(s.get("tokens", 0)) for s in loads.get("sessions", [])}
+        for sid, tokens in view.live_sessions.items():
+            if sid not in live and tokens > 0:
+                self.sizes.observe(view.session_kinds.get(sid, "default"), tokens)
+        view.live_sessions = live
+        view.used_tokens = int(loads.get("num_used_tokens", 0))
+        capacity = int(loads.get("max_total_num_tokens", 0))
+        if capacity > 0:
+            view.capacity_tokens = capacity
+        view.versions = {m["id"] for m in models.get("data", [])} | set(loads.get("versions", []))
+        view.recent_assignments.clear()
+        view.healthy = True
+        self.failures[url] = 0
+        self.cache_hit_rate[url] = float(loads.get("cache_hit_rate", 0.0))
+
+    def scrape_failed(self, url: str) -> bool:
+        """Count a failed scrape; after `health_failures` in a row the replica is dropped (True)."""
+        if url not in self.replicas:
+            return False
+        self.failures[url] = self.failures.get(url, 0) + 1
+        if self.failures[url] >= self.health_failures:
+            self.replicas[url].healthy = False
+            self.mark_dead(url)
+            return True
+        return False
+
+    # --- placement --------------------------------------------------------------------------
+
+    def models(self) -> set[str]:
+        """Every version some healthy replica serves."""
+        return set().union(*[r.versions for r in self.replicas.values() if r.healthy])
+
+    def place(self, session_id: str | None, version: str, expected_tokens: int = 0) -> ReplicaView:
+        """The replica for one call (or one `/v1/assign`) of `session_id` on `version`.
+
+        A session stays where it lives while that replica is healthy and serves the version. A
+        session whose home is gone is re-homed (counted) and gets 503 if nothing serves its
+        version; a new session on a version nobody serves is 404 (bad input, not an outage).
+        Calls without a session go to the least loaded replica, unrecorded.
+        """
+        live = list(self.replicas.values())
+        home = self.homes.get(session_id) if session_id else None
+        if home is not None:
+            view = self.replicas.get(home)
+            if view is not None and view.healthy and version in view.versions:
+                return view
+            return self._rehome(session_id, version, expected_tokens)
+        if version not in self.models():
+            raise RouteError(404, f"model {version!r} not found; served: {sorted(self.models())}",
+                             "not_found_error")
+        session = Session(id=session_id or "", version=version, expected_tokens=expected_tokens)
+        if not session_id:
+            return min(eligible(session, live), key=lambda r: (load_fraction(r), self.rng.random()))
+        return self._assign(session)
+
+    def _rehome(self, session_id: str, version: str, expected_tokens: int) -> ReplicaView:
+        self.homes.pop(session_id, None)
+        self.counters.rehomes += 1
+        return self._assign(Session(id=session_id, version=version, expected_tokens=expected_tokens))
+
+    def _assign(self, session: Session) -> ReplicaView:
+        try:
+            view = self.policy.choose(session, list(self.replicas.values()), self.rng)
+        except NoReplicaError as exc:
+            raise RouteError(503, str(exc), "server_error") from None
+        record_assignment(view, session)
+        self.homes[session.id] = view.id
+        return view
+
+    # --- reporting --------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """Per-replica load and placement figures plus totals (the `/v1/stats` body)."""
+        probe = Session(id="")
+        per_replica = []
+        for view in self.replicas.values():
+            headroom = projected_headroom(view, probe, self.sizes) + self.sizes.project_new(probe)
+            per_replica.append({
+                "url": view.id, "pool": view.pool, "weight": view.weight, "healthy": view.healthy,
+                "sessions": sum(1 for home in self.homes.values() if home == view.id),
+                "live_sessions": len(view.live_sessions), "used_tokens": view.used_tokens,
+                "capacity_tokens": view.capacity_tokens, "projected_headroom": headroom,
+                "versions": sorted(view.versions), "cache_hit_rate": self.cache_hit_rate.get(view.id, 0.0),
+            })
+        c = self.counters
+        return {"replicas": per_replica,
+                "totals": {"replicas": len(per_replica), "sessions": len(self.homes), "rehomes": c.rehomes,
+                           "requests": c.requests, "errors": c.errors, "replicas_dropped": c.replicas_dropped}}
