@@ -137,7 +137,9 @@ def test_assign_returns_a_registered_replica(cluster: Cluster) -> None:
     assert r.json()["url"] in [s.url for s in cluster.replicas]
     again = httpx.post(cluster.url("/v1/assign"), json={"session_id": "assigned", "version": "base"}, timeout=10)
     assert again.json()["url"] == r.json()["url"]
-    bad = httpx.post(cluster.url("/v1/assign"), json={"session_id": "x"}, timeout=10)
+    latest = httpx.post(cluster.url("/v1/assign"), json={"session_id": "x"}, timeout=10)  # no version: latest
+    assert latest.status_code == 200 and latest.json()["version"] == "base", latest.text
+    bad = httpx.post(cluster.url("/v1/assign"), json={"version": "base"}, timeout=10)
     assert bad.status_code == 400 and "error" in bad.json()
 
 

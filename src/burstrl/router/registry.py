@@ -12,6 +12,7 @@ replica serves is 404, a session whose version no healthy replica serves any mor
 from __future__ import annotations
 
 import random
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -26,9 +27,12 @@ from burstrl.router.policies import (
     eligible,
     load_fraction,
     make_policy,
+    newest_routable_version,
     projected_headroom,
     record_assignment,
 )
+
+LATEST = "latest"  # the model name that asks the router to pick the version
 
 
 class RouteError(Exception):
@@ -82,6 +86,9 @@ class Registry:
         self.homes: dict[str, str] = {}  # session id -> replica url
         self.failures: dict[str, int] = {}  # consecutive failed scrapes per replica
         self.cache_hit_rate: dict[str, float] = {}
+        self.cache_counts: dict[str, dict[str, int]] = {}  # replica -> thrash, evictions, hit/query tokens
+        self.live_versions: dict[str, dict[str, str]] = {}  # replica -> live session id -> version
+        self.pinned: dict[str, str] = {}  # session id -> the version it started on
         self.counters = Counters()
 
     # --- membership -------------------------------------------------------------------------
@@ -105,6 +112,8 @@ class Registry:
         url = url.rstrip("/")
         self.failures.pop(url, None)
         self.cache_hit_rate.pop(url, None)
+        self.cache_counts.pop(url, None)
+        self.live_versions.pop(url, None)
         return self.replicas.pop(url, None) is not None
 
     def mark_dead(self, url: str) -> None:
@@ -123,7 +132,10 @@ class Registry:
         view = self.replicas.get(url)
         if view is None:
             return
-        live = {s["session_id"]: int(s.get("tokens", 0)) for s in loads.get("sessions", [])}
+        # A session's size is its context, not what is cached now: an evicted session reports 0
+        # cached tokens, and counting it as 0 would make a thrashing replica look the emptiest.
+        live = {s["session_id"]: max(int(s.get("tokens", 0)), int(s.get("context_tokens", 0)))
+                for s in loads.get("sessions", [])}
         for sid, tokens in view.live_sessions.items():
             if sid not in live and tokens > 0:
                 self.sizes.observe(view.session_kinds.get(sid, "default"), tokens)
@@ -137,6 +149,9 @@ class Registry:
         view.healthy = True
         self.failures[url] = 0
         self.cache_hit_rate[url] = float(loads.get("cache_hit_rate", 0.0))
+        self.cache_counts[url] = {name: int(loads.get(name, 0)) for name in
+                                  ("thrash", "evictions", "prefix_cache_hit_tokens", "prefix_cache_queries_tokens")}
+        self.live_versions[url] = {s["session_id"]: str(s.get("version", "")) for s in loads.get("sessions", [])}
 
     def scrape_failed(self, url: str) -> bool:
         """Count a failed scrape; after `health_failures` in a row the replica is dropped (True)."""
@@ -154,6 +169,26 @@ class Registry:
     def models(self) -> set[str]:
         """Every version some healthy replica serves."""
         return set().union(*[r.versions for r in self.replicas.values() if r.healthy])
+
+    def resolve(self, session_id: str | None, version: str | None) -> str:
+        """The concrete version a call runs on.
+
+        `latest` (or no version) means the session's pinned version when the session is known,
+        else the newest version at least one healthy replica of every pool serves: a version only
+        some pools have would crowd new sessions onto those pools. Naming a version other than the
+        pinned one is a 409, as on a replica, rather than a silent switch of weights mid-rollout.
+        """
+        pinned = self.pinned.get(session_id) if session_id else None
+        if version is None or version in ("", LATEST):
+            if pinned is not None:
+                return pinned
+            newest = newest_routable_version(list(self.replicas.values()))
+            if newest is None:
+                raise RouteError(503, "no version is served by a healthy replica of every pool", "server_error")
+            return newest
+        if pinned is not None and version != pinned:
+            raise RouteError(409, f"session {session_id!r} is pinned to {pinned!r}, not {version!r}", "conflict_error")
+        return version
 
     def place(self, session_id: str | None, version: str, expected_tokens: int = 0) -> ReplicaView:
         """The replica for one call (or one `/v1/assign`) of `session_id` on `version`.
@@ -190,6 +225,7 @@ class Registry:
             raise RouteError(503, str(exc), "server_error") from None
         record_assignment(view, session)
         self.homes[session.id] = view.id
+        self.pinned[session.id] = session.version
         return view
 
     # --- reporting --------------------------------------------------------------------------
@@ -199,6 +235,7 @@ class Registry:
         probe = Session(id="")
         per_replica = []
         for view in self.replicas.values():
+            counts = self.cache_counts.get(view.id, {})
             headroom = projected_headroom(view, probe, self.sizes) + self.sizes.project_new(probe)
             per_replica.append({
                 "url": view.id, "pool": view.pool, "weight": view.weight, "healthy": view.healthy,
@@ -206,8 +243,31 @@ class Registry:
                 "live_sessions": len(view.live_sessions), "used_tokens": view.used_tokens,
                 "capacity_tokens": view.capacity_tokens, "projected_headroom": headroom,
                 "versions": sorted(view.versions), "cache_hit_rate": self.cache_hit_rate.get(view.id, 0.0),
+                "thrash": counts.get("thrash", 0), "evictions": counts.get("evictions", 0),
             })
+        spread = self.version_spread()
         c = self.counters
-        return {"replicas": per_replica,
+        return {"replicas": per_replica, "versions": {"live_sessions": spread, "in_use": len(spread),
+                                                      "latest": newest_routable_version(list(self.replicas.values()))},
                 "totals": {"replicas": len(per_replica), "sessions": len(self.homes), "rehomes": c.rehomes,
-                           "requests": c.requests, "errors": c.errors, "replicas_dropped": c.replicas_dropped}}
+                           "requests": c.requests, "errors": c.errors, "replicas_dropped": c.replicas_dropped,
+                           "thrash": sum(r["thrash"] for r in per_replica),
+                           "evictions": sum(r["evictions"] for r in per_replica),
+                           "cache_hit_rate": self.fleet_hit_rate()}}
+
+    def version_spread(self) -> dict[str, int]:
+        """Live sessions per version across the fleet (as the replicas last reported them).
+
+        Why from the replicas and not from `pinned`: only the replicas know which sessions are
+        still live; the router never hears that a rollout ended.
+        """
+        spread: Counter[str] = Counter()
+        for sessions in self.live_versions.values():
+            spread.update(v for v in sessions.values() if v)
+        return dict(sorted(spread.items()))
+
+    def fleet_hit_rate(self) -> float:
+        """Cached tokens over queried tokens summed over the replicas (not a mean of their rates)."""
+        hits = sum(c.get("prefix_cache_hit_tokens", 0) for c in self.cache_counts.values())
+        queries = sum(c.get("prefix_cache_queries_tokens", 0) for c in self.cache_counts.values())
+        return hits / queries if queries else 0.0

@@ -31,12 +31,14 @@ from fastapi.responses import (
 
 from burstrl.config import RouteConfig
 from burstrl.inference.openai_api import SESSION_HEADERS, error_body, models_list
-from burstrl.router.registry import Registry, RouteError, validate_url
+from burstrl.router.registry import LATEST, Registry, RouteError, validate_url
 
 log = logging.getLogger(__name__)
 
 # A replica that is gone: refused or reset connections. A read timeout is not one (a long
 # generation may be slow), it becomes a 504 for that call only.
+VERSION_HEADER = "X-Burstrl-Version"  # the version a call ran on (`latest` resolved)
+
 DEAD = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 
 
@@ -58,6 +60,18 @@ def session_id_of(body: dict[str, Any], headers: Any) -> str | None:
         if headers.get(name):
             return headers[name]
     return None
+
+
+def first_call_tokens(body: dict[str, Any]) -> int:
+    """A lower bound on the session's size from the call itself: token-in prompt plus max_tokens.
+
+    Why: at placement the size model only knows the task kind; a token-in call already says how
+    large the session is, so headroom need not guess for the part it can see. Text prompts give 0.
+    """
+    ids = body.get("input_ids")
+    max_tokens = body.get("max_tokens")
+    n = len(ids) if isinstance(ids, list) else 0
+    return n + (max_tokens if isinstance(max_tokens, int) and max_tokens > 0 and n else 0)
 
 
 class Router:
@@ -179,15 +193,17 @@ def build_app(router: Router, on_ready: Callable[[], None] | None = None) -> Fas
     @app.post("/v1/assign")
     async def assign(request: Request) -> dict[str, Any]:
         body = await _read_json(request, router.cfg.max_body_bytes)
-        sid, version = body.get("session_id"), body.get("version")
+        sid, version = body.get("session_id"), body.get("version", LATEST)
         if not isinstance(sid, str) or not sid or not isinstance(version, str) or not version:
-            raise RouteError(400, "session_id and version (non-empty strings) are required")
+            raise RouteError(400, "session_id (a non-empty string) is required; version, if given, "
+                             "must be a non-empty string (default latest)")
         expected = body.get("expected_tokens", 0)
         if not isinstance(expected, int) or expected < 0:
             raise RouteError(400, "expected_tokens must be a non-negative integer")
         async with router.lock:
-            view = reg.place(sid, version, expected)
-        return {"url": view.id, "session_id": sid, "version": version}
+            resolved = reg.resolve(sid, version)
+            view = reg.place(sid, resolved, expected)
+        return {"url": view.id, "session_id": sid, "version": resolved}
 
     @app.get("/v1/stats")
     async def stats() -> dict[str, Any]:
@@ -224,9 +240,15 @@ async def proxy(router: Router, request: Request, path: str) -> Response:
     headers.update({name: request.headers[name] for name in SESSION_HEADERS if name in request.headers})
     for attempt in range(2):
         async with router.lock:
-            url = reg.place(sid, body["model"]).id
+            version = reg.resolve(sid, body["model"])
+            url = reg.place(sid, version, first_call_tokens(body)).id
+        if version != body["model"]:  # `latest`: the replica must see the concrete version
+            body["model"] = version
+            raw = json.dumps(body).encode()
         try:
-            return await _forward(router, url + path, raw, headers, bool(body.get("stream")))
+            response = await _forward(router, url + path, raw, headers, bool(body.get("stream")))
+            response.headers[VERSION_HEADER] = version
+            return response
         except DEAD as exc:
             log.warning("replica %s failed (%s); re-homing session %s", url, type(exc).__name__, sid)
             async with router.lock:
@@ -286,8 +308,16 @@ def prometheus_text(stats: dict[str, Any]) -> str:
                        ("replicas_dropped", "counter"), ("sessions", "gauge"), ("replicas", "gauge")):
         metric = f"burstrl_router_{name}" + ("_total" if kind == "counter" else "")
         lines += [f"# TYPE {metric} {kind}", f"{metric} {totals[name]}"]
+    for name in ("thrash", "evictions", "cache_hit_rate"):  # summed over the replicas' own counters
+        metric = f"burstrl_router_fleet_{name}"
+        lines += [f"# TYPE {metric} gauge", f"{metric} {float(totals[name])}"]
+    lines.append("# TYPE burstrl_router_versions_in_use gauge")
+    lines.append(f"burstrl_router_versions_in_use {stats['versions']['in_use']}")
+    lines.append("# TYPE burstrl_router_version_live_sessions gauge")
+    for version, count in stats["versions"]["live_sessions"].items():
+        lines.append(f'burstrl_router_version_live_sessions{{version="{version}"}} {count}')
     for field in ("sessions", "live_sessions", "used_tokens", "capacity_tokens", "projected_headroom",
-                  "cache_hit_rate"):
+                  "cache_hit_rate", "thrash", "evictions"):
         metric = f"burstrl_router_replica_{field}"
         lines.append(f"# TYPE {metric} gauge")
         for r in stats["replicas"]:
