@@ -303,6 +303,10 @@ class RouteConfig(Section):
         600.0, gt=0, description="Timeout of every call forwarded to a replica (connect: 5 s)."
     )
     max_body_bytes: int = Field(8 << 20, ge=1024, description="Largest JSON request body.")
+    version_pools: list[Literal["reserved", "on_demand"]] = Field(
+        default_factory=list, description="Pools that must each serve a version before new sessions "
+        "('latest') use it; empty = every pool that has a healthy replica."
+    )
     replicas: list[str] = Field(
         default_factory=list, description="Replica URLs registered at start (pool reserved, weight 1)."
     )

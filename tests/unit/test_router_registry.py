@@ -158,3 +158,15 @@ def test_stats_and_prometheus_text():
     text = prometheus_text(stats)
     assert "burstrl_router_rehomes_total 0" in text
     assert 'burstrl_router_replica_capacity_tokens{replica="http://10.0.0.0:8000",pool="reserved"} 10000.0' in text
+
+
+def test_latest_waits_for_the_configured_pools():
+    reg = Registry(seed=0, version_pools=("reserved",))
+    reg.add("http://10.0.0.1:8000", pool="reserved")
+    reg.add("http://10.0.0.2:8000", pool="on_demand")
+    reg.apply_scrape("http://10.0.0.1:8000", loads(versions=("base", "policy-v2")), models("base", "policy-v2"))
+    reg.apply_scrape("http://10.0.0.2:8000", loads(versions=("base",)), models("base"))
+    assert reg.resolve(None, "latest") == "policy-v2"  # only the reserved pool is required
+    every = Registry(seed=0)
+    every.replicas = reg.replicas
+    assert every.resolve(None, "latest") == "base"  # default: every pool with a healthy replica

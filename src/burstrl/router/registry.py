@@ -77,8 +77,10 @@ class Registry:
     "cache miss, not a lost rollout" the design asks for.
     """
 
-    def __init__(self, policy: str = "headroom", k: int = 2, health_failures: int = 2, seed: int | None = None) -> None:
+    def __init__(self, policy: str = "headroom", k: int = 2, health_failures: int = 2, seed: int | None = None,
+                 version_pools: tuple[str, ...] = ()) -> None:
         self.sizes = SizeModel()
+        self.version_pools = version_pools or None  # pools that must serve a version before it is "latest"
         self.policy: Policy = make_policy(policy, k=k, sizes=self.sizes)
         self.rng = random.Random(seed)
         self.health_failures = health_failures
@@ -182,7 +184,7 @@ class Registry:
         if version is None or version in ("", LATEST):
             if pinned is not None:
                 return pinned
-            newest = newest_routable_version(list(self.replicas.values()))
+            newest = newest_routable_version(list(self.replicas.values()), self.version_pools)
             if newest is None:
                 raise RouteError(503, "no version is served by a healthy replica of every pool", "server_error")
             return newest

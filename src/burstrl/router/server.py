@@ -80,7 +80,8 @@ class Router:
     def __init__(self, cfg: RouteConfig, token: str, registry: Registry | None = None) -> None:
         self.cfg = cfg
         self.token = token
-        self.registry = registry or Registry(cfg.policy, cfg.k, cfg.health_failures)
+        self.registry = registry or Registry(cfg.policy, cfg.k, cfg.health_failures,
+                                             version_pools=tuple(cfg.version_pools))
         self.client: httpx.AsyncClient | None = None
         self.lock = asyncio.Lock()  # serialises placement against scrapes; held briefly, never across I/O
 
