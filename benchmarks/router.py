@@ -27,7 +27,6 @@ import argparse
 import json
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,6 +35,7 @@ from pathlib import Path
 
 import httpx
 
+from burstrl.inference import process
 from burstrl.inference.process import ReplicaProcess, start_replica
 from burstrl.router.sim import (
     PoolSpec,
@@ -102,22 +102,8 @@ COUNTERS = ("prefix_cache_hit_tokens", "prefix_cache_queries_tokens", "evictions
 
 def start_router(workdir: Path, policy: str, replicas: list[str]) -> ReplicaProcess:
     """`burstrl route serve` as a child process; returns once it prints its ready line."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    log = workdir / "router.log"
-    cmd = [sys.executable, "-c", "from burstrl.cli import main; main()", "route", "serve", "--port", "0",
-           "--cluster_token", CLUSTER, "--policy", policy, "--k", str(LIVE["k"]),
-           "--scrape_s", str(LIVE["scrape_s"]), "--replicas", json.dumps(replicas)]
-    with open(log, "w") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
-    router = ReplicaProcess(url="", proc=proc, log=log)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and proc.poll() is None:
-        line = proc.stdout.readline()
-        if line.startswith("{") and json.loads(line).get("event") == "ready":
-            router.url = json.loads(line)["url"]
-            return router
-    router.stop()
-    raise RuntimeError(f"router did not start; log:\n{log.read_text()[-3000:]}")
+    return process.start_router(workdir, "--cluster_token", CLUSTER, "--policy", policy, "--k", str(LIVE["k"]),
+                                "--scrape_s", str(LIVE["scrape_s"]), "--replicas", json.dumps(replicas))
 
 
 def replica_counters(urls: list[str]) -> dict[str, dict[str, int]]:

@@ -7,10 +7,6 @@ registered later) and run in file order: the failover test kills a replica, the 
 from __future__ import annotations
 
 import json
-import selectors
-import subprocess
-import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +15,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
+from burstrl.inference import process
 from burstrl.inference.process import ReplicaProcess
 
 from .conftest import Server, start_server, stop_server
@@ -28,25 +25,8 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 def start_router(workdir: Path, *overrides: str, timeout: float = 60.0) -> ReplicaProcess:
-    """`burstrl route serve --port 0 ...` as a child process group; returns once it prints ready."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    log = workdir / "router.log"
-    cmd = [sys.executable, "-c", "from burstrl.cli import main; main()", "route", "serve", "--port", "0",
-           "--cluster_token", TOKEN, *overrides]
-    with open(log, "w") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
-    router = ReplicaProcess(url="", proc=proc, log=log)
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and proc.poll() is None:
-        if sel.select(timeout=0.5):
-            line = proc.stdout.readline()
-            if line.startswith("{") and json.loads(line).get("event") == "ready":
-                router.url = json.loads(line)["url"]
-                return router
-    router.stop()
-    raise RuntimeError(f"router did not start; log:\n{log.read_text()[-3000:]}")
+    """`burstrl route serve --port 0 ...` as a child process group, with the test's cluster token."""
+    return process.start_router(workdir, "--cluster_token", TOKEN, *overrides, timeout=timeout)
 
 
 @dataclass

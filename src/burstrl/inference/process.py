@@ -1,4 +1,4 @@
-"""Start a replica as a child process and stop it (its whole process group).
+"""Start a role (replica, router) as a child process and stop it (its whole process group).
 
 Used by tests, examples and the local provider: the child binds its own port (`--port 0` works)
 and prints one JSON ready line with its URL, which is how the parent learns where it listens.
@@ -44,20 +44,30 @@ def start_replica(model_dir: str | Path, workdir: str | Path, *overrides: str,
     stderr goes to `workdir/serve.log`; a child that dies or stays silent past `timeout` raises
     RuntimeError quoting the log's tail.
     """
+    return start_role(["serve", "--model", str(model_dir), "--port", "0", *overrides], workdir, "serve.log",
+                      timeout)
+
+
+def start_router(workdir: str | Path, *overrides: str, timeout: float = 60.0) -> ReplicaProcess:
+    """Run `burstrl route serve --port 0 ...overrides` (stderr to `workdir/router.log`)."""
+    return start_role(["route", "serve", "--port", "0", *overrides], workdir, "router.log", timeout)
+
+
+def start_role(args: list[str], workdir: str | Path, log_name: str, timeout: float) -> ReplicaProcess:
+    """Run `burstrl ARGS` in its own process group; return once it prints its JSON ready line."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    log = workdir / "serve.log"
-    cmd = [sys.executable, "-c", "from burstrl.cli import main; main()", "serve",
-           "--model", str(model_dir), "--port", "0", *overrides]
+    log = workdir / log_name
+    cmd = [sys.executable, "-c", "from burstrl.cli import main; main()", *args]
     with open(log, "w") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
-    replica = ReplicaProcess(url="", proc=proc, log=log)
+    child = ReplicaProcess(url="", proc=proc, log=log)
     try:
-        replica.url = _wait_ready(proc, log, timeout)
+        child.url = _wait_ready(proc, log, timeout)
     except BaseException:
-        replica.stop()
+        child.stop()
         raise
-    return replica
+    return child
 
 
 def _wait_ready(proc: subprocess.Popen, log: Path, timeout: float) -> str:
@@ -66,11 +76,11 @@ def _wait_ready(proc: subprocess.Popen, log: Path, timeout: float) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"replica exited with {proc.returncode}; log {log}:\n{log.read_text()[-3000:]}")
+            raise RuntimeError(f"{proc.args[3:5]} exited with {proc.returncode}; log {log}:\n{log.read_text()[-3000:]}")
         if sel.select(timeout=0.5):
             line = proc.stdout.readline()
             if line.startswith("{"):
                 event = json.loads(line)
                 if event.get("event") == "ready":
                     return event["url"]
-    raise RuntimeError(f"replica not ready after {timeout:.0f}s; log {log}:\n{log.read_text()[-3000:]}")
+    raise RuntimeError(f"{proc.args[3:5]} not ready after {timeout:.0f}s; log {log}:\n{log.read_text()[-3000:]}")
