@@ -53,6 +53,23 @@ class CompletionRequest(_Common):
     max_tokens: int | None = 16
 
 
+class BodyTooLarge(ValueError):
+    """A request body over the server's limit (answered with a 413)."""
+
+
+async def read_body(request: Any, limit: int) -> bytes:
+    """The request body, refused as soon as it (or its declared length) passes `limit` bytes."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise BodyTooLarge(f"request body over {limit} bytes")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise BodyTooLarge(f"request body over {limit} bytes")
+    return bytes(body)
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 

@@ -148,15 +148,10 @@ async def _read_json(request: Request, limit: int) -> Any:
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > limit:
-        raise ApiError(413, f"request body over {limit} bytes")
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise ApiError(413, f"request body over {limit} bytes")
-    return bytes(body)
+    try:
+        return await api.read_body(request, limit)
+    except api.BodyTooLarge as exc:
+        raise ApiError(413, str(exc)) from None
 
 
 def _parse(cls: type[BaseModel], data: Any) -> Any:

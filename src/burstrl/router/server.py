@@ -30,7 +30,7 @@ from fastapi.responses import (
 )
 
 from burstrl.config import RouteConfig
-from burstrl.inference.openai_api import SESSION_HEADERS, error_body, models_list
+from burstrl.inference.openai_api import SESSION_HEADERS, BodyTooLarge, error_body, models_list, read_body
 from burstrl.router.registry import LATEST, Registry, RouteError, validate_url
 
 log = logging.getLogger(__name__)
@@ -282,12 +282,10 @@ async def _forward(router: Router, url: str, raw: bytes, headers: dict[str, str]
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise RouteError(413, f"request body over {limit} bytes")
-    return bytes(body)
+    try:
+        return await read_body(request, limit)
+    except BodyTooLarge as exc:
+        raise RouteError(413, str(exc)) from None
 
 
 async def _read_json(request: Request, limit: int) -> dict[str, Any]:
