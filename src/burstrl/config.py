@@ -181,8 +181,10 @@ def validate(cls: type[C], data: dict[str, Any]) -> C:
             key = ".".join(str(p) for p in err["loc"])
             if err["type"] == "extra_forbidden":
                 lines.append(f"unknown config key '{key}'")
-            else:
+            elif key:
                 lines.append(f"config key '{key}': {err['msg']}")
+            else:  # a check across sections (model_post_init): the message names the keys
+                lines.append(err["msg"].removeprefix("Value error, "))
         raise ConfigError("; ".join(lines)) from None
 
 
@@ -310,3 +312,107 @@ class RouteConfig(Section):
     replicas: list[str] = Field(
         default_factory=list, description="Replica URLs registered at start (pool reserved, weight 1)."
     )
+
+
+class CurriculumConfig(Section):
+    start_difficulty: int = Field(1, ge=1, description="Difficulty sampled first.")
+    max_difficulty: int = Field(0, ge=0, description="Hardest difficulty; 0 = the environment's maximum.")
+    advance_pass_rate: float = Field(
+        0.5, ge=0, le=1, description="Move one difficulty up once this share of the last `window` groups' "
+        "attempts pass at the current difficulty."
+    )
+    window: int = Field(8, ge=1, description="Groups the pass rate is measured over.")
+    task_retries: int = Field(2, ge=0, description="Times a task with no passing attempt is re-queued.")
+    retry_after: int = Field(4, ge=0, description="New groups started before a re-queued task comes back.")
+
+
+class OrchestratorConfig(Section):
+    envs: dict[str, float] = Field(
+        default_factory=lambda: {"toy": 1.0}, description="Environments and their sampling weights."
+    )
+    group_size: int = Field(8, ge=2, description="Attempts per task (G); GRPO normalises within a group.")
+    max_in_flight_groups: int = Field(
+        0, ge=0, description="Groups being generated at once; 0 = trainer.batch_groups."
+    )
+    max_buffered_groups: int = Field(
+        0, ge=0, description="Stop starting groups while this many wait in the store (bounds staleness); "
+        "0 = 2 x trainer.batch_groups."
+    )
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature of every call.")
+    max_tokens: int = Field(16, ge=1, description="max_tokens of a call unless the environment sets it.")
+    attempt_retries: int = Field(
+        3, ge=0, description="Times an attempt is re-run (fresh session, new rollout id) after a replica failure."
+    )
+    request_timeout_s: float = Field(120.0, gt=0, description="Timeout of one call to the router.")
+    seed: int = Field(0, description="Seed of task sampling and sampling seeds.")
+    stats_interval_s: float = Field(1.0, gt=0, description="Seconds between lines of orchestrator.jsonl.")
+    curriculum: CurriculumConfig = Field(default_factory=CurriculumConfig)
+
+
+class OrchestrateConfig(Section):
+    """`burstrl orchestrate`: generate groups of rollouts through the router into the store."""
+
+    run_dir: str = Field("runs/default", description="Run directory (store, orchestrator.jsonl).")
+    store: str = Field("", description="Rollout store path; empty = RUN_DIR/store.sqlite.")
+    router: str = Field("http://127.0.0.1:8080", description="Router URL (OpenAI API).")
+    batch_groups: int = Field(8, ge=1, description="Groups the trainer takes per step (sizes the defaults).")
+    steps: int = Field(0, ge=0, description="Stop once the store has this many committed steps; 0 = never.")
+    orchestrator: OrchestratorConfig = Field(default_factory=OrchestratorConfig)
+
+
+class FleetConfig(Section):
+    reserved: int = Field(1, ge=0, description="Replicas in the reserved pool (never scaled down).")
+    on_demand: int = Field(1, ge=0, description="Replicas in the on-demand pool at start (elastic).")
+    reserved_weight: float = Field(1.0, gt=0, description="Router weight of a reserved replica.")
+    on_demand_weight: float = Field(1.0, gt=0, description="Router weight of an on-demand replica.")
+    replace_dead: bool = Field(True, description="Start a replacement when a replica dies.")
+    start_timeout_s: float = Field(180.0, gt=0, description="A replica not ready in this time has failed.")
+
+
+class AutoscaleConfig(Section):
+    enabled: bool = Field(False, description="Scale the on-demand pool from the trainer's wait and the buffer.")
+    min_on_demand: int = Field(0, ge=0, description="Fewest on-demand replicas.")
+    max_on_demand: int = Field(4, ge=0, description="Most on-demand replicas.")
+    interval_s: float = Field(10.0, gt=0, description="Seconds between decisions (and the cool-down after one).")
+    wait_fraction: float = Field(
+        0.3, ge=0, le=1, description="Add a replica when the trainer spent more than this share of its recent "
+        "steps waiting for data."
+    )
+    overflow_batches: float = Field(
+        2.0, gt=0, description="Remove a replica when more than this many batches wait in the store."
+    )
+
+
+class ChaosConfig(Section):
+    kill_fraction: float = Field(0.0, ge=0, le=1, description="Share of replicas SIGKILLed once; 0 = off.")
+    at_step: int = Field(0, ge=0, description="Kill while this step is being generated/trained (1-based).")
+
+
+class RunConfig(Section):
+    """`burstrl run`: every role of one RL run, started and supervised by the launcher."""
+
+    run_dir: str = Field("runs/quickstart", description="Run directory: config, store, adapters, logs, metrics.")
+    provider: Literal["local"] = Field("local", description="Where roles run: local subprocesses.")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    router: RouteConfig = Field(default_factory=lambda: RouteConfig(port=0))
+    lora: LoraConfigSection = Field(default_factory=LoraConfigSection)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    weights: WeightsConfig = Field(default_factory=WeightsConfig)
+    orchestrator: OrchestratorConfig = Field(default_factory=OrchestratorConfig)
+    fleet: FleetConfig = Field(default_factory=FleetConfig)
+    autoscale: AutoscaleConfig = Field(default_factory=AutoscaleConfig)
+    chaos: ChaosConfig = Field(default_factory=ChaosConfig)
+
+    def model_post_init(self, _: Any) -> None:
+        """The trainer scores tokens at the temperature they were sampled at: one value for both."""
+        if "temperature" not in self.trainer.model_fields_set:
+            self.trainer.temperature = self.orchestrator.temperature
+        elif self.trainer.temperature != self.orchestrator.temperature:
+            raise ValueError(f"trainer.temperature ({self.trainer.temperature}) must equal "
+                             f"orchestrator.temperature ({self.orchestrator.temperature})")
+        if self.fleet.reserved + self.fleet.on_demand < 1:
+            raise ValueError("fleet: at least one replica is needed (fleet.reserved + fleet.on_demand >= 1)")
+        a = self.autoscale
+        if a.min_on_demand > a.max_on_demand:
+            raise ValueError(f"autoscale.min_on_demand ({a.min_on_demand}) > autoscale.max_on_demand ({a.max_on_demand})")

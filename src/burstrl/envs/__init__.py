@@ -1,9 +1,31 @@
-"""Environments: tasks, the messages a model sees, and verifiable rewards.
+"""Environments: tasks, the rollout loop an agent runs against the model, and verifiable rewards.
 
-Owns task generation and grading only; it never calls a model. The orchestrator turns a task into
-chat messages (sent to the router/replicas over the OpenAI API), grades the completion text with
-the task's `reward`, and writes the reward and its named parts to the rollout store. The SFT warm
-start (`burstrl.trainer.sft`) uses the same tasks' demonstrations.
+Owns task generation, the conversation of one attempt and its grading. It talks to the model only
+through a `ChatClient` the orchestrator binds to one session on the router (OpenAI API over
+HTTP); the orchestrator writes the graded outcome and the captured calls to the rollout store. The
+SFT warm start (`burstrl.trainer.sft`) uses the same environments' demonstrations.
 
-Modules: toy (single-turn copy-the-letters task with a dense reward, for the tiny model).
+Modules: base (the protocol), toy (single-turn copy-the-letters), toy_multi (the multi-turn variant).
 """
+
+from __future__ import annotations
+
+from burstrl.envs.base import ChatClient, Environment, Outcome, Task
+
+ENV_NAMES = ("toy", "toy_multi")
+
+
+def get_env(name: str) -> Environment:
+    """The environment registered under `name` (ValueError naming the choices otherwise)."""
+    if name == "toy":
+        from burstrl.envs.toy import ToyEnv
+
+        return ToyEnv()
+    if name == "toy_multi":
+        from burstrl.envs.toy_multi import MultiToyEnv
+
+        return MultiToyEnv()
+    raise ValueError(f"unknown environment {name!r}; choose from {', '.join(ENV_NAMES)}")
+
+
+__all__ = ["ENV_NAMES", "ChatClient", "Environment", "Outcome", "Task", "get_env"]

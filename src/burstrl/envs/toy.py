@@ -20,6 +20,8 @@ import string
 from dataclasses import dataclass
 from pathlib import Path
 
+from burstrl.envs.base import ChatClient, Outcome, Task
+
 SYSTEM_PROMPT = "Reply with exactly the letters the user asks for, nothing else."
 LETTERS = string.ascii_uppercase
 MAX_DIFFICULTY = 8
@@ -120,3 +122,28 @@ def write_jsonl(rows: list[dict], path: str | Path) -> Path:
         for row in rows:
             f.write(json.dumps(row) + "\n")
     return path
+
+
+class ToyEnv:
+    """The single-turn task as an `Environment`: one call per rollout, pass = exact answer."""
+
+    name = "toy"
+    max_difficulty = MAX_DIFFICULTY
+
+    def make_tasks(self, n: int, seed: int, difficulty: int = 1, split: str = "train") -> list[Task]:
+        return [Task(id=t.id, env=self.name, difficulty=t.difficulty,
+                     data={"prompt": t.prompt, "answer": t.answer})
+                for t in make_tasks(n, seed, difficulty, split)]
+
+    async def rollout(self, client: ChatClient, task: Task) -> Outcome:
+        toy_task = _toy_task(task)
+        text = await client.chat(messages(toy_task))
+        total, parts = reward(toy_task, text)
+        return Outcome(reward=total, parts=parts, passed=parts["exact"] == 1.0, info={"reply": text})
+
+    def demonstrations(self, tasks: list[Task]) -> list[dict[str, list[dict[str, str]]]]:
+        return demonstrations([_toy_task(t) for t in tasks])
+
+
+def _toy_task(task: Task) -> ToyTask:
+    return ToyTask(id=task.id, prompt=task.data["prompt"], answer=task.data["answer"], difficulty=task.difficulty)

@@ -131,7 +131,7 @@ class Trainer:
         maybe_crash("published", step)
         times["publish_s"] = time.monotonic() - t3
         self.step = step
-        metrics = {"step": step, **stats, **times, "step_s": time.monotonic() - t0, **push}
+        metrics = {"step": step, "time": time.time(), **stats, **times, "step_s": time.monotonic() - t0, **push}
         if self.dist.is_main:
             self.write_metrics(metrics)
         return metrics

@@ -1,0 +1,62 @@
+"""The environment protocol: what the orchestrator needs from any environment.
+
+Why a rollout method and not reset/step: an agent's loop (how many calls, what it does between
+them) belongs to the environment, and the orchestrator only needs the graded outcome. The
+environment talks to the model through a `ChatClient` bound to one session, so every call of a
+rollout lands on the same replica, reuses its KV cache, and is captured there with exact token
+ids; the orchestrator then reads the captured calls (the training data) from the replica's trace.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass
+class Task:
+    """One task: an id unique across the run, its environment, difficulty and env-specific data (JSON)."""
+
+    id: str
+    env: str
+    difficulty: int
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Outcome:
+    """A graded rollout: total reward, its named parts, and whether it counts as a pass."""
+
+    reward: float
+    parts: dict[str, float] = field(default_factory=dict)
+    passed: bool = False
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class ChatClient(Protocol):
+    """One session's OpenAI chat client (model, sampling and session id are bound by the orchestrator)."""
+
+    calls: int  # chat calls made so far in this session
+
+    async def chat(self, messages: list[dict[str, str]], max_tokens: int | None = None) -> str:
+        """The assistant's reply text to `messages` (the whole conversation so far)."""
+        ...
+
+
+class Environment(Protocol):
+    """Tasks, a rollout loop against a chat client, rewards with named parts, and demonstrations."""
+
+    name: str
+    max_difficulty: int
+
+    def make_tasks(self, n: int, seed: int, difficulty: int = 1, split: str = "train") -> list[Task]:
+        """`n` tasks; the same arguments always give the same tasks, with ids unique across calls."""
+        ...
+
+    async def rollout(self, client: ChatClient, task: Task) -> Outcome:
+        """Run one attempt at `task` through `client` and grade it."""
+        ...
+
+    def demonstrations(self, tasks: list[Task]) -> list[dict[str, list[dict[str, str]]]]:
+        """Chat rows `{"messages": [...]}` with correct replies, for the SFT warm start."""
+        ...
