@@ -36,7 +36,7 @@ from pathlib import Path
 import httpx
 
 from burstrl.inference import process
-from burstrl.inference.process import ReplicaProcess, start_replica
+from burstrl.inference.process import RoleProcess, start_replica
 from burstrl.router.sim import (
     PoolSpec,
     Simulator,
@@ -100,7 +100,7 @@ LIVE = {"replicas": 3, "kv_tokens": 3000, "sessions": 48, "turns": 6, "concurren
 COUNTERS = ("prefix_cache_hit_tokens", "prefix_cache_queries_tokens", "evictions", "thrash", "refills")
 
 
-def start_router(workdir: Path, policy: str, replicas: list[str]) -> ReplicaProcess:
+def start_router(workdir: Path, policy: str, replicas: list[str]) -> RoleProcess:
     """`burstrl route serve` as a child process; returns once it prints its ready line."""
     return process.start_router(workdir, "--cluster_token", CLUSTER, "--policy", policy, "--k", str(LIVE["k"]),
                                 "--scrape_s", str(LIVE["scrape_s"]), "--replicas", json.dumps(replicas))

@@ -43,7 +43,7 @@ from pathlib import Path
 import httpx
 
 from burstrl.inference.adapters import pack_adapter
-from burstrl.inference.process import ReplicaProcess, start_replica
+from burstrl.inference.process import RoleProcess, start_replica
 from burstrl.weights.gc import unload_old
 from burstrl.weights.push import SEND_CHUNK, PushReport, ReplicaTarget, in_parallel, push_commit, send_shards
 from burstrl.weights.volume import gc, publish
@@ -152,9 +152,9 @@ def ensure_adapter(model_dir: Path, rank: int) -> Path:
     return out
 
 
-def start_replicas(model_dir: Path, root: Path, count: int) -> list[ReplicaProcess]:
+def start_replicas(model_dir: Path, root: Path, count: int) -> list[RoleProcess]:
     """`count` real replica processes (bfloat16, one torch thread each), started together."""
-    reps: list[ReplicaProcess] = []
+    reps: list[RoleProcess] = []
 
     def start(i: int) -> None:
         reps.append(start_replica(model_dir, root / f"replica{i}", "--server.admin_token", TOKEN,

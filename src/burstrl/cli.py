@@ -44,6 +44,22 @@ def version() -> None:
     typer.echo(__version__)
 
 
+@app.command()
+def report(
+    run_dir: Path = typer.Argument(..., help="Run directory (holds metrics.jsonl, orchestrator.jsonl, fleet.jsonl)."),
+    out: Path | None = typer.Option(None, "--out", help="Directory to write (default RUN_DIR/report)."),
+) -> None:
+    """Write a run's dashboard PNG and markdown summary; print their paths."""
+    from burstrl.eval.report import write_report
+
+    try:
+        png, md = write_report(run_dir, out)
+    except (OSError, ValueError) as exc:
+        _fail(str(exc))
+    typer.echo(png)
+    typer.echo(md)
+
+
 @model_app.command("make-tiny")
 def make_tiny(
     out: Path = typer.Argument(..., help="Directory to write (must be missing or empty)."),
@@ -187,6 +203,76 @@ def train(
     except (TrainError, CheckpointError, StoreError) as exc:
         _fail(str(exc))
     raise typer.Exit(code)
+
+
+@app.command("run", **CONFIG_COMMAND)
+def run_command(
+    ctx: typer.Context,
+    resume: bool = typer.Option(False, "--resume", help="Continue the run in run_dir from its last committed step."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the resolved config and exit."),
+) -> None:
+    """Run RL end to end (router, replicas, trainer, orchestrator); no CONFIG = the bundled quickstart."""
+    from burstrl.config import ConfigError, RunConfig, load_config
+    from burstrl.launcher.preflight import QUICKSTART, PreflightError, check, quickstart_model
+
+    files, overrides = split_args(list(ctx.args))
+    try:
+        cfg = load_config(RunConfig, files or [QUICKSTART], overrides)
+    except (ConfigError, OSError) as exc:
+        _fail(str(exc))
+    if dry_run:
+        return _print_config(cfg)
+    if not cfg.model.path:
+        typer.echo("model.path is empty: using the warm-started tiny model (made and cached on first use)", err=True)
+        cfg.model.path = str(quickstart_model())
+    try:
+        check(cfg)
+    except PreflightError as exc:
+        _fail(str(exc))
+    from burstrl.launcher.run import LaunchError, launch_run
+
+    try:
+        code = launch_run(cfg, resume)
+    except LaunchError as exc:
+        _fail(str(exc))
+    raise typer.Exit(code)
+
+
+@app.command(**CONFIG_COMMAND)
+def orchestrate(
+    ctx: typer.Context,
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the resolved config and exit."),
+) -> None:
+    """Generate groups of rollouts through the router into the store: [CONFIG.toml ...] then overrides."""
+    from burstrl.config import OrchestrateConfig
+
+    cfg = _config(OrchestrateConfig, ctx, [])
+    if dry_run:
+        return _print_config(cfg)
+    from burstrl.orchestrator.loop import orchestrate as run_orchestrator
+
+    try:
+        run_orchestrator(cfg)
+    except ValueError as exc:  # an unknown environment
+        _fail(str(exc))
+
+
+@app.command()
+def scale(
+    run_dir: Path = typer.Argument(..., help="The live run's directory."),
+    replicas: int = typer.Option(..., "--replicas", min=0, help="Replicas in all (reserved ones stay; the "
+                                 "on-demand pool grows or drains to match)."),
+) -> None:
+    """Resize a live run's inference fleet."""
+    from burstrl.launcher.control import ControlError, request_scale
+
+    try:
+        answer = request_scale(run_dir, replicas)
+    except ControlError as exc:
+        _fail(str(exc))
+    if not answer.get("ok"):
+        _fail(answer.get("error", "refused"))
+    typer.echo(f"scaling to {answer['reserved']} reserved + {answer['on_demand']} on-demand replicas")
 
 
 def _config(cls: type, ctx: typer.Context, extra_overrides: list[str]):

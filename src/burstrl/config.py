@@ -336,7 +336,7 @@ class OrchestratorConfig(Section):
     )
     max_buffered_groups: int = Field(
         0, ge=0, description="Stop starting groups while this many wait in the store (bounds staleness); "
-        "0 = 2 x trainer.batch_groups."
+        "0 = trainer.batch_groups (one batch ready while the next is generated)."
     )
     temperature: float = Field(1.0, gt=0, description="Sampling temperature of every call.")
     max_tokens: int = Field(16, ge=1, description="max_tokens of a call unless the environment sets it.")

@@ -8,7 +8,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from burstrl.inference.process import ReplicaProcess, start_replica
+from burstrl.inference.process import RoleProcess, start_replica
 
 ADMIN_TOKEN = "test-admin-token"
 
@@ -16,7 +16,7 @@ ADMIN_TOKEN = "test-admin-token"
 @dataclass
 class Server:
     url: str
-    replica: ReplicaProcess
+    replica: RoleProcess
 
     def admin(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {ADMIN_TOKEN}"}

@@ -16,7 +16,7 @@ import pytest
 from openai import OpenAI
 
 from burstrl.inference import process
-from burstrl.inference.process import ReplicaProcess
+from burstrl.inference.process import RoleProcess
 
 from .conftest import Server, start_server, stop_server
 
@@ -24,14 +24,14 @@ TOKEN = "test-cluster-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
-def start_router(workdir: Path, *overrides: str, timeout: float = 60.0) -> ReplicaProcess:
+def start_router(workdir: Path, *overrides: str, timeout: float = 60.0) -> RoleProcess:
     """`burstrl route serve --port 0 ...` as a child process group, with the test's cluster token."""
     return process.start_router(workdir, "--cluster_token", TOKEN, *overrides, timeout=timeout)
 
 
 @dataclass
 class Cluster:
-    router: ReplicaProcess
+    router: RoleProcess
     replicas: list[Server]  # the first three are registered at start
     spare: Server
 

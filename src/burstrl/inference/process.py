@@ -6,6 +6,7 @@ and prints one JSON ready line with its URL, which is how the parent learns wher
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import selectors
@@ -18,8 +19,8 @@ from pathlib import Path
 
 
 @dataclass
-class ReplicaProcess:
-    """A running `burstrl serve` child; `stop()` kills its process group."""
+class RoleProcess:
+    """A running burstrl role (a replica, the router, ...); `stop()`/`kill()` end its process group."""
 
     url: str
     proc: subprocess.Popen
@@ -36,9 +37,17 @@ class ReplicaProcess:
         if self.proc.stdout is not None:
             self.proc.stdout.close()
 
+    def kill(self) -> None:
+        """SIGKILL the whole process group at once (a preemption, not a shutdown)."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
 
 def start_replica(model_dir: str | Path, workdir: str | Path, *overrides: str,
-                  timeout: float = 120.0) -> ReplicaProcess:
+                  timeout: float = 120.0) -> RoleProcess:
     """Run `burstrl serve --model DIR --port 0 ...overrides`; return once it is listening.
 
     stderr goes to `workdir/serve.log`; a child that dies or stays silent past `timeout` raises
@@ -48,20 +57,33 @@ def start_replica(model_dir: str | Path, workdir: str | Path, *overrides: str,
                       timeout)
 
 
-def start_router(workdir: str | Path, *overrides: str, timeout: float = 60.0) -> ReplicaProcess:
+def start_router(workdir: str | Path, *overrides: str, timeout: float = 60.0) -> RoleProcess:
     """Run `burstrl route serve --port 0 ...overrides` (stderr to `workdir/router.log`)."""
     return start_role(["route", "serve", "--port", "0", *overrides], workdir, "router.log", timeout)
 
 
-def start_role(args: list[str], workdir: str | Path, log_name: str, timeout: float) -> ReplicaProcess:
-    """Run `burstrl ARGS` in its own process group; return once it prints its JSON ready line."""
+def start_role(args: list[str], workdir: str | Path, log_name: str, timeout: float,
+               env: dict[str, str] | None = None, wait_ready: bool = True, append: bool = False,
+               die_with_parent: bool = False) -> RoleProcess:
+    """Run `burstrl ARGS` in its own process group.
+
+    With `wait_ready`, return once it prints its JSON ready line (stdout is a pipe, stderr the log);
+    without, return at once with stdout and stderr both in the log. `append` keeps an earlier log
+    (a resumed run, a replacement under the same name). `die_with_parent`: the child gets SIGKILL
+    when the thread that started it dies (Linux), so a launcher killed with -9 leaves no orphans.
+    """
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     log = workdir / log_name
     cmd = [sys.executable, "-c", "from burstrl.cli import main; main()", *args]
-    with open(log, "w") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
-    child = ReplicaProcess(url="", proc=proc, log=log)
+    with open(log, "a" if append else "w") as err:
+        out = subprocess.PIPE if wait_ready else err
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, start_new_session=True,
+                                env={**os.environ, **(env or {})},
+                                preexec_fn=die_with_parent_signal if die_with_parent else None)
+    child = RoleProcess(url="", proc=proc, log=log)
+    if not wait_ready:
+        return child
     try:
         child.url = _wait_ready(proc, log, timeout)
     except BaseException:
@@ -84,3 +106,12 @@ def _wait_ready(proc: subprocess.Popen, log: Path, timeout: float) -> str:
                 if event.get("event") == "ready":
                     return event["url"]
     raise RuntimeError(f"{proc.args[3:5]} not ready after {timeout:.0f}s; log {log}:\n{log.read_text()[-3000:]}")
+
+
+def die_with_parent_signal() -> None:
+    """In a forked child before exec: ask the kernel for SIGKILL when the parent thread dies."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:  # not Linux: the supervisor still stops its children on every normal exit
+        pass

@@ -50,6 +50,7 @@ class ReplicaView:
     session_kinds: dict[str, str] = field(default_factory=dict)  # session id -> task kind
     versions: set[str] = field(default_factory=set)
     healthy: bool = True
+    draining: bool = False  # being removed: keeps its sessions, gets no new ones
     recent_assignments: list[Session] = field(default_factory=list)
 
 
@@ -81,8 +82,8 @@ def newest_routable_version(replicas: list[ReplicaView], pools: tuple[str, ...] 
 
 
 def eligible(session: Session, replicas: list[ReplicaView]) -> list[ReplicaView]:
-    """Healthy replicas that serve the session's version; raises when there is none."""
-    ok = [r for r in replicas if r.healthy and session.version in r.versions]
+    """Healthy, non-draining replicas that serve the session's version; raises when there is none."""
+    ok = [r for r in replicas if r.healthy and not r.draining and session.version in r.versions]
     if not ok:
         raise NoReplicaError(f"no healthy replica serves version {session.version!r} (session {session.id!r})")
     return ok

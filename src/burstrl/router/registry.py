@@ -230,6 +230,21 @@ class Registry:
         self.pinned[session.id] = session.version
         return view
 
+    def home_of(self, session_id: str) -> ReplicaView:
+        """The live replica a known session lives on: 404 if the router never saw it, 503 if its home is gone."""
+        home = self.homes.get(session_id)
+        if home is None:
+            raise RouteError(404, f"unknown session {session_id!r}", "not_found_error")
+        view = self.replicas.get(home)
+        if view is None or not view.healthy:
+            raise RouteError(503, f"session {session_id!r} lived on {home}, which is gone", "server_error")
+        return view
+
+    def forget(self, session_id: str) -> None:
+        """A finished session: drop its home and pin, so the maps do not grow for the whole run."""
+        self.homes.pop(session_id, None)
+        self.pinned.pop(session_id, None)
+
     # --- reporting --------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:

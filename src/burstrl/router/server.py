@@ -176,6 +176,18 @@ def build_app(router: Router, on_ready: Callable[[], None] | None = None) -> Fas
         return JSONResponse({"url": view.id, "pool": view.pool, "weight": view.weight,
                              "scraped": scraped, "versions": sorted(view.versions)}, status_code=201)
 
+    @app.post("/v1/replicas/drain")
+    async def drain(request: Request) -> dict[str, Any]:
+        """Stop sending new sessions to a replica that is about to be removed; its sessions finish there."""
+        router.require_token(request)
+        url = str((await _read_json(request, router.cfg.max_body_bytes)).get("url", "")).rstrip("/")
+        async with router.lock:
+            view = reg.replicas.get(url)
+            if view is None:
+                raise RouteError(404, f"replica {url!r} is not registered", "not_found_error")
+            view.draining = True
+        return {"url": url, "draining": True}
+
     @app.delete("/v1/replicas")
     async def deregister(request: Request, url: str = "") -> dict[str, Any]:
         router.require_token(request)
@@ -188,6 +200,7 @@ def build_app(router: Router, on_ready: Callable[[], None] | None = None) -> Fas
     @app.get("/v1/replicas")
     async def list_replicas() -> dict[str, Any]:
         return {"replicas": [{"url": v.id, "pool": v.pool, "weight": v.weight, "healthy": v.healthy,
+                              "draining": v.draining,
                               "capacity_tokens": v.capacity_tokens, "versions": sorted(v.versions)}
                              for v in reg.replicas.values()]}
 
@@ -213,6 +226,15 @@ def build_app(router: Router, on_ready: Callable[[], None] | None = None) -> Fas
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
         return PlainTextResponse(prometheus_text(reg.stats()), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/traces/{session_id:path}")
+    async def get_trace(session_id: str) -> Response:
+        return await forward_trace(router, "GET", session_id, request_headers={})
+
+    @app.delete("/v1/traces/{session_id:path}")
+    async def delete_trace(session_id: str, request: Request) -> Response:
+        auth = {"authorization": request.headers["authorization"]} if "authorization" in request.headers else {}
+        return await forward_trace(router, "DELETE", session_id, request_headers=auth)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -257,6 +279,34 @@ async def proxy(router: Router, request: Request, path: str) -> Response:
         except httpx.TimeoutException:
             raise RouteError(504, f"replica {url} timed out", "server_error") from None
     raise RouteError(503, "replicas failed twice in a row; try again", "server_error")
+
+
+async def forward_trace(router: Router, method: str, session_id: str, request_headers: dict[str, str]) -> Response:
+    """A session's capture lives on its replica: forward GET/DELETE there (the replica checks the token).
+
+    A trace answered by a replica carries `replica` (its URL), so the caller can tell which replica
+    recorded the calls. A successful DELETE also drops the session from the router's maps.
+    """
+    async with router.lock:
+        url = router.registry.home_of(session_id).id
+    try:
+        r = await router.http().request(method, f"{url}/v1/traces/{session_id}", headers=request_headers)
+    except DEAD as exc:
+        async with router.lock:
+            router.registry.mark_dead(url)
+        raise RouteError(503, f"session {session_id!r}: replica {url} failed ({type(exc).__name__})",
+                         "server_error") from None
+    except httpx.TimeoutException:
+        raise RouteError(504, f"replica {url} timed out", "server_error") from None
+    body = r.content
+    if r.status_code == 200:
+        data = r.json()
+        data["replica"] = url
+        body = json.dumps(data).encode()
+        if method == "DELETE":
+            async with router.lock:
+                router.registry.forget(session_id)
+    return Response(body, status_code=r.status_code, media_type="application/json")
 
 
 async def _forward(router: Router, url: str, raw: bytes, headers: dict[str, str], stream: bool) -> Response:

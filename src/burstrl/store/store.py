@@ -35,6 +35,10 @@ from burstrl.store.types import Group, Rollout
 
 SCHEMA_VERSION = 1
 GROUP_STATUSES = ("buffered", "consumed", "stale", "quarantined")
+# An attempt (one rollout id) is `running` until it ends `stored` (in a group, same transaction as the
+# group), `requeued` (a replica failed; another attempt with a new id replaces it) or `abandoned`
+# (its group was given up, or the orchestrator stopped or crashed while it ran).
+ATTEMPT_STATUSES = ("running", "stored", "requeued", "abandoned")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL);
@@ -69,6 +73,15 @@ CREATE TABLE IF NOT EXISTS rollouts (
     created REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS rollouts_group ON rollouts (group_id, idx);
+CREATE TABLE IF NOT EXISTS attempts (
+    id TEXT PRIMARY KEY,
+    task_id TEXT NOT NULL,
+    status TEXT NOT NULL,
+    detail TEXT,
+    started REAL NOT NULL,
+    finished REAL
+);
+CREATE INDEX IF NOT EXISTS attempts_status ON attempts (status);
 CREATE TABLE IF NOT EXISTS steps (
     step INTEGER PRIMARY KEY,
     committed_at REAL NOT NULL,
@@ -240,6 +253,8 @@ class RolloutStore:
                             "VALUES (?, ?, ?, ?, ?, ?)",
                             (task_id, version, status, reason, _raw_dumps(raw) if raw else None, now))
             gid = int(cur.lastrowid)
+            c.executemany("UPDATE attempts SET status = 'stored', finished = ? WHERE id = ? AND status = 'running'",
+                          [(now, rid) for rid, k in zip(ids, keep) if k])
             for idx, (r, k, enc, v) in enumerate(zip(rollouts, keep, encoded, versions)):
                 if k and enc is not None:
                     reward = _float_or_none(r.reward)
@@ -256,6 +271,35 @@ class RolloutStore:
             marks = ",".join("?" * len(chunk))
             found.update(row[0] for row in c.execute(f"SELECT id FROM rollouts WHERE id IN ({marks})", chunk))
         return found
+
+    def start_attempt(self, rollout_id: str, task_id: str) -> None:
+        """Record that an attempt started (StoreError if its id was ever used: ids are never reused)."""
+        try:
+            with self._tx() as c:
+                c.execute("INSERT INTO attempts (id, task_id, status, started) VALUES (?, ?, 'running', ?)",
+                          (rollout_id, task_id, time.time()))
+        except sqlite3.IntegrityError:
+            raise StoreError(f"attempt id {rollout_id!r} was already used") from None
+
+    def end_attempt(self, rollout_id: str, status: str, detail: str = "") -> None:
+        """Close a running attempt as `requeued` or `abandoned` (stored attempts close in `put_group`)."""
+        if status not in ("requeued", "abandoned"):
+            raise StoreError(f"an attempt ends requeued or abandoned here, not {status!r}")
+        with self._tx() as c:
+            c.execute("UPDATE attempts SET status = ?, detail = ?, finished = ? WHERE id = ? AND status = 'running'",
+                      (status, detail, time.time(), rollout_id))
+
+    def abandon_running_attempts(self, detail: str) -> int:
+        """Attempts left `running` by a process that stopped or crashed: closed, counted, never silently lost."""
+        with self._tx() as c:
+            return c.execute("UPDATE attempts SET status = 'abandoned', detail = ?, finished = ? "
+                             "WHERE status = 'running'", (detail, time.time())).rowcount
+
+    def attempts(self) -> dict[str, tuple[str, str]]:
+        """Attempt id -> (status, detail), for audits: every id ends in exactly one status."""
+        with self._lock:
+            rows = self._conn.execute("SELECT id, status, COALESCE(detail, '') FROM attempts").fetchall()
+        return {rid: (status, detail) for rid, status, detail in rows}
 
     # ---- reads and commits from the trainer ----
 
@@ -370,6 +414,7 @@ class RolloutStore:
             out["staleness_mean"] = float(mean) if mean is not None else 0.0
             out["staleness_max"] = int(mx) if mx is not None else 0
             out["steps"] = self._last_step(c)
+            out["attempts"] = dict(c.execute("SELECT status, COUNT(*) FROM attempts GROUP BY status").fetchall())
         return out
 
     def consumed(self) -> dict[str, int]:

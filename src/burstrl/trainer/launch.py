@@ -8,7 +8,6 @@ and the path of its log. Children also die with the launcher (PR_SET_PDEATHSIG o
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import socket
@@ -18,6 +17,7 @@ import time
 from pathlib import Path
 
 from burstrl.config import TrainConfig, dump_toml
+from burstrl.inference.process import die_with_parent_signal
 
 
 def launch(cfg: TrainConfig, resume: bool) -> int:
@@ -44,7 +44,7 @@ def _spawn_rank(rank: int, world: int, port: int, config: Path, run_dir: Path, r
     cmd = [sys.executable, "-c", code, str(config), "1" if resume else "0"]
     log = open(run_dir / "logs" / f"rank-{rank}.log", "w")
     return subprocess.Popen(cmd, env=env, stdout=None if rank == 0 else log, stderr=None if rank == 0 else log,
-                            preexec_fn=_die_with_parent)
+                            preexec_fn=die_with_parent_signal)
 
 
 def _supervise(procs: list[subprocess.Popen], run_dir: Path) -> int:
@@ -72,14 +72,6 @@ def _kill(procs: list[subprocess.Popen]) -> None:
             p.send_signal(signal.SIGKILL)
     for p in procs:
         p.wait()
-
-
-def _die_with_parent() -> None:
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:  # not Linux: the supervisor still kills its children on failure
-        pass
 
 
 def _free_port() -> int:

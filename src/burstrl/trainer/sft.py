@@ -5,7 +5,8 @@ base that is weak but above chance. `sft` teaches a model from chat-formatted JS
 (`{"messages": [...]}` per line) through the normal HF loading path, so its output is an ordinary
 HF model directory (or a PEFT adapter with `lora=True`) that `load_model`, the replica and the
 trainer load like any checkpoint. `ensure_warm_model` builds and caches the tiny model's warm
-start on the toy tasks, stopping while it is still weak so that RL has room to improve.
+start on the toy tasks (single- and multi-turn), stopping while it is still weak so that RL
+has room to improve.
 
 Only assistant tokens are trained on: each assistant turn's content and its end token
 (`<|im_end|>`, so the model learns to stop); system, user and template tokens are masked (-100).
@@ -29,18 +30,24 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from burstrl.envs import toy
+from burstrl.envs.toy_multi import MultiToyEnv
 from burstrl.model.hf import load_model, load_tokenizer
-from burstrl.trainer.toy_eval import ToyScore, greedy_score, sampled_score
+from burstrl.trainer.toy_eval import ToyScore, greedy_score, multi_turn_score, sampled_score
 from burstrl.atomic import check_target, make_readable, publish_dir
 
 IGNORE = -100  # label of tokens the loss skips (HF's convention)
 SFT_MARKER = "burstrl_sft.json"
 WARM_MARKER = "burstrl_warm.json"
-WARM_RECIPE_VERSION = 1  # bump when ensure_warm_model's recipe changes, to rebuild caches
+WARM_RECIPE_VERSION = 2  # bump when ensure_warm_model's recipe changes, to rebuild caches
 
-# The warm start's recipe: full-weight SFT on single-letter toy demonstrations (see
-# ensure_warm_model for the stopping rule). On the tiny model it stops after 53 steps (~10 s).
+# The warm start's recipe: full-weight SFT on single-letter toy demonstrations mixed with whole
+# toy_multi conversations (WARM_MULTI_TASKS spread over WARM_MULTI_DIFFICULTIES turns), so both
+# environments start weak but above chance (see ensure_warm_model for the stopping rule). On the
+# tiny model it stops after 54 steps (~17 s on 2 shared cores).
 WARM_TRAIN_TASKS = 512
+WARM_MULTI_TASKS = 384
+WARM_MULTI_DIFFICULTIES = (1, 2, 3)
+WARM_RL_TEMPERATURE = 0.5  # the sampled scores are also measured where the RL tests sample
 WARM_LR = 5e-4
 WARM_BATCH_SIZE = 32
 WARM_MAX_STEPS = 300
@@ -285,14 +292,15 @@ def ensure_warm_model(
     target: tuple[float, float] = (0.2, 0.6),
     seed: int = 0,
 ) -> Path:
-    """The base model after a short full-weight SFT on toy demonstrations, cached at `out_dir`.
+    """The base model after a short full-weight SFT on toy and toy_multi demonstrations, cached at `out_dir`.
 
     Weak but above chance, so that LoRA-GRPO has both a signal and room to improve: after every
     step the model answers each single-letter test prompt greedily, and training stops at the
     first step whose mean reward lies in [low + (high - low) / 4, high] of `target`. Every step
     is evaluated because greedy accuracy jumps (up and down) as each right letter overtakes
     `<|im_end|>`: the half-trained failure is an empty reply. The marker file records the
-    recipe, the step count and the measured scores (greedy and sampled); a cache with the same
+    recipe, the step count and the measured scores (greedy and sampled, on toy and on
+    toy_multi, where the band is not enforced but lands alike); a cache with the same
     recipe is reused, one with another recipe is replaced. Racing builders each train in a temp
     dir; the first rename wins and the others use its result.
     """
@@ -330,8 +338,7 @@ def _build_warm(
     model = load_model(base_dir, "float32", "cpu")
     eval_tasks = _letter_tasks(seed)
     base = greedy_score(model, tokenizer, eval_tasks)
-    rows = toy.demonstrations(toy.make_tasks(WARM_TRAIN_TASKS, seed, difficulty=1, split="train"))
-    examples = [encode_conversation(tokenizer, row["messages"]) for row in rows]
+    examples = [encode_conversation(tokenizer, row["messages"]) for row in _warm_rows(seed)]
     scores: list[ToyScore] = []
 
     def in_band(step: int) -> bool:
@@ -345,16 +352,56 @@ def _build_warm(
         raise RuntimeError(f"warm start missed its target {target} in {result.steps} steps "
                            f"(greedy mean reward {warm.mean_reward:.3f})")
     sampled = sampled_score(model, tokenizer, eval_tasks, group_size=8, seed=seed)
+    sampled_rl = sampled_score(model, tokenizer, eval_tasks, group_size=8, seed=seed,
+                               temperature=WARM_RL_TEMPERATURE)
     marker = {"recipe": recipe, "steps": result.steps, "seconds": round(result.seconds, 2),
               "mean_reward": round(warm.mean_reward, 4), "exact": round(warm.exact, 4),
               "base_mean_reward": round(base.mean_reward, 4),
               "sampled_mean_reward": round(sampled.mean_reward, 4),
               "sampled_groups_with_variance": round(sampled.groups_with_variance, 4),
+              "sampled_rl": _score_dict(sampled_rl),
+              "toy_multi": _multi_scores(model, tokenizer, seed),
               "greedy_curve": [round(s.mean_reward, 4) for s in scores]}
     _log(f"warm start: {result.steps} steps in {result.seconds:.1f}s; greedy mean reward "
          f"{base.mean_reward:.3f} -> {warm.mean_reward:.3f}; sampled {sampled.mean_reward:.3f}, "
-         f"{sampled.groups_with_variance:.0%} of groups of 8 with reward variance")
+         f"{sampled.groups_with_variance:.0%} of groups of 8 with reward variance; toy_multi greedy "
+         + ", ".join(f"{d} {s['greedy']['mean_reward']:.3f}" for d, s in marker["toy_multi"].items()))
     return model, tokenizer, marker
+
+
+def _warm_rows(seed: int) -> list[dict]:
+    """Single-letter toy demonstrations plus whole toy_multi conversations of a few turns.
+
+    The multi-turn rows teach the same letter mapping in a conversation that holds earlier
+    replies, so RL on toy_multi starts above chance too; the single-letter rows keep the band
+    check (and the single-turn RL test) where they were measured.
+    """
+    rows = toy.demonstrations(toy.make_tasks(WARM_TRAIN_TASKS, seed, difficulty=1, split="train"))
+    env = MultiToyEnv()
+    per = WARM_MULTI_TASKS // len(WARM_MULTI_DIFFICULTIES)
+    for difficulty in WARM_MULTI_DIFFICULTIES:
+        rows += env.demonstrations(env.make_tasks(per, seed, difficulty=difficulty, split="train"))
+    return rows
+
+
+def _multi_scores(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, seed: int) -> dict:
+    """toy_multi on 32 test tasks per difficulty: greedy, and sampled groups of 8 at the RL temperature."""
+    env, out = MultiToyEnv(), {}
+    for difficulty in WARM_MULTI_DIFFICULTIES:
+        tasks = env.make_tasks(32, seed, difficulty=difficulty, split="test")
+        sampled = multi_turn_score(model, tokenizer, tasks, group_size=8, do_sample=True,
+                                   temperature=WARM_RL_TEMPERATURE, seed=seed)
+        greedy = multi_turn_score(model, tokenizer, tasks)
+        out[f"d{difficulty}"] = {"greedy": _score_dict(greedy, groups=False),
+                                 "sampled_rl": _score_dict(sampled)}
+    return out
+
+
+def _score_dict(score: ToyScore, groups: bool = True) -> dict:
+    out = {"mean_reward": round(score.mean_reward, 4), "pass_rate": round(score.exact, 4)}
+    if groups:  # a greedy score has groups of one: no variance to report
+        out["groups_with_variance"] = round(score.groups_with_variance, 4)
+    return out
 
 
 def _letter_tasks(seed: int) -> list[toy.ToyTask]:
@@ -373,7 +420,9 @@ def _warm_recipe(base_dir: Path, target: tuple[float, float], seed: int) -> dict
     for path in sorted(base_dir.glob("*.safetensors")) + [base_dir / "config.json"]:
         digest.update(path.read_bytes())
     return {"version": WARM_RECIPE_VERSION, "base_sha256": digest.hexdigest(),
-            "target": list(target), "seed": seed, "train_tasks": WARM_TRAIN_TASKS, "lr": WARM_LR,
+            "target": list(target), "seed": seed, "train_tasks": WARM_TRAIN_TASKS,
+            "multi_tasks": WARM_MULTI_TASKS, "multi_difficulties": list(WARM_MULTI_DIFFICULTIES),
+            "rl_temperature": WARM_RL_TEMPERATURE, "lr": WARM_LR,
             "batch_size": WARM_BATCH_SIZE, "max_steps": WARM_MAX_STEPS}
 
 

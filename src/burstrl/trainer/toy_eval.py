@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from burstrl.envs import toy
+from burstrl.envs import toy, toy_multi
+from burstrl.envs.base import Task
 
 
 @dataclass
@@ -99,3 +100,38 @@ def sampled_score(
         varied.append(float(max(group) > min(group)))
     return ToyScore(mean_reward=statistics.fmean(rewards), exact=statistics.fmean(exact),
                     groups_with_variance=statistics.fmean(varied))
+
+
+def multi_turn_score(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    tasks: list[Task],
+    *,
+    group_size: int = 1,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    seed: int = 0,
+) -> ToyScore:
+    """Score `toy_multi` tasks as their rollouts run: each turn's prompt holds the model's own replies.
+
+    All `group_size` attempts at all tasks advance one turn per batched `generate` call. Replies
+    are re-rendered as text (a replica keeps the sampled ids instead), which for a reply of
+    letters and `<|im_end|>` gives the same tokens. `exact` is the fraction of passed attempts.
+    """
+    letters = [t.data["letters"] for t in tasks for _ in range(group_size)]
+    replies: list[list[str]] = [[] for _ in letters]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for turn in range(max(len(seq) for seq in letters)):
+            live = [i for i, seq in enumerate(letters) if turn < len(seq)]
+            chats = [toy_multi.conversation(letters[i], replies[i]) for i in live]
+            texts = generate(model, tokenizer, chats, max_new_tokens=toy_multi.MAX_TOKENS,
+                             do_sample=do_sample, temperature=temperature)
+            for i, text in zip(live, texts):
+                replies[i].append(text)
+    graded = [toy_multi.grade(seq, got) for seq, got in zip(letters, replies)]
+    rewards = [total for total, _ in graded]
+    groups = [rewards[i : i + group_size] for i in range(0, len(rewards), group_size)]
+    return ToyScore(mean_reward=statistics.fmean(rewards),
+                    exact=statistics.fmean(float(parts["exact"] == 1.0) for _, parts in graded),
+                    groups_with_variance=statistics.fmean(float(max(g) > min(g)) for g in groups))

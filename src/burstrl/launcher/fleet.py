@@ -1,0 +1,216 @@
+"""The launcher's replicas: start, register, replace, drain and kill them while the run goes on.
+
+Why the launcher owns this and not the router: starting a process is a provider's job, and the
+router only learns of a replica when it registers. A replica is `starting` (its process loads the
+model and the newest version from the volume, in a worker thread so supervision never blocks) ->
+`up` (registered with the router, listed in `replicas.txt`, which the trainer re-reads before each
+push) -> gone (died, killed, or drained and stopped). Every transition is an event in fleet.jsonl.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import httpx
+
+from burstrl.inference.process import RoleProcess
+from burstrl.providers import Provider
+
+log = logging.getLogger("burstrl.run")
+POOLS = ("reserved", "on_demand")
+
+
+@dataclass
+class Replica:
+    name: str
+    pool: str
+    handle: RoleProcess | None = None
+    state: str = "starting"  # starting -> up -> draining -> gone
+    started: float = field(default_factory=time.time)
+    drain_deadline: float = 0.0
+
+    @property
+    def url(self) -> str:
+        return self.handle.url if self.handle is not None else ""
+
+
+class Fleet:
+    """Replicas by name; thread-safe (starts finish in worker threads)."""
+
+    def __init__(self, provider: Provider, serve_args: list[str], router: str, cluster_token: str,
+                 admin_token: str, run_dir: Path, weights: dict[str, float], event: Callable[..., None],
+                 start_timeout_s: float) -> None:
+        self.provider, self.serve_args, self.router = provider, serve_args, router
+        self.cluster_token, self.admin_token = cluster_token, admin_token
+        self.replicas_file = run_dir / "replicas.txt"
+        self.weights, self.event, self.start_timeout_s = weights, event, start_timeout_s
+        self.replicas: dict[str, Replica] = {}
+        self.lock = threading.Lock()
+        self.pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="replica-start")
+        self.starts: list[Future] = []
+        self.counter = 0
+        self.failed_starts = 0
+        self.write_replicas_file()
+
+    # ---- membership ----
+    def count(self, pool: str) -> int:
+        """Replicas of the pool that are starting or up (draining ones are on their way out)."""
+        with self.lock:
+            return sum(1 for r in self.replicas.values() if r.pool == pool and r.state in ("starting", "up"))
+
+    def alive(self) -> dict[str, int]:
+        with self.lock:
+            return {p: sum(1 for r in self.replicas.values() if r.pool == p and r.state == "up") for p in POOLS}
+
+    def up(self) -> list[Replica]:
+        with self.lock:
+            return [r for r in self.replicas.values() if r.state == "up"]
+
+    def start(self, pool: str, why: str = "") -> Replica:
+        """Begin starting one replica of `pool`; it registers itself when ready."""
+        with self.lock:
+            self.counter += 1
+            replica = Replica(name=f"replica-{self.counter}-{pool}", pool=pool)
+            self.replicas[replica.name] = replica
+        self.starts.append(self.pool.submit(self._bring_up, replica, why))
+        return replica
+
+    def _bring_up(self, replica: Replica, why: str) -> None:
+        try:
+            handle = self.provider.start(replica.name, self.serve_args, wait_ready=True,
+                                         timeout=self.start_timeout_s)
+        except Exception as exc:  # a failed start is a fault to count and retry, not a crash
+            with self.lock:
+                replica.state = "gone"
+                self.failed_starts += 1
+            self.event("replica_failed_start", replica=replica.name, pool=replica.pool, detail=str(exc)[-300:])
+            return
+        with self.lock:
+            replica.handle = handle
+            if replica.state != "starting":  # the run ended or it was scaled away while starting
+                handle.stop()
+                return
+        try:
+            self._register(replica)
+        except httpx.HTTPError as exc:
+            handle.kill()
+            with self.lock:
+                replica.state = "gone"
+                self.failed_starts += 1
+            self.event("replica_failed_start", replica=replica.name, pool=replica.pool, detail=f"register: {exc}")
+            return
+        with self.lock:
+            replica.state = "up"
+        self.write_replicas_file()
+        self.event("replica_started", replica=replica.name, pool=replica.pool, detail=f"{replica.url} {why}".strip())
+
+    def _register(self, replica: Replica) -> None:
+        body = {"url": replica.url, "pool": replica.pool, "weight": self.weights[replica.pool]}
+        r = httpx.post(f"{self.router}/v1/replicas", json=body, timeout=30,
+                       headers={"Authorization": f"Bearer {self.cluster_token}"})
+        r.raise_for_status()
+
+    def _deregister(self, replica: Replica) -> None:
+        try:
+            httpx.delete(f"{self.router}/v1/replicas", params={"url": replica.url}, timeout=10,
+                         headers={"Authorization": f"Bearer {self.cluster_token}"})
+        except httpx.HTTPError as exc:  # the router drops it on failed scrapes anyway
+            log.warning("deregistering %s failed: %s", replica.name, exc)
+
+    def write_replicas_file(self) -> None:
+        """The URLs the trainer pushes each version to (atomic: it may read at any moment)."""
+        urls = [r.url for r in self.up()]
+        tmp = self.replicas_file.with_suffix(".tmp")
+        tmp.write_text("".join(u + "\n" for u in urls))
+        os.replace(tmp, self.replicas_file)
+
+    # ---- faults and scaling ----
+    def reap(self) -> list[Replica]:
+        """Replicas whose process exited on its own: deregistered, listed as gone, returned."""
+        dead = []
+        with self.lock:
+            for r in self.replicas.values():
+                if r.state in ("up", "draining") and r.handle is not None and r.handle.proc.poll() is not None:
+                    dead.append(r)
+                    r.state = "gone"
+        for r in dead:
+            self._deregister(r)
+            self.event("replica_died", replica=r.name, pool=r.pool, detail=f"exit {r.handle.proc.returncode}")
+        if dead:
+            self.write_replicas_file()
+        return dead
+
+    def kill(self, replica: Replica, why: str) -> None:
+        """SIGKILL a replica's process group, as a preemption would; the router learns by failing calls."""
+        with self.lock:
+            replica.state = "gone"
+        replica.handle.kill()
+        self.write_replicas_file()
+        self.event("replica_killed", replica=replica.name, pool=replica.pool, detail=why)
+        self._deregister(replica)
+
+    def drain(self, pool: str, n: int, drain_s: float = 30.0) -> list[Replica]:
+        """Take `n` replicas of `pool` out gracefully: no new sessions, stopped once idle or after `drain_s`."""
+        with self.lock:
+            chosen = [r for r in self.replicas.values() if r.pool == pool and r.state == "up"][-n:] if n else []
+            for r in chosen:
+                r.state, r.drain_deadline = "draining", time.monotonic() + drain_s
+        for r in chosen:
+            try:
+                httpx.post(f"{self.router}/v1/replicas/drain", json={"url": r.url}, timeout=10,
+                           headers={"Authorization": f"Bearer {self.cluster_token}"})
+            except httpx.HTTPError as exc:
+                log.warning("draining %s failed: %s", r.name, exc)
+            self.event("replica_draining", replica=r.name, pool=r.pool, detail=r.url)
+        self.write_replicas_file()
+        return chosen
+
+    def finish_drains(self) -> None:
+        """Stop draining replicas that have no live sessions left, or whose drain time is up."""
+        with self.lock:
+            draining = [r for r in self.replicas.values() if r.state == "draining"]
+        for r in draining:
+            if time.monotonic() < r.drain_deadline and _live_sessions(r.url) > 0:
+                continue
+            self._deregister(r)
+            r.handle.stop()
+            with self.lock:
+                r.state = "gone"
+            self.event("replica_stopped", replica=r.name, pool=r.pool, detail="drained")
+
+    def cancel_starting(self, pool: str, n: int) -> int:
+        """Scale down first by cancelling replicas that are still starting."""
+        with self.lock:
+            starting = [r for r in self.replicas.values() if r.pool == pool and r.state == "starting"][-n:] if n else []
+            for r in starting:
+                r.state = "gone"
+        return len(starting)
+
+    def close(self) -> None:
+        """Stop every replica (the run is over or failed); starts in flight stop themselves."""
+        with self.lock:
+            for r in self.replicas.values():
+                r.state = "gone" if r.handle is not None else "cancelled"
+            handles = [r.handle for r in self.replicas.values() if r.handle is not None]
+        for h in handles:
+            h.stop(timeout=5.0)
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        with self.lock:  # starts that finished while we shut down
+            late = [r.handle for r in self.replicas.values() if r.handle is not None and r.handle not in handles]
+        for h in late:
+            h.stop(timeout=5.0)
+
+
+def _live_sessions(url: str) -> int:
+    try:
+        loads: dict[str, Any] = httpx.get(f"{url}/v1/loads", timeout=5).json()
+    except (httpx.HTTPError, ValueError):
+        return 0
+    return len(loads.get("sessions", [])) + int(loads.get("num_running_reqs", 0))

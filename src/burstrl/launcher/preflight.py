@@ -1,0 +1,116 @@
+"""Checks that run before `burstrl run` starts anything, and the bundled quickstart.
+
+Why up front: a run that fails ten minutes in, after replicas loaded and a step trained, because
+of a typo in a path or a fleet that never fit in memory, wastes the most expensive resource there
+is. Everything that can be known from the config and the machine is checked here, and each
+problem is named with the key to change.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from burstrl.config import RunConfig
+
+QUICKSTART = Path(__file__).with_name("quickstart.toml")
+GIB = 1 << 30
+
+
+class PreflightError(ValueError):
+    """The run cannot start as configured; the message names every problem found."""
+
+
+def cache_dir() -> Path:
+    """Where the quickstart's tiny model and its warm start are kept: $BURSTRL_CACHE or ~/.cache/burstrl."""
+    return Path(os.environ.get("BURSTRL_CACHE") or Path.home() / ".cache" / "burstrl")
+
+
+def quickstart_model() -> Path:
+    """The warm-started tiny model (made and cached on first use: about a minute on two cores)."""
+    from burstrl.model.tiny import ensure_tiny_model
+    from burstrl.trainer.sft import ensure_warm_model
+
+    base = ensure_tiny_model(cache_dir() / "tiny-qwen3")
+    return ensure_warm_model(base, cache_dir() / "tiny-qwen3-warm")
+
+
+def check(cfg: RunConfig) -> None:
+    """Raise PreflightError listing every problem with `cfg` on this machine."""
+    problems = _model_problems(cfg) + _env_problems(cfg) + _plan_problems(cfg)
+    if not problems:
+        problems = _resource_problems(cfg)
+    if problems:
+        raise PreflightError("; ".join(problems))
+
+
+def _model_problems(cfg: RunConfig) -> list[str]:
+    path = Path(cfg.model.path)
+    if not path.is_dir():
+        return [f"model.path {str(path)!r} is not a directory"]
+    if not (path / "config.json").is_file():
+        return [f"model.path {str(path)!r} has no config.json (not a Hugging Face model directory)"]
+    return []
+
+
+def _env_problems(cfg: RunConfig) -> list[str]:
+    from burstrl.envs import ENV_NAMES
+
+    out = [f"orchestrator.envs: unknown environment {name!r} (choose from {', '.join(ENV_NAMES)})"
+           for name in cfg.orchestrator.envs if name not in ENV_NAMES]
+    out += [f"orchestrator.envs.{name}: weight must be > 0" for name, w in cfg.orchestrator.envs.items() if w <= 0]
+    if not cfg.orchestrator.envs:
+        out.append("orchestrator.envs: at least one environment is needed")
+    return out
+
+
+def _plan_problems(cfg: RunConfig) -> list[str]:
+    out = []
+    c = cfg.chaos
+    if c.kill_fraction > 0 and not 1 <= c.at_step <= cfg.trainer.steps:
+        out.append(f"chaos.at_step {c.at_step} must be within 1..trainer.steps ({cfg.trainer.steps})")
+    if cfg.model.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            out.append(f"model.device {cfg.model.device!r}: no CUDA GPU on this machine")
+    cores = os.cpu_count() or 1
+    if cfg.trainer.world_size > cores and not cfg.model.device.startswith("cuda"):
+        out.append(f"trainer.world_size {cfg.trainer.world_size} exceeds this machine's {cores} CPU cores")
+    return out
+
+
+def _resource_problems(cfg: RunConfig) -> list[str]:
+    """Memory: the most replicas the run may hold at once, each with weights and its KV budget, plus the trainer."""
+    path = Path(cfg.model.path)
+    weights = sum(f.stat().st_size for f in path.glob("*.safetensors")) or sum(
+        f.stat().st_size for f in path.glob("*.bin"))
+    kv = kv_bytes_per_token(json.loads((path / "config.json").read_text())) * cfg.engine.max_total_num_tokens
+    most = cfg.fleet.reserved + max(cfg.fleet.on_demand, cfg.autoscale.max_on_demand if cfg.autoscale.enabled else 0)
+    need = most * (weights + kv) + cfg.trainer.world_size * 4 * weights
+    have = available_memory()
+    if have is not None and need > have:
+        return [f"impossible resource request: {most} replicas x ({weights / GIB:.2f} GiB weights + "
+                f"{kv / GIB:.2f} GiB KV for engine.max_total_num_tokens={cfg.engine.max_total_num_tokens}) "
+                f"plus the trainer need {need / GIB:.1f} GiB, this machine has {have / GIB:.1f} GiB available"]
+    return []
+
+
+def kv_bytes_per_token(model_config: dict) -> int:
+    """Bytes of K and V per token across layers (float32 on CPU: 4 bytes per value)."""
+    heads = int(model_config.get("num_attention_heads", 1))
+    kv_heads = int(model_config.get("num_key_value_heads", heads))
+    head_dim = int(model_config.get("head_dim") or model_config["hidden_size"] // heads)
+    return 2 * int(model_config["num_hidden_layers"]) * kv_heads * head_dim * 4
+
+
+def available_memory() -> int | None:
+    """MemAvailable from /proc/meminfo (None where there is none)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None

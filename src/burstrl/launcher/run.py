@@ -1,0 +1,367 @@
+"""`burstrl run`: start the router, the replicas, the trainer and the orchestrator; supervise; tear down.
+
+Why one supervisor: an RL run is only as alive as its weakest role, and a person needs one command
+that either finishes or says which role failed and where its log is. The launcher is the owner of
+every child: it polls them twice a second, replaces replicas that die (a preemption is routine,
+not an error), applies scale requests, the autoscaler and chaos, samples the fleet into
+fleet.jsonl, and draws the progress display. Any other role exiting with an error ends the run
+with that role's name and log; Ctrl-C or SIGTERM stops every child's process group.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import secrets
+import signal
+import sys
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from burstrl.config import OrchestrateConfig, RunConfig, ServeConfig, ServerConfig, TrainConfig, dump_toml
+from burstrl.inference.process import RoleProcess
+from burstrl.launcher import control
+from burstrl.launcher.display import Display, snapshot_eta
+from burstrl.launcher.fleet import Fleet
+from burstrl.orchestrator.autoscaler import FleetSignals, decide, wait_fraction
+from burstrl.providers import make_provider
+from burstrl.store import RolloutStore
+
+log = logging.getLogger("burstrl.run")
+MAX_FAILED_STARTS = 5  # replica starts that may fail (beyond the first fleet) before the run gives up
+
+
+class LaunchError(RuntimeError):
+    """A role failed or the run cannot start; the message names the role and its log."""
+
+
+class Stopped(Exception):
+    """SIGTERM or SIGINT reached the launcher."""
+
+
+class JsonTail:
+    """New complete lines of a JSON-lines file another process appends to."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.offset, self.rows = path, 0, []  # rows: every line read so far
+
+    def read(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return self.rows
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            data = f.read()
+        end = data.rfind(b"\n") + 1  # a torn last line waits for its newline
+        for line in data[:end].splitlines():
+            try:
+                self.rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        self.offset += end
+        return self.rows
+
+
+class Launcher:
+    def __init__(self, cfg: RunConfig, resume: bool = False, live: bool | None = None) -> None:
+        self.cfg, self.resume = cfg, resume
+        self.run_dir = Path(cfg.run_dir).absolute()
+        self.admin_token = secrets.token_urlsafe(24)
+        self.cluster_token = secrets.token_urlsafe(24)
+        self.env = {"BURSTRL_ADMIN_TOKEN": self.admin_token, "BURSTRL_CLUSTER_TOKEN": self.cluster_token,
+                    "PYTHONUNBUFFERED": "1"}
+        self.provider = make_provider(cfg.provider, self.run_dir, self.env)
+        self.router: RoleProcess | None = None
+        self.trainer: RoleProcess | None = None
+        self.orchestrator: RoleProcess | None = None
+        self.fleet: Fleet | None = None
+        self.store: RolloutStore | None = None
+        self.live = live
+        self.display: Display | None = None
+        self.events: deque[str] = deque(maxlen=8)
+        self.metrics = JsonTail(self.run_dir / "metrics.jsonl")
+        self.orch_stats = JsonTail(self.run_dir / "orchestrator.jsonl")
+        self.started = time.monotonic()
+        self.rng = random.Random(cfg.orchestrator.seed)
+        self.chaos_done = False
+        self.last_autoscale = 0.0
+        self.last_sample = 0.0
+        self.router_stats: dict[str, Any] = {}
+
+    # ---- the run ----
+    def run(self) -> int:
+        """Run to the last step; returns the exit status (0 done, 1 a role failed, 130 stopped)."""
+        done = self.prepare()
+        if done:
+            print(f"{self.run_dir}: all {self.cfg.trainer.steps} steps are already committed", file=sys.stderr)
+            return 0
+        previous = {s: signal.signal(s, _raise_stopped) for s in (signal.SIGTERM, signal.SIGINT)}
+        status, outcome, detail = 1, "run_failed", "launcher error"
+        try:
+            self.start_roles()
+            self.supervise()
+            status, outcome, detail = 0, "run_finished", ""
+        except LaunchError as exc:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            detail = str(exc).splitlines()[0][:500]
+        except (Stopped, KeyboardInterrupt) as exc:
+            print("stopped: tearing the run down", file=sys.stderr, flush=True)
+            status, outcome, detail = 130, "run_stopped", str(exc)
+        finally:
+            self.teardown(outcome, detail)
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+        return status
+
+    def prepare(self) -> bool:
+        """Run directory, resolved configs, the store check; True if there is nothing left to do."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "logs").mkdir(exist_ok=True)
+        self.store = RolloutStore(self.run_dir / "store.sqlite")
+        last = self.store.last_step()
+        if last and not self.resume:
+            raise LaunchError(f"{self.run_dir} already has {last} committed steps: pass --resume to continue, "
+                              "or choose another run_dir")
+        if last >= self.cfg.trainer.steps:
+            return True
+        (self.run_dir / "run_config.toml").write_text(dump_toml(self.cfg))
+        self.event("run_started", detail=f"resume from step {last}" if self.resume else "")
+        return False
+
+    def role_config(self, name: str, cfg: Any) -> str:
+        path = self.run_dir / "roles" / f"{name}.toml"
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(dump_toml(cfg))
+        return str(path)
+
+    def start_roles(self) -> None:
+        c = self.cfg
+        router_cfg = c.router.model_copy(update={"port": 0, "replicas": []})
+        self.router = self._start("router", ["route", "serve", self.role_config("router", router_cfg)], ready=True)
+        volume = c.weights.volume or str(self.run_dir / "adapters")
+        serve = ServeConfig(model=c.model, engine=c.engine, server=ServerConfig(host=c.router.host, port=0),
+                            adapter_volume=volume)
+        self.fleet = Fleet(self.provider, ["serve", self.role_config("serve", serve)], self.router.url,
+                           self.cluster_token, self.admin_token, self.run_dir,
+                           {"reserved": c.fleet.reserved_weight, "on_demand": c.fleet.on_demand_weight},
+                           self.event, c.fleet.start_timeout_s)
+        for pool, n in (("reserved", c.fleet.reserved), ("on_demand", c.fleet.on_demand)):
+            for _ in range(n):
+                self.fleet.start(pool)
+        weights = c.weights.model_copy(update={"volume": volume, "replicas": [],
+                                               "replicas_file": str(self.run_dir / "replicas.txt")})
+        train = TrainConfig(run_dir=str(self.run_dir), model=c.model, lora=c.lora, trainer=c.trainer, weights=weights)
+        args = ["train", self.role_config("train", train)] + (["--resume"] if self.resume else [])
+        self.trainer = self._start("trainer", args, ready=False)
+        self.wait_for_first_replica()
+        orch = OrchestrateConfig(run_dir=str(self.run_dir), router=self.router.url, batch_groups=c.trainer.batch_groups,
+                                 steps=c.trainer.steps, orchestrator=c.orchestrator)
+        self.orchestrator = self._start("orchestrator", ["orchestrate", self.role_config("orchestrate", orch)],
+                                        ready=False)
+        control.write_launcher_info(self.run_dir, self.router.url)
+        self.display = Display(self.run_dir, c.trainer.steps, live=self.live)
+
+    def _start(self, name: str, args: list[str], ready: bool) -> RoleProcess:
+        try:
+            return self.provider.start(name, args, wait_ready=ready, timeout=120.0, append=self.resume)
+        except RuntimeError as exc:
+            raise LaunchError(f"the {name} failed to start: {exc}") from None
+
+    def wait_for_first_replica(self) -> None:
+        deadline = time.monotonic() + self.cfg.fleet.start_timeout_s
+        while not self.fleet.up():
+            self.check_roles()
+            if all(r.state == "gone" for r in self.fleet.replicas.values()):
+                raise LaunchError(f"no replica could start; see {self.run_dir / 'logs'}/replica-*.log")
+            if time.monotonic() > deadline:
+                raise LaunchError(f"no replica was ready in {self.cfg.fleet.start_timeout_s:.0f} s; "
+                                  f"see {self.run_dir / 'logs'}/replica-*.log")
+            time.sleep(0.2)
+
+    # ---- supervision ----
+    def supervise(self) -> None:
+        while not self.check_roles():
+            self.replace_dead()
+            self.apply_scale_request()
+            self.autoscale()
+            self.chaos()
+            self.fleet.finish_drains()
+            self.sample()
+            time.sleep(0.5)
+        self.sample(force=True)
+
+    def check_roles(self) -> bool:
+        """True once the trainer finished; LaunchError if any other role (or the trainer) failed."""
+        code = self.trainer.proc.poll()
+        if code == 0:
+            return True
+        if code is not None:
+            raise LaunchError(f"the trainer exited with status {code}; log: {self.trainer.log}\n"
+                              f"{_tail(self.trainer.log)}")
+        for name, role in (("router", self.router), ("orchestrator", self.orchestrator)):
+            if role is self.orchestrator and role is not None and role.proc.poll() == 0:
+                continue  # it stops by itself once the last step is committed
+            if role is not None and role.proc.poll() is not None:
+                raise LaunchError(f"the {name} exited with status {role.proc.returncode}; log: {role.log}\n"
+                                  f"{_tail(role.log)}")
+        return False
+
+    def replace_dead(self) -> None:
+        for r in self.fleet.reap():
+            if self.cfg.fleet.replace_dead:
+                self.fleet.start(r.pool, f"(replaces {r.name})")
+        if self.fleet.failed_starts > MAX_FAILED_STARTS:
+            raise LaunchError(f"{self.fleet.failed_starts} replica starts failed; see {self.run_dir / 'logs'}/"
+                              "replica-*.log")
+
+    def scale_on_demand(self, target: int, why: str) -> None:
+        """Grow or shrink the on-demand pool to `target` (new replicas start; extra ones drain)."""
+        have = self.fleet.count("on_demand")
+        for _ in range(target - have):
+            self.fleet.start("on_demand", why)
+        if target < have:
+            extra = have - target
+            extra -= self.fleet.cancel_starting("on_demand", extra)
+            self.fleet.drain("on_demand", extra)
+        if target != have:
+            self.event("scale", pool="on_demand", detail=f"{have} -> {target} ({why})")
+
+    def apply_scale_request(self) -> None:
+        request = control.take_scale_request(self.run_dir)
+        if request is None:
+            return
+        total = int(request.get("replicas", -1))
+        reserved = self.fleet.count("reserved")
+        if total < reserved:
+            control.answer_scale(self.run_dir, request, {"ok": False, "error": f"replicas must be >= the "
+                                                         f"{reserved} reserved replicas, got {total}"})
+            return
+        self.scale_on_demand(total - reserved, "burstrl scale")
+        control.answer_scale(self.run_dir, request, {"ok": True, "reserved": reserved, "on_demand": total - reserved})
+
+    def autoscale(self) -> None:
+        a = self.cfg.autoscale
+        now = time.monotonic()
+        if not a.enabled or now - self.last_autoscale < a.interval_s:
+            return
+        have = self.fleet.count("on_demand")
+        signals = FleetSignals(wait_fraction(self.metrics.read()), self.store.buffered_count(),
+                               self.cfg.trainer.batch_groups, have)
+        delta = decide(a, signals)
+        if delta:
+            self.last_autoscale = now
+            self.scale_on_demand(have + delta, f"autoscale: trainer waiting {signals.wait_fraction}, "
+                                               f"{signals.buffered_groups} groups buffered")
+
+    def chaos(self) -> None:
+        """Kill `kill_fraction` of the replicas once, halfway into step `at_step`."""
+        c = self.cfg.chaos
+        if self.chaos_done or c.kill_fraction <= 0:
+            return
+        last = self.store.last_step()
+        if last < c.at_step - 1:
+            return
+        if not self.store.counts()["attempts"].get("running"):
+            return  # mid-step means rollouts in flight: wait for the orchestrator to have some
+        up = self.fleet.up()
+        victims = self.rng.sample(up, min(len(up), max(1, math.ceil(c.kill_fraction * len(up)))))
+        self.chaos_done = True
+        self.event("chaos", detail=f"killing {len(victims)} of {len(up)} replicas during step {last + 1}")
+        for r in victims:
+            self.fleet.kill(r, f"chaos during step {last + 1}")
+            if self.cfg.fleet.replace_dead:
+                self.fleet.start(r.pool, f"(replaces {r.name})")
+
+    # ---- observation ----
+    def event(self, name: str, replica: str = "", pool: str = "", detail: str = "") -> None:
+        line = {"t": time.time(), "kind": "event", "event": name, "replica": replica, "pool": pool, "detail": detail}
+        with open(self.run_dir / "fleet.jsonl", "a") as f:
+            f.write(json.dumps(line) + "\n")
+        self.events.append(" ".join(x for x in (name, replica, detail) if x))
+        log.info("%s %s %s", name, replica, detail)
+
+    def sample(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self.last_sample < 1.0:
+            return
+        self.last_sample = now
+        self.router_stats = _get_json(f"{self.router.url}/v1/stats") or self.router_stats
+        totals = self.router_stats.get("totals", {})
+        sample = {"t": time.time(), "kind": "sample", "step": self.store.last_step(),
+                  "buffered": self.store.buffered_count(), "replicas": self.fleet.alive(),
+                  "routable": totals.get("replicas", 0), "cache_hit_rate": totals.get("cache_hit_rate", 0.0),
+                  "sessions": totals.get("sessions", 0)}
+        with open(self.run_dir / "fleet.jsonl", "a") as f:
+            f.write(json.dumps(sample) + "\n")
+        self.display.update(self.snapshot(sample))
+
+    def snapshot(self, sample: dict[str, Any]) -> dict[str, Any]:
+        steps, orch = self.metrics.read(), self.orch_stats.read()
+        last, o = (steps[-1] if steps else {}), (orch[-1] if orch else {})
+        elapsed = time.monotonic() - self.started
+        done_here = sample["step"] - (steps[0]["step"] - 1 if steps else 0)
+        eta = snapshot_eta(elapsed, done_here, self.cfg.trainer.steps - (sample["step"] - done_here))
+        return {"step": sample["step"], "steps": self.cfg.trainer.steps, "reward": last.get("reward_mean"),
+                "pass_rate": o.get("pass_rate"), "staleness": last.get("staleness_mean"),
+                "replicas": sample["replicas"], "routable": sample["routable"],
+                "cache_hit_rate": sample["cache_hit_rate"], "rollouts_per_s": o.get("rollouts_per_s"),
+                "buffered": sample["buffered"], "elapsed_s": elapsed, "eta_s": eta, "events": list(self.events)}
+
+    # ---- teardown ----
+    def teardown(self, outcome: str, detail: str) -> None:
+        """Stop every child (orchestrator first, so its attempts close in the ledger), then report."""
+        for role in (self.orchestrator, self.trainer):
+            if role is not None:
+                role.stop(timeout=15.0)
+        if self.fleet is not None:
+            self.fleet.close()
+        if self.router is not None:
+            self.router.stop(timeout=5.0)
+        if self.display is not None:
+            self.display.close()
+        control.clear_launcher_info(self.run_dir)
+        if self.store is not None:
+            self.event(outcome, detail=detail)
+            self.store.close()
+            self.write_report()
+
+    def write_report(self) -> None:
+        from burstrl.eval.report import write_report
+
+        try:
+            png, md = write_report(self.run_dir)
+        except (ValueError, OSError) as exc:  # a report is a convenience: it must not fail the run
+            print(f"warning: no report written: {exc}", file=sys.stderr)
+            return
+        print(f"report: {md} and {png}", file=sys.stderr)
+
+
+def _raise_stopped(signum: int, _frame: Any) -> None:
+    raise Stopped(signal.Signals(signum).name)
+
+
+def _get_json(url: str) -> dict[str, Any] | None:
+    try:
+        return httpx.get(url, timeout=2.0).json()
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+def _tail(path: Path, chars: int = 2000) -> str:
+    try:
+        return path.read_text(errors="replace")[-chars:]
+    except OSError:
+        return ""
+
+
+def launch_run(cfg: RunConfig, resume: bool = False) -> int:
+    """`burstrl run`: preflight, then the launcher; returns the exit status."""
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    return Launcher(cfg, resume).run()

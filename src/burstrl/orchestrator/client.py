@@ -1,0 +1,97 @@
+"""The orchestrator's side of the router: one session's chat client, traces, and version pinning.
+
+Why one small module: the environment only sees `SessionClient.chat`; everything an attempt needs
+from the fleet (the version a group starts on, the captured calls, their release) goes through the
+router over HTTP, and every failure that means "a replica is gone" becomes one exception type the
+scheduler retries on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+SESSION_HEADER = "X-Session-ID"
+
+
+class ReplicaFailure(RuntimeError):
+    """The fleet failed this attempt (replica gone, version gone, capture lost): retry it elsewhere."""
+
+
+class VersionGone(ReplicaFailure):
+    """No replica serves the group's version any more: the whole group restarts on a newer one."""
+
+
+def version_number(name: str) -> int:
+    """`base` -> 0, `policy-vN` -> N."""
+    if name == "base":
+        return 0
+    if name.startswith("policy-v") and name[8:].isdigit():
+        return int(name[8:])
+    raise ValueError(f"not a policy version name: {name!r}")
+
+
+def _raise_for(r: httpx.Response, what: str) -> None:
+    """4xx from our own requests are bugs (raised as is); 404/409/5xx on model or session mean the fleet moved."""
+    if r.status_code < 400:
+        return
+    detail = r.text[:300]
+    if r.status_code in (404, 409) and "model" in detail:
+        raise VersionGone(f"{what}: {r.status_code} {detail}")
+    if r.status_code >= 500 or r.status_code in (404, 409):
+        raise ReplicaFailure(f"{what}: {r.status_code} {detail}")
+    r.raise_for_status()
+
+
+class SessionClient:
+    """A `ChatClient` bound to one session, one model version and the run's sampling settings."""
+
+    def __init__(self, http: httpx.AsyncClient, router: str, session_id: str, model: str,
+                 temperature: float, max_tokens: int, seed: int) -> None:
+        self.http, self.router, self.session_id, self.model = http, router, session_id, model
+        self.temperature, self.max_tokens, self.seed = temperature, max_tokens, seed
+        self.calls = 0
+
+    async def chat(self, messages: list[dict[str, str]], max_tokens: int | None = None) -> str:
+        body = {"model": self.model, "messages": messages, "temperature": self.temperature,
+                "max_tokens": max_tokens or self.max_tokens, "seed": self.seed + self.calls,
+                "session_id": self.session_id}
+        try:
+            r = await self.http.post(f"{self.router}/v1/chat/completions", json=body,
+                                     headers={SESSION_HEADER: self.session_id})
+        except httpx.TransportError as exc:
+            raise ReplicaFailure(f"chat call {self.calls + 1}: {type(exc).__name__}: {exc}") from None
+        _raise_for(r, f"chat call {self.calls + 1}")
+        self.calls += 1
+        return r.json()["choices"][0]["message"]["content"] or ""
+
+
+async def assign(http: httpx.AsyncClient, router: str, session_id: str) -> str:
+    """Place a group's first session on the newest routable version; returns that version's name."""
+    try:
+        r = await http.post(f"{router}/v1/assign", json={"session_id": session_id, "version": "latest"})
+    except httpx.TransportError as exc:
+        raise ReplicaFailure(f"assign: {type(exc).__name__}: {exc}") from None
+    _raise_for(r, "assign")
+    return r.json()["version"]
+
+
+async def fetch_trace(http: httpx.AsyncClient, router: str, session_id: str) -> dict[str, Any]:
+    """The session's captured calls, from the replica that served them (via the router)."""
+    try:
+        r = await http.get(f"{router}/v1/traces/{session_id}")
+    except httpx.TransportError as exc:
+        raise ReplicaFailure(f"trace: {type(exc).__name__}: {exc}") from None
+    _raise_for(r, "trace")
+    return r.json()
+
+
+async def release(http: httpx.AsyncClient, router: str, session_id: str, admin_token: str) -> bool:
+    """Free the session's cache and trace on its replica; a failure only costs memory there (TTL frees it)."""
+    try:
+        r = await http.delete(f"{router}/v1/traces/{session_id}",
+                              headers={"Authorization": f"Bearer {admin_token}"})
+    except httpx.TransportError:
+        return False
+    return r.status_code == 200

@@ -1,0 +1,23 @@
+"""The local provider: every role a subprocess of the launcher, in its own process group.
+
+Secrets (admin and cluster tokens) go to the children through the environment, never argv, so
+they do not show in `ps`. Children die with the launcher (PR_SET_PDEATHSIG), so `kill -9` of the
+launcher leaves no orphan holding a port or a GPU.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from burstrl.inference.process import RoleProcess, start_role
+
+
+class LocalProvider:
+    def __init__(self, logs_dir: Path, env: dict[str, str]) -> None:
+        self.logs_dir = logs_dir
+        self.env = env
+
+    def start(self, name: str, args: list[str], *, wait_ready: bool, timeout: float = 180.0,
+              append: bool = False) -> RoleProcess:
+        return start_role(args, self.logs_dir, f"{name}.log", timeout, env=self.env, wait_ready=wait_ready,
+                          append=append, die_with_parent=True)

@@ -1,0 +1,118 @@
+"""Helpers for the e2e tests: the real `burstrl run` as a child process on a reduced quickstart."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+# The quickstart at test size: small batches, few steps, tight timeouts.
+SMALL = ["--trainer.batch_groups", "3", "--orchestrator.group_size", "6", "--fleet.start_timeout_s", "120"]
+
+
+@pytest.fixture(scope="session")
+def warm_model(tiny_model_dir: Path) -> Path:
+    from burstrl.trainer.sft import ensure_warm_model
+
+    return ensure_warm_model(tiny_model_dir, REPO / ".cache" / "tiny-qwen3-warm")
+
+
+def burstrl_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-c", "from burstrl.cli import main; main()", *args]
+
+
+def start_run(run_dir: Path, model: Path, *args: str) -> subprocess.Popen:
+    """`burstrl run` with the quickstart plus overrides, output to run_dir.parent/NAME.out."""
+    out = open(run_dir.parent / f"{run_dir.name}.out", "a")
+    cmd = burstrl_cmd("run", "--run_dir", str(run_dir), "--model.path", str(model), *SMALL, *args)
+    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def finish(proc: subprocess.Popen, run_dir: Path, timeout: float) -> None:
+    """Wait for the run; on failure or timeout, stop it and show its output."""
+    try:
+        code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+        pytest.fail(f"run did not finish in {timeout:.0f} s:\n{output(run_dir)}")
+    assert code == 0, f"run exited with {code}:\n{output(run_dir)}"
+
+
+def output(run_dir: Path) -> str:
+    path = run_dir.parent / f"{run_dir.name}.out"
+    return path.read_text()[-4000:] if path.exists() else ""
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return rows
+
+
+def events(run_dir: Path, name: str) -> list[dict]:
+    return [e for e in read_jsonl(run_dir / "fleet.jsonl") if e.get("kind") == "event" and e["event"] == name]
+
+
+def wait_until(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None, run_dir: Path | None = None):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            pytest.fail(f"run exited ({proc.returncode}) while waiting for {what}:\n{output(run_dir)}")
+        time.sleep(0.2)
+    pytest.fail(f"timed out waiting for {what}:\n{output(run_dir) if run_dir else ''}")
+
+
+def last_step(run_dir: Path) -> int:
+    path = run_dir / "store.sqlite"
+    if not path.exists():
+        return 0
+    with sqlite3.connect(path, timeout=30) as c:
+        try:
+            return c.execute("SELECT COALESCE(MAX(step), 0) FROM steps").fetchone()[0]
+        except sqlite3.OperationalError:
+            return 0
+
+
+def audit(run_dir: Path, steps: int, batch_groups: int = 3, group_size: int = 6) -> dict:
+    """Nothing lost, nothing twice: every attempt id ended once; every stored rollout's attempt is
+    `stored`; each step consumed whole groups, and no rollout was consumed by two steps."""
+    with sqlite3.connect(run_dir / "store.sqlite") as c:
+        attempts = dict(c.execute("SELECT id, status FROM attempts").fetchall())
+        rollouts = c.execute("SELECT r.id, g.status, g.consumed_step FROM rollouts r "
+                             "JOIN groups g ON r.group_id = g.id").fetchall()
+        quarantined = c.execute("SELECT COUNT(*) FROM groups WHERE status = 'quarantined'").fetchone()[0]
+        committed = [s for (s,) in c.execute("SELECT step FROM steps ORDER BY step")]
+        step_groups = [json.loads(g) for (g,) in c.execute("SELECT groups FROM steps ORDER BY step")]
+    assert "running" not in attempts.values(), "an attempt was left running"
+    assert quarantined == 0
+    for rid, _, _ in rollouts:
+        assert attempts.get(rid) == "stored", f"rollout {rid} has attempt status {attempts.get(rid)}"
+    stored = [rid for rid, s in attempts.items() if s == "stored"]
+    assert len(stored) == len(rollouts), "an attempt marked stored has no rollout row"
+    assert committed == list(range(1, steps + 1))
+    all_groups = [g for groups in step_groups for g in groups]
+    assert len(all_groups) == len(set(all_groups)) == steps * batch_groups, "a group was consumed twice"
+    consumed = [rid for rid, status, step in rollouts if status == "consumed"]
+    assert len(consumed) == steps * batch_groups * group_size
+    counts: dict[str, int] = {}
+    for status in attempts.values():
+        counts[status] = counts.get(status, 0) + 1
+    return counts

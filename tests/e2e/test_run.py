@@ -1,0 +1,140 @@
+"""`burstrl run` end to end on the reduced quickstart: learning, replica loss, elasticity, resume, bad configs.
+
+Every check reads the run's own records (metrics.jsonl, fleet.jsonl, the store's attempt ledger),
+not log text.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from .conftest import audit, burstrl_cmd, events, finish, last_step, read_jsonl, start_run, wait_until
+
+pytestmark = pytest.mark.slow
+
+
+def test_bad_configs_fail_before_anything_starts(tmp_path: Path, tiny_model_dir: Path) -> None:
+    cases = {
+        "unknown config key 'trainer.stepz'": ["--trainer.stepz", "3"],
+        "is not a directory": ["--model.path", str(tmp_path / "missing")],
+        "impossible resource request": ["--model.path", str(tiny_model_dir), "--engine.max_total_num_tokens",
+                                        str(10**11)],
+    }
+    for message, args in cases.items():
+        run_dir = tmp_path / "never"
+        r = subprocess.run(burstrl_cmd("run", "--run_dir", str(run_dir), *args), capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 2, r.stderr
+        assert message in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert not run_dir.exists(), "a refused run must not create its run directory"
+
+
+def test_replica_loss_mid_step_loses_and_duplicates_nothing(tmp_path: Path, warm_model: Path) -> None:
+    run_dir = tmp_path / "fault"
+    steps = 6
+    proc = start_run(run_dir, warm_model, "--trainer.steps", str(steps), "--chaos.kill_fraction", "0.4",
+                     "--chaos.at_step", "3")
+    finish(proc, run_dir, timeout=400)
+    killed = events(run_dir, "replica_killed")
+    assert len(killed) == 2, "40% of 3 replicas rounds up to 2"
+    started = events(run_dir, "replica_started")
+    assert sum("replaces" in e["detail"] for e in started) >= 1, "the provider started replacements"
+    counts = audit(run_dir, steps)
+    print("attempts by status:", counts)
+    from burstrl.eval.report import summary
+
+    figures = summary(run_dir)
+    assert any(e["event"] == "replica_killed" for e in figures["replica_events"])
+    assert figures["outage_ratio"] is not None
+
+
+def test_a_replica_added_mid_run_serves_new_sessions_on_the_current_version(tmp_path: Path, warm_model: Path) -> None:
+    run_dir = tmp_path / "elastic"
+    proc = start_run(run_dir, warm_model, "--trainer.steps", "200", "--fleet.on_demand", "1")
+    try:
+        wait_until(lambda: last_step(run_dir) >= 2 and (run_dir / "launcher.json").exists(), 300, "step 2", proc,
+                   run_dir)
+        r = subprocess.run(burstrl_cmd("scale", str(run_dir), "--replicas", "3"), capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 0, r.stderr
+        assert "1 reserved + 2 on-demand" in r.stdout
+        added = wait_until(lambda: [e for e in events(run_dir, "replica_started") if "burstrl scale" in e["detail"]],
+                           200, "the added replicas", proc, run_dir)
+        url = added[0]["detail"].split()[0]
+        version_then = last_step(run_dir)
+        wait_until(lambda: _rollouts_on(run_dir, url), 200, "a rollout on the new replica", proc, run_dir)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)  # Ctrl-C: the launcher tears everything down
+        assert proc.wait(timeout=120) == 130
+    versions = _rollouts_on(run_dir, url)
+    assert min(versions) >= version_then - 1, "the new replica serves the current version, not an old one"
+    assert events(run_dir, "run_stopped")
+    audit(run_dir, last_step(run_dir))
+
+
+def test_kill_9_mid_step_then_resume(tmp_path: Path, warm_model: Path) -> None:
+    run_dir = tmp_path / "resume"
+    steps = 8
+    proc = start_run(run_dir, warm_model, "--trainer.steps", str(steps))
+    wait_until(lambda: last_step(run_dir) >= 3, 300, "step 3", proc, run_dir)
+    pids = _role_pids(run_dir)
+    os.kill(proc.pid, signal.SIGKILL)  # the launcher only: its children must die with it
+    proc.wait()
+    wait_until(lambda: not any(_alive(p) for p in pids), 30, "the children to die with the launcher")
+    assert last_step(run_dir) < steps
+    proc = start_run(run_dir, warm_model, "--trainer.steps", str(steps), "--resume")
+    finish(proc, run_dir, timeout=400)
+    counts = audit(run_dir, steps)
+    print("attempts by status:", counts)
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, steps + 1))
+    assert len(events(run_dir, "run_started")) == 2
+
+
+def _rollouts_on(run_dir: Path, url: str) -> list[int]:
+    """Versions of the stored rollouts whose calls the replica at `url` served."""
+    import json
+    import sqlite3
+
+    with sqlite3.connect(run_dir / "store.sqlite", timeout=30) as c:
+        rows = c.execute("SELECT turns FROM rollouts").fetchall()
+    return [t["version"] for (turns,) in rows for t in json.loads(turns) if t.get("replica") == url]
+
+
+def _role_pids(run_dir: Path) -> list[int]:
+    """Pids of the run's role processes, from the router's and replicas' registrations."""
+    out = subprocess.run(["pgrep", "-f", str(run_dir / "roles")], capture_output=True, text=True).stdout
+    pids = [int(p) for p in out.split()]
+    assert pids, "no role processes found"
+    return pids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead too
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def test_quickstart_reward_rises(tmp_path: Path, warm_model: Path) -> None:
+    """Placeholder threshold set from measured runs (see docs/benchmarks.md)."""
+    run_dir = tmp_path / "learn"
+    proc = start_run(run_dir, warm_model, "--trainer.steps", "30")
+    finish(proc, run_dir, timeout=600)
+    rewards = [m["reward_mean"] for m in read_jsonl(run_dir / "metrics.jsonl")]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    print(f"reward {first:.3f} -> {last:.3f}: {[round(r, 2) for r in rewards]}")
+    assert last >= first + 0.08, rewards
+    assert (run_dir / "report" / "dashboard.png").exists()
+    _ = httpx, time
