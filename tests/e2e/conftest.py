@@ -93,26 +93,15 @@ def last_step(run_dir: Path) -> int:
 
 def audit(run_dir: Path, steps: int, batch_groups: int = 3, group_size: int = 6) -> dict:
     """Nothing lost, nothing twice: every attempt id ended once; every stored rollout's attempt is
-    `stored`; each step consumed whole groups, and no rollout was consumed by two steps."""
-    with sqlite3.connect(run_dir / "store.sqlite") as c:
-        attempts = dict(c.execute("SELECT id, status FROM attempts").fetchall())
-        rollouts = c.execute("SELECT r.id, g.status, g.consumed_step FROM rollouts r "
-                             "JOIN groups g ON r.group_id = g.id").fetchall()
-        quarantined = c.execute("SELECT COUNT(*) FROM groups WHERE status = 'quarantined'").fetchone()[0]
-        committed = [s for (s,) in c.execute("SELECT step FROM steps ORDER BY step")]
-        step_groups = [json.loads(g) for (g,) in c.execute("SELECT groups FROM steps ORDER BY step")]
-    assert "running" not in attempts.values(), "an attempt was left running"
-    assert quarantined == 0
-    for rid, _, _ in rollouts:
-        assert attempts.get(rid) == "stored", f"rollout {rid} has attempt status {attempts.get(rid)}"
-    stored = [rid for rid, s in attempts.items() if s == "stored"]
-    assert len(stored) == len(rollouts), "an attempt marked stored has no rollout row"
+    `stored`; each step consumed whole groups, and no group was consumed by two steps."""
+    from burstrl.store import RolloutStore
+
+    with RolloutStore(run_dir / "store.sqlite") as store:
+        figures = store.audit()
+        committed = [s for s in range(1, store.last_step() + 1) if store.step_meta(s) is not None]
+        consumed = store.consumed()
+    assert figures["lost"] == 0 and figures["consumed_twice"] == 0, figures
+    assert "running" not in figures["attempts"], figures
     assert committed == list(range(1, steps + 1))
-    all_groups = [g for groups in step_groups for g in groups]
-    assert len(all_groups) == len(set(all_groups)) == steps * batch_groups, "a group was consumed twice"
-    consumed = [rid for rid, status, step in rollouts if status == "consumed"]
     assert len(consumed) == steps * batch_groups * group_size
-    counts: dict[str, int] = {}
-    for status in attempts.values():
-        counts[status] = counts.get(status, 0) + 1
-    return counts
+    return figures["attempts"]

@@ -301,6 +301,22 @@ class RolloutStore:
             rows = self._conn.execute("SELECT id, status, COALESCE(detail, '') FROM attempts").fetchall()
         return {rid: (status, detail) for rid, status, detail in rows}
 
+    def audit(self) -> dict[str, Any]:
+        """Nothing lost, nothing twice, by rollout id: the figures a fault test or benchmark checks.
+
+        `lost` counts attempts still `running` plus rollout rows whose attempt is not `stored` plus
+        `stored` attempts without a row; `consumed_twice` counts groups listed by two steps.
+        """
+        with self._tx(immediate=False) as c:
+            statuses = dict(c.execute("SELECT status, COUNT(*) FROM attempts GROUP BY status").fetchall())
+            orphan_rows = c.execute("SELECT COUNT(*) FROM rollouts r LEFT JOIN attempts a ON a.id = r.id "
+                                    "WHERE a.status IS NOT 'stored'").fetchone()[0]
+            empty_stored = c.execute("SELECT COUNT(*) FROM attempts a LEFT JOIN rollouts r ON a.id = r.id "
+                                     "WHERE a.status = 'stored' AND r.id IS NULL").fetchone()[0]
+            listed = [g for (text,) in c.execute("SELECT groups FROM steps") for g in json.loads(text)]
+        return {"attempts": statuses, "lost": statuses.get("running", 0) + orphan_rows + empty_stored,
+                "consumed_twice": len(listed) - len(set(listed))}
+
     # ---- reads and commits from the trainer ----
 
     def take(self, n_groups: int, trainer_version: int, max_staleness: int) -> list[Group]:
