@@ -25,8 +25,10 @@ $(STAMP): pyproject.toml | $(PY)
 test: install
 	$(PY) -m pytest -m "not gpu" -q
 
+# The quickstart: a warm-started tiny model (made once, cached in .cache/ beside the tests' copy)
+# learns the toy tasks with the whole loop: router, 3 replicas, trainer, orchestrator.
 run: install
-	$(PY) examples/replica_demo.py
+	BURSTRL_CACHE=$(CURDIR)/.cache $(VENV)/bin/burstrl run
 
 clean:
 	rm -rf .pytest_cache build src/*.egg-info

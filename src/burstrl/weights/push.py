@@ -251,6 +251,8 @@ def call_with_retries(client: httpx.Client, method: str, path: str, report: Push
             r = client.request(method, path, **kwargs)
         except retry_on as exc:
             reason = f"{method} {path}: {type(exc).__name__}: {exc}"
+            if _refused(exc):
+                raise TargetFailed(reason) from None  # nothing listens: the replica is gone
             continue
         except httpx.HTTPError as exc:
             raise TargetFailed(f"{method} {path}: {type(exc).__name__}: {exc}") from None
@@ -260,6 +262,16 @@ def call_with_retries(client: httpx.Client, method: str, path: str, report: Push
         if r.status_code < 500 or not retry_5xx:
             raise TargetFailed(reason)
     raise TargetFailed(f"{reason} (after {retries} retries)")
+
+
+def _refused(exc: Exception) -> bool:
+    """A refused connection: nothing listens there, so retrying only delays the push to the others.
+
+    Why not retry: a replica restarts on a new port (and loads the newest version from the volume
+    itself), so a refused port is a dead replica; backing off on it made the train step that spans
+    a replica loss ~1.4 s longer per push phase.
+    """
+    return isinstance(exc, httpx.ConnectError) and "refused" in str(exc).lower()
 
 
 def _slices(data: bytes) -> Iterator[memoryview]:
