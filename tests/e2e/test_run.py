@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import audit, burstrl_cmd, events, finish, last_step, read_jsonl, start_run, wait_until
+from .conftest import SMALL, audit, burstrl_cmd, events, finish, last_step, read_jsonl, start_run, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +36,7 @@ def test_bad_configs_fail_before_anything_starts(tmp_path: Path, tiny_model_dir:
 
 def test_replica_loss_mid_step_loses_and_duplicates_nothing(tmp_path: Path, warm_model: Path) -> None:
     run_dir = tmp_path / "fault"
-    steps = 6
+    steps = 16  # long enough for the replacements to load and serve before the end
     proc = start_run(run_dir, warm_model, "--trainer.steps", str(steps), "--chaos.kill_fraction", "0.4",
                      "--chaos.at_step", "3")
     finish(proc, run_dir, timeout=400)
@@ -154,3 +154,35 @@ def _greedy(model_dir: Path, adapter: Path | None) -> float:
         model = PeftModel.from_pretrained(model, str(adapter))
     by_letter = {t.answer: t for t in toy.make_tasks(500, seed=11, split="test")}
     return greedy_score(model, load_tokenizer(str(model_dir)), [by_letter[c] for c in sorted(by_letter)]).mean_reward
+
+
+def test_a_failing_role_ends_the_run_naming_it_then_resume_finishes(tmp_path: Path, warm_model: Path) -> None:
+    run_dir = tmp_path / "crash"
+    steps = 5
+    env = {**os.environ, "BURSTRL_CRASH": "backward@3"}  # the trainer SIGKILLs itself in step 3
+    cmd = burstrl_cmd("run", "--run_dir", str(run_dir), "--model.path", str(warm_model), *SMALL,
+                      "--trainer.steps", str(steps))
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert "the trainer exited with status -9" in r.stderr and str(run_dir / "logs" / "trainer.log") in r.stderr
+    assert events(run_dir, "run_failed") and last_step(run_dir) == 2
+    proc = start_run(run_dir, warm_model, "--trainer.steps", str(steps), "--resume")
+    finish(proc, run_dir, timeout=400)
+    audit(run_dir, steps)
+
+
+def test_the_autoscaler_adds_replicas_when_the_trainer_waits(tmp_path: Path, warm_model: Path) -> None:
+    run_dir = tmp_path / "autoscale"
+    proc = start_run(run_dir, warm_model, "--trainer.steps", "200", "--fleet.on_demand", "0",
+                     "--autoscale.enabled", "true", "--autoscale.max_on_demand", "1", "--autoscale.interval_s", "1",
+                     "--autoscale.wait_fraction", "0.05")
+    try:
+        scaled = wait_until(lambda: [e for e in events(run_dir, "scale") if "autoscale" in e["detail"]], 300,
+                            "an autoscale decision", proc, run_dir)
+        wait_until(lambda: [e for e in events(run_dir, "replica_started") if "autoscale" in e["detail"]], 200,
+                   "the autoscaled replica", proc, run_dir)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=120) == 130
+    assert "0 -> 1" in scaled[0]["detail"]
+    audit(run_dir, last_step(run_dir))

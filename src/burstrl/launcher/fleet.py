@@ -46,8 +46,8 @@ class Fleet:
 
     def __init__(self, provider: Provider, serve_args: list[str], router: str, cluster_token: str,
                  admin_token: str, run_dir: Path, weights: dict[str, float], event: Callable[..., None],
-                 start_timeout_s: float) -> None:
-        self.provider, self.serve_args, self.router = provider, serve_args, router
+                 start_timeout_s: float, volume: Path) -> None:
+        self.provider, self.serve_args, self.router, self.volume = provider, serve_args, router, volume
         self.cluster_token, self.admin_token = cluster_token, admin_token
         self.replicas_file = run_dir / "replicas.txt"
         self.weights, self.event, self.start_timeout_s = weights, event, start_timeout_s
@@ -109,6 +109,7 @@ class Fleet:
         with self.lock:
             replica.state = "up"
         self.write_replicas_file()
+        self._catch_up(replica)
         self.event("replica_started", replica=replica.name, pool=replica.pool, detail=f"{replica.url} {why}".strip())
 
     def _register(self, replica: Replica) -> None:
@@ -116,6 +117,28 @@ class Fleet:
         r = httpx.post(f"{self.router}/v1/replicas", json=body, timeout=30,
                        headers={"Authorization": f"Bearer {self.cluster_token}"})
         r.raise_for_status()
+
+    def _catch_up(self, replica: Replica) -> None:
+        """Load the newest version if one was published between the replica's start and its listing.
+
+        Why: the replica loaded the newest version on the volume when it started, and the trainer
+        pushes only to replicas listed in replicas.txt, so a version published in between would
+        otherwise reach it one step late. A failure here is harmless: the next push brings it.
+        """
+        from burstrl.weights.volume import latest, version_name
+
+        found = latest(self.volume)
+        if found is None:
+            return
+        name = version_name(found[0])
+        auth = {"Authorization": f"Bearer {self.admin_token}"}
+        try:
+            served = {m["id"] for m in httpx.get(f"{replica.url}/v1/models", timeout=10).json()["data"]}
+            if name not in served:
+                httpx.post(f"{replica.url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(found[1])},
+                           headers=auth, timeout=60).raise_for_status()
+        except (httpx.HTTPError, ValueError, KeyError) as exc:
+            log.warning("%s could not catch up to %s: %s", replica.name, name, exc)
 
     def _deregister(self, replica: Replica) -> None:
         try:

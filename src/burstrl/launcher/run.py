@@ -150,7 +150,7 @@ class Launcher:
         self.fleet = Fleet(self.provider, ["serve", self.role_config("serve", serve)], self.router.url,
                            self.cluster_token, self.admin_token, self.run_dir,
                            {"reserved": c.fleet.reserved_weight, "on_demand": c.fleet.on_demand_weight},
-                           self.event, c.fleet.start_timeout_s)
+                           self.event, c.fleet.start_timeout_s, Path(volume))
         for pool, n in (("reserved", c.fleet.reserved), ("on_demand", c.fleet.on_demand)):
             for _ in range(n):
                 self.fleet.start(pool)
