@@ -4,7 +4,7 @@ Figures, each from real `burstrl run` processes on this machine, in one invocati
 - trainer utilisation (sum of compute_s / sum of step_s over the run's steps) and mean staleness
   at 1:1, 2:1, 3:1, 4:1 replicas per trainer rank (reserved replicas, one trainer rank);
 - the outage: with 5 replicas, `--chaos.kill_fraction 0.4` kills 2 during step `steps // 2`; the
-  ratio of that step's time to the median of its neighbours (reference: 37/35 min = 1.06; goal
+  ratio of that step's time to the median of its neighbours (12 groups a step by default, ~3 s) (reference: 37/35 min = 1.06; goal
   <= 1.10), and rollouts lost by id (the store's attempt ledger; must be 0).
 
 Caveat that matters on a 2-core machine: replicas and the trainer share the same cores, so more
@@ -64,6 +64,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ratios", default="1,2,3,4", help="replicas per trainer rank, comma-separated")
     parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--outage-batch-groups", type=int, default=12,
+                        help="groups per step in the outage runs: longer steps, so a fixed blip weighs less")
     parser.add_argument("--quick", action="store_true", help="ratios 1,2 and the outage at 8 steps")
     args = parser.parse_args()
     if args.quick:
@@ -79,7 +81,7 @@ def main() -> None:
             print(f"ratio {r}:1 -> {results['ratios'][f'{r}:1']}", file=sys.stderr, flush=True)
         at = max(2, args.steps // 2)
         chaos = ["--fleet.reserved", "1", "--fleet.on_demand", "4", "--chaos.kill_fraction", "0.4",
-                 "--chaos.at_step", str(at)]
+                 "--chaos.at_step", str(at), "--trainer.batch_groups", str(args.outage_batch_groups)]
         # With replacement (the product's behaviour) the replacements' model loads share these two
         # cores with the trainer; without it, the ratio isolates the loss itself.
         for name, extra in (("outage", []), ("outage_no_replacement", ["--fleet.replace_dead", "false"])):

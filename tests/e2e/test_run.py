@@ -36,7 +36,7 @@ def test_bad_configs_fail_before_anything_starts(tmp_path: Path, tiny_model_dir:
 
 def test_replica_loss_mid_step_loses_and_duplicates_nothing(tmp_path: Path, warm_model: Path) -> None:
     run_dir = tmp_path / "fault"
-    steps = 16  # long enough for the replacements to load and serve before the end
+    steps = 20  # long enough for the replacements to load and serve before the end
     proc = start_run(run_dir, warm_model, "--trainer.steps", str(steps), "--chaos.kill_fraction", "0.4",
                      "--chaos.at_step", "3")
     finish(proc, run_dir, timeout=400)

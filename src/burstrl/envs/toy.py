@@ -49,14 +49,7 @@ def make_tasks(n: int, seed: int, difficulty: int = 1, split: str = "train") -> 
     Letters are drawn independently (repeats allowed). Ids name the split, difficulty, seed and
     index, so tasks from different calls never share an id.
     """
-    if n < 0:
-        raise ValueError(f"n must be >= 0, got {n}")
-    if not 1 <= difficulty <= MAX_DIFFICULTY:
-        raise ValueError(f"difficulty must be in 1..{MAX_DIFFICULTY}, got {difficulty}")
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    # A string seed is hashed with sha512 by `random`, so it is stable across processes.
-    rng = random.Random(f"burstrl-toy:{split}:{seed}:{difficulty}")
+    rng = task_rng("burstrl-toy", n, seed, difficulty, split, MAX_DIFFICULTY)
     noun = "letter" if difficulty == 1 else "letters"
     tasks = []
     for i in range(n):
@@ -70,6 +63,20 @@ def make_tasks(n: int, seed: int, difficulty: int = 1, split: str = "train") -> 
             )
         )
     return tasks
+
+
+def task_rng(family: str, n: int, seed: int, difficulty: int, split: str, max_difficulty: int) -> random.Random:
+    """The random stream of one `make_tasks` call, after checking its arguments (ValueError names them).
+
+    A string seed is hashed with sha512 by `random`, so the stream is the same in every process.
+    """
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    if not 1 <= difficulty <= max_difficulty:
+        raise ValueError(f"difficulty must be in 1..{max_difficulty}, got {difficulty}")
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    return random.Random(f"{family}:{split}:{seed}:{difficulty}")
 
 
 def messages(task: ToyTask) -> list[dict[str, str]]:

@@ -13,10 +13,8 @@ previous turn's, so "repeat your last reply" is never right by luck.
 
 from __future__ import annotations
 
-import random
-
 from burstrl.envs.base import ChatClient, Outcome, Task
-from burstrl.envs.toy import LETTERS, SPLITS, SYSTEM_PROMPT
+from burstrl.envs.toy import LETTERS, SYSTEM_PROMPT, task_rng
 
 MAX_DIFFICULTY = 4
 MAX_TOKENS = 4  # per call: a right reply is one token plus <|im_end|>
@@ -26,14 +24,7 @@ REWARD_WEIGHTS = {"exact": 0.8, "format": 0.2}
 
 def make_letters(n: int, seed: int, difficulty: int = 1, split: str = "train") -> list[list[str]]:
     """`n` letter sequences of `difficulty` turns; the same arguments always give the same letters."""
-    if n < 0:
-        raise ValueError(f"n must be >= 0, got {n}")
-    if not 1 <= difficulty <= MAX_DIFFICULTY:
-        raise ValueError(f"difficulty must be in 1..{MAX_DIFFICULTY}, got {difficulty}")
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    # A string seed is hashed with sha512 by `random`, so it is stable across processes.
-    rng = random.Random(f"burstrl-toy-multi:{split}:{seed}:{difficulty}")
+    rng = task_rng("burstrl-toy-multi", n, seed, difficulty, split, MAX_DIFFICULTY)
     sequences = []
     for _ in range(n):
         letters: list[str] = []

@@ -1,0 +1,108 @@
+"""The orchestrator's attempt against a real router and real replicas: full capture, or a clear failure.
+
+The invariant under test: an attempt is only returned when the trace it read back holds every call
+the environment made, all on the group's version; when the session's replica dies mid-rollout the
+router re-homes it (later calls succeed elsewhere) but the capture is incomplete, and the attempt
+must fail with ReplicaFailure so the orchestrator re-runs it under a new id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from burstrl.envs.base import ChatClient, Outcome, Task
+from burstrl.envs.toy_multi import MultiToyEnv
+from burstrl.inference import process
+from burstrl.orchestrator.attempt import run_attempt
+from burstrl.orchestrator.client import ReplicaFailure, VersionGone, assign
+
+from .conftest import ADMIN_TOKEN, start_server, stop_server
+
+TOKEN = "orchestrator-test-cluster-token"
+
+
+@pytest.fixture()
+def cluster(tiny_model_dir: Path, tmp_path: Path):
+    with ThreadPoolExecutor(2) as pool:
+        servers = list(pool.map(lambda i: start_server(tiny_model_dir, tmp_path / f"r{i}"), range(2)))
+    router = process.start_router(tmp_path / "router", "--cluster_token", TOKEN, "--replicas",
+                                  json.dumps([s.url for s in servers]), "--scrape_s", "0.5")
+    try:
+        yield router, servers
+    finally:
+        router.stop()
+        for s in servers:
+            stop_server(s)
+
+
+class KillHomeAfterFirstCall(MultiToyEnv):
+    """The multi-turn env, except that after the first call it kills the replica serving the session."""
+
+    def __init__(self, servers, router_url: str) -> None:
+        self.servers, self.router_url = servers, router_url
+
+    async def rollout(self, client: ChatClient, task: Task) -> Outcome:
+        original = client.chat
+
+        async def chat(messages, max_tokens=None):
+            reply = await original(messages, max_tokens)
+            if client.calls == 1:
+                trace = httpx.get(f"{self.router_url}/v1/traces/{client.session_id}", timeout=10).json()
+                next(s for s in self.servers if s.url == trace["replica"]).replica.kill()
+            return reply
+
+        client.chat = chat
+        return await super().rollout(client, task)
+
+
+def attempt(router_url: str, env, task: Task, sid: str):
+    async def go():
+        async with httpx.AsyncClient(timeout=60) as http:
+            version = await assign(http, router_url, sid)
+            return await run_attempt(http, router_url, env, task, sid, version, 1.0, 4, 7, ADMIN_TOKEN)
+    return asyncio.run(go())
+
+
+def test_an_attempt_returns_every_captured_call_and_releases_the_session(cluster) -> None:
+    router, servers = cluster
+    env = MultiToyEnv()
+    task = env.make_tasks(1, seed=3, difficulty=3)[0]
+    rollout = attempt(router.url, env, task, "attempt-ok")
+    assert rollout.id == "attempt-ok" and len(rollout.turns) == 3
+    assert {t.version for t in rollout.turns} == {0}
+    assert rollout.turns[0].replica in {s.url for s in servers}
+    for earlier, later in zip(rollout.turns, rollout.turns[1:]):  # token continuity across calls
+        assert later.prompt_ids[:len(earlier.prompt_ids) + len(earlier.completion_ids)] == \
+            earlier.prompt_ids + earlier.completion_ids
+    assert rollout.timings["calls"] == 3 and 0.0 <= rollout.reward <= 1.0
+    assert httpx.get(f"{router.url}/v1/traces/attempt-ok", timeout=10).status_code == 404  # released
+
+
+def test_a_replica_dying_mid_rollout_fails_the_attempt_instead_of_storing_half_a_capture(cluster) -> None:
+    router, servers = cluster
+    env = KillHomeAfterFirstCall(servers, router.url)
+    task = MultiToyEnv().make_tasks(1, seed=4, difficulty=3)[0]
+    with pytest.raises(ReplicaFailure, match="capture lost: 3 calls made, 2 in the trace"):
+        attempt(router.url, env, task, "attempt-moved")
+    # the next attempt of the group runs on the survivor and is complete
+    rollout = attempt(router.url, MultiToyEnv(), task, "attempt-retry")
+    assert len(rollout.turns) == 3
+
+
+def test_a_version_no_replica_serves_is_version_gone(cluster) -> None:
+    router, _ = cluster
+
+    async def go():
+        async with httpx.AsyncClient(timeout=60) as http:
+            from burstrl.orchestrator.client import SessionClient
+
+            client = SessionClient(http, router.url, "s-gone", "policy-v99", 1.0, 4, 0)
+            await client.chat([{"role": "user", "content": "hi"}])
+    with pytest.raises(VersionGone):
+        asyncio.run(go())
