@@ -2,7 +2,8 @@
 
 Figures, each from real `burstrl run` processes on this machine, in one invocation:
 - trainer utilisation (sum of compute_s / sum of step_s over the run's steps) and mean staleness
-  at 1:1, 2:1, 3:1, 4:1 replicas per trainer rank (reserved replicas, one trainer rank);
+  at 1:1, 2:1, 3:1, 4:1 replicas per trainer rank (reserved replicas, one trainer rank), with the
+  push to the replicas in the background (the default) and inside the step;
 - the outage: with 5 replicas, `--chaos.kill_fraction 0.4` kills 2 during step `steps // 2`; the
   ratio of that step's time to the median of its neighbours (12 groups a step by default, ~3 s) (reference: 37/35 min = 1.06; goal
   <= 1.10), and rollouts lost by id (the store's attempt ledger; must be 0).
@@ -10,7 +11,7 @@ Figures, each from real `burstrl run` processes on this machine, in one invocati
 Caveat that matters on a 2-core machine: replicas and the trainer share the same cores, so more
 replicas also means less CPU for training; the ratios are this machine's, not a GPU cluster's.
 
-    .venv/bin/python benchmarks/run.py            # 4 ratios + the outage, 16 steps each; ~6 min
+    .venv/bin/python benchmarks/run.py            # 4 ratios + the outage, 16 steps each; ~10 min
     .venv/bin/python benchmarks/run.py --quick    # ratios 1,2 and the outage, 8 steps; ~2 min
 """
 
@@ -75,10 +76,13 @@ def main() -> None:
     results: dict = {"steps": args.steps, "config": "quickstart (toy + toy_multi, 4 groups x 8 per step, "
                      "1 trainer rank, engine.num_threads 1 per replica)", "ratios": {}}
     with tempfile.TemporaryDirectory(prefix="bench-run-") as tmp:
-        for r in ratios:
-            results["ratios"][f"{r}:1"] = run(Path(tmp) / f"ratio-{r}", model, args.steps,
-                                              "--fleet.reserved", str(r), "--fleet.on_demand", "0")
-            print(f"ratio {r}:1 -> {results['ratios'][f'{r}:1']}", file=sys.stderr, flush=True)
+        results["ratios_sync_push"] = {}
+        for r in ratios:  # the push in the background (default) and in the step, one after the other
+            for key, push in (("ratios", "true"), ("ratios_sync_push", "false")):
+                results[key][f"{r}:1"] = run(Path(tmp) / f"ratio-{r}-{key}", model, args.steps,
+                                             "--fleet.reserved", str(r), "--fleet.on_demand", "0",
+                                             "--weights.async_push", push)
+                print(f"{key} {r}:1 -> {results[key][f'{r}:1']}", file=sys.stderr, flush=True)
         at = max(2, args.steps // 2)
         chaos = ["--fleet.reserved", "1", "--fleet.on_demand", "4", "--chaos.kill_fraction", "0.4",
                  "--chaos.at_step", str(at), "--trainer.batch_groups", str(args.outage_batch_groups)]

@@ -271,6 +271,10 @@ class WeightsConfig(Section):
     ca_file: str = Field("", description="CA bundle for replicas' certificates.")
     push_retries: int = Field(3, ge=0, description="Retries per shard/commit, with exponential backoff.")
     keep_versions: int = Field(5, ge=1, description="Versions kept on the volume (older ones are deleted).")
+    async_push: bool = Field(
+        True, description="With one trainer rank, push each version to the replicas in the background while "
+        "the next step runs (the volume is always written first)."
+    )
 
 
 class TrainConfig(Section):

@@ -26,7 +26,7 @@ from burstrl.trainer import checkpoint
 from burstrl.trainer.dist import Dist
 from burstrl.trainer.faults import maybe_crash
 from burstrl.trainer.grpo import LossConfig, aggregate, group_advantages, token_loss
-from burstrl.trainer.publish import publish_version
+from burstrl.trainer.publish import Publisher, publish_version
 from burstrl.trainer.sequences import Sequence, micro_batches, pack, rollout_sequences, shard
 
 log = logging.getLogger("burstrl.train")
@@ -80,6 +80,7 @@ class Trainer:
         self.loss_cfg = LossConfig(clip_low=t.clip_low, clip_high=t.clip_high, tis_cap=t.tis_cap, kl_coef=t.kl_coef)
         self.store = RolloutStore(cfg.store or self.run_dir / "store.sqlite") if dist.is_main else None
         self.step = 0
+        self.publisher = Publisher(cfg, dist)
         self.tensorboard: Any = None  # SummaryWriter, made on first use (rank 0)
 
     # ---- start / resume ----
@@ -127,7 +128,7 @@ class Trainer:
         ckpt = self.commit(step, batch, {"step": step, **stats, **times})
         times["checkpoint_s"] = time.monotonic() - t2
         t3 = time.monotonic()
-        push = publish_version(self.cfg, step, ckpt / "adapter", self.dist)
+        push = self.publisher.publish(step, ckpt / "adapter")
         maybe_crash("published", step)
         times["publish_s"] = time.monotonic() - t3
         self.step = step
@@ -303,6 +304,7 @@ class Trainer:
                  metrics["reward_mean"], metrics["kept_groups"], metrics["groups"], metrics["step_s"])
 
     def close(self) -> None:
+        self.publisher.wait()  # the last version reaches the replicas before the trainer exits
         if self.store is not None:
             self.store.close()
         if self.tensorboard is not None:
