@@ -223,6 +223,9 @@ def orchestrate(cfg: OrchestrateConfig) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
     token = os.environ.get("BURSTRL_ADMIN_TOKEN", "")
+    if not token:
+        log.warning("BURSTRL_ADMIN_TOKEN is not set: finished sessions cannot be released on the replicas "
+                    "(their caches stay until engine.session_ttl_s)")
     asyncio.run(_main(Orchestrator(cfg, token)))
 
 
