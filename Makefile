@@ -9,9 +9,17 @@ TORCH := torch==2.13.0
 STAMP := $(VENV)/.burstrl-installed
 PIP := $(PY) -m pip install --quiet --progress-bar off
 
-.PHONY: install test run clean
+.PHONY: install test run clean system-deps
 
-install: $(STAMP)
+install: system-deps $(STAMP)
+
+# Sandboxes need bubblewrap (and an OCI runtime for the oci backend): Debian packages, installed
+# when missing and we are root; otherwise the sandbox tests skip and say why.
+system-deps:
+	@if command -v bwrap >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get update -qq && apt-get install -y -qq bubblewrap crun runc; \
+	else echo "bubblewrap missing and not root: sandbox tests will be skipped"; fi
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)

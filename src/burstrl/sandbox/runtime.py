@@ -1,0 +1,391 @@
+"""Execute sandbox requests in-process: commands, file reads and writes, tar uploads.
+
+The daemon is a thin HTTP shell over `Runtime`; tests and local tools can use it directly.
+Standard library only (it runs inside sandbox images that hold nothing but a Python 3).
+
+Commands. Each runs in a new process group (session) with stdin on /dev/null, a minimal default
+env (never the daemon's own: it may hold the token) and the requested cwd. Both streams are read
+concurrently with a selector and capped per stream, keeping the head and the tail. On timeout the
+whole process group is SIGKILLed and the partial output returned. When the command's leader exits,
+output is read for a short grace (`EXIT_GRACE_S`) until both pipes close, then the whole group is
+SIGKILLed: a command that leaves background children behind (`sleep 100 &`) returns as soon as it
+exits, and no process outlives the request that started it. That is the choice: every exec is
+self-contained; a process that must persist across requests has to escape with `setsid` (and then
+lives until the sandbox is torn down).
+
+Files. Paths must resolve (symlinks followed) inside `root`; anything else is a 400. `root` is "/"
+inside a real sandbox, whose own walls do the isolating; in tests it is a temp dir. Relative paths
+and cwds are taken from `work_dir`.
+
+Retries. An exec with a `request_id` already seen returns the recorded result instead of running
+again (a bounded LRU of recent ids); one still running is waited for. So a client that retries
+after a dropped connection never runs a command twice.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+import os
+import selectors
+import signal
+import stat
+import subprocess
+import threading
+import time
+from collections import OrderedDict
+from typing import Dict, Iterator, List, Optional, Set, Tuple
+
+from burstrl.sandbox.protocol import (
+    ExecRequest,
+    ExecResult,
+    ProtocolError,
+    ReadFileRequest,
+    ReadFileResult,
+    UploadRequest,
+    UploadResult,
+    WriteFileRequest,
+    WriteFileResult,
+)
+
+DEFAULT_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
+EXIT_GRACE_S = 0.05  # reading after the leader exited, for output still in flight from children
+POLL_S = 0.05  # leader-exit polling where pidfd_open is missing (Python < 3.9 or old kernels)
+READ_CHUNK = 65536
+RECENT_RESULTS = 1024
+DRAIN_CHUNKS = 64  # after a kill, read at most this many chunks still buffered in a pipe
+
+
+class _Capture:
+    """One stream's output: the first half of the cap and the last half, with the gap counted."""
+
+    def __init__(self, limit: int):
+        self.head_cap = limit // 2
+        self.tail_cap = limit - self.head_cap
+        self.head = bytearray()
+        self.tail = bytearray()
+        self.elided = 0
+
+    def feed(self, data: bytes) -> None:
+        room = self.head_cap - len(self.head)
+        if room > 0:
+            self.head += data[:room]
+            data = data[room:]
+        if data:
+            self.tail += data
+            extra = len(self.tail) - self.tail_cap
+            if extra > 0:
+                del self.tail[:extra]
+                self.elided += extra
+
+    def text(self) -> str:
+        if not self.elided:  # head and tail are contiguous: decode together so no char is split
+            return bytes(self.head + self.tail).decode("utf-8", "replace")
+        return (self.head.decode("utf-8", "replace") + f"\n[... {self.elided} bytes elided ...]\n"
+                + self.tail.decode("utf-8", "replace"))
+
+
+class _Recorded:
+    """A request id's outcome; `done` is set once the first run finished (or failed)."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.result: Optional[ExecResult] = None
+        self.error: Optional[ProtocolError] = None
+
+
+class Runtime:
+    """Runs requests against this machine (or sandbox); thread-safe, one per daemon."""
+
+    def __init__(self, root: str = "/", work_dir: Optional[str] = None, env: Optional[Dict[str, str]] = None):
+        self.root = os.path.realpath(root)
+        self.work_dir = os.path.realpath(work_dir) if work_dir else self.root
+        self.env = dict(DEFAULT_ENV if env is None else env)
+        self.env.setdefault("HOME", self.work_dir)
+        self._lock = threading.Lock()
+        self._recent: "OrderedDict[str, _Recorded]" = OrderedDict()
+        self._running: Set[int] = set()
+
+    # ---- commands ----
+
+    def exec(self, req: ExecRequest) -> ExecResult:
+        """Run `req` once per request id (see the module docstring); errors are ProtocolErrors."""
+        if req.request_id is None:
+            return self._run(req)
+        rec, first = self._claim(req.request_id)
+        if not first:
+            rec.done.wait()
+            if rec.error is not None:
+                raise rec.error
+            assert rec.result is not None
+            return rec.result
+        try:
+            rec.result = self._run(req)
+        except ProtocolError as exc:
+            rec.error = exc
+            raise
+        except Exception as exc:
+            rec.error = ProtocolError(500, f"exec failed: {exc}")
+            raise
+        finally:
+            rec.done.set()
+        return rec.result
+
+    def close(self) -> None:
+        """Kill the process group of every command still running (the daemon is going away)."""
+        with self._lock:
+            groups = list(self._running)
+        for pgid in groups:
+            _kill_group(pgid)
+
+    def _claim(self, request_id: str) -> Tuple[_Recorded, bool]:
+        with self._lock:
+            rec = self._recent.get(request_id)
+            if rec is not None:
+                self._recent.move_to_end(request_id)
+                return rec, False
+            rec = self._recent[request_id] = _Recorded()
+            while len(self._recent) > RECENT_RESULTS:
+                self._recent.popitem(last=False)  # a waiter still holds its entry by reference
+            return rec, True
+
+    def _run(self, req: ExecRequest) -> ExecResult:
+        argv = ["/bin/sh", "-c", req.cmd] if isinstance(req.cmd, str) else list(req.cmd)
+        cwd = self._cwd(req.cwd)
+        env = dict(self.env, **(req.env or {}))
+        start = time.monotonic()
+        try:
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    cwd=cwd, env=env, start_new_session=True)
+        except OSError as exc:  # like a shell: 127 when not found, 126 when not executable
+            code = 127 if isinstance(exc, FileNotFoundError) else 126
+            return ExecResult(stdout="", stderr=f"{argv[0]}: {exc.strerror}\n", exit_code=code,
+                              duration_s=time.monotonic() - start)
+        with self._lock:
+            self._running.add(proc.pid)
+        try:
+            out, err, timed_out = _collect(proc, start + req.timeout, req.max_output_bytes)
+        finally:
+            _kill_group(proc.pid)  # leader not reaped yet, so the group id cannot have been reused
+            with self._lock:
+                self._running.discard(proc.pid)
+            proc.wait()
+        return ExecResult(stdout=out.text(), stderr=err.text(), exit_code=proc.returncode, timed_out=timed_out,
+                          truncated=bool(out.elided or err.elided), stdout_elided_bytes=out.elided,
+                          stderr_elided_bytes=err.elided, duration_s=time.monotonic() - start)
+
+    def _cwd(self, cwd: Optional[str]) -> str:
+        path = self.work_dir if cwd is None else os.path.join(self.work_dir, cwd)
+        if not os.path.isdir(path):
+            raise ProtocolError(400, f"field 'cwd': no such directory '{cwd}'")
+        return path
+
+    # ---- files ----
+
+    def read_file(self, req: ReadFileRequest) -> ReadFileResult:
+        """The first `max_bytes` of a regular file, base64-encoded."""
+        real = self.resolve(req.path)
+        with _os_errors(req.path):
+            with open(real, "rb") as f:
+                st = os.fstat(f.fileno())
+                if not stat.S_ISREG(st.st_mode):  # a fifo would hang the request, a device never end
+                    raise ProtocolError(400, f"'{req.path}' is not a regular file")
+                data = f.read(req.max_bytes + 1)
+        truncated = len(data) > req.max_bytes
+        data = data[:req.max_bytes]
+        return ReadFileResult(path=real, content_b64=base64.b64encode(data).decode("ascii"),
+                              size=max(st.st_size, len(data)), truncated=truncated)
+
+    def write_file(self, req: WriteFileRequest) -> WriteFileResult:
+        """Write (create or truncate) a file with `mode`, creating parent directories if asked."""
+        real = self.resolve(req.path)
+        data = _decode_content(req)
+        with _os_errors(req.path):
+            if req.mkdir:
+                os.makedirs(os.path.dirname(real), exist_ok=True)
+            fd = os.open(real, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, req.mode)
+            try:
+                os.fchmod(fd, req.mode)  # the umask and an existing file's mode must not win
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+            finally:
+                os.close(fd)
+        return WriteFileResult(path=real, size=len(data))
+
+    def upload(self, req: UploadRequest) -> UploadResult:
+        """Unpack a tar archive into `dest`; no member may land or link outside `dest`."""
+        import io
+        import tarfile  # lazy: most sandboxes never upload, and the daemon's start time counts
+
+        dest = self.resolve(req.dest)
+        try:
+            with tarfile.open(fileobj=io.BytesIO(req.archive), mode="r:*") as tar:
+                members = tar.getmembers()
+                for member in members:
+                    _check_member(member)
+                with _os_errors(req.dest):
+                    os.makedirs(dest, exist_ok=True)
+                    for member in members:
+                        _extract(tar, member, dest)
+        except tarfile.TarError as exc:
+            raise ProtocolError(400, f"bad tar archive: {exc}") from None
+        return UploadResult(dest=dest, files=len(members))
+
+    def resolve(self, path: str) -> str:
+        """The real path (symlinks followed) of `path`, which must lie inside the root, else 400."""
+        real = os.path.realpath(os.path.join(self.work_dir, path))
+        if not _inside(real, self.root):
+            raise ProtocolError(400, f"path '{path}' is outside the sandbox root")
+        return real
+
+
+def _collect(proc: subprocess.Popen, deadline: float, limit: int) -> Tuple[_Capture, _Capture, bool]:
+    """Read both pipes until they close after the leader exited (+ grace) or the deadline passes."""
+    assert proc.stdout is not None and proc.stderr is not None
+    caps = {proc.stdout.fileno(): _Capture(limit), proc.stderr.fileno(): _Capture(limit)}
+    out_fd, err_fd = list(caps)
+    sel = selectors.DefaultSelector()
+    for fd in caps:
+        os.set_blocking(fd, False)
+        sel.register(fd, selectors.EVENT_READ)
+    pidfd = _pidfd_open(proc.pid)
+    if pidfd is not None:
+        sel.register(pidfd, selectors.EVENT_READ)  # readable once the leader exits
+    open_fds = set(caps)
+    exited_at: Optional[float] = None
+    timed_out = False
+    try:
+        while True:
+            now = time.monotonic()
+            if exited_at is None and _has_exited(proc.pid):
+                exited_at = now
+            if exited_at is not None and (not open_fds or now >= exited_at + EXIT_GRACE_S):
+                break
+            if now >= deadline:
+                timed_out = True
+                break
+            wait = deadline - now
+            if exited_at is not None:
+                wait = min(wait, exited_at + EXIT_GRACE_S - now)
+            elif pidfd is None:
+                wait = min(wait, POLL_S)
+            for key, _ in sel.select(wait):
+                if key.fd == pidfd:
+                    sel.unregister(pidfd)  # level-triggered: it would stay readable forever
+                elif not _read_into(key.fd, caps[key.fd]):
+                    sel.unregister(key.fd)
+                    open_fds.discard(key.fd)
+        _kill_group(proc.pid)
+        for fd in open_fds:  # what the killed group had written is still in the pipe buffer
+            for _ in range(DRAIN_CHUNKS):
+                if not _read_into(fd, caps[fd], drain=True):
+                    break
+    finally:
+        sel.close()
+        if pidfd is not None:
+            os.close(pidfd)
+        proc.stdout.close()
+        proc.stderr.close()
+    return caps[out_fd], caps[err_fd], timed_out
+
+
+def _read_into(fd: int, cap: _Capture, drain: bool = False) -> bool:
+    """Read one chunk; False at EOF (or, when draining, when nothing is left to read now)."""
+    try:
+        data = os.read(fd, READ_CHUNK)
+    except BlockingIOError:
+        return not drain
+    if not data:
+        return False
+    cap.feed(data)
+    return True
+
+
+def _has_exited(pid: int) -> bool:
+    """Whether the leader has exited, without reaping it (so its group id stays ours to kill)."""
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return True
+    return info is not None and info.si_pid != 0
+
+
+def _pidfd_open(pid: int) -> Optional[int]:
+    opener = getattr(os, "pidfd_open", None)
+    if opener is None:
+        return None
+    try:
+        return opener(pid)
+    except OSError:
+        return None
+
+
+def _kill_group(pgid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+def _inside(path: str, root: str) -> bool:
+    return root == os.sep or path == root or path.startswith(root + os.sep)
+
+
+@contextlib.contextmanager
+def _os_errors(path: str) -> Iterator[None]:
+    """Turn the OS's refusals into the HTTP statuses a client can act on."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise ProtocolError(404, f"'{path}': no such file or directory") from None
+    except PermissionError:
+        raise ProtocolError(403, f"'{path}': permission denied") from None
+    except (IsADirectoryError, NotADirectoryError, FileExistsError) as exc:
+        raise ProtocolError(400, f"'{path}': {exc.strerror}") from None
+    except OSError as exc:
+        if exc.errno is not None and exc.strerror:
+            raise ProtocolError(400, f"'{path}': {exc.strerror}") from None
+        raise
+
+
+def _decode_content(req: WriteFileRequest) -> bytes:
+    if req.text is not None:
+        return req.text.encode("utf-8")
+    assert req.content_b64 is not None
+    try:
+        return base64.b64decode(req.content_b64, validate=True)
+    except (binascii.Error, ValueError):
+        raise ProtocolError(400, "field 'content_b64' is not valid base64") from None
+
+
+def _check_member(member) -> None:
+    """Refuse, before anything is written, members whose name or link target leaves `dest`."""
+    name = member.name
+    if os.path.isabs(name) or ".." in name.split("/"):
+        raise ProtocolError(400, f"archive member '{name}': absolute path or '..' refused")
+    if member.ischr() or member.isblk() or member.isfifo():
+        raise ProtocolError(400, f"archive member '{name}': device or fifo refused")
+    if member.issym():
+        target = os.path.normpath(os.path.join(os.path.dirname(name), member.linkname))
+        if os.path.isabs(member.linkname) or target == ".." or target.startswith("../"):
+            raise ProtocolError(400, f"archive member '{name}': symlink leaving the destination refused")
+    if member.islnk() and (os.path.isabs(member.linkname) or ".." in member.linkname.split("/")):
+        raise ProtocolError(400, f"archive member '{name}': hard link leaving the destination refused")
+
+
+def _extract(tar, member, dest: str) -> None:
+    """Extract one member after checking, against what is on disk now, that it lands in `dest`.
+
+    The lexical checks cannot see symlinks (an earlier member or a file already there); this real
+    path check can, so no write ever goes through a link to outside `dest`.
+    """
+    paths: List[str] = [os.path.join(dest, member.name)]
+    if member.islnk():
+        paths.append(os.path.join(dest, member.linkname))
+    if member.issym():  # where the new link would point, through the links already on disk
+        paths.append(os.path.join(dest, os.path.dirname(member.name), member.linkname))
+    for path in paths:
+        if not _inside(os.path.realpath(path), dest):
+            raise ProtocolError(400, f"archive member '{member.name}': resolves outside the destination")
+    kwargs = {"filter": "data"} if hasattr(tar, "extraction_filter") else {}
+    tar.extract(member, dest, set_attrs=not member.issym(), **kwargs)
