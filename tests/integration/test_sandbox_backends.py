@@ -224,6 +224,7 @@ def test_image_work_dir_is_seeded(state_dir: Path, tmp_path: Path) -> None:
 def test_open_sandbox_three_lines() -> None:
     sb = open_sandbox()
     assert sb.exec("echo 3").stdout == "3\n"
+    assert sb.exec("cat /etc/shadow | wc -c").stdout.strip() == "0"  # host secrets masked
     sb.close()
 
 

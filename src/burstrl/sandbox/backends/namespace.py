@@ -22,6 +22,8 @@ from burstrl.sandbox.backends.base import (CODE_MOUNT, RUN_MOUNT, SOCKET_NAME, L
                                            wait_ready, warn_once, write_owner)
 
 HOST_SYSTEM_DIRS = ("usr", "bin", "lib", "lib32", "lib64", "libx32", "sbin", "etc")
+# Masked inside the host's /etc (files become empty, dirs empty tmpfs).
+HOST_SECRETS = ("/etc/shadow", "/etc/gshadow", "/etc/shadow-", "/etc/gshadow-", "/etc/ssh", "/etc/ssl/private")
 # Image entries the sandbox replaces with its own mounts.
 REPLACED = {"proc", "dev", "sys", "tmp", "work", "run"}
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -157,6 +159,9 @@ def _host_base() -> list[str]:
             args += ["--symlink", os.readlink(host), f"/{name}"]
         elif host.is_dir():
             args += ["--ro-bind", str(host), f"/{name}"]
+    for secret in HOST_SECRETS:  # the host's password hashes and keys are not the sandbox's business
+        if os.path.lexists(secret):
+            args += ["--ro-bind", "/dev/null", secret] if not os.path.isdir(secret) else ["--tmpfs", secret]
     return args
 
 
