@@ -26,6 +26,8 @@ route_app = typer.Typer(help="Route sessions to replicas; simulate placement pol
 app.add_typer(route_app, name="route")
 image_app = typer.Typer(help="Build and inspect sandbox images (OCI layouts, tar+zstd layers).", no_args_is_help=True)
 app.add_typer(image_app, name="image")
+tasks_app = typer.Typer(help="Make and check SWE task files (JSONL, SWE-bench fields).", no_args_is_help=True)
+app.add_typer(tasks_app, name="tasks")
 
 OVERRIDES_HELP = (
     "Any config key can be set with --section.key value (or --section.key=value), "
@@ -173,6 +175,55 @@ def image_inspect(
     typer.echo(json.dumps(describe(image), indent=2))
 
 
+@tasks_app.command("make-toy")
+def tasks_make_toy(
+    out: Path = typer.Argument(..., help="Directory to write: OUT/tasks.jsonl and OUT/repos/ID (missing or empty)."),
+    n: int = typer.Option(50, "--n", min=1, help="Number of tasks."),
+    seed: int = typer.Option(0, "--seed", help="Seed; with index, difficulty and split it fixes each task."),
+    difficulty: int = typer.Option(1, "--difficulty", min=1, max=4,
+                                   help="1: one bug; 2: one bug behind a wrapper; 3: two; 4: three, two calls deep."),
+    split: str = typer.Option("train", "--split", help="train or test (held out: other templates and names)."),
+    force: bool = typer.Option(False, "--force", help="Write into a non-empty OUT."),
+) -> None:
+    """Generate toy Python repositories with injected bugs, and their task file."""
+    from burstrl.envs.swe.toygen import make_toy_tasks
+
+    if split not in ("train", "test"):
+        _fail(f"--split must be train or test, not {split!r}")
+    if out.exists() and any(out.iterdir()) and not force:
+        _fail(f"{out} is not empty (use --force)")
+    tasks = make_toy_tasks(out, n, seed=seed, difficulty=difficulty, split=split)
+    typer.echo(f"{len(tasks)} tasks -> {out / 'tasks.jsonl'}")
+
+
+@tasks_app.command("check")
+def tasks_check(
+    file: Path = typer.Argument(..., help="Task file (JSONL)."),
+    workdir: Path | None = typer.Option(None, "--workdir", help="Where exports go (default: a temp dir, removed)."),
+    host: bool = typer.Option(False, "--host", help="Run the tests on the host instead of in sandboxes."),
+    jobs: int = typer.Option(1, "--jobs", min=1, help="Tasks checked at once."),
+    flawed_out: Path | None = typer.Option(None, "--flawed-out", help="Write the flawed task ids here, one a line."),
+) -> None:
+    """Check that target tests fail at the base and pass with the gold patch, and existing tests pass
+    both ways; print a table and exit 1 if any task is flawed."""
+    import tempfile
+
+    from burstrl.envs.swe.check import check_tasks, format_results
+    from burstrl.envs.swe.task import TaskError, load_tasks
+
+    try:
+        tasks = load_tasks(file)
+    except (OSError, TaskError) as exc:
+        _fail(str(exc))
+    with tempfile.TemporaryDirectory(prefix="burstrl-check-") as tmp:
+        results = check_tasks(tasks, workdir or Path(tmp), sandbox=not host, jobs=jobs)
+    typer.echo(format_results(results))
+    if flawed_out is not None:
+        flawed_out.write_text("".join(f"{r.instance_id}\n" for r in results if not r.ok))
+    if not all(r.ok for r in results):
+        raise typer.Exit(1)
+
+
 @app.command("sft")
 def sft_command(
     model: Path = typer.Option(..., "--model", help="Base model directory (HF format)."),
@@ -257,7 +308,7 @@ def run_command(
 ) -> None:
     """Run RL end to end (router, replicas, trainer, orchestrator); no CONFIG = the bundled quickstart."""
     from burstrl.config import ConfigError, RunConfig, load_config
-    from burstrl.launcher.preflight import QUICKSTART, PreflightError, check, quickstart_model
+    from burstrl.launcher.preflight import QUICKSTART, PreflightError, check, quickstart_model, quickstart_swe_model
 
     files, overrides = split_args(list(ctx.args))
     try:
@@ -268,7 +319,7 @@ def run_command(
         return _print_config(cfg)
     if not cfg.model.path:
         typer.echo("model.path is empty: using the warm-started tiny model (made and cached on first use)", err=True)
-        cfg.model.path = str(quickstart_model())
+        cfg.model.path = str(quickstart_swe_model() if "swe" in cfg.orchestrator.envs else quickstart_model())
     try:
         check(cfg)
     except PreflightError as exc:
@@ -336,6 +387,49 @@ def sandboxd(
     except (ValueError, OSError) as exc:
         _fail(str(exc))
     raise typer.Exit(code)
+
+
+@app.command("eval")
+def eval_command(
+    model: Path = typer.Option(..., "--model", help="Base model directory (HF format)."),
+    tasks: Path = typer.Option(..., "--tasks", help="SWE tasks (JSONL)."),
+    attempts: int = typer.Option(4, "--attempts", min=1, help="Attempts per task (K)."),
+    adapter: str | None = typer.Option(None, "--adapter", help="A PEFT adapter dir, or a version name of --run."),
+    run_dir: Path | None = typer.Option(None, "--run", help="A run directory: evaluate its checkpoints."),
+    every: int = typer.Option(0, "--every", min=0, help="With --run: every N-th checkpoint, as a curve."),
+    exclude: list[Path] = typer.Option([], "--exclude", help="File of flawed task ids to drop (repeatable)."),
+    compare: Path | None = typer.Option(None, "--compare", help="Results of another evaluation of the same tasks."),
+    out: Path = typer.Option(Path("eval"), "--out", help="Output directory (results.json, report.md, report.png)."),
+    temperature: float = typer.Option(1.0, "--temperature", min=0.0, help="Sampling temperature."),
+    max_sandboxes: int = typer.Option(4, "--max-sandboxes", min=1, help="Attempts running at once."),
+    max_turns: int = typer.Option(6, "--max-turns", min=1, help="Agent turns per attempt."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the sampling seeds."),
+) -> None:
+    """Pass@k, target-test and strict scores of a model (or adapter, or a run's checkpoints) on tasks."""
+    from burstrl.config import SweEnvConfig
+    from burstrl.eval.passk import read_exclude_file
+    from burstrl.eval.swe_eval import EvalSpec, checkpoint_adapters, evaluate
+
+    if not (model / "config.json").is_file():
+        _fail(f"{model}: not a model directory")
+    if not tasks.is_file():
+        _fail(f"{tasks}: no such task file")
+    adapters: dict[str, Path] = {}
+    if run_dir is not None and every:
+        try:
+            adapters = checkpoint_adapters(run_dir, every)
+        except ValueError as exc:
+            _fail(str(exc))
+    elif adapter is not None:
+        path = run_dir / "adapters" / adapter if run_dir is not None else Path(adapter)
+        if not (path / "adapter_config.json").is_file():
+            _fail(f"{path}: not a PEFT adapter directory")
+        adapters = {"policy-eval": path}
+    excluded = set().union(*(read_exclude_file(str(p)) for p in exclude)) if exclude else set()
+    spec = EvalSpec(model=model, tasks=tasks, attempts=attempts, adapters=adapters, temperature=temperature,
+                    seed=seed, env=SweEnvConfig(max_sandboxes=max_sandboxes, max_turns=max_turns), out=out)
+    for path in evaluate(spec, excluded, compare):
+        typer.echo(str(path))
 
 
 def _config(cls: type, ctx: typer.Context, extra_overrides: list[str]):

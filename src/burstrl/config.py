@@ -330,6 +330,23 @@ class CurriculumConfig(Section):
     retry_after: int = Field(4, ge=0, description="New groups started before a re-queued task comes back.")
 
 
+class SweEnvConfig(Section):
+    tasks: str = Field("", description="SWE tasks (JSONL); empty = generate toy tasks into RUN_DIR/swe-tasks.")
+    toy_tasks: int = Field(64, ge=1, description="Toy tasks generated per difficulty when `tasks` is empty.")
+    toy_seed: int = Field(0, description="Seed of the generated toy tasks.")
+    split: str = Field("train", description="Task split trained on (tasks whose extra.split differs are skipped).")
+    reward: Literal["binary", "f2p", "strict"] = Field(
+        "binary", description="Training reward: resolved (0/1), share of target tests passed, or that share "
+        "if no existing test broke."
+    )
+    backend: Literal["namespace", "oci"] = Field("namespace", description="Sandbox backend.")
+    max_sandboxes: int = Field(8, ge=1, description="Sandboxes alive at once (attempts plus grading).")
+    max_turns: int = Field(6, ge=1, description="Agent turns (model calls) per attempt.")
+    max_tokens_per_call: int = Field(128, ge=1, description="max_tokens of each agent call.")
+    command_timeout_s: float = Field(30.0, gt=0, description="Timeout of one agent command in the sandbox.")
+    grade_timeout_s: float = Field(300.0, gt=0, description="Timeout of grading one attempt.")
+
+
 class OrchestratorConfig(Section):
     envs: dict[str, float] = Field(
         default_factory=lambda: {"toy": 1.0}, description="Environments and their sampling weights."
@@ -351,6 +368,7 @@ class OrchestratorConfig(Section):
     seed: int = Field(0, description="Seed of task sampling and sampling seeds.")
     stats_interval_s: float = Field(1.0, gt=0, description="Seconds between lines of orchestrator.jsonl.")
     curriculum: CurriculumConfig = Field(default_factory=CurriculumConfig)
+    swe: SweEnvConfig = Field(default_factory=SweEnvConfig)
 
 
 class OrchestrateConfig(Section):

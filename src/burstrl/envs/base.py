@@ -13,6 +13,11 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 
+class InfraError(RuntimeError):
+    """The environment's infrastructure failed (a sandbox did not start, grading timed out), not the
+    model: the orchestrator re-runs the attempt under a new id instead of scoring it."""
+
+
 @dataclass
 class Task:
     """One task: an id unique across the run, its environment, difficulty and env-specific data (JSON)."""

@@ -1,9 +1,10 @@
-"""Evaluation: what a run achieved, read back from its run directory.
+"""Evaluation: what a run achieved, and how well a model or adapter solves coding tasks.
 
-This package owns the offline views of a run: `report` reads the JSON-lines logs that the trainer
-(`metrics.jsonl`), the orchestrator (`orchestrator.jsonl`) and the launcher (`fleet.jsonl`) append
-to the run directory and turns them into a dashboard PNG, a markdown summary and a dict of headline
-figures for tests and benchmarks (`burstrl report RUN_DIR`). It talks to no process: it only reads
-files, so it works on a live run, a finished one, or one copied off a cluster. Later: pass@k and
-partial-credit evaluation of a policy version on held-out tasks.
+`report` reads the JSON-lines logs that the trainer (`metrics.jsonl`), the orchestrator
+(`orchestrator.jsonl`) and the launcher (`fleet.jsonl`) append to a run directory and turns them
+into a dashboard PNG, a markdown summary and headline figures (`burstrl report RUN_DIR`); it only
+reads files. `swe_eval` runs `burstrl eval`: K attempts per task through a replica, sandboxes and
+commit-only grading (`burstrl.envs.swe`); `passk` (Pass@k, Chen et al.'s unbiased estimator, and
+per-task summaries), `compare` (paired bootstrap between two evaluations) and `swe_report` (results
+JSON, markdown, PNG) turn its attempt records into figures.
 """

@@ -36,6 +36,14 @@ def quickstart_model() -> Path:
     return ensure_warm_model(base, cache_dir() / "tiny-qwen3-warm")
 
 
+def quickstart_swe_model() -> Path:
+    """The tiny model warm-started on toy coding-task demonstrations (made and cached on first use)."""
+    from burstrl.envs.swe.warm import ensure_swe_warm_model
+    from burstrl.model.tiny import ensure_tiny_model
+
+    return ensure_swe_warm_model(ensure_tiny_model(cache_dir() / "tiny-qwen3"), cache_dir() / "tiny-qwen3-swe-warm")
+
+
 def check(cfg: RunConfig) -> None:
     """Raise PreflightError listing every problem with `cfg` on this machine."""
     problems = _model_problems(cfg) + _env_problems(cfg) + _plan_problems(cfg)

@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 
 from burstrl.config import OrchestrateConfig
-from burstrl.envs import Environment, Outcome, Task, get_env
+from burstrl.envs import Environment, InfraError, Outcome, Task, get_env
 from burstrl.orchestrator.attempt import run_attempt
 from burstrl.orchestrator.client import ReplicaFailure, VersionGone, assign, version_number
 from burstrl.orchestrator.curriculum import Curriculum
@@ -60,7 +60,7 @@ class Orchestrator:
         self.run_dir = Path(cfg.run_dir)
         self.router = cfg.router.rstrip("/")
         self.store = RolloutStore(cfg.store or self.run_dir / "store.sqlite")
-        self.envs: dict[str, Environment] = {name: get_env(name) for name in o.envs}
+        self.envs: dict[str, Environment] = {name: get_env(name, o, self.run_dir) for name in o.envs}
         self.curriculum = Curriculum(o.curriculum, dict(o.envs), self.envs, o.seed)
         self.state_path = self.run_dir / "orchestrator_state.json"
         if self.state_path.exists():
@@ -158,7 +158,7 @@ class Orchestrator:
                 await asyncio.to_thread(self.store.end_attempt, rid, "abandoned", str(exc))
                 self.counters.attempts_abandoned += 1
                 raise
-            except ReplicaFailure as exc:
+            except (ReplicaFailure, InfraError) as exc:
                 await asyncio.to_thread(self.store.end_attempt, rid, "requeued", str(exc))
                 self.counters.attempts_requeued += 1
                 log.info("attempt %s requeued: %s", rid, exc)

@@ -1,0 +1,139 @@
+"""`SweEnv`: the orchestrator's Environment for coding tasks, one sandbox per attempt, graded by tests.
+
+One attempt: a sandbox gets the task's repository at its base commit (no later history) in
+/work/repo -> the agent works on it through sandboxd, talking to the model through the
+orchestrator's session client (so routing, KV reuse and capture apply to every turn) -> only what
+it committed is taken (`git diff burstrl-base HEAD`) -> a fresh sandbox grades that patch against
+the task's tests. The reward is `resolved` (default), `f2p` or `strict`; its parts go to the store.
+A sandbox that fails to start or a grading that times out is an `InfraError`: the orchestrator
+re-runs the attempt instead of scoring the model for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from burstrl.config import SweEnvConfig
+from burstrl.envs.base import ChatClient, InfraError, Outcome, Task
+from burstrl.envs.swe.task import SweTask, load_tasks
+
+REPO_DIR = "/work/repo"
+
+
+class SweEnv:
+    """Tasks from a JSONL file (or toy tasks generated into the run directory on first use)."""
+
+    name = "swe"
+
+    def __init__(self, cfg: SweEnvConfig, run_dir: Path) -> None:
+        self.cfg, self.run_dir = cfg, Path(run_dir)
+        self._tasks: list[SweTask] | None = None
+        self._pool: Any = None
+
+    # ---- tasks ----
+    @property
+    def tasks(self) -> list[SweTask]:
+        if self._tasks is None:
+            path = Path(self.cfg.tasks) if self.cfg.tasks else self._toy_tasks()
+            split = self.cfg.split
+            self._tasks = [t for t in load_tasks(path) if t.extra.get("split", split) == split]
+            if not self._tasks:
+                raise ValueError(f"{path}: no task of split {split!r}")
+        return self._tasks
+
+    @property
+    def max_difficulty(self) -> int:
+        return max(t.difficulty for t in self.tasks)
+
+    def _toy_tasks(self) -> Path:
+        """Generate the toy tasks once per run directory (difficulties 1 and 2, the configured split).
+
+        Made in a temp dir and renamed into place, so a crash mid-way leaves no half set behind.
+        """
+        from burstrl.envs.swe.task import dump_tasks
+        from burstrl.envs.swe.toygen import make_task
+
+        out = self.run_dir / "swe-tasks"
+        if not (out / "tasks.jsonl").exists():
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=".swe-tasks-", dir=self.run_dir))
+            tasks = [make_task(tmp, i, self.cfg.toy_seed, difficulty, self.cfg.split)
+                     for difficulty in (1, 2) for i in range(self.cfg.toy_tasks)]
+            for t in tasks:  # the repos move with the directory
+                t.repo = str(out.absolute() / Path(t.repo).relative_to(tmp.absolute()))
+            dump_tasks(tasks, tmp / "tasks.jsonl")
+            try:
+                tmp.rename(out)
+            except OSError:  # another process made it first
+                shutil.rmtree(tmp, ignore_errors=True)
+        return out / "tasks.jsonl"
+
+    def make_tasks(self, n: int, seed: int, difficulty: int = 1, split: str = "train") -> list[Task]:
+        """`n` tasks of `difficulty` (the nearest easier one if none), picked deterministically by seed."""
+        pool = [t for t in self.tasks if t.difficulty == difficulty] or \
+            [t for t in self.tasks if t.difficulty <= difficulty] or self.tasks
+        out = []
+        for i in range(n):
+            digest = hashlib.sha256(f"{seed}:{i}:{difficulty}".encode()).digest()
+            t = pool[int.from_bytes(digest[:8], "big") % len(pool)]
+            out.append(Task(id=t.instance_id, env=self.name, difficulty=t.difficulty, data=t.to_json()))
+        return out
+
+    def demonstrations(self, tasks: list[Task]) -> list[dict[str, list[dict[str, str]]]]:
+        from burstrl.envs.swe.demos import demonstration_chat
+
+        return [{"messages": demonstration_chat(SweTask.from_json(t.data))} for t in tasks]
+
+    # ---- one attempt ----
+    def pool(self) -> Any:
+        if self._pool is None:
+            from burstrl.sandbox.pool import SandboxPool
+
+            self._pool = SandboxPool(self.cfg.backend, max_concurrent=self.cfg.max_sandboxes)
+        return self._pool
+
+    async def rollout(self, client: ChatClient, task: Task) -> Outcome:
+        from burstrl.envs.swe.agent import AgentLimits, run_agent
+        from burstrl.envs.swe.grade import extract_patch, grade, reward_of
+
+        swe = SweTask.from_json(task.data)
+        sandbox = await asyncio.to_thread(self._open, swe)
+        try:
+            limits = AgentLimits(max_turns=self.cfg.max_turns, max_tokens_per_call=self.cfg.max_tokens_per_call,
+                                 command_timeout_s=self.cfg.command_timeout_s)
+            result = await run_agent(client, sandbox, swe, limits)
+            patch = await asyncio.to_thread(extract_patch, sandbox, REPO_DIR)
+        finally:
+            await asyncio.to_thread(sandbox.close)
+        graded = await asyncio.to_thread(grade, swe, patch, self.pool(), timeout_s=self.cfg.grade_timeout_s)
+        if getattr(graded, "infra_error", None):
+            raise InfraError(f"grading {swe.instance_id}: {graded.infra_error}")
+        parts = {"resolved": float(graded.resolved), "f2p": float(graded.f2p), "strict": float(graded.strict),
+                 "apply_ok": float(graded.apply_ok), "submitted": float(result.submitted)}
+        return Outcome(reward=reward_of(graded, self.cfg.reward), parts=parts, passed=bool(graded.resolved),
+                       info={"turns": result.turns, "exit_reason": result.exit_reason, "patch_bytes": len(patch)})
+
+    def _open(self, swe: SweTask) -> Any:
+        """A sandbox with the task's base in /work/repo (InfraError if it cannot be made)."""
+        from burstrl.envs.swe.repo import export_base
+        from burstrl.sandbox.backends import SandboxSpec
+
+        spec = SandboxSpec(image=Path(swe.image) if swe.image else None, cpu_limit=swe.cpu,
+                           memory_limit_mb=swe.memory)
+        try:
+            sandbox = self.pool().create(spec, timeout=600)
+        except Exception as exc:  # sandbox infrastructure, not the model: the attempt is re-run
+            raise InfraError(f"sandbox for {swe.instance_id}: {type(exc).__name__}: {exc}") from None
+        try:
+            with tempfile.TemporaryDirectory(prefix="swe-base-") as tmp:
+                export_base(swe, Path(tmp) / "repo")
+                sandbox.upload(Path(tmp) / "repo", REPO_DIR)
+        except BaseException:
+            sandbox.close()
+            raise
+        return sandbox

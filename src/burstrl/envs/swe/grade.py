@@ -1,0 +1,403 @@
+"""Commit-only grading: take what the agent committed, grade it by the task's tests in a fresh sandbox.
+
+Why commit-only: the attempt's sandbox is the agent's to mess up (stray files, half edits,
+background processes); a commit is an explicit "this is my answer". So `extract_patch` takes
+`git diff --binary BASE HEAD` and nothing else, and `grade` applies it to a fresh export of the
+task's base in a new sandbox (no network), as SWE-bench does: the patch applied (failure = reward
+0, recorded), the files that hold the graded tests and those the test patch touches reset to the
+base (an edited test proves nothing), the test patch applied, the target (FAIL_TO_PASS) and
+existing (PASS_TO_PASS) tests run, and per-test status parsed (the log; a JUnit XML report too
+when the test command writes one with `--junitxml=PATH`).
+
+Infra failures vs model failures: a result with `infra_error` set says nothing about the model
+(the sandbox could not start or died, the test command ran past its time limit, the task's test
+patch does not apply on its own base). `grade` returns it instead of raising, so that a pool of
+graders never loses a batch to one fault; the evaluator retries such attempts and must never
+count them as model failures. Bad task input (a repository that cannot be exported) raises.
+A timeout is infra by this rule even when a patch made the tests hang; the partial statuses are
+kept in the result, so an evaluator that sees the same attempt time out on every retry can
+decide to score it as a failure. `reward_of` raises on an infra result.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+import shlex
+import tarfile
+import tempfile
+import threading
+import time
+import xml.etree.ElementTree as ET
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from burstrl.envs.swe.repo import BASE_TAG, export_base
+from burstrl.envs.swe.task import SweTask
+from burstrl.envs.swe.testlog import parse_test_log
+from burstrl.sandbox.backends import SandboxSpec, make_backend
+from burstrl.sandbox.client import SandboxError
+
+REPO_DIR = "/work/repo"
+SCRATCH = "/tmp/burstrl-grade"  # outside the repo: patches and logs never enter `git status`
+LOG_CAP = 64 * 1024  # chars of test log kept in a result (head and tail)
+LOG_READ_CAP = 8 * 1024 * 1024  # bytes of a test log read back (head and tail); the daemon reads <= 16 MiB
+REWARD_KINDS = ("binary", "f2p", "strict")
+# Higher is worse: when one test id is reported twice (pytest: call passed, teardown errored), the worst wins.
+_SEVERITY = {"error": 3, "failed": 2, "skipped": 1, "passed": 0}
+_JUNIT_OPT = re.compile(r"--junit-?xml[= ](\S+)")
+
+
+@dataclass
+class GradeResult:
+    """One graded attempt; `parts()` is what the rollout store keeps next to the reward."""
+
+    instance_id: str
+    resolved: bool = False
+    f2p: float = 0.0
+    strict: float = 0.0
+    f2p_passed: int = 0
+    f2p_total: int = 0
+    p2p_failed: int = 0
+    p2p_total: int = 0
+    apply_ok: bool = False
+    apply_error: str = ""
+    infra_error: str = ""  # non-empty: not a model outcome; retry, never score
+    timed_out: bool = False
+    statuses: dict[str, str] = field(default_factory=dict)  # test id -> status, target + existing only
+    log: str = ""
+    duration_s: float = 0.0
+
+    def parts(self) -> dict[str, Any]:
+        return {"resolved": self.resolved, "f2p": self.f2p, "strict": self.strict, "apply_ok": self.apply_ok}
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def reward_of(result: GradeResult, kind: str = "binary") -> float:
+    """The training reward: binary (resolved as 0/1, the default), f2p or strict (partial credit).
+
+    Raises on an infra error: such an attempt has no reward, and scoring it 0 would teach the
+    model that a crashed sandbox was its fault.
+    """
+    if result.infra_error:
+        raise ValueError(f"{result.instance_id}: no reward for an infra failure ({result.infra_error})")
+    if kind == "binary":
+        return 1.0 if result.resolved else 0.0
+    if kind == "f2p":
+        return result.f2p
+    if kind == "strict":
+        return result.strict
+    raise ValueError(f"unknown reward kind {kind!r}; expected one of {', '.join(REWARD_KINDS)}")
+
+
+def score(result: GradeResult, task: SweTask, statuses: dict[str, str]) -> GradeResult:
+    """Fill the scores from per-test statuses. A test id missing from the log counts as failed,
+    and only "passed" passes (a skipped existing test has stopped proving anything).
+
+    With no target tests, "all target tests pass" holds vacuously (f2p = 1); `tasks check`
+    flags such tasks.
+    """
+    def passed(tid: str) -> bool:
+        return status_of(statuses, tid) == "passed"
+
+    f2p, p2p = _unique(task.FAIL_TO_PASS), _unique(task.PASS_TO_PASS)
+    result.statuses = {tid: status_of(statuses, tid) for tid in f2p + p2p}
+    result.f2p_total, result.p2p_total = len(f2p), len(p2p)
+    result.f2p_passed = sum(passed(t) for t in f2p)
+    result.p2p_failed = sum(not passed(t) for t in p2p)
+    result.f2p = result.f2p_passed / len(f2p) if f2p else 1.0
+    result.strict = result.f2p if result.p2p_failed == 0 else 0.0
+    result.resolved = result.f2p_passed == len(f2p) and result.p2p_failed == 0
+    return result
+
+
+def status_of(statuses: dict[str, str], test_id: str) -> str:
+    """A test's status, "missing" when absent; a pytest id also matches its dotted JUnit form."""
+    if test_id in statuses:
+        return statuses[test_id]
+    return statuses.get(dotted_id(test_id), "missing")
+
+
+def dotted_id(test_id: str) -> str:
+    """`tests/test_a.py::TestX::test_y[p/1]` -> `tests.test_a.TestX.test_y[p/1]`: the
+    classname.name form JUnit reports use, so one lookup serves pytest and unittest ids."""
+    head, bracket, params = test_id.partition("[")
+    head = head.replace("::", ".").replace("/", ".").replace(".py.", ".")
+    return head + bracket + params
+
+
+def parse_junit_xml(text: str) -> dict[str, str]:
+    """Per-test status from a JUnit XML report (pytest `--junitxml`, or any xunit writer).
+
+    Keys are `classname.name` (pytest's classname is the dotted module path plus class), so they
+    match unittest ids directly and pytest ids through `dotted_id`.
+    """
+    out: dict[str, str] = {}
+    for case in ET.fromstring(text).iter("testcase"):
+        name = case.get("name", "")
+        classname = case.get("classname", "")
+        tid = f"{classname}.{name}" if classname else name
+        status = _junit_status(case)
+        if _SEVERITY[status] >= _SEVERITY.get(out.get(tid, "passed"), 0):
+            out[tid] = status
+    return out
+
+
+def _junit_status(case: ET.Element) -> str:
+    tags = {child.tag for child in case}
+    if "error" in tags:
+        return "error"
+    if "failure" in tags:
+        return "failed"
+    if "skipped" in tags:
+        return "skipped"
+    return "passed"
+
+
+def extract_patch(sandbox: Any, repo_dir: str = REPO_DIR, base: str = BASE_TAG) -> str:
+    """Only what the agent committed: `git diff --binary BASE HEAD` inside its sandbox.
+
+    Uncommitted and untracked work is not in that diff by construction. Options pin the format
+    whatever the agent put in `.git/config` (colour, external diff, no prefixes, textconv).
+    The diff goes through a file, not the exec output, which is capped. A repository the agent
+    broke (no HEAD, .git removed) counts as nothing committed: "". Pass the base commit id
+    from `export_base` as `base` to be immune to a moved tag.
+    """
+    out = f"{SCRATCH}/extract.patch"
+    cmd = (f"mkdir -p {SCRATCH} && git -C {shlex.quote(repo_dir)} -c core.quotepath=off diff --binary "
+           "--no-color --no-ext-diff --no-textconv --no-relative --src-prefix=a/ --dst-prefix=b/ "
+           f"{shlex.quote(base)} HEAD -- > {out}")
+    res = sandbox.exec(cmd, timeout=120)
+    if res.exit_code != 0:
+        return ""
+    return sandbox.read_file(out).decode("utf-8", "surrogateescape")
+
+
+def grade(task: SweTask, patch: str, pool_or_backend: Any, *, timeout_s: float = 300) -> GradeResult:
+    """Grade one attempt's patch in a fresh sandbox; see the module docstring for infra errors."""
+    start = time.monotonic()
+    result = GradeResult(instance_id=task.instance_id)
+    base_id, repo_tar, base_files = base_tar(task)
+    try:
+        sandbox = _creator(pool_or_backend).create(_spec(task))
+    except Exception as exc:  # could not start: not the model's doing
+        result.infra_error = f"sandbox did not start: {exc!r}"
+        return _done(result, start)
+    try:
+        _grade_in(sandbox, task, patch, (base_id, repo_tar, base_files), timeout_s, result)
+    except (SandboxError, OSError, GradeInfraError) as exc:  # the sandbox died or stopped answering
+        result.infra_error = f"sandbox failed while grading: {exc!r}"
+    finally:
+        sandbox.close()
+    return _done(result, start)
+
+
+def _grade_in(sandbox: Any, task: SweTask, patch: str, base: tuple[str, bytes, frozenset[str]],
+              timeout_s: float, result: GradeResult) -> None:
+    base_id, repo_tar, base_files = base
+    sandbox.upload(repo_tar, REPO_DIR)
+    _check(sandbox.exec(f"mkdir -p {SCRATCH} && git reset -q --hard {base_id}", cwd=REPO_DIR, timeout=120),
+           "reset to the base")
+    result.apply_ok, result.apply_error = apply_in(sandbox, patch, "model.patch")
+    if not result.apply_ok:
+        return  # reward 0, nothing to run
+    reset_paths(sandbox, graded_test_files(task, base_files) + patch_paths(task.test_patch), base_id)
+    if task.test_patch.strip():
+        ok, msg = apply_in(sandbox, task.test_patch, "test.patch")
+        if not ok:
+            result.infra_error = f"task error: test_patch does not apply on the base: {msg}"
+            return
+    text, timed_out = run_tests(sandbox, task, timeout_s)
+    result.log = cap_log(text)
+    if timed_out:
+        result.timed_out = True
+        result.infra_error = f"test command ran past {timeout_s:g}s"
+    score(result, task, collect_statuses(sandbox, task, text))
+
+
+def apply_in(sandbox: Any, patch: str, name: str) -> tuple[bool, str]:
+    """`git apply` a patch inside the sandbox's repo; an empty patch applies trivially."""
+    if not patch.strip():
+        return True, ""
+    path = f"{SCRATCH}/{name}"
+    if not patch.endswith("\n"):  # a diff cut at its last newline still applies
+        patch += "\n"
+    sandbox.write_file(path, patch.encode("utf-8", "surrogateescape"))
+    res = sandbox.exec(f"git apply --binary --whitespace=nowarn {path}", cwd=REPO_DIR, timeout=120)
+    if res.exit_code == 0:
+        return True, ""
+    return False, (res.stderr or res.stdout).strip()[-4000:] or f"git apply exited {res.exit_code}"
+
+
+def patch_paths(patch: str) -> list[str]:
+    """Every path a git diff touches, old and new names (from `---`/`+++` and rename headers)."""
+    paths: list[str] = []
+    for line in patch.splitlines():
+        m = re.match(r"^(?:--- a/|\+\+\+ b/|rename from |rename to |copy to )(.+?)\t?$", line)
+        if m is None:
+            m = re.match(r"^diff --git a/(.+) b/\1$", line)  # mode-only and binary changes
+        if m is not None and m.group(1) not in paths:
+            paths.append(m.group(1))
+    return paths
+
+
+def graded_test_files(task: SweTask, base_files: frozenset[str]) -> list[str]:
+    """The base's files that define the graded tests, found from the test ids.
+
+    Why: where the tests live in the repository (toy tasks, SWE-smith), an agent could "fix" a
+    target test by editing it; the grader runs the task's tests, so these files are reset to the
+    base before the tests run, as SWE-bench resets the test patch's files. pytest ids name their
+    file (`path.py::...`); a unittest id `a.b.C.test` is matched to `a/b/C.py`, `a/b.py`, ...
+    """
+    found: list[str] = []
+    for tid in _unique(task.FAIL_TO_PASS + task.PASS_TO_PASS):
+        if "::" in tid:
+            candidates = [tid.split("::", 1)[0]]
+        else:
+            parts = tid.split("[", 1)[0].split(".")
+            candidates = ["/".join(parts[:i]) + ".py" for i in range(len(parts), 0, -1)]
+        hit = next((c for c in candidates if c in base_files), None)
+        if hit is not None and hit not in found:
+            found.append(hit)
+    return found
+
+
+def reset_paths(sandbox: Any, paths: Sequence[str], base_id: str) -> None:
+    """Put `paths` back as they are at the base (removed if the base lacks them), so the test
+    patch lands on exactly the files it was made against whatever the model patch did to them."""
+    if not paths:
+        return
+    quoted = " ".join(shlex.quote(p) for p in _unique(paths))
+    cmd = (f'for f in {quoted}; do if git cat-file -e {base_id}:"$f" 2>/dev/null; '
+           f'then git checkout -q {base_id} -- "$f"; else rm -rf -- "$f"; fi || exit 1; done')
+    _check(sandbox.exec(cmd, cwd=REPO_DIR, timeout=120), "reset the test patch's files")
+
+
+def grading_command(task: SweTask) -> str:
+    """`test_cmd` followed by the target and existing test ids (unittest and pytest take ids)."""
+    ids = _unique(task.FAIL_TO_PASS) + [t for t in _unique(task.PASS_TO_PASS) if t not in task.FAIL_TO_PASS]
+    return " ".join([task.test_cmd, *(shlex.quote(t) for t in ids)])
+
+
+def run_tests(sandbox: Any, task: SweTask, timeout_s: float) -> tuple[str, bool]:
+    """The test log (stdout and stderr interleaved, through a file: exec output is capped and
+    would drop the middle of a long log) and whether the command ran past `timeout_s`."""
+    log = f"{SCRATCH}/test.log"
+    report = junit_path(task)
+    clear = f"rm -f {shlex.quote(report)}; " if report else ""  # a committed fake report must not count
+    res = sandbox.exec(f"{clear}{{ {grading_command(task)} ; }} > {log} 2>&1", cwd=REPO_DIR, timeout=timeout_s,
+                       env={"PYTHONDONTWRITEBYTECODE": "1"})
+    # Over the daemon's read limit (16 MiB): keep the head and the tail, where the statuses are.
+    sandbox.exec(f"if [ $(stat -c %s {log}) -gt {LOG_READ_CAP} ]; then {{ head -c {LOG_READ_CAP // 2} {log}; "
+                 f"echo; echo '... [elided] ...'; tail -c {LOG_READ_CAP // 2} {log}; }} > {log}.cut && "
+                 f"mv {log}.cut {log}; fi", timeout=60)
+    text = sandbox.read_file(log).decode("utf-8", "replace")
+    return text, bool(res.timed_out)
+
+
+def junit_path(task: SweTask) -> str:
+    """Where the test command writes a JUnit XML report (`--junitxml=PATH`), absolute; "" if not."""
+    m = _JUNIT_OPT.search(task.test_cmd)
+    if m is None:
+        return ""
+    return m.group(1) if m.group(1).startswith("/") else f"{REPO_DIR}/{m.group(1)}"
+
+
+def collect_statuses(sandbox: Any, task: SweTask, log_text: str) -> dict[str, str]:
+    """Statuses from the log, overlaid by the JUnit report when the test command writes one."""
+    statuses = dict(parse_test_log(log_text))
+    report = junit_path(task)
+    if report:
+        try:
+            statuses.update(parse_junit_xml(sandbox.read_file(report).decode("utf-8", "replace")))
+        except (SandboxError, ET.ParseError):  # no report (the run crashed early) or a torn one
+            pass
+    return statuses
+
+
+def cap_log(text: str, cap: int = LOG_CAP) -> str:
+    """Head and tail of a long log: the start says what ran, the end says how it ended."""
+    if len(text) <= cap:
+        return text
+    half = cap // 2
+    return f"{text[:half]}\n... [{len(text) - cap} chars elided] ...\n{text[-half:]}"
+
+
+_BASE_CACHE: OrderedDict[tuple[str, str], tuple[str, bytes, frozenset[str]]] = OrderedDict()
+_BASE_CACHE_SIZE = 4
+_base_lock = threading.Lock()
+
+
+def base_tar(task: SweTask) -> tuple[str, bytes, frozenset[str]]:
+    """The task's base, exported (no history) and kept as tar bytes for the next attempts at
+    the same task: graders take K attempts per task in a row, and an export costs git work.
+    Returns (base commit id in the export, tar bytes, the base's file paths). Exports run one at a time (lock): the
+    cache would otherwise miss for K graders starting together."""
+    key = (task.repo, task.base_commit)
+    with _base_lock:
+        if key in _BASE_CACHE:
+            _BASE_CACHE.move_to_end(key)
+            return _BASE_CACHE[key]
+        with tempfile.TemporaryDirectory(prefix="burstrl-grade-") as tmp:
+            base_id = export_base(task, Path(tmp) / "repo")
+            buf = io.BytesIO()
+            with tarfile.open(fileobj=buf, mode="w") as tar:
+                tar.add(Path(tmp) / "repo", arcname=".")
+                names = frozenset(m.name.removeprefix("./") for m in tar.getmembers() if m.isfile())
+        _BASE_CACHE[key] = (base_id, buf.getvalue(), names)
+        while len(_BASE_CACHE) > _BASE_CACHE_SIZE:
+            _BASE_CACHE.popitem(last=False)
+        return _BASE_CACHE[key]
+
+
+def grading_throughput(tasks: Sequence[SweTask], patches: Sequence[str], pool: Any, n: int,
+                       timeout_s: float = 300) -> dict[str, Any]:
+    """Grade `patches[i]` for `tasks[i]` with `n` graders at once; attempts graded per minute.
+
+    The base exports are made (and cached) before the clock starts: the figure is the grading
+    itself, which is what scales with sandboxes.
+    """
+    for task in {t.instance_id: t for t in tasks}.values():
+        base_tar(task)
+    start = time.monotonic()
+    with ThreadPoolExecutor(max_workers=n, thread_name_prefix="grader") as ex:
+        results = list(ex.map(lambda tp: grade(tp[0], tp[1], pool, timeout_s=timeout_s), zip(tasks, patches)))
+    seconds = time.monotonic() - start
+    return {"n": n, "attempts": len(results), "seconds": round(seconds, 3),
+            "per_minute": round(60 * len(results) / seconds, 1) if seconds > 0 else 0.0,
+            "resolved": sum(r.resolved for r in results),
+            "infra_errors": sum(bool(r.infra_error) for r in results)}
+
+
+def _creator(pool_or_backend: Any) -> Any:
+    """A SandboxPool or a backend (both have `create(spec)`), or a backend's name."""
+    return make_backend(pool_or_backend) if isinstance(pool_or_backend, str) else pool_or_backend
+
+
+def _spec(task: SweTask) -> SandboxSpec:
+    return SandboxSpec(image=Path(task.image) if task.image else None, cpu_limit=task.cpu,
+                       memory_limit_mb=task.memory)
+
+
+class GradeInfraError(RuntimeError):
+    """A grading step that cannot fail for a model's reason failed (resetting the fresh repo)."""
+
+
+def _check(res: Any, what: str) -> None:
+    if res.exit_code != 0:
+        raise GradeInfraError(f"could not {what}: {(res.stderr or res.stdout).strip()[-2000:]}")
+
+
+def _unique(ids: Sequence[str]) -> list[str]:
+    return list(dict.fromkeys(ids))
+
+
+def _done(result: GradeResult, start: float) -> GradeResult:
+    result.duration_s = round(time.monotonic() - start, 3)
+    return result
