@@ -13,46 +13,25 @@ import uuid
 import httpx
 import pytest
 
-from burstrl.envs.swe.agent import REPO_DIR, AgentLimits, run_agent
-from burstrl.envs.swe.task import SweTask
+from burstrl.envs.swe.agent import AgentLimits, run_agent
 from burstrl.orchestrator.client import SessionClient
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")]
 
 
-def make_task() -> SweTask:
-    return SweTask(instance_id="toy-1", repo="/nonexistent", base_commit="HEAD",
-                   problem_statement="add(2, 3) returns -1 instead of 5 (calc.py).",
-                   FAIL_TO_PASS=["test_calc.py::test_add"], PASS_TO_PASS=[])
-
-
-@pytest.fixture
-def sandbox():
-    """A real sandbox holding a one-commit git repo at /work/repo."""
-    from burstrl.sandbox import open_sandbox
-
-    sb = open_sandbox()
-    sb.write_file(f"{REPO_DIR}/calc.py", "def add(a, b):\n    return a - b\n")
-    setup = sb.exec("git init -q && git add -A && git -c user.name=t -c user.email=t@t commit -qm base",
-                    timeout=30, cwd=REPO_DIR)
-    assert setup.exit_code == 0, setup.stderr
-    yield sb
-    sb.close()
-
-
-async def _attempt(url: str, sandbox, session_id: str):
+async def _attempt(url: str, sandbox, task, session_id: str):
     async with httpx.AsyncClient(timeout=120) as http:
         client = SessionClient(http, url, session_id, "base", temperature=1.0, max_tokens=64, seed=0)
-        result = await run_agent(client, sandbox, make_task(),
+        result = await run_agent(client, sandbox, task,
                                  AgentLimits(max_turns=3, max_tokens_per_call=64, max_seconds=120))
         trace = (await http.get(f"{url}/v1/traces/{session_id}")).json()
     return client, result, trace
 
 
-def test_agent_attempt_is_captured(server, sandbox):
+def test_agent_attempt_is_captured(server, calc_sandbox, calc_task):
     session_id = f"swe-agent-{uuid.uuid4().hex[:8]}"
-    client, result, trace = asyncio.run(_attempt(server.url, sandbox, session_id))
+    client, result, trace = asyncio.run(_attempt(server.url, calc_sandbox, calc_task, session_id))
     assert result.exit_reason in ("submitted", "max_turns", "max_tokens", "timeout", "format_errors")
     assert 1 <= result.turns <= 3 and client.calls == result.turns == len(result.transcript)
     calls = trace["calls"]
@@ -65,12 +44,12 @@ def test_agent_attempt_is_captured(server, sandbox):
             assert call["prompt_ids"][:len(head)] == head
 
 
-def test_minisweagent_bridge_runs_an_attempt(server, sandbox):
+def test_minisweagent_bridge_runs_an_attempt(server, calc_sandbox, calc_task):
     pytest.importorskip("minisweagent")
     from burstrl.envs.swe.bridge import run_minisweagent
 
     session_id = f"mswea-{uuid.uuid4().hex[:8]}"
-    out = run_minisweagent(make_task(), sandbox, server.url, "base", session_id, step_limit=3,
+    out = run_minisweagent(calc_task, calc_sandbox, server.url, "base", session_id, step_limit=3,
                            max_tokens=64, max_seconds=120)
     assert out["exit_status"] and 1 <= out["model_calls"] <= 3
     assert out["messages"][0]["role"] == "system" and "add(2, 3)" in out["messages"][1]["content"]

@@ -18,12 +18,8 @@ from burstrl.envs.swe.agent import (
     is_submission,
     run_agent,
 )
-from burstrl.envs.swe.task import SweTask
 
 needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")
-
-BUGGY = "def add(a, b):\n    return a - b\n"
-
 
 class ScriptedClient:
     """Replies from a list (the last one repeats) and records every conversation it was sent."""
@@ -46,28 +42,8 @@ def bash(cmd: str, text: str = "") -> str:
     return f"{text}\n```bash\n{cmd}\n```\n"
 
 
-def make_task() -> SweTask:
-    return SweTask(instance_id="toy-1", repo="/nonexistent", base_commit="HEAD",
-                   problem_statement="add(2, 3) returns -1 instead of 5 (calc.py).",
-                   FAIL_TO_PASS=["test_calc.py::test_add"], PASS_TO_PASS=[])
-
-
-@pytest.fixture
-def sandbox():
-    """A real sandbox holding a one-commit git repo at /work/repo with a bug in calc.py."""
-    from burstrl.sandbox import open_sandbox
-
-    sb = open_sandbox()
-    sb.write_file(f"{REPO_DIR}/calc.py", BUGGY)
-    setup = sb.exec("git init -q && git add -A && git -c user.name=t -c user.email=t@t commit -qm base",
-                    timeout=30, cwd=REPO_DIR)
-    assert setup.exit_code == 0, setup.stderr
-    yield sb
-    sb.close()
-
-
-def run(client: ScriptedClient, sb, **limits) -> object:
-    return asyncio.run(run_agent(client, sb, make_task(), AgentLimits(**limits)))
+def run(client: ScriptedClient, sb, task, **limits) -> object:
+    return asyncio.run(run_agent(client, sb, task, AgentLimits(**limits)))
 
 
 def test_extract_one_none_several_and_other_languages():
@@ -109,13 +85,13 @@ def test_fit_context_elides_oldest_observations_only():
 
 
 @needs_bwrap
-def test_agent_fixes_commits_and_submits(sandbox):
+def test_agent_fixes_commits_and_submits(calc_sandbox, calc_task):
     client = ScriptedClient([bash("cat calc.py", "Look first."), bash("sed -i 's/a - b/a + b/' calc.py"),
                              bash('git commit -qam "fix add"'), bash(SUBMIT_COMMAND)])
-    result = run(client, sandbox)
+    result = run(client, calc_sandbox, calc_task)
     assert result.submitted and result.exit_reason == "submitted" and result.turns == 4
-    assert sandbox.exec("git log --format=%s", timeout=10, cwd=REPO_DIR).stdout.split("\n")[:2] == ["fix add", "base"]
-    assert "a + b" in sandbox.exec("git show HEAD:calc.py", timeout=10, cwd=REPO_DIR).stdout
+    assert calc_sandbox.exec("git log --format=%s", timeout=10, cwd=REPO_DIR).stdout.split("\n")[:2] == ["fix add", "base"]
+    assert "a + b" in calc_sandbox.exec("git show HEAD:calc.py", timeout=10, cwd=REPO_DIR).stdout
     # The transcript: one record per turn, with the command, its exit code and the observation.
     first = result.transcript[0]
     assert {"turn", "reply", "command", "exit_code", "observation", "format_error", "submitted"} <= set(first)
@@ -130,18 +106,18 @@ def test_agent_fixes_commits_and_submits(sandbox):
 
 
 @needs_bwrap
-def test_format_errors_are_told_to_the_model_and_capped(sandbox):
+def test_format_errors_are_told_to_the_model_and_capped(calc_sandbox, calc_task):
     client = ScriptedClient(["I think the bug is in calc.py.", bash("ls") + bash("pwd")])
-    result = run(client, sandbox, max_format_errors=3)
+    result = run(client, calc_sandbox, calc_task, max_format_errors=3)
     assert result.exit_reason == "format_errors" and not result.submitted and result.turns == 3
     assert result.format_errors == 3 and all(t["command"] is None for t in result.transcript)
     assert "found 0" in client.seen[1][-1]["content"] and "found 2" in client.seen[2][-1]["content"]
 
 
 @needs_bwrap
-def test_turn_limit_and_capped_observation(sandbox):
+def test_turn_limit_and_capped_observation(calc_sandbox, calc_task):
     client = ScriptedClient([bash("python3 -c \"print('x' * 10000)\"; echo done >&2")])
-    result = run(client, sandbox, max_turns=3, max_output_chars=500)
+    result = run(client, calc_sandbox, calc_task, max_turns=3, max_output_chars=500)
     assert result.exit_reason == "max_turns" and result.turns == 3
     obs = result.transcript[0]["observation"]
     assert obs.startswith("exit code: 0") and "characters elided" in obs and obs.endswith("done")
@@ -149,17 +125,17 @@ def test_turn_limit_and_capped_observation(sandbox):
 
 
 @needs_bwrap
-def test_command_timeout_and_attempt_timeout(sandbox):
+def test_command_timeout_and_attempt_timeout(calc_sandbox, calc_task):
     client = ScriptedClient([bash("sleep 10")])
-    result = run(client, sandbox, command_timeout_s=1, max_seconds=2.5)
+    result = run(client, calc_sandbox, calc_task, command_timeout_s=1, max_seconds=2.5)
     assert result.exit_reason == "timeout" and result.turns >= 1
     assert result.transcript[0]["timed_out"] and "(timed out)" in result.transcript[0]["observation"]
     assert result.seconds < 8
 
 
 @needs_bwrap
-def test_token_budget(sandbox):
+def test_token_budget(calc_sandbox, calc_task):
     client = ScriptedClient([bash("true", "thinking " * 60)])
-    result = run(client, sandbox, max_total_tokens=300, max_tokens_per_call=256)
+    result = run(client, calc_sandbox, calc_task, max_total_tokens=300, max_tokens_per_call=256)
     assert result.exit_reason == "max_tokens" and result.turns == 2
     assert client.max_tokens[0] == 256 and client.max_tokens[1] < 256
