@@ -40,3 +40,13 @@ def test_toy_swe_config_runs_through_sandboxes_and_grading(tmp_path: Path, tiny_
     for turns, parts, _ in rows:
         assert 1 <= len(json.loads(turns)) <= 2  # one captured call per agent turn
         assert set(json.loads(parts)) >= {"resolved", "f2p", "strict", "apply_ok", "submitted"}
+
+    # every checkpoint of the run evaluated into one curve
+    tasks = tmp_path / "one.jsonl"
+    tasks.write_text((run_dir / "swe-tasks" / "tasks.jsonl").read_text().splitlines()[0] + "\n")
+    r = subprocess.run(burstrl_cmd("eval", "--model", str(tiny_model_dir), "--tasks", str(tasks), "--attempts", "1",
+                                   "--max-turns", "1", "--run", str(run_dir), "--every", "1", "--out",
+                                   str(tmp_path / "curve")), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    curve = json.loads((tmp_path / "curve" / "results.json").read_text())["curve"]
+    assert [point["step"] for point in curve] == [1, 2]
