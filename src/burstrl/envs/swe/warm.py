@@ -17,8 +17,8 @@ from pathlib import Path
 
 MARKER = "burstrl_swe_warm.json"
 RECIPE_VERSION = 1
-TASKS = 256
-STEPS = 300
+TASKS = 128
+STEPS = 150
 LR = 1e-3
 BATCH_SIZE = 16
 
