@@ -14,6 +14,7 @@ import json
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,7 +44,7 @@ class EvalSpec:
 
 
 async def _attempt(env: SweEnv, http: httpx.AsyncClient, url: str, version: str, task: SweTask, k: int,
-                   spec: EvalSpec, gate: asyncio.Semaphore) -> dict[str, Any]:
+                   spec: EvalSpec) -> dict[str, Any]:
     """One attempt, retried on infrastructure failures; its record (a dict for the results JSON)."""
     from burstrl.orchestrator.client import ReplicaFailure, SessionClient, release
 
@@ -55,8 +56,7 @@ async def _attempt(env: SweEnv, http: httpx.AsyncClient, url: str, version: str,
                                seed=spec.seed * 100_003 + k)
         start = time.monotonic()
         try:
-            async with gate:
-                outcome = await env.rollout(client, t)
+            outcome = await env.rollout(client, t)  # at most max_sandboxes at once (SweEnv's gate)
             await release(http, url, sid, spec.admin_token)
         except (InfraError, ReplicaFailure) as exc:
             error = f"{type(exc).__name__}: {exc}"
@@ -75,9 +75,9 @@ async def _attempt(env: SweEnv, http: httpx.AsyncClient, url: str, version: str,
 async def evaluate_version(url: str, version: str, tasks: list[SweTask], spec: EvalSpec) -> list[dict[str, Any]]:
     """Every attempt of every task on one served version (model name), concurrently up to the bound."""
     env = SweEnv(spec.env, spec.out)
-    gate = asyncio.Semaphore(spec.env.max_sandboxes)
+    asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=64, thread_name_prefix="eval"))
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0)) as http:
-        jobs = [_attempt(env, http, url, version, t, k, spec, gate) for t in tasks for k in range(spec.attempts)]
+        jobs = [_attempt(env, http, url, version, t, k, spec) for t in tasks for k in range(spec.attempts)]
         records = await asyncio.gather(*jobs)
     if env._pool is not None:
         env._pool.close_all()

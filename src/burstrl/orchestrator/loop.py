@@ -20,6 +20,7 @@ import signal
 import time
 import uuid
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -232,6 +233,9 @@ def orchestrate(cfg: OrchestrateConfig) -> None:
 async def _main(orch: Orchestrator) -> None:
     main = asyncio.current_task()
     loop = asyncio.get_running_loop()
+    # Store writes and sandbox calls run in worker threads; the default pool (cores + 4) is too small
+    # for many attempts at once. asyncio.run shuts this executor down on exit.
+    loop.set_default_executor(ThreadPoolExecutor(max_workers=64, thread_name_prefix="orchestrator"))
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, main.cancel)
     try:

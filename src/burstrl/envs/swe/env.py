@@ -34,6 +34,7 @@ class SweEnv:
         self.cfg, self.run_dir = cfg, Path(run_dir)
         self._tasks: list[SweTask] | None = None
         self._pool: Any = None
+        self._gate: asyncio.Semaphore | None = None  # made in the event loop that runs the attempts
 
     # ---- tasks ----
     @property
@@ -98,6 +99,19 @@ class SweEnv:
         return self._pool
 
     async def rollout(self, client: ChatClient, task: Task) -> Outcome:
+        """One attempt, at most `max_sandboxes` at once.
+
+        Why the gate: the attempt's sandbox calls run in the event loop's worker threads. Without a
+        bound, attempts beyond the pool's slots would park those threads in `pool.create` while the
+        attempts holding the slots wait for a thread to run their commands: a deadlock (seen with 16
+        attempts, 8 slots and 6 threads). Inside the gate every `create` finds a free slot.
+        """
+        if self._gate is None:
+            self._gate = asyncio.Semaphore(self.cfg.max_sandboxes)
+        async with self._gate:
+            return await self._rollout(client, task)
+
+    async def _rollout(self, client: ChatClient, task: Task) -> Outcome:
         from burstrl.envs.swe.agent import AgentLimits, run_agent
         from burstrl.envs.swe.grade import extract_patch, grade, reward_of
 
