@@ -1,7 +1,8 @@
-"""Directories that appear whole or not at all: write into a temp dir, fsync, rename.
+"""Directories and files that appear whole or not at all: write into a temp, then rename.
 
 Models, checkpoints and adapter versions are read by other processes (replicas, resumed trainers,
-racing test sessions) and must never be seen half-written, even after a crash.
+racing test sessions) and must never be seen half-written, even after a crash; so are the small
+files roles share while a run goes on (replicas.txt, control requests, resume state).
 """
 
 from __future__ import annotations
@@ -39,6 +40,23 @@ def publish_dir(tmp: Path, out: Path, force: bool) -> None:
     except OSError as exc:
         if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
             raise FileExistsError(f"{out} appeared while it was being written") from exc
+        raise
+
+
+def write_text(path: Path, text: str) -> None:
+    """Replace `path`'s content at once: a reader sees the old text or the new, never part of one.
+
+    The temp file's name is unique, so concurrent writers of the same path (threads of the
+    launcher's fleet) never rename each other's half-written file; the last rename wins.
+    """
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        os.fchmod(fd, 0o644)  # mkstemp makes it private; these files are read by the run's other roles
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
         raise
 
 

@@ -40,8 +40,7 @@ def test_more_attempts_than_sandboxes_all_finish_and_are_graded(tmp_path: Path) 
     try:
         outcomes = asyncio.run(go())
     finally:
-        if env._pool is not None:
-            env._pool.close_all()
+        env.close()
     assert len(outcomes) == 10
     for o in outcomes:  # submitted without a commit: an empty patch, graded, not resolved
         assert o.parts["submitted"] == 1.0 and o.parts["resolved"] == 0.0 and o.reward == 0.0

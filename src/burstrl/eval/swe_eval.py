@@ -79,8 +79,7 @@ async def evaluate_version(url: str, version: str, tasks: list[SweTask], spec: E
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0)) as http:
         jobs = [_attempt(env, http, url, version, t, k, spec) for t in tasks for k in range(spec.attempts)]
         records = await asyncio.gather(*jobs)
-    if env._pool is not None:
-        env._pool.close_all()
+    env.close()
     return list(records)
 
 

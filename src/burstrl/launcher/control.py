@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from burstrl.atomic import write_text
+
 
 class ControlError(RuntimeError):
     """No live run to control, or it did not answer; the message says which."""
@@ -21,9 +23,7 @@ class ControlError(RuntimeError):
 
 def _write(path: Path, data: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
+    write_text(path, json.dumps(data))
 
 
 def write_launcher_info(run_dir: Path, router: str) -> None:

@@ -10,7 +10,6 @@ push) -> gone (died, killed, or drained and stopped). Every transition is an eve
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -20,6 +19,7 @@ from typing import Any, Callable
 
 import httpx
 
+from burstrl.atomic import write_text
 from burstrl.inference.process import RoleProcess
 from burstrl.providers import Provider
 
@@ -53,6 +53,7 @@ class Fleet:
         self.weights, self.event, self.start_timeout_s = weights, event, start_timeout_s
         self.replicas: dict[str, Replica] = {}
         self.lock = threading.Lock()
+        self.file_lock = threading.Lock()
         self.pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="replica-start")
         self.starts: list[Future] = []
         self.counter = 0
@@ -149,10 +150,8 @@ class Fleet:
 
     def write_replicas_file(self) -> None:
         """The URLs the trainer pushes each version to (atomic: it may read at any moment)."""
-        urls = [r.url for r in self.up()]
-        tmp = self.replicas_file.with_suffix(".tmp")
-        tmp.write_text("".join(u + "\n" for u in urls))
-        os.replace(tmp, self.replicas_file)
+        with self.file_lock:  # listing and writing in one go: concurrent starts end with the last state
+            write_text(self.replicas_file, "".join(r.url + "\n" for r in self.up()))
 
     # ---- faults and scaling ----
     def reap(self) -> list[Replica]:

@@ -27,6 +27,7 @@ from typing import Any
 
 import httpx
 
+from burstrl.atomic import write_text
 from burstrl.config import OrchestrateConfig
 from burstrl.envs import Environment, InfraError, Outcome, Task, get_env
 from burstrl.orchestrator.attempt import run_attempt
@@ -213,9 +214,7 @@ class Orchestrator:
         }
         with open(self.run_dir / "orchestrator.jsonl", "a") as f:
             f.write(json.dumps(line) + "\n")
-        tmp = self.state_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"curriculum": self.curriculum.state()}))
-        os.replace(tmp, self.state_path)
+        write_text(self.state_path, json.dumps({"curriculum": self.curriculum.state()}))
 
 
 def orchestrate(cfg: OrchestrateConfig) -> None:

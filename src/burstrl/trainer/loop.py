@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from burstrl.atomic import write_text
 from burstrl.config import TrainConfig, dump_toml
 from burstrl.store import Group, RolloutStore
 from burstrl.trainer import checkpoint
@@ -281,9 +282,7 @@ class Trainer:
             if step not in lines:
                 meta = self.store.step_meta(step) or {}
                 lines[step] = json.dumps({**meta.get("metrics", {"step": step}), "step": step, "recovered": True})
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(lines[s] + "\n" for s in sorted(lines)))
-        os.replace(tmp, path)
+        write_text(path, "".join(lines[s] + "\n" for s in sorted(lines)))
 
     def write_metrics(self, metrics: dict[str, Any]) -> None:
         """One line per step in metrics.jsonl (fsynced), and the numbers to TensorBoard."""

@@ -98,6 +98,11 @@ class SweEnv:
             self._pool = SandboxPool(self.cfg.backend, max_concurrent=self.cfg.max_sandboxes)
         return self._pool
 
+    def close(self) -> None:
+        """Close every sandbox this environment still holds (its pool's owner is the environment)."""
+        if self._pool is not None:
+            self._pool.close_all()
+
     async def rollout(self, client: ChatClient, task: Task) -> Outcome:
         """One attempt, at most `max_sandboxes` at once.
 
