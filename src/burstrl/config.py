@@ -241,6 +241,15 @@ class TrainerConfig(Section):
     steps: int = Field(100, ge=1, description="Train steps to run (the last one is step `steps`).")
     batch_groups: int = Field(8, ge=1, description="Groups (tasks x G attempts) per step.")
     micro_batch_tokens: int = Field(4096, ge=16, description="Token budget of one forward/backward.")
+    activation_checkpointing: Literal["none", "full", "attention"] = Field(
+        "none", description="What the backward recomputes: none (keep every activation), full (rerun each "
+        "layer), attention (keep only the attention op's output and log-sum-exp per layer, rerun the rest: "
+        "memory near full, time near none at long context; see trainer/recompute.py)."
+    )
+    attention: Literal["sdpa", "burstrl"] = Field(
+        "sdpa", description="Attention of the trained model: sdpa (PyTorch's kernels) or burstrl (one custom "
+        "op returning out and log-sum-exp, for kernels the recompute policy cannot see; model/attention.py)."
+    )
     lr: float = Field(1e-4, gt=0, description="AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up steps.")

@@ -126,11 +126,16 @@ def _alive(pid: int) -> bool:
 
 
 def test_quickstart_reward_rises(tmp_path: Path, warm_model: Path) -> None:
-    """The quickstart's batch size (4 groups of 8), difficulty pinned to 1 so the curve is one task's."""
+    """The quickstart's batch size (4 groups of 8), difficulty pinned to 1 so the curve is one task's.
+
+    The trainer recomputes everything but attention in the backward (selective recomputation).
+    """
     run_dir = tmp_path / "learn"
     proc = start_run(run_dir, warm_model, "--trainer.steps", "30", "--trainer.batch_groups", "4",
-                     "--orchestrator.group_size", "8", "--orchestrator.curriculum.max_difficulty", "1")
+                     "--orchestrator.group_size", "8", "--orchestrator.curriculum.max_difficulty", "1",
+                     "--trainer.activation_checkpointing", "attention")
     finish(proc, run_dir, timeout=600)
+    assert 'activation_checkpointing = "attention"' in (run_dir / "train_config.toml").read_text()
     rewards = [m["reward_mean"] for m in read_jsonl(run_dir / "metrics.jsonl")]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     before, after = _greedy(warm_model, None), _greedy(warm_model, run_dir / "adapters" / "policy-v30")
@@ -161,14 +166,16 @@ def test_a_failing_role_ends_the_run_naming_it_then_resume_finishes(tmp_path: Pa
     steps = 5
     env = {**os.environ, "BURSTRL_CRASH": "backward@3"}  # the trainer SIGKILLs itself in step 3
     cmd = burstrl_cmd("run", "--run_dir", str(run_dir), "--model.path", str(warm_model), *SMALL,
-                      "--trainer.steps", str(steps))
+                      "--trainer.steps", str(steps), "--trainer.activation_checkpointing", "full")
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
     assert r.returncode == 1, r.stderr[-3000:]
     assert "the trainer exited with status -9" in r.stderr and str(run_dir / "logs" / "trainer.log") in r.stderr
     assert events(run_dir, "run_failed") and last_step(run_dir) == 2
-    proc = start_run(run_dir, warm_model, "--trainer.steps", str(steps), "--resume")
+    proc = start_run(run_dir, warm_model, "--trainer.steps", str(steps), "--resume",
+                     "--trainer.activation_checkpointing", "full")
     finish(proc, run_dir, timeout=400)
     audit(run_dir, steps)
+    assert 'activation_checkpointing = "full"' in (run_dir / "train_config.toml").read_text()
 
 
 def test_the_autoscaler_adds_replicas_when_the_trainer_waits(tmp_path: Path, warm_model: Path) -> None:

@@ -148,3 +148,26 @@ def test_resume_refusals(tiny_model_dir: Path, tmp_path: Path) -> None:
 def test_no_data_in_time_is_a_clear_error(tiny_model_dir: Path, tmp_path: Path) -> None:
     r = run_train(tmp_path / "empty", tiny_model_dir, "--trainer.steps", "1", "--trainer.wait_timeout_s", "1")
     assert r.returncode == 2 and "fewer than 2 groups arrived" in r.stderr
+
+
+@pytest.mark.slow
+def test_every_activation_checkpointing_mode_trains_to_the_same_adapter(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """`burstrl train` under none / full / attention (on sdpa, and on the burstrl op): the same weights."""
+    base = tmp_path / "base"
+    base.mkdir()
+    fill_store(base / "store.sqlite", tiny_model_dir, groups=4)
+    runs = {"none": (), "full": (), "attention": (), "attention-op": ("--trainer.attention", "burstrl")}
+    weights = {}
+    for name, extra in runs.items():
+        run_dir = tmp_path / name
+        shutil.copytree(base, run_dir)
+        mode = name.split("-")[0]
+        r = run_train(run_dir, tiny_model_dir, "--trainer.steps", "2", "--trainer.micro_batch_tokens", "64",
+                      "--trainer.activation_checkpointing", mode, *extra)
+        assert r.returncode == 0, (name, r.stderr[-3000:])
+        assert f'activation_checkpointing = "{mode}"' in (run_dir / "train_config.toml").read_text()
+        weights[name] = adapter(run_dir, 2)
+    assert any(not torch.equal(w, adapter(tmp_path / "none", 1)[k]) for k, w in weights["none"].items())
+    for name, w in weights.items():
+        for key, value in weights["none"].items():
+            assert torch.allclose(w[key], value, atol=1e-6, rtol=1e-5), (name, key)

@@ -42,11 +42,17 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(str(path))
 
 
-def load_model(path: str | Path, dtype: str = "auto", device: str = "auto") -> PreTrainedModel:
-    """An eval-mode causal LM with sdpa attention, on `device` in `dtype`."""
+def load_model(path: str | Path, dtype: str = "auto", device: str = "auto", attention: str = "sdpa") -> PreTrainedModel:
+    """An eval-mode causal LM on `device` in `dtype`; attention `sdpa` or `burstrl` (model/attention.py)."""
     dev = resolve_device(device)
+    if attention == "burstrl":
+        from burstrl.model.attention import register_with_transformers
+
+        register_with_transformers()
+    elif attention != "sdpa":
+        raise ValueError(f"unknown attention {attention!r}; expected sdpa or burstrl")
     model = AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=resolve_dtype(dtype, dev), attn_implementation="sdpa"
+        str(path), dtype=resolve_dtype(dtype, dev), attn_implementation=attention
     )
     return model.to(dev).eval()
 

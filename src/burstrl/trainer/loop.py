@@ -23,7 +23,7 @@ import torch
 from burstrl.atomic import write_text
 from burstrl.config import TrainConfig, dump_toml
 from burstrl.store import Group, RolloutStore
-from burstrl.trainer import checkpoint
+from burstrl.trainer import checkpoint, recompute
 from burstrl.trainer.dist import Dist
 from burstrl.trainer.faults import maybe_crash
 from burstrl.trainer.grpo import LossConfig, aggregate, group_advantages, token_loss
@@ -63,11 +63,12 @@ class Trainer:
         torch.set_num_threads(cfg.trainer.num_threads or cores)
         torch.manual_seed(cfg.trainer.seed)
         random.seed(cfg.trainer.seed)
-        base = load_model(cfg.model.path, cfg.model.dtype, str(self.device))
+        base = load_model(cfg.model.path, cfg.model.dtype, str(self.device), cfg.trainer.attention)
         lora = LoraConfig(r=cfg.lora.rank, lora_alpha=cfg.lora.alpha, target_modules=cfg.lora.target_modules,
                           lora_dropout=0.0, task_type="CAUSAL_LM")
         self.model = get_peft_model(base, lora)
         self.model.train()
+        self.recompute = recompute.apply(self.model, cfg.trainer.activation_checkpointing)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         for p in self.params:  # bf16 base, fp32 adapter and optimizer state (PEFT casts inputs)
             p.data = p.data.float()
@@ -221,7 +222,9 @@ class Trainer:
 
     def _micro_step(self, mb: list[Sequence], total_tokens: int, total_seqs: int):
         p = pack(mb, self.pad_id, self.device)
+        self.recompute.begin()
         logp = self._token_logprobs(p.input_ids, p.attention_mask)  # [B, L-1]
+        self.recompute.verify()  # under "attention": one saved attention op per layer, else fail loudly
         sel = p.target_mask
         rows = torch.arange(len(mb), device=self.device)[:, None].expand_as(sel)[sel]
         ref = None
@@ -240,7 +243,7 @@ class Trainer:
 
     def _token_logprobs(self, ids: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
         """log pi(token_j | tokens_<j) for j = 1..L-1: [B, L-1], float32."""
-        logits = self.model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
+        logits = self.model(input_ids=ids, attention_mask=attention, use_cache=False).logits[:, :-1].float()
         if self.cfg.trainer.temperature != 1.0:  # the behaviour logprobs are of logits / T
             logits = logits / self.cfg.trainer.temperature
         targets = ids[:, 1:]
