@@ -419,11 +419,38 @@ class ChaosConfig(Section):
     at_step: int = Field(0, ge=0, description="Kill while this step is being generated/trained (1-based).")
 
 
+class RayConfig(Section):
+    """`provider = "ray"`: where each role runs on a Ray cluster (providers/ray_provider.py)."""
+
+    address: str = Field("", description="Ray cluster address (ray://host:10001 or host:6379); empty = "
+                         "$RAY_ADDRESS, else a Ray instance started for this run on this machine.")
+    auth_token_file: str = Field("", description="File holding the cluster's auth token; empty = $RAY_AUTH_TOKEN "
+                                 "or Ray's default token file. (Never the token itself: configs are saved.)")
+    replica_gpus: float = Field(0.0, ge=0, description="GPUs per replica (0 on CPU).")
+    replica_cpus: float = Field(0.0, ge=0, description="Logical CPUs a replica holds (its actor is async).")
+    reserved_resources: dict[str, float] = Field(
+        default_factory=dict, description="Custom resources a reserved replica needs, e.g. {reserved = 1}.")
+    on_demand_resources: dict[str, float] = Field(
+        default_factory=dict, description="Custom resources an on-demand replica needs, e.g. {spot = 1}.")
+    trainer_gpus: float = Field(0.0, ge=0, description="GPUs per trainer rank (0 on CPU).")
+    trainer_cpus: float = Field(1.0, ge=0, description="Logical CPUs per trainer rank.")
+    trainer_restarts: int = Field(3, ge=0, description="Relaunches of the trainer group (from its last "
+                                  "checkpoint) after a rank dies, before the run fails.")
+    router_restarts: int = Field(5, ge=0, description="Restarts of the router actor before the run fails.")
+    placement_timeout_s: float = Field(
+        120.0, gt=0, description="An actor or placement group not placed in this time fails with the resources "
+        "it asked for (Ray would leave it pending forever).")
+    request_resources: bool = Field(True, description="Ask Ray's cluster autoscaler for the replicas' resources "
+                                    "when the fleet grows (a no-op on a fixed cluster).")
+
+
 class RunConfig(Section):
     """`burstrl run`: every role of one RL run, started and supervised by the launcher."""
 
     run_dir: str = Field("runs/quickstart", description="Run directory: config, store, adapters, logs, metrics.")
-    provider: Literal["local"] = Field("local", description="Where roles run: local subprocesses.")
+    provider: Literal["local", "ray"] = Field(
+        "local", description="Where roles run: local subprocesses, or actors on a Ray cluster (see [ray]).")
+    ray: RayConfig = Field(default_factory=RayConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
     router: RouteConfig = Field(default_factory=lambda: RouteConfig(port=0))

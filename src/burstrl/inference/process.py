@@ -25,6 +25,15 @@ class RoleProcess:
     url: str
     proc: subprocess.Popen
     log: Path
+    cause: str = ""
+    restarts: int = 0
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode
 
     def stop(self, timeout: float = 15.0) -> None:
         if self.proc.poll() is None:

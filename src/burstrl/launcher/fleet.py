@@ -20,8 +20,7 @@ from typing import Any, Callable
 import httpx
 
 from burstrl.atomic import write_text
-from burstrl.inference.process import RoleProcess
-from burstrl.providers import Provider
+from burstrl.providers import Placement, Provider, RoleHandle
 
 log = logging.getLogger("burstrl.run")
 POOLS = ("reserved", "on_demand")
@@ -31,7 +30,7 @@ POOLS = ("reserved", "on_demand")
 class Replica:
     name: str
     pool: str
-    handle: RoleProcess | None = None
+    handle: RoleHandle | None = None
     state: str = "starting"  # starting -> up -> draining -> gone
     started: float = field(default_factory=time.time)
     drain_deadline: float = 0.0
@@ -58,6 +57,7 @@ class Fleet:
         self.starts: list[Future] = []
         self.counter = 0
         self.failed_starts = 0
+        self.spot_losses = 0  # replicas whose node was preempted (the provider knows; Ray does)
         self.write_replicas_file()
 
     # ---- membership ----
@@ -85,8 +85,8 @@ class Fleet:
 
     def _bring_up(self, replica: Replica, why: str) -> None:
         try:
-            handle = self.provider.start(replica.name, self.serve_args, wait_ready=True,
-                                         timeout=self.start_timeout_s)
+            handle = self.provider.start(replica.name, self.serve_args, wait_ready=True, timeout=self.start_timeout_s,
+                                         placement=Placement(listen=("server.host", "server.port"), pool=replica.pool))
         except Exception as exc:  # a failed start is a fault to count and retry, not a crash
             with self.lock:
                 replica.state = "gone"
@@ -141,6 +141,14 @@ class Fleet:
         except (httpx.HTTPError, ValueError, KeyError) as exc:
             log.warning("%s could not catch up to %s: %s", replica.name, name, exc)
 
+    def reregister(self) -> None:
+        """Send every live replica to the router again (it restarted and knows none)."""
+        for r in self.up():
+            try:
+                self._register(r)
+            except httpx.HTTPError as exc:  # the next restart check or a replacement covers it
+                log.warning("re-registering %s failed: %s", r.name, exc)
+
     def _deregister(self, replica: Replica) -> None:
         try:
             httpx.delete(f"{self.router}/v1/replicas", params={"url": replica.url}, timeout=10,
@@ -159,12 +167,16 @@ class Fleet:
         dead = []
         with self.lock:
             for r in self.replicas.values():
-                if r.state in ("up", "draining") and r.handle is not None and r.handle.proc.poll() is not None:
+                if r.state in ("up", "draining") and r.handle is not None and r.handle.poll() is not None:
                     dead.append(r)
                     r.state = "gone"
         for r in dead:
             self._deregister(r)
-            self.event("replica_died", replica=r.name, pool=r.pool, detail=f"exit {r.handle.proc.returncode}")
+            cause = r.handle.cause if r.handle.cause not in ("", "exited") else ""
+            if cause == "preempted":
+                self.spot_losses += 1
+            self.event("replica_died", replica=r.name, pool=r.pool,
+                       detail=f"exit {r.handle.returncode}" + (f" ({cause})" if cause else ""))
         if dead:
             self.write_replicas_file()
         return dead

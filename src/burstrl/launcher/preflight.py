@@ -46,8 +46,8 @@ def quickstart_swe_model() -> Path:
 
 def check(cfg: RunConfig) -> None:
     """Raise PreflightError listing every problem with `cfg` on this machine."""
-    problems = _model_problems(cfg) + _env_problems(cfg) + _plan_problems(cfg)
-    if not problems:
+    problems = _model_problems(cfg) + _env_problems(cfg) + _plan_problems(cfg) + _provider_problems(cfg)
+    if not problems and cfg.provider == "local":  # on Ray the cluster places (or times out) each role
         problems = _resource_problems(cfg)
     if problems:
         raise PreflightError("; ".join(problems))
@@ -78,15 +78,28 @@ def _plan_problems(cfg: RunConfig) -> list[str]:
     c = cfg.chaos
     if c.kill_fraction > 0 and not 1 <= c.at_step <= cfg.trainer.steps:
         out.append(f"chaos.at_step {c.at_step} must be within 1..trainer.steps ({cfg.trainer.steps})")
-    if cfg.model.device.startswith("cuda"):
+    if cfg.model.device.startswith("cuda") and cfg.provider == "local":  # a Ray driver may have no GPU
         import torch
 
         if not torch.cuda.is_available():
             out.append(f"model.device {cfg.model.device!r}: no CUDA GPU on this machine")
     cores = os.cpu_count() or 1
-    if cfg.trainer.world_size > cores and not cfg.model.device.startswith("cuda"):
+    if cfg.provider == "local" and cfg.trainer.world_size > cores and not cfg.model.device.startswith("cuda"):
         out.append(f"trainer.world_size {cfg.trainer.world_size} exceeds this machine's {cores} CPU cores")
     return out
+
+
+def _provider_problems(cfg: RunConfig) -> list[str]:
+    if cfg.provider != "ray":
+        return []
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        return ["provider 'ray': Ray is not installed (pip install 'burstrl[ray]')"]
+    token = cfg.ray.auth_token_file
+    if token and not Path(token).is_file():
+        return [f"ray.auth_token_file {token!r} is not a file"]
+    return []
 
 
 def _resource_problems(cfg: RunConfig) -> list[str]:

@@ -26,12 +26,11 @@ from typing import Any
 import httpx
 
 from burstrl.config import OrchestrateConfig, RunConfig, ServeConfig, ServerConfig, TrainConfig, dump_toml
-from burstrl.inference.process import RoleProcess
 from burstrl.launcher import control
 from burstrl.launcher.display import Display, snapshot_eta
 from burstrl.launcher.fleet import Fleet
 from burstrl.orchestrator.autoscaler import FleetSignals, decide, wait_fraction
-from burstrl.providers import make_provider
+from burstrl.providers import Placement, RoleHandle, make_provider
 from burstrl.store import RolloutStore
 
 log = logging.getLogger("burstrl.run")
@@ -76,10 +75,12 @@ class Launcher:
         self.cluster_token = secrets.token_urlsafe(24)
         self.env = {"BURSTRL_ADMIN_TOKEN": self.admin_token, "BURSTRL_CLUSTER_TOKEN": self.cluster_token,
                     "PYTHONUNBUFFERED": "1"}
-        self.provider = make_provider(cfg.provider, self.run_dir, self.env)
-        self.router: RoleProcess | None = None
-        self.trainer: RoleProcess | None = None
-        self.orchestrator: RoleProcess | None = None
+        self.provider = make_provider(cfg, self.run_dir, self.env)
+        self.router: RoleHandle | None = None
+        self.trainer: RoleHandle | None = None
+        self.orchestrator: RoleHandle | None = None
+        self.router_restarts = 0
+        self.trainer_restarts = 0
         self.fleet: Fleet | None = None
         self.store: RolloutStore | None = None
         self.live = live
@@ -143,7 +144,8 @@ class Launcher:
     def start_roles(self) -> None:
         c = self.cfg
         router_cfg = c.router.model_copy(update={"port": 0, "replicas": []})
-        self.router = self._start("router", ["route", "serve", self.role_config("router", router_cfg)], ready=True)
+        self.router = self._start("router", ["route", "serve", self.role_config("router", router_cfg)], ready=True,
+                                  placement=Placement(listen=("host", "port"), restartable=True, on_driver=True))
         volume = c.weights.volume or str(self.run_dir / "adapters")
         serve = ServeConfig(model=c.model, engine=c.engine, server=ServerConfig(host=c.router.host, port=0),
                             adapter_volume=volume)
@@ -157,19 +159,23 @@ class Launcher:
         weights = c.weights.model_copy(update={"volume": volume, "replicas": [],
                                                "replicas_file": str(self.run_dir / "replicas.txt")})
         train = TrainConfig(run_dir=str(self.run_dir), model=c.model, lora=c.lora, trainer=c.trainer, weights=weights)
-        args = ["train", self.role_config("train", train)] + (["--resume"] if self.resume else [])
-        self.trainer = self._start("trainer", args, ready=False)
+        try:
+            self.trainer = self.provider.start_trainer(Path(self.role_config("train", train)), c.trainer.world_size,
+                                                       self.resume, append=self.resume)
+        except RuntimeError as exc:
+            raise LaunchError(f"the trainer failed to start: {exc}") from None
         self.wait_for_first_replica()
         orch = OrchestrateConfig(run_dir=str(self.run_dir), router=self.router.url, batch_groups=c.trainer.batch_groups,
                                  steps=c.trainer.steps, orchestrator=c.orchestrator)
         self.orchestrator = self._start("orchestrator", ["orchestrate", self.role_config("orchestrate", orch)],
-                                        ready=False)
+                                        ready=False, placement=Placement(on_driver=True))
         control.write_launcher_info(self.run_dir, self.router.url)
         self.display = Display(self.run_dir, c.trainer.steps, live=self.live)
 
-    def _start(self, name: str, args: list[str], ready: bool) -> RoleProcess:
+    def _start(self, name: str, args: list[str], ready: bool, placement: Placement) -> RoleHandle:
         try:
-            return self.provider.start(name, args, wait_ready=ready, timeout=120.0, append=self.resume)
+            return self.provider.start(name, args, wait_ready=ready, timeout=120.0, append=self.resume,
+                                       placement=placement)
         except RuntimeError as exc:
             raise LaunchError(f"the {name} failed to start: {exc}") from None
 
@@ -198,19 +204,31 @@ class Launcher:
 
     def check_roles(self) -> bool:
         """True once the trainer finished; LaunchError if any other role (or the trainer) failed."""
-        code = self.trainer.proc.poll()
+        code = self.trainer.poll()
         if code == 0:
             return True
         if code is not None:
-            raise LaunchError(f"the trainer exited with status {code}; log: {self.trainer.log}\n"
-                              f"{_tail(self.trainer.log)}")
+            raise LaunchError(f"the trainer exited with status {code}{_cause(self.trainer)}; log: "
+                              f"{self.trainer.log}\n{_tail(self.trainer.log)}")
         for name, role in (("router", self.router), ("orchestrator", self.orchestrator)):
-            if role is self.orchestrator and role is not None and role.proc.poll() == 0:
+            if role is self.orchestrator and role is not None and role.poll() == 0:
                 continue  # it stops by itself once the last step is committed
-            if role is not None and role.proc.poll() is not None:
-                raise LaunchError(f"the {name} exited with status {role.proc.returncode}; log: {role.log}\n"
+            if role is not None and role.poll() is not None:
+                raise LaunchError(f"the {name} exited with status {role.returncode}{_cause(role)}; log: {role.log}\n"
                                   f"{_tail(role.log)}")
+        self.after_restarts()
         return False
+
+    def after_restarts(self) -> None:
+        """A router restarted in place knows no replica: send it the list again. Trainer relaunches are logged."""
+        if self.router.restarts > self.router_restarts:
+            self.router_restarts = self.router.restarts
+            self.event("router_restarted", detail=f"restart {self.router.restarts} at {self.router.url}")
+            self.fleet.reregister()
+        if self.trainer.restarts > self.trainer_restarts:
+            self.trainer_restarts = self.trainer.restarts
+            self.event("trainer_relaunched", detail=f"relaunch {self.trainer.restarts} from the last checkpoint "
+                       f"({self.trainer.cause or 'a rank died'})")
 
     def replace_dead(self) -> None:
         for r in self.fleet.reap():
@@ -223,6 +241,8 @@ class Launcher:
     def scale_on_demand(self, target: int, why: str) -> None:
         """Grow or shrink the on-demand pool to `target` (new replicas start; extra ones drain)."""
         have = self.fleet.count("on_demand")
+        if target > have:
+            self.provider.request_capacity({"reserved": self.fleet.count("reserved"), "on_demand": target})
         for _ in range(target - have):
             self.fleet.start("on_demand", why)
         if target < have:
@@ -296,7 +316,7 @@ class Launcher:
         sample = {"t": time.time(), "kind": "sample", "step": self.store.last_step(),
                   "buffered": self.store.buffered_count(), "replicas": self.fleet.alive(),
                   "routable": totals.get("replicas", 0), "cache_hit_rate": totals.get("cache_hit_rate", 0.0),
-                  "sessions": totals.get("sessions", 0)}
+                  "sessions": totals.get("sessions", 0), "spot_losses": self.fleet.spot_losses}
         with open(self.run_dir / "fleet.jsonl", "a") as f:
             f.write(json.dumps(sample) + "\n")
         self.display.update(self.snapshot(sample))
@@ -323,6 +343,7 @@ class Launcher:
             self.fleet.close()
         if self.router is not None:
             self.router.stop(timeout=5.0)
+        self.provider.close()
         if self.display is not None:
             self.display.close()
         control.clear_launcher_info(self.run_dir)
@@ -351,6 +372,10 @@ def _get_json(url: str) -> dict[str, Any] | None:
         return httpx.get(url, timeout=2.0).json()
     except (httpx.HTTPError, ValueError):
         return None
+
+
+def _cause(role: RoleHandle) -> str:
+    return f" ({role.cause})" if role.cause and role.cause != "exited" else ""
 
 
 def _tail(path: Path, chars: int = 2000) -> str:

@@ -1,0 +1,168 @@
+"""The Ray actor that runs one burstrl role process on its node.
+
+Why an actor around a process and not the role itself inside the actor: a role is the same
+`burstrl ...` command as under the local provider (same logs, same ready line, same signals), so
+everything tested locally holds on Ray. The actor is async and holds no logical CPU by default (a
+replica's work is its child's, not the actor's); it starts the child in its own process group with
+PR_SET_PDEATHSIG, so the child dies with the actor's worker process (`ray.kill`, a node loss), and
+`wait()` is the long-running call the provider watches with `ray.wait` to see either die.
+
+Kept free of torch and of the rest of burstrl: workers import this module to build the actor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import ray
+
+
+@dataclass
+class ProcessSpec:
+    """What to run: `python -c CODE ARGS...` with `env` on top of the worker's, output to `log`."""
+
+    args: list[str]
+    log: str
+    env: dict[str, str] = field(default_factory=dict)
+    code: str = "from burstrl.cli import main; main()"
+    ready_line: bool = False  # the child prints a JSON {"event": "ready", "url": ...} line on stdout
+    append: bool = False
+    host_key: str = ""  # dotted config key of the bind address: set to this node's IP
+    port_key: str = ""  # dotted config key of the bind port: set to `port` (0 = any free port)
+    port: int = 0
+
+
+def _die_with_parent() -> None:
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+@ray.remote(num_cpus=0, max_restarts=0)
+class RoleActor:
+    """One role process. Construct with a spec to start at once (a restarted actor restarts it)."""
+
+    def __init__(self, spec: ProcessSpec | None = None) -> None:
+        self.proc: subprocess.Popen | None = None
+        self.url = ""
+        self.spec = spec
+        self.stopping = False
+        if spec is not None:
+            self._spawn(spec)
+
+    def _spawn(self, spec: ProcessSpec) -> None:
+        args = list(spec.args)
+        if spec.host_key:
+            args += [f"--{spec.host_key}", ray.util.get_node_ip_address()]
+        if spec.port_key:
+            args += [f"--{spec.port_key}", str(spec.port)]
+        Path(spec.log).parent.mkdir(parents=True, exist_ok=True)
+        with open(spec.log, "a" if spec.append else "w") as log:
+            out = subprocess.PIPE if spec.ready_line else log
+            self.proc = subprocess.Popen([sys.executable, "-c", spec.code, *args], stdout=out, stderr=log,
+                                         text=True, start_new_session=True, env={**os.environ, **spec.env},
+                                         preexec_fn=_die_with_parent)
+
+    async def start(self, spec: ProcessSpec) -> int:
+        """Start the child (actors made without a spec, like trainer ranks); returns its pid."""
+        self.spec = spec
+        self._spawn(spec)
+        return self.proc.pid
+
+    async def ready(self, timeout: float) -> str:
+        """The child's URL from its ready line ("" for roles without one); RuntimeError if it dies first."""
+        if self.url or not self.spec.ready_line:
+            return self.url
+        loop = asyncio.get_running_loop()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = await asyncio.wait_for(loop.run_in_executor(None, self.proc.stdout.readline),
+                                              timeout=max(deadline - time.monotonic(), 0.01))
+            except asyncio.TimeoutError:
+                break
+            if not line and self.proc.poll() is not None:
+                raise RuntimeError(f"exited with {self.proc.returncode}; log {self.spec.log}:\n{_tail(self.spec.log)}")
+            if line.startswith("{"):
+                event = json.loads(line)
+                if event.get("event") == "ready":
+                    self.url = event["url"]
+                    loop.run_in_executor(None, _drain, self.proc.stdout)  # keep the pipe from filling
+                    return self.url
+        raise RuntimeError(f"not ready after {timeout:.0f} s; log {self.spec.log}:\n{_tail(self.spec.log)}")
+
+    async def wait(self, exit_with_child: bool = False) -> int:
+        """Block until the child exits; its exit status (negative: killed by that signal).
+
+        `exit_with_child`: a child that fails takes the actor down with it, so that Ray restarts
+        the actor (and the child, at the same address) when the actor has restarts left.
+        """
+        while self.proc.poll() is None:
+            await asyncio.sleep(0.2)
+        if exit_with_child and self.proc.returncode != 0 and not self.stopping:
+            os._exit(1)
+        return self.proc.returncode
+
+    async def node(self) -> dict[str, object]:
+        """Where this actor runs: node IP, node id, a free TCP port there, the worker's pid."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        ctx = ray.get_runtime_context()
+        return {"ip": ray.util.get_node_ip_address(), "node_id": ctx.get_node_id(), "free_port": port,
+                "pid": os.getpid()}
+
+    async def child_pid(self) -> int:
+        return self.proc.pid if self.proc is not None else 0
+
+    async def stop(self, timeout: float = 15.0) -> int | None:
+        """SIGTERM the child's process group, SIGKILL after `timeout`; returns its status."""
+        self.stopping = True
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            _signal_group(self.proc.pid, signal.SIGTERM)
+            deadline = time.monotonic() + timeout
+            while self.proc.poll() is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            if self.proc.poll() is None:
+                _signal_group(self.proc.pid, signal.SIGKILL)
+                while self.proc.poll() is None:
+                    await asyncio.sleep(0.05)
+        return self.proc.returncode
+
+    async def kill_child(self) -> None:
+        """SIGKILL the child's process group (a test's or chaos's preemption of the process only)."""
+        if self.proc is not None and self.proc.poll() is None:
+            _signal_group(self.proc.pid, signal.SIGKILL)
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _drain(stream) -> None:
+    for _ in iter(stream.readline, ""):
+        pass
+
+
+def _tail(path: str, chars: int = 3000) -> str:
+    try:
+        return Path(path).read_text(errors="replace")[-chars:]
+    except OSError:
+        return ""

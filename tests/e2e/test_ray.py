@@ -1,0 +1,226 @@
+"""`burstrl run --provider ray` on a local Ray instance: learning, elastic replicas, faults, placement.
+
+One Ray instance serves the module (16 logical CPUs, 4 logical GPUs, no dashboard, a small object
+store, usage stats off); every run is a separate driver in its own namespace (one per run
+directory). The two-node spot-loss test makes its own `ray.cluster_utils.Cluster`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from .conftest import (SMALL, audit, burstrl_cmd, events, finish, last_step, output, read_jsonl, start_run,
+                       wait_until)
+
+pytestmark = pytest.mark.slow
+os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+
+
+@pytest.fixture(scope="module")
+def ray_address():
+    import ray
+
+    ctx = ray.init(num_cpus=16, num_gpus=4, include_dashboard=False, object_store_memory=100 * 2**20,
+                   namespace="burstrl-tests", log_to_driver=False)
+    yield ctx.address_info["gcs_address"]
+    ray.shutdown()
+
+
+def start_ray_run(run_dir: Path, model: Path, address: str, *args: str) -> subprocess.Popen:
+    return start_run(run_dir, model, "--provider", "ray", "--ray.address", address, *args)
+
+
+def pgrep(pattern: str) -> list[int]:
+    out = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def served(url: str) -> set[str]:
+    try:
+        return {m["id"] for m in httpx.get(f"{url}/v1/models", timeout=5).json()["data"]}
+    except (httpx.HTTPError, ValueError, KeyError):
+        return set()
+
+
+def newest_version(run_dir: Path) -> int:
+    from burstrl.weights.volume import latest
+
+    found = latest(run_dir / "adapters")
+    return found[0] if found else 0
+
+
+def replaced(run_dir: Path, name: str) -> list[dict]:
+    return [e for e in events(run_dir, "replica_started") if f"(replaces {name})" in e["detail"]]
+
+
+def test_quickstart_on_ray_reward_rises(tmp_path: Path, warm_model: Path, ray_address: str) -> None:
+    """The local quickstart test, every role but the orchestrator in a Ray actor."""
+    run_dir = tmp_path / "learn"
+    proc = start_ray_run(run_dir, warm_model, ray_address, "--trainer.steps", "30", "--trainer.batch_groups", "4",
+                         "--orchestrator.group_size", "8", "--orchestrator.curriculum.max_difficulty", "1")
+    finish(proc, run_dir, timeout=600)
+    rewards = [m["reward_mean"] for m in read_jsonl(run_dir / "metrics.jsonl")]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    print(f"sampled reward on Ray {first:.3f} -> {last:.3f}")
+    assert last >= first + 0.05, rewards
+    assert len(events(run_dir, "replica_started")) == 3
+    assert not pgrep(str(run_dir / "roles")), "role processes outlived the run"
+
+
+def test_ray_replicas_scale_die_and_come_back_on_the_current_version(tmp_path: Path, warm_model: Path,
+                                                                     ray_address: str) -> None:
+    run_dir = tmp_path / "elastic"
+    proc = start_ray_run(run_dir, warm_model, ray_address, "--trainer.steps", "200", "--fleet.on_demand", "1")
+    try:
+        wait_until(lambda: last_step(run_dir) >= 2 and (run_dir / "launcher.json").exists(), 300, "step 2", proc,
+                   run_dir)
+        # add: 1 reserved + 1 on-demand -> 3 replicas
+        r = subprocess.run(burstrl_cmd("scale", str(run_dir), "--replicas", "3"), capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 0, r.stderr
+        wait_until(lambda: [e for e in events(run_dir, "replica_started") if "burstrl scale" in e["detail"]],
+                   200, "the added replica", proc, run_dir)
+
+        # the replica's process is SIGKILLed: the actor's wait() returns -9
+        serve_pids = pgrep(str(run_dir / "roles" / "serve.toml"))
+        assert len(serve_pids) == 3
+        os.kill(serve_pids[0], signal.SIGKILL)
+        dead = wait_until(lambda: events(run_dir, "replica_died"), 60, "the death to be seen", proc, run_dir)[0]
+        assert "exit -9" in dead["detail"]
+        new = wait_until(lambda: replaced(run_dir, dead["replica"]), 200, "a replacement", proc, run_dir)[0]
+        url = new["detail"].split()[0]
+        wait_until(lambda: f"policy-v{newest_version(run_dir)}" in served(url), 60,
+                   "the replacement to serve the current version", proc, run_dir)
+
+        # the actor's worker process dies (as on a lost node): ActorDiedError
+        child = pgrep(str(run_dir / "roles" / "serve.toml"))[0]
+        os.kill(parent(child), signal.SIGKILL)
+        died = wait_until(lambda: [e for e in events(run_dir, "replica_died") if "actor died" in e["detail"]], 60,
+                          "ActorDiedError to be seen", proc, run_dir)[0]
+        wait_until(lambda: replaced(run_dir, died["replica"]), 200, "its replacement", proc, run_dir)
+        assert not _alive(child), "the replica process outlived its actor"
+
+        # the router's process dies: Ray restarts the actor at the same address, the launcher re-registers
+        step_then = last_step(run_dir)
+        os.kill(pgrep(str(run_dir / "roles" / "router.toml"))[0], signal.SIGKILL)
+        wait_until(lambda: events(run_dir, "router_restarted"), 120, "the router restart", proc, run_dir)
+        wait_until(lambda: last_step(run_dir) >= step_then + 2, 300, "steps after the router restart", proc,
+                   run_dir)
+
+        # remove: back to 2 replicas, one drains and stops
+        r = subprocess.run(burstrl_cmd("scale", str(run_dir), "--replicas", "2"), capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 0, r.stderr
+        wait_until(lambda: events(run_dir, "replica_stopped"), 120, "a drained replica to stop", proc, run_dir)
+        wait_until(lambda: len(pgrep(str(run_dir / "roles" / "serve.toml"))) == 2, 60, "2 replica processes")
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=120) == 130, output(run_dir)
+    audit(run_dir, last_step(run_dir))
+    wait_until(lambda: not pgrep(str(run_dir / "roles")), 30, "every role process to end")
+
+
+def test_a_killed_trainer_rank_relaunches_the_group_from_its_checkpoint(tmp_path: Path, warm_model: Path,
+                                                                       ray_address: str) -> None:
+    run_dir = tmp_path / "ranks"
+    steps = 6
+    proc = start_ray_run(run_dir, warm_model, ray_address, "--trainer.steps", str(steps),
+                         "--trainer.world_size", "2")
+    wait_until(lambda: last_step(run_dir) >= 2, 300, "step 2", proc, run_dir)
+    ranks = pgrep("rank_main")
+    assert len(ranks) == 2, ranks
+    os.kill(ranks[-1], signal.SIGKILL)
+    finish(proc, run_dir, timeout=400)
+    relaunch = events(run_dir, "trainer_relaunched")
+    assert len(relaunch) == 1, output(run_dir)
+    audit(run_dir, steps)
+    assert [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")] == list(range(1, steps + 1))
+    assert "resumed from" in (run_dir / "logs" / "trainer.log").read_text()
+
+
+def test_what_cannot_be_placed_times_out_with_a_clear_message(tmp_path: Path, warm_model: Path,
+                                                             ray_address: str) -> None:
+    from burstrl.config import RayConfig
+    from burstrl.providers import Placement
+    from burstrl.providers.ray_provider import RayProvider
+
+    provider = RayProvider(RayConfig(placement_timeout_s=2, on_demand_resources={"spot": 1}), tmp_path, {})
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"placement group of the test \(2 x \{'GPU': 4.0\}, STRICT_PACK\) could "
+                                           r"not be placed in 2 s; the cluster has .*GPU 4/4 free"):
+        provider.placement_group([{"GPU": 4.0}, {"GPU": 4.0}], "STRICT_PACK", "the test")
+    with pytest.raises(RuntimeError, match="replica-x could not be placed in 2 s: it needs spot 1"):
+        provider.start("replica-x", ["serve", "--help"], wait_ready=True, placement=Placement(pool="on_demand"))
+    assert time.monotonic() - t0 < 30
+    provider.close()
+
+    run_dir = tmp_path / "infeasible"  # the same through `burstrl run`: it ends, naming the trainer
+    r = subprocess.run(burstrl_cmd("run", "--run_dir", str(run_dir), "--model.path", str(warm_model), *SMALL,
+                                   "--provider", "ray", "--ray.address", ray_address, "--ray.trainer_gpus", "8",
+                                   "--ray.placement_timeout_s", "3"), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert "the trainer failed to start: the placement group of the trainer" in r.stderr
+    assert not pgrep(str(run_dir / "roles"))
+
+
+@pytest.mark.slow
+def test_losing_a_spot_node_mid_run_loses_no_rollout(tmp_path: Path, warm_model: Path) -> None:
+    """Two nodes: the head (reserved replica, trainer, router) and a spot node with the on-demand
+    replicas. The spot node is removed mid-run and a new one joins; the run finishes, nothing lost."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, connect=False,
+                      head_node_args={"num_cpus": 8, "num_gpus": 0, "resources": {"reserved": 2},
+                                      "include_dashboard": False, "object_store_memory": 100 * 2**20})
+    try:
+        spot = cluster.add_node(num_cpus=4, resources={"spot": 4}, object_store_memory=100 * 2**20)
+        run_dir = tmp_path / "spot"
+        steps = 40
+        proc = start_ray_run(run_dir, warm_model, cluster.address, "--trainer.steps", str(steps),
+                             "--fleet.on_demand", "2", "--ray.on_demand_resources", '{"spot": 1}',
+                             "--ray.reserved_resources", '{"reserved": 1}', "--ray.placement_timeout_s", "90")
+        wait_until(lambda: last_step(run_dir) >= 3, 300, "step 3", proc, run_dir)
+        # the cloud's notice (what Ray's autoscaler sends on a spot preemption), then the node is gone
+        ray_cli = Path(sys.executable).parent / "ray"
+        subprocess.run([str(ray_cli), "drain-node", "--address", cluster.address, "--node-id", spot.node_id,
+                        "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "spot preemption (test)",
+                        "--deadline-remaining-seconds", "1"], check=True, capture_output=True, timeout=60)
+        time.sleep(3)  # the node's raylet learns of the drain; its death is then a preemption
+        cluster.remove_node(spot)
+        wait_until(lambda: len(events(run_dir, "replica_died")) >= 2, 120, "both spot replicas lost", proc, run_dir)
+        cluster.add_node(num_cpus=4, resources={"spot": 4}, object_store_memory=100 * 2**20)
+        wait_until(lambda: len([e for e in events(run_dir, "replica_started") if "(replaces" in e["detail"]]) >= 2,
+                   200, "replacements on the new spot node", proc, run_dir)
+        finish(proc, run_dir, timeout=600)
+    finally:
+        cluster.shutdown()
+    died = events(run_dir, "replica_died")
+    assert {e["pool"] for e in died} == {"on_demand"}
+    assert all("(preempted)" in e["detail"] for e in died), died
+    samples = [e for e in read_jsonl(run_dir / "fleet.jsonl") if e.get("kind") == "sample"]
+    assert samples[-1]["spot_losses"] == 2
+    counts = audit(run_dir, steps)
+    print("attempts by status:", counts, "deaths:", [e["detail"] for e in died])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
