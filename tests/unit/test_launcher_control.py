@@ -81,3 +81,25 @@ def test_launcher_info_is_cleared(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "launcher.json").read_text())["pid"] == os.getpid()
     control.clear_launcher_info(tmp_path)
     assert not (tmp_path / "launcher.json").exists()
+
+
+def test_ray_provider_config_and_preflight(tmp_path: Path, tiny_model_dir: Path) -> None:
+    cfg = _cfg(tmp_path, "--model.path", str(tiny_model_dir), "--provider", "ray", "--ray.on_demand_resources",
+               '{"spot": 1}', "--ray.auth_token_file", str(tmp_path / "missing-token"))
+    assert cfg.ray.on_demand_resources == {"spot": 1.0}
+    with pytest.raises(PreflightError, match="ray.auth_token_file .*missing-token' is not a file"):
+        check(cfg)
+    (tmp_path / "token").write_text("secret")
+    check(_cfg(tmp_path, "--model.path", str(tiny_model_dir), "--provider", "ray", "--ray.auth_token_file",
+               str(tmp_path / "token"), "--engine.max_total_num_tokens", str(10**10)))  # the cluster places it
+    with pytest.raises(ValueError, match="provider"):
+        _cfg(tmp_path, "--provider", "kubernetes")
+    with pytest.raises(ValueError, match="ray.replica_gpuz"):
+        _cfg(tmp_path, "--provider", "ray", "--ray.replica_gpuz", "1")
+
+
+def test_ray_namespace_is_one_per_run_directory(tmp_path: Path) -> None:
+    from burstrl.providers.ray_provider import run_namespace
+
+    a, b = run_namespace(tmp_path / "run"), run_namespace(tmp_path / "other" / "run")
+    assert a.startswith("burstrl-run-") and a != b and run_namespace(tmp_path / "run") == a
