@@ -105,3 +105,23 @@ def audit(run_dir: Path, steps: int, batch_groups: int = 3, group_size: int = 6)
     assert committed == list(range(1, steps + 1))
     assert len(consumed) == steps * batch_groups * group_size
     return figures["attempts"]
+
+
+def scale(run_dir: Path, replicas: int) -> str:
+    """`burstrl scale RUN_DIR --replicas N` against the live run; its stdout."""
+    r = subprocess.run(burstrl_cmd("scale", str(run_dir), "--replicas", str(replicas)), capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False

@@ -17,8 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from .conftest import (SMALL, audit, burstrl_cmd, events, finish, last_step, output, read_jsonl, start_run,
-                       wait_until)
+from .conftest import (SMALL, alive, audit, burstrl_cmd, events, finish, last_step, output, read_jsonl, scale,
+                       start_run, wait_until)
 
 pytestmark = pytest.mark.slow
 os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
@@ -86,10 +86,7 @@ def test_ray_replicas_scale_die_and_come_back_on_the_current_version(tmp_path: P
     try:
         wait_until(lambda: last_step(run_dir) >= 2 and (run_dir / "launcher.json").exists(), 300, "step 2", proc,
                    run_dir)
-        # add: 1 reserved + 1 on-demand -> 3 replicas
-        r = subprocess.run(burstrl_cmd("scale", str(run_dir), "--replicas", "3"), capture_output=True, text=True,
-                           timeout=60)
-        assert r.returncode == 0, r.stderr
+        scale(run_dir, 3)  # add: 1 reserved + 1 on-demand -> 3 replicas
         wait_until(lambda: [e for e in events(run_dir, "replica_started") if "burstrl scale" in e["detail"]],
                    200, "the added replica", proc, run_dir)
 
@@ -110,7 +107,7 @@ def test_ray_replicas_scale_die_and_come_back_on_the_current_version(tmp_path: P
         died = wait_until(lambda: [e for e in events(run_dir, "replica_died") if "actor died" in e["detail"]], 60,
                           "ActorDiedError to be seen", proc, run_dir)[0]
         wait_until(lambda: replaced(run_dir, died["replica"]), 200, "its replacement", proc, run_dir)
-        assert not _alive(child), "the replica process outlived its actor"
+        assert not alive(child), "the replica process outlived its actor"
 
         # the router's process dies: Ray restarts the actor at the same address, the launcher re-registers
         step_then = last_step(run_dir)
@@ -120,9 +117,7 @@ def test_ray_replicas_scale_die_and_come_back_on_the_current_version(tmp_path: P
                    run_dir)
 
         # remove: back to 2 replicas, one drains and stops
-        r = subprocess.run(burstrl_cmd("scale", str(run_dir), "--replicas", "2"), capture_output=True, text=True,
-                           timeout=60)
-        assert r.returncode == 0, r.stderr
+        scale(run_dir, 2)
         wait_until(lambda: events(run_dir, "replica_stopped"), 120, "a drained replica to stop", proc, run_dir)
         wait_until(lambda: len(pgrep(str(run_dir / "roles" / "serve.toml"))) == 2, 60, "2 replica processes")
     finally:
@@ -213,14 +208,3 @@ def test_losing_a_spot_node_mid_run_loses_no_rollout(tmp_path: Path, warm_model:
     assert samples[-1]["spot_losses"] == 2
     counts = audit(run_dir, steps)
     print("attempts by status:", counts, "deaths:", [e["detail"] for e in died])
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except OSError:
-        return False

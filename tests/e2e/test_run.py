@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import SMALL, audit, burstrl_cmd, events, finish, last_step, read_jsonl, start_run, wait_until
+from .conftest import (SMALL, alive, audit, burstrl_cmd, events, finish, last_step, read_jsonl, scale, start_run,
+                       wait_until)
 
 pytestmark = pytest.mark.slow
 
@@ -59,10 +60,7 @@ def test_a_replica_added_mid_run_serves_new_sessions_on_the_current_version(tmp_
     try:
         wait_until(lambda: last_step(run_dir) >= 2 and (run_dir / "launcher.json").exists(), 300, "step 2", proc,
                    run_dir)
-        r = subprocess.run(burstrl_cmd("scale", str(run_dir), "--replicas", "3"), capture_output=True, text=True,
-                           timeout=60)
-        assert r.returncode == 0, r.stderr
-        assert "1 reserved + 2 on-demand" in r.stdout
+        assert "1 reserved + 2 on-demand" in scale(run_dir, 3)
         added = wait_until(lambda: [e for e in events(run_dir, "replica_started") if "burstrl scale" in e["detail"]],
                            200, "the added replicas", proc, run_dir)
         url = added[0]["detail"].split()[0]
@@ -85,7 +83,7 @@ def test_kill_9_mid_step_then_resume(tmp_path: Path, warm_model: Path) -> None:
     pids = _role_pids(run_dir)
     os.kill(proc.pid, signal.SIGKILL)  # the launcher only: its children must die with it
     proc.wait()
-    wait_until(lambda: not any(_alive(p) for p in pids), 30, "the children to die with the launcher")
+    wait_until(lambda: not any(alive(p) for p in pids), 30, "the children to die with the launcher")
     assert last_step(run_dir) < steps
     proc = start_run(run_dir, warm_model, "--trainer.steps", str(steps), "--resume")
     finish(proc, run_dir, timeout=400)
@@ -114,15 +112,6 @@ def _role_pids(run_dir: Path) -> list[int]:
     return pids
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is dead too
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except OSError:
-        return False
 
 
 def test_quickstart_reward_rises(tmp_path: Path, warm_model: Path) -> None:

@@ -196,7 +196,12 @@ class RayTrainer:
             self.restarts += 1
             log.warning("a trainer rank died (%s); relaunching the group from its last checkpoint (%d/%d)",
                         failed[0], self.restarts, self.provider.cfg.trainer_restarts)
-            self._launch(resume=True, append=True)
+            try:
+                self._launch(resume=True, append=True)
+            except (RuntimeError, RayActorError, GetTimeoutError) as exc:  # e.g. its resources are gone
+                self._teardown()
+                self._code, self.cause = 1, f"relaunch failed: {exc}"
+                return self._code
             return None
         self._code = failed[0]
         return self._code
