@@ -123,3 +123,28 @@ def test_peak_memory_counts_what_the_code_allocates_and_frees() -> None:
     assert mem.live == (4 << 20) + 4000
     del b, view, c
     assert mem.live == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attention", ["sdpa", "burstrl"])
+def test_on_cuda_in_bf16_attention_keeps_one_output_per_layer_and_matches_none(tiny_model_dir: Path,
+                                                                               attention: str) -> None:
+    """CUDA's SDPA ops (flash / efficient / cuDNN) and the custom op are seen and kept; grads agree."""
+    from peft import get_peft_model
+
+    from burstrl.model.hf import load_model
+    from burstrl.model.lora import lora_config
+
+    ids, attn = batch(512, rows=1)
+    ids, attn = ids.cuda(), attn.cuda()
+    grads = {}
+    for mode in MODES:
+        torch.manual_seed(0)
+        model = get_peft_model(load_model(tiny_model_dir, "bfloat16", "cuda", attention),
+                               lora_config(8, init_random=True)).train()
+        rec = recompute.apply(model, mode)
+        calls = recompute.count_attention_calls(lambda: train_step(model, rec, ids, attn))
+        assert calls == (8 if mode == "full" else 4) and rec.saved == (4 if mode == "attention" else 0)
+        grads[mode] = lora_grads(model)
+    for name, g in grads["none"].items():
+        assert torch.allclose(grads["attention"][name].float(), g.float(), atol=1e-2, rtol=1e-2), name
