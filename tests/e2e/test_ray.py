@@ -145,6 +145,24 @@ def test_a_killed_trainer_rank_relaunches_the_group_from_its_checkpoint(tmp_path
     assert "resumed from" in (run_dir / "logs" / "trainer.log").read_text()
 
 
+def test_kill_9_of_the_launcher_takes_every_actor_with_it_then_resume(tmp_path: Path, warm_model: Path,
+                                                                       ray_address: str) -> None:
+    """The launcher is the Ray driver: its actors, and their children, share its fate."""
+    run_dir = tmp_path / "driver"
+    steps = 5
+    proc = start_ray_run(run_dir, warm_model, ray_address, "--trainer.steps", str(steps))
+    wait_until(lambda: last_step(run_dir) >= 2, 300, "step 2", proc, run_dir)
+    roles = pgrep(str(run_dir / "roles"))
+    assert len(roles) == 6, roles  # router, 3 replicas, trainer rank, orchestrator
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    wait_until(lambda: not any(alive(p) for p in roles), 60, "every role process to die with the driver")
+    proc = start_ray_run(run_dir, warm_model, ray_address, "--trainer.steps", str(steps), "--resume")
+    finish(proc, run_dir, timeout=400)
+    audit(run_dir, steps)
+    assert [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")] == list(range(1, steps + 1))
+
+
 def test_what_cannot_be_placed_times_out_with_a_clear_message(tmp_path: Path, warm_model: Path,
                                                              ray_address: str) -> None:
     from burstrl.config import RayConfig
