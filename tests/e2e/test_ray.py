@@ -7,6 +7,7 @@ directory). The two-node spot-loss test makes its own `ray.cluster_utils.Cluster
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -177,6 +178,14 @@ def test_what_cannot_be_placed_times_out_with_a_clear_message(tmp_path: Path, wa
     with pytest.raises(RuntimeError, match="replica-x could not be placed in 2 s: it needs spot 1"):
         provider.start("replica-x", ["serve", "--help"], wait_ready=True, placement=Placement(pool="on_demand"))
     assert time.monotonic() - t0 < 30
+    # growing the fleet asks Ray's cluster autoscaler for the replicas' shapes (what it reads from the GCS)
+    provider.request_capacity({"reserved": 1, "on_demand": 2})
+    from ray._private.ray_constants import AUTOSCALER_RESOURCE_REQUEST_CHANNEL
+    from ray.autoscaler.v2.utils import is_autoscaler_v2
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    if not is_autoscaler_v2():
+        assert json.loads(_internal_kv_get(AUTOSCALER_RESOURCE_REQUEST_CHANNEL)) == [{"spot": 1.0}, {"spot": 1.0}]
     provider.close()
 
     run_dir = tmp_path / "infeasible"  # the same through `burstrl run`: it ends, naming the trainer
