@@ -148,6 +148,12 @@ def main() -> None:
               f"({100 * (1 - attn['step_s'] / full['step_s']):+.1f}% faster), memory "
               f"{attn['peak_mib'] / full['peak_mib']:.3f}; vs none: time {attn['step_s'] / none['step_s']:.3f}, "
               f"memory {attn['peak_mib'] / none['peak_mib']:.3f}", flush=True)
+    summary = {str(length): {**{m: {"step_s": round(r[m]["step_s"], 3), "peak_mib": round(r[m]["peak_mib"], 1)}
+                                for m in MODES},
+                             "attention_vs_full_time": round(r["attention"]["step_s"] / r["full"]["step_s"], 3),
+                             "attention_vs_full_memory": round(r["attention"]["peak_mib"] / r["full"]["peak_mib"], 3)}
+               for length, r in results.items()}
+    print(json.dumps(summary))
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
 
