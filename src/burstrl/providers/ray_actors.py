@@ -124,9 +124,6 @@ class RoleActor:
         return {"ip": ray.util.get_node_ip_address(), "node_id": ctx.get_node_id(), "free_port": port,
                 "pid": os.getpid()}
 
-    async def child_pid(self) -> int:
-        return self.proc.pid if self.proc is not None else 0
-
     async def stop(self, timeout: float = 15.0) -> int | None:
         """SIGTERM the child's process group, SIGKILL after `timeout`; returns its status."""
         self.stopping = True
@@ -142,11 +139,6 @@ class RoleActor:
                 while self.proc.poll() is None:
                     await asyncio.sleep(0.05)
         return self.proc.returncode
-
-    async def kill_child(self) -> None:
-        """SIGKILL the child's process group (a test's or chaos's preemption of the process only)."""
-        if self.proc is not None and self.proc.poll() is None:
-            _signal_group(self.proc.pid, signal.SIGKILL)
 
 
 def _signal_group(pid: int, sig: int) -> None:

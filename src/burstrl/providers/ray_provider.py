@@ -90,15 +90,16 @@ class RayRole:
         ready, _ = ray.wait([self.watch], timeout=0)
         if not ready:
             return None
+        lost = True
         try:
-            code, cause = ray.get(ready[0]), "exited"
+            code, cause, lost = ray.get(ready[0]), "exited", False
         except ActorUnavailableError:
             code, cause = -9, "unavailable"
         except ActorDiedError as exc:
             code, cause = -9, "preempted" if exc.preempted else "actor died"
         except RayActorError as exc:  # any other way of losing the actor
             code, cause = -9, f"actor lost: {type(exc).__name__}"
-        if self.restartable and self._back_after_restart():
+        if lost and self.restartable and self._back_after_restart():
             return None
         self._code, self.cause = code, cause
         if cause == "unavailable":  # stop routing to it for good: it may come back, we do not wait
@@ -133,9 +134,6 @@ class RayRole:
         """Kill the actor, as a preemption would: its child dies with it."""
         ray.kill(self.actor, no_restart=True)
         self._code, self.cause = -9, "killed"
-
-    def child_pid(self) -> int:
-        return int(ray.get(self.actor.child_pid.remote(), timeout=30))
 
 
 class RayTrainer:
@@ -232,9 +230,6 @@ class RayTrainer:
             ray.kill(a, no_restart=True)
         self._teardown(1.0)
         self._code = -9
-
-    def rank_pids(self) -> list[int]:
-        return [int(ray.get(a.child_pid.remote(), timeout=30)) for a in self.actors]
 
 
 class RayProvider:
