@@ -103,12 +103,18 @@ def host_daemon(root: Path) -> tuple[subprocess.Popen, str, str, float]:
     return proc, sock, token, ready
 
 
-def latencies(root: Path, n: int) -> dict:
-    bare = []
+def timed_ms(call, n: int) -> list[float]:
+    """Milliseconds of each of `n` calls of `call()`."""
+    out = []
     for _ in range(n):
         t = time.perf_counter()
-        subprocess.run(["true"], check=True)
-        bare.append((time.perf_counter() - t) * 1000)
+        call()
+        out.append((time.perf_counter() - t) * 1000)
+    return out
+
+
+def latencies(root: Path, n: int) -> dict:
+    bare = timed_ms(lambda: subprocess.run(["true"], check=True), n)
     readies = []
     for i in range(5):
         proc, *_, ready = host_daemon(root)
@@ -119,11 +125,7 @@ def latencies(root: Path, n: int) -> dict:
     try:
         with SandboxClient(socket_path=sock, token=token) as c:
             c.exec(["true"])
-            host = []
-            for _ in range(n):
-                t = time.perf_counter()
-                c.exec(["true"])
-                host.append((time.perf_counter() - t) * 1000)
+            host = timed_ms(lambda: c.exec(["true"]), n)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -131,11 +133,7 @@ def latencies(root: Path, n: int) -> dict:
     sb = backend.create(SandboxSpec())
     try:
         sb.exec(["true"])
-        inside = []
-        for _ in range(n):
-            t = time.perf_counter()
-            sb.exec(["true"])
-            inside.append((time.perf_counter() - t) * 1000)
+        inside = timed_ms(lambda: sb.exec(["true"]), n)
     finally:
         sb.close()
     from swerex_side import measure
