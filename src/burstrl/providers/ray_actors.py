@@ -7,7 +7,8 @@ replica's work is its child's, not the actor's); it starts the child in its own 
 PR_SET_PDEATHSIG, so the child dies with the actor's worker process (`ray.kill`, a node loss), and
 `wait()` is the long-running call the provider watches with `ray.wait` to see either die.
 
-Kept free of torch and of the rest of burstrl: workers import this module to build the actor.
+Kept free of torch (its one burstrl import is the standard-library-only process helpers): workers
+import this module to build the actor.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from pathlib import Path
 
 import ray
 
+from burstrl.inference.process import die_with_parent_signal
+
 
 @dataclass
 class ProcessSpec:
@@ -39,15 +42,6 @@ class ProcessSpec:
     host_key: str = ""  # dotted config key of the bind address: set to this node's IP
     port_key: str = ""  # dotted config key of the bind port: set to `port` (0 = any free port)
     port: int = 0
-
-
-def _die_with_parent() -> None:
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 @ray.remote(num_cpus=0, max_restarts=0)
@@ -73,7 +67,7 @@ class RoleActor:
             out = subprocess.PIPE if spec.ready_line else log
             self.proc = subprocess.Popen([sys.executable, "-c", spec.code, *args], stdout=out, stderr=log,
                                          text=True, start_new_session=True, env={**os.environ, **spec.env},
-                                         preexec_fn=_die_with_parent)
+                                         preexec_fn=die_with_parent_signal)
 
     async def start(self, spec: ProcessSpec) -> int:
         """Start the child (actors made without a spec, like trainer ranks); returns its pid."""
