@@ -172,7 +172,7 @@ class Fleet:
                     r.state = "gone"
         for r in dead:
             self._deregister(r)
-            cause = r.handle.cause if r.handle.cause not in ("", "exited") else ""
+            cause = r.handle.cause
             if cause == "preempted":
                 self.spot_losses += 1
             self.event("replica_died", replica=r.name, pool=r.pool,

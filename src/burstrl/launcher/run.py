@@ -375,7 +375,7 @@ def _get_json(url: str) -> dict[str, Any] | None:
 
 
 def _cause(role: RoleHandle) -> str:
-    return f" ({role.cause})" if role.cause and role.cause != "exited" else ""
+    return f" ({role.cause})" if role.cause else ""
 
 
 def _tail(path: Path, chars: int = 2000) -> str:

@@ -92,7 +92,7 @@ class RayRole:
             return None
         lost = True
         try:
-            code, cause, lost = ray.get(ready[0]), "exited", False
+            code, cause, lost = ray.get(ready[0]), "", False  # a plain exit: the status says it all
         except ActorUnavailableError:
             code, cause = -9, "unavailable"
         except ActorDiedError as exc:
