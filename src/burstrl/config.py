@@ -82,6 +82,9 @@ class ServerConfig(Section):
     ssl_keyfile: str = Field("", description="TLS private key (PEM).")
     max_body_bytes: int = Field(8 << 20, ge=1024, description="Largest JSON request body.")
     max_shard_bytes: int = Field(2 << 30, ge=1024, description="Largest adapter shard upload.")
+    upload_ttl_s: float = Field(
+        600.0, gt=0, description="An adapter upload not committed and idle this long is deleted."
+    )
     state_dir: str = Field(
         "", description="Where uploaded adapters and the admin token live; empty = a temp dir."
     )

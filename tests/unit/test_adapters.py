@@ -1,7 +1,9 @@
 import hashlib
 import io
 import json
+import os
 import tarfile
+import time
 
 import pytest
 import torch
@@ -9,7 +11,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from burstrl.inference.adapters import AdapterRegistry, Manifest, UploadError, pack_adapter
-from burstrl.inference.lora import AdapterError, load_adapter
+from burstrl.inference.lora import MLP_PROJ, AdapterError, load_adapter, module_shapes
 
 CPU = torch.device("cpu")
 LAYERS = 2
@@ -411,3 +413,178 @@ def test_commit_does_not_touch_another_uploads_staging(registry, adapter_dirs):
     registry.commit("policy-v1")
     registry.commit(other)
     assert registry.names() == ["policy-v1", other]
+
+
+# ---- validation before serving (a bad adapter never reaches the engine thread) ----
+
+@pytest.fixture(scope="module")
+def tiny_runner(tiny_model_dir):
+    from burstrl.inference.runner import ModelRunner
+    from burstrl.model.hf import load_model
+
+    return ModelRunner(load_model(tiny_model_dir, "float32", "cpu"))
+
+
+@pytest.fixture(scope="module")
+def tiny_adapter(tiny_model_dir, tmp_path_factory):
+    from burstrl.model.lora import make_random_adapter
+
+    return make_random_adapter(tiny_model_dir, tmp_path_factory.mktemp("tiny") / "good", seed=1)
+
+
+def _load_tiny(path, runner, dtype=torch.float32):
+    return load_adapter("v", path, runner.num_layers, dtype, CPU, module_shapes(runner.layers))
+
+
+def _key(tensors, module, ab, layer=0):
+    return next(k for k in tensors if f"layers.{layer}." in k and f".{module}.lora_{ab}." in k)
+
+
+def _edited(good, out, tensors=None, config=None, raw_config=None, raw_weights=None):
+    """A copy of the adapter `good` with its tensors / config edited or its files replaced by bytes."""
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir()
+    cfg = json.loads((good / "adapter_config.json").read_text())
+    if config is not None:
+        config(cfg)
+    raw = raw_config if raw_config is not None else json.dumps(cfg)
+    (out / "adapter_config.json").write_bytes(raw if isinstance(raw, bytes) else raw.encode())
+    weights = load_file(str(good / "adapter_model.safetensors"))
+    if tensors is not None:
+        tensors(weights)
+    if raw_weights is not None:
+        (out / "adapter_model.safetensors").write_bytes(raw_weights(good / "adapter_model.safetensors"))
+    else:
+        save_file(weights, str(out / "adapter_model.safetensors"))
+    return out
+
+
+def _set(module, ab, make):
+    def edit(t):
+        key = _key(t, module, ab)
+        t[key] = make(t[key])
+    return edit
+
+
+def _poison(module, ab, value):
+    def make(x):
+        x = x.clone()
+        x[0, 0] = value
+        return x
+    return _set(module, ab, make)
+
+
+def _config(key, value):
+    return lambda cfg: cfg.__setitem__(key, value)
+
+
+BAD_ADAPTERS = {
+    "wide_a": dict(tensors=_set("q_proj", "A", lambda x: torch.randn(x.shape[0], x.shape[1] + 1))),
+    "tall_b": dict(tensors=_set("down_proj", "B", lambda x: torch.randn(x.shape[0] + 1, x.shape[1]))),
+    "k_b_in_q": dict(tensors=lambda t: t.__setitem__(_key(t, "k_proj", "B"), t[_key(t, "q_proj", "B")].clone())),
+    "rank_mismatch": dict(tensors=_set("v_proj", "A", lambda x: torch.randn(x.shape[0] + 1, x.shape[1]))),
+    "nan": dict(tensors=_poison("o_proj", "B", float("nan"))),
+    "inf": dict(tensors=_poison("gate_proj", "A", float("inf"))),
+    "int_tensor": dict(tensors=_set("up_proj", "A", lambda x: x.to(torch.int32))),
+    "r_zero": dict(config=_config("r", 0)),
+    "r_string": dict(config=_config("r", "4")),
+    "r_bool": dict(config=_config("r", True)),
+    "r_huge": dict(config=_config("r", 4097)),
+    "alpha_nan": dict(config=_config("lora_alpha", float("nan"))),
+    "alpha_zero": dict(config=_config("lora_alpha", 0)),
+    "alpha_string": dict(config=_config("lora_alpha", "16")),
+    "alpha_huge_int": dict(config=_config("lora_alpha", 10 ** 400)),
+    "config_not_json": dict(raw_config="{not json"),
+    "config_not_object": dict(raw_config="[8, 16]"),
+    "config_not_utf8": dict(raw_config=b"\xff\xfe{"),
+    "truncated_safetensors": dict(raw_weights=lambda f: f.read_bytes()[: f.stat().st_size // 2]),
+    "corrupt_safetensors": dict(raw_weights=lambda f: b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}"),
+    "random_bytes": dict(raw_weights=lambda f: bytes(range(256)) * 8),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_ADAPTERS))
+def test_bad_adapter_is_refused_with_adapter_error(tiny_runner, tiny_adapter, tmp_path, case):
+    bad = _edited(tiny_adapter, tmp_path / case, **BAD_ADAPTERS[case])
+    with pytest.raises(AdapterError) as err:
+        _load_tiny(bad, tiny_runner)
+    assert str(bad) in str(err.value)  # the message names the file
+
+
+def test_good_tiny_adapter_loads_against_the_base_shapes(tiny_runner, tiny_adapter, tmp_path):
+    adapter = _load_tiny(tiny_adapter, tiny_runner)
+    assert len(adapter.weights) == tiny_runner.num_layers * 7
+    same = _load_tiny(_edited(tiny_adapter, tmp_path / "copy"), tiny_runner)
+    _same_weights(adapter, same)
+
+
+def test_value_that_overflows_the_serving_dtype_is_refused(tiny_runner, tiny_adapter, tmp_path):
+    big = _edited(tiny_adapter, tmp_path / "big", tensors=_poison("q_proj", "B", 1e6))
+    _load_tiny(big, tiny_runner)  # finite in float32
+    with pytest.raises(AdapterError, match="NaN or inf"):
+        _load_tiny(big, tiny_runner, torch.float16)  # inf in float16
+
+
+def test_shapes_survive_the_runners_fused_projections(tiny_model_dir, tiny_runner):
+    from burstrl.model.hf import load_model
+
+    plain = load_model(tiny_model_dir, "float32", "cpu")
+    shapes = module_shapes(tiny_runner.layers)
+    assert shapes == module_shapes(list(plain.model.layers))
+    for (layer, name), (in_f, out_f) in shapes.items():
+        parent = tiny_runner.layers[layer].mlp if name in MLP_PROJ else tiny_runner.layers[layer].self_attn
+        assert tuple(getattr(parent, name).weight.shape) == (out_f, in_f)
+
+
+def test_registry_for_layers_checks_shapes(tiny_runner, tiny_adapter, tmp_path):
+    registry = AdapterRegistry.for_layers(tmp_path / "state", tiny_runner.layers, torch.float32, CPU)
+    wide = _edited(tiny_adapter, tmp_path / "wide", **BAD_ADAPTERS["wide_a"])
+    with pytest.raises(AdapterError, match="expects lora_A"):
+        registry.load("policy-v1", wide)
+    assert registry.names() == []
+    registry.load("policy-v1", tiny_adapter)
+    assert registry.names() == ["policy-v1"]
+
+
+@pytest.mark.parametrize("blob", [b"not a tar archive at all " * 40, b"\x00" * 100 + b"junk" * 200])
+def test_non_tar_upload_is_an_upload_error(registry, blob):
+    _upload_blob(registry, "policy-v1", blob)
+    _refused(registry, "policy-v1", "tar")
+
+
+def test_truncated_tar_upload_is_an_upload_error(registry, adapter_dirs):
+    whole = _tar(list(_files(adapter_dirs[0]).items()))
+    _upload_blob(registry, "policy-v1", whole[: len(whole) // 2 + 7])
+    _refused(registry, "policy-v1", "tar")
+
+
+def test_stale_staging_is_swept_and_fresh_kept(tmp_path, adapter_dirs):
+    registry = AdapterRegistry(tmp_path / "state", LAYERS, torch.float32, CPU, upload_ttl_s=60)
+    manifest, shards = pack_adapter(adapter_dirs[0], 2, "stale")
+    _upload(registry, "stale", manifest, shards)
+    registry.put_shard("fresh", 0, 2, b"abc", None)
+    old = time.time() - 61
+    os.utime(_staging(registry, "stale"), (old, old))
+    registry.put_shard("other", 0, 1, b"x", None)  # any upload call sweeps
+    assert not _staging(registry, "stale").exists()
+    assert _staging(registry, "fresh").is_dir() and _staging(registry, "other").is_dir()
+    with pytest.raises(UploadError, match="manifest"):
+        registry.commit("stale")
+
+
+def test_an_upload_in_progress_refreshes_its_idle_clock(tmp_path):
+    registry = AdapterRegistry(tmp_path / "state", LAYERS, torch.float32, CPU, upload_ttl_s=60)
+    registry.put_shard("slow", 0, 2, b"abc", None)
+    old = time.time() - 61
+    os.utime(_staging(registry, "slow"), (old, old))
+    registry.put_shard("slow", 1, 2, b"def", None)  # its own sweep runs first, then it is touched
+    assert registry.sweep_uploads() == []
+    assert registry.sweep_uploads(now=time.time() + 61) == ["slow"]
+
+
+def test_a_new_registry_clears_abandoned_uploads(tmp_path):
+    first = AdapterRegistry(tmp_path / "state", LAYERS, torch.float32, CPU)
+    first.put_shard("abandoned", 0, 2, b"abc", None)
+    AdapterRegistry(tmp_path / "state", LAYERS, torch.float32, CPU)
+    assert not (tmp_path / "state" / "uploads").exists()

@@ -7,7 +7,9 @@ taking new sessions at once and is freed when its last session is released.
 Sharded upload: the trainer ranks each `PUT` a byte range of the adapter directory packed as a tar
 (`/v1/adapters/{name}/shards/{i}?of={n}`), rank 0 `PUT`s a manifest with the sha256 of every shard
 and of the whole, and `POST .../commit` verifies everything and loads it. Nothing is served until
-all checks pass; a corrupt or incomplete upload is refused and its staging area deleted.
+all checks pass; a corrupt or incomplete upload is refused and its staging area deleted. An upload
+that is never committed (a trainer that died mid-push) is deleted once idle for `upload_ttl_s`, so
+abandoned shards cannot fill the replica's disk.
 """
 
 from __future__ import annotations
@@ -15,17 +17,19 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import re
 import shutil
 import tarfile
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from burstrl.inference.lora import AdapterError, LoraAdapter, load_adapter
+from burstrl.inference.lora import AdapterError, LoraAdapter, Shapes, load_adapter, module_shapes
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # used with fullmatch: no "..", no "\n"
 ADAPTER_FILES = {"adapter_config.json", "adapter_model.safetensors"}
@@ -91,14 +95,28 @@ def _plain_member(info: tarfile.TarInfo) -> tarfile.TarInfo:
 
 
 class AdapterRegistry:
-    """Loaded adapter versions by name, with retirement and sharded-upload staging."""
+    """Loaded adapter versions by name, with retirement and sharded-upload staging.
 
-    def __init__(self, state_dir: Path, num_layers: int, dtype: torch.dtype, device: torch.device) -> None:
+    `shapes` (lora.module_shapes of the base model) makes every load check each A/B against its
+    projection; without it only ranks and layer indices are checked.
+    """
+
+    def __init__(self, state_dir: Path, num_layers: int, dtype: torch.dtype, device: torch.device,
+                 shapes: Shapes | None = None, upload_ttl_s: float = 600.0) -> None:
         self.state_dir = state_dir
         self.num_layers, self.dtype, self.device = num_layers, dtype, device
+        self.shapes, self.upload_ttl_s = shapes, upload_ttl_s
         self.active: dict[str, LoraAdapter] = {}
         self.retiring: dict[str, LoraAdapter] = {}
         self._lock = threading.Lock()
+        # a new process has no upload in flight: whatever a previous one staged is abandoned
+        shutil.rmtree(self.state_dir / "uploads", ignore_errors=True)
+
+    @classmethod
+    def for_layers(cls, state_dir: Path, layers: list[torch.nn.Module], dtype: torch.dtype,
+                   device: torch.device, upload_ttl_s: float = 600.0) -> AdapterRegistry:
+        """A registry that checks every adapter against these HF decoder layers (runner.layers)."""
+        return cls(state_dir, len(layers), dtype, device, module_shapes(layers), upload_ttl_s)
 
     def names(self) -> list[str]:
         with self._lock:
@@ -119,7 +137,7 @@ class AdapterRegistry:
     def load(self, name: str, path: str | Path) -> LoraAdapter:
         if not NAME.fullmatch(name) or name == "base":
             raise AdapterError(f"adapter name must match {NAME.pattern} and not be 'base'")
-        adapter = load_adapter(name, path, self.num_layers, self.dtype, self.device)
+        adapter = load_adapter(name, path, self.num_layers, self.dtype, self.device, self.shapes)
         with self._lock:
             if name in self.active or name in self.retiring:
                 raise AdapterError(f"adapter {name!r} is already loaded; versions never change")
@@ -151,14 +169,39 @@ class AdapterRegistry:
             raise UploadError(f"adapter name must match {NAME.pattern} and not be 'base'")
         return self.state_dir / "uploads" / name
 
+    def _touch_staging(self, name: str) -> Path:
+        """Sweep abandoned uploads, then create or refresh this one's staging dir (its idle clock)."""
+        self.sweep_uploads()
+        staging = self._staging(name)
+        staging.mkdir(parents=True, exist_ok=True)
+        os.utime(staging)
+        return staging
+
+    def sweep_uploads(self, now: float | None = None) -> list[str]:
+        """Delete staging dirs idle for `upload_ttl_s` (their mtime); returns the names removed."""
+        now = time.time() if now is None else now
+        try:
+            entries = list((self.state_dir / "uploads").iterdir())
+        except FileNotFoundError:
+            return []
+        removed = []
+        for entry in entries:
+            try:
+                stale = now - entry.stat().st_mtime > self.upload_ttl_s
+            except FileNotFoundError:  # removed by a concurrent sweep or commit
+                continue
+            if stale:
+                shutil.rmtree(entry, ignore_errors=True)
+                removed.append(entry.name)
+        return removed
+
     def put_shard(self, name: str, index: int, of: int, data: bytes, sha256: str | None) -> None:
         if not 0 <= index < of <= 4096:
             raise UploadError("shard index must satisfy 0 <= i < of <= 4096")
         digest = hashlib.sha256(data).hexdigest()  # once, on arrival: commit compares, never rehashes
         if sha256 is not None and digest != sha256.lower():
             raise UploadError(f"shard {index}: sha256 mismatch")
-        staging = self._staging(name)
-        staging.mkdir(parents=True, exist_ok=True)
+        staging = self._touch_staging(name)
         final = staging / f"shard-{index}.of-{of}"
         tmp = final.with_name(final.name + ".tmp")
         tmp.write_bytes(data)
@@ -169,8 +212,7 @@ class AdapterRegistry:
         manifest = Manifest.parse(data)
         if manifest.name != name:
             raise UploadError(f"manifest names {manifest.name!r}, not {name!r}")
-        staging = self._staging(name)
-        staging.mkdir(parents=True, exist_ok=True)
+        staging = self._touch_staging(name)
         (staging / "manifest.json").write_text(json.dumps(manifest.to_json()))
         return manifest
 
@@ -217,10 +259,17 @@ class AdapterRegistry:
 
 
 def _extract(blob: bytes, target: Path) -> None:
-    """Unpack only the two PEFT files, as regular files (no links, no paths)."""
-    with tarfile.open(fileobj=io.BytesIO(blob), mode="r:") as tar:
-        members = tar.getmembers()
-        names = {m.name for m in members}
-        if names != ADAPTER_FILES or not all(m.isfile() for m in members):
-            raise UploadError(f"upload must contain exactly {sorted(ADAPTER_FILES)} as files")
-        tar.extractall(target, filter="data")
+    """Unpack only the two PEFT files, as regular files (no links, no paths).
+
+    Bytes that match their manifest can still be no tar at all (or a truncated one): that is the
+    sender's error, refused like any other bad upload rather than a server error.
+    """
+    try:
+        with tarfile.open(fileobj=io.BytesIO(blob), mode="r:") as tar:
+            members = tar.getmembers()
+            names = {m.name for m in members}
+            if names != ADAPTER_FILES or not all(m.isfile() for m in members):
+                raise UploadError(f"upload must contain exactly {sorted(ADAPTER_FILES)} as files")
+            tar.extractall(target, filter="data")
+    except (tarfile.TarError, EOFError) as exc:  # FilterError and ReadError are TarErrors
+        raise UploadError(f"upload is not a readable tar archive: {exc!r}") from None

@@ -1,13 +1,15 @@
 """Admin endpoints of a replica: adapter versions (vLLM shapes) and sharded uploads.
 
 All need the bearer token. Loading is synchronous: when the call returns 200 the version serves new
-sessions; an upload that fails any check returns 4xx and is never served.
+sessions; an adapter or upload that fails any check returns 4xx and is never served. File work
+(validating, hashing, sweeping abandoned uploads) runs off the event loop so generation never stalls.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -38,8 +40,10 @@ def add_admin_routes(app: FastAPI, rep: Replica, api_error: type[Exception],
         data = await read_json(request, rep.cfg.server.max_body_bytes)
         if not isinstance(data, dict) or not all(isinstance(data.get(k), str) for k in ("lora_name", "lora_path")):
             raise api_error(400, "'lora_name' and 'lora_path' (strings) are required")
+        if not _is_dir(data["lora_path"]):
+            raise fail(400, ValueError(f"lora_path {data['lora_path']!r} is not a directory"))
         try:
-            rep.registry.load(data["lora_name"], data["lora_path"])
+            await asyncio.to_thread(rep.registry.load, data["lora_name"], data["lora_path"])
         except AdapterError as exc:
             raise fail(400, exc) from None
         rep.counters.adapters_loaded += 1
@@ -72,7 +76,7 @@ def add_admin_routes(app: FastAPI, rep: Replica, api_error: type[Exception],
         require_admin(rep, request)
         data = await read_json(request, rep.cfg.server.max_body_bytes)
         try:
-            manifest = rep.registry.put_manifest(name, data)
+            manifest = await asyncio.to_thread(rep.registry.put_manifest, name, data)
         except UploadError as exc:
             raise fail(400, exc) from None
         return {"name": name, "num_shards": manifest.num_shards}
@@ -86,3 +90,11 @@ def add_admin_routes(app: FastAPI, rep: Replica, api_error: type[Exception],
             raise fail(422, exc) from None
         rep.counters.adapters_loaded += 1
         return {"status": "loaded", "lora_name": name}
+
+
+def _is_dir(path: str) -> bool:
+    """Whether `path` names a directory; a name the OS refuses (too long, NUL byte) is not one."""
+    try:
+        return Path(path).is_dir()
+    except (OSError, ValueError):
+        return False

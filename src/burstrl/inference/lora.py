@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
+from torch import nn
 
 
 ATTN_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -43,35 +44,119 @@ class LoraAdapter:
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]]
 
 
+Shapes = dict[tuple[int, str], tuple[int, int]]  # (layer, module) -> (in_features, out_features)
+MAX_RANK = 4096
+
+
+def module_shapes(layers: list[nn.Module]) -> Shapes:
+    """(in, out) features of every LoRA target in HF decoder `layers` (the engine's runner.layers).
+
+    Why from the modules: an adapter whose A or B does not fit its projection loads fine and then
+    raises inside the engine thread on first use, stopping every request; comparing against the
+    base model's own shapes refuses it at load time instead. The runner's fused q/k/v and gate/up
+    weights are views, but each nn.Linear keeps its in_features/out_features.
+    """
+    shapes: Shapes = {}
+    for i, layer in enumerate(layers):
+        for parent, names in ((layer.self_attn, ATTN_PROJ), (layer.mlp, MLP_PROJ)):
+            for name in names:
+                linear = getattr(parent, name)
+                shapes[(i, name)] = (int(linear.in_features), int(linear.out_features))
+    return shapes
+
+
 def load_adapter(name: str, path: str | Path, num_layers: int, dtype: torch.dtype,
-                 device: torch.device) -> LoraAdapter:
-    """Read a PEFT LoRA directory; refuse variants whose math differs (DoRA, per-module patterns)."""
+                 device: torch.device, shapes: Shapes | None = None) -> LoraAdapter:
+    """Read a PEFT LoRA directory; refuse anything the engine could not apply safely.
+
+    Every check runs before the adapter is returned, so nothing wrong (a malformed config, a
+    corrupt file, a wrong shape, NaN/inf) ever reaches the engine thread: the caller gets an
+    `AdapterError` naming the file and the problem. `shapes` (from `module_shapes`) enables the
+    per-module shape check; without it only ranks and layer indices are checked.
+    """
     path = Path(path)
     cfg_file, weights_file = path / "adapter_config.json", path / "adapter_model.safetensors"
     if not cfg_file.is_file() or not weights_file.is_file():
         raise AdapterError(f"{path}: expected adapter_config.json and adapter_model.safetensors")
-    cfg = json.loads(cfg_file.read_text())
-    _check_config(path, cfg)
-    rank, alpha = int(cfg["r"]), float(cfg.get("lora_alpha", cfg["r"]))
+    rank, scale = _read_config(cfg_file)
+    pairs = _read_pairs(weights_file, num_layers, shapes)
+    weights = {}
+    for where, ab in pairs.items():
+        a, b = ab["A"].to(device, dtype), ab["B"].to(device, dtype)
+        _check_pair(weights_file, where, a, b, rank, shapes)
+        weights[where] = (a, b, scale)
+    if not weights:
+        raise AdapterError(f"{weights_file}: no LoRA weights")
+    return LoraAdapter(name=name, path=str(path), rank=rank, weights=weights)
+
+
+def _read_config(cfg_file: Path) -> tuple[int, float]:
+    """The adapter's rank and scale, from a config that must be a JSON object with sane values."""
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except (OSError, ValueError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise AdapterError(f"{cfg_file}: unreadable or not valid JSON ({exc})") from None
+    if not isinstance(cfg, dict):
+        raise AdapterError(f"{cfg_file}: must be a JSON object, not {type(cfg).__name__}")
+    _check_config(cfg_file, cfg)
+    rank, alpha = cfg["r"], cfg.get("lora_alpha", cfg["r"])
+    if type(rank) is not int or not 1 <= rank <= MAX_RANK:  # type(): True is an int, not a rank
+        raise AdapterError(f"{cfg_file}: r must be an integer in [1, {MAX_RANK}], got {rank!r:.40}")
+    if type(alpha) not in (int, float) or not _finite_positive(alpha):
+        raise AdapterError(f"{cfg_file}: lora_alpha must be a finite number > 0, got {alpha!r:.40}")
     scale = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
-    tensors = load_file(str(weights_file))
+    return rank, float(scale)
+
+
+def _finite_positive(x: float) -> bool:
+    try:
+        return math.isfinite(x) and x > 0
+    except OverflowError:  # an int too large for a float
+        return False
+
+
+def _read_pairs(weights_file: Path, num_layers: int,
+                shapes: Shapes | None) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
+    """The file's tensors grouped by (layer, module) into {"A": ..., "B": ...}, both present."""
+    try:
+        tensors = load_file(str(weights_file))
+    except Exception as exc:  # noqa: BLE001 - safetensors raises several types for a bad file
+        raise AdapterError(f"{weights_file}: cannot be read as safetensors ({exc})") from None
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         m = _KEY.search(key)
-        if m is None or m.group(2) not in TARGETS or int(m.group(1)) >= num_layers:
-            raise AdapterError(f"{path}: unsupported adapter tensor {key!r}")
-        pairs.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = tensor
-    weights = {}
+        where = (int(m.group(1)), m.group(2)) if m else None
+        if (where is None or where[1] not in TARGETS or where[0] >= num_layers
+                or (shapes is not None and where not in shapes)):
+            raise AdapterError(f"{weights_file}: unsupported adapter tensor {key!r}")
+        if not tensor.is_floating_point():
+            raise AdapterError(f"{weights_file}: tensor {key!r} is {tensor.dtype}, not floating point")
+        pairs.setdefault(where, {})[m.group(3)] = tensor
     for where, ab in pairs.items():
         if set(ab) != {"A", "B"}:
-            raise AdapterError(f"{path}: layer {where[0]} {where[1]} lacks lora_A or lora_B")
-        a, b = ab["A"].to(device, dtype), ab["B"].to(device, dtype)
-        if a.shape[0] != rank or b.shape[1] != rank:
-            raise AdapterError(f"{path}: layer {where[0]} {where[1]} rank differs from r={rank}")
-        weights[where] = (a, b, scale)
-    if not weights:
-        raise AdapterError(f"{path}: no LoRA weights")
-    return LoraAdapter(name=name, path=str(path), rank=rank, weights=weights)
+            raise AdapterError(f"{weights_file}: layer {where[0]} {where[1]} lacks lora_A or lora_B")
+    return pairs
+
+
+def _check_pair(weights_file: Path, where: tuple[int, str], a: torch.Tensor, b: torch.Tensor,
+                rank: int, shapes: Shapes | None) -> None:
+    """A [r, in] and B [out, r] of the base module, every value finite in the serving dtype.
+
+    Finiteness is checked after the cast, so a float32 value that overflows to inf in fp16 is
+    refused as well.
+    """
+    layer, module = where
+    if a.dim() != 2 or b.dim() != 2 or a.shape[0] != rank or b.shape[1] != rank:
+        raise AdapterError(f"{weights_file}: layer {layer} {module} rank differs from r={rank} "
+                           f"(lora_A {list(a.shape)}, lora_B {list(b.shape)})")
+    in_f, out_f = shapes[where] if shapes is not None else (a.shape[1], b.shape[0])
+    if a.shape[1] != in_f or b.shape[0] != out_f:
+        raise AdapterError(f"{weights_file}: layer {layer} {module} expects lora_A [{rank}, {in_f}] and "
+                           f"lora_B [{out_f}, {rank}], got {list(a.shape)} and {list(b.shape)}")
+    for label, t in (("lora_A", a), ("lora_B", b)):
+        if not bool(torch.isfinite(t).all()):
+            raise AdapterError(f"{weights_file}: layer {layer} {module} {label} holds NaN or inf "
+                               f"(in {t.dtype})")
 
 
 def _check_config(path: Path, cfg: dict) -> None:

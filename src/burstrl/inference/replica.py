@@ -84,7 +84,8 @@ def build_replica(cfg: ServeConfig) -> Replica:
     state_dir.mkdir(parents=True, exist_ok=True)
     sessions = SessionTable(cfg.engine.session_ttl_s)
     engine = Engine(model, tokenizer, cfg.engine, eos_token_ids(model, tokenizer), sessions, max_len)
-    registry = AdapterRegistry(state_dir, engine.runner.num_layers, engine.runner.dtype, engine.runner.device)
+    registry = AdapterRegistry.for_layers(state_dir, engine.runner.layers, engine.runner.dtype,
+                                          engine.runner.device, cfg.server.upload_ttl_s)
     try:
         chat = ChatTokenizer(tokenizer)
     except ChatError:

@@ -4,6 +4,10 @@ Rank 0 writes the version to the volume (atomic, sha256 manifest) and prunes old
 every rank pushes its shards (rank r sends shards r, r+W, ...) to every replica in parallel, and
 rank 0 sends each replica the manifest and the commit. A replica that fails is reported and counted,
 never fatal: it will load the newest version from the volume when it restarts.
+
+A version must be finite to be published: an adapter holding NaN or inf (a diverged step) stops the
+trainer with `NonFiniteAdapter` before anything reaches the volume or a replica, so no replica ever
+serves it and no late joiner loads it.
 """
 
 from __future__ import annotations
@@ -18,15 +22,45 @@ from burstrl.config import TrainConfig
 from burstrl.trainer.dist import Dist
 
 
+class NonFiniteAdapter(ValueError):
+    """The adapter of a step holds NaN or inf values; it is never published."""
+
+
 def volume_dir(cfg: TrainConfig) -> Path:
     return Path(cfg.weights.volume) if cfg.weights.volume else Path(cfg.run_dir) / "adapters"
 
 
 def publish_version(cfg: TrainConfig, step: int, adapter_dir: Path, dist: Dist) -> dict[str, Any]:
     """Make `policy-v{step}` servable; every rank calls this. Returns push figures (rank 0's view)."""
+    refuse_non_finite(step, adapter_dir, dist)
     if dist.is_main:
         write_to_volume(cfg, step, adapter_dir)
     return push_version(cfg, step, dist)
+
+
+def refuse_non_finite(step: int, adapter_dir: Path, dist: Dist) -> None:
+    """Raise `NonFiniteAdapter` on every rank if the step's adapter holds NaN or inf.
+
+    Rank 0 (which wrote the checkpoint) reads the file and every rank gets its verdict, so all ranks
+    stop together instead of some waiting forever in the push's collectives.
+    """
+    bad = dist.broadcast(first_non_finite(adapter_dir) if dist.is_main else None)
+    if bad is not None:
+        raise NonFiniteAdapter(f"policy-v{step}: tensor {bad!r} of {adapter_dir} holds NaN or inf; "
+                               "refusing to publish it (nothing written to the volume or pushed)")
+
+
+def first_non_finite(adapter_dir: Path) -> str | None:
+    """The name of the first (sorted) tensor of the adapter's safetensors with a NaN or inf, if any."""
+    import torch
+    from safetensors import safe_open
+
+    with safe_open(str(Path(adapter_dir) / "adapter_model.safetensors"), framework="pt") as f:
+        for key in sorted(f.keys()):
+            tensor = f.get_tensor(key)
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                return key
+    return None
 
 
 def write_to_volume(cfg: TrainConfig, step: int, adapter_dir: Path) -> None:
@@ -95,6 +129,7 @@ class Publisher:
         done = self.wait()
         if not self.background:
             return publish_version(self.cfg, step, adapter_dir, self.dist)
+        refuse_non_finite(step, adapter_dir, self.dist)
         write_to_volume(self.cfg, step, adapter_dir)
         self.thread = threading.Thread(target=self._push, args=(step,), name=f"push-v{step}", daemon=True)
         self.thread.start()
