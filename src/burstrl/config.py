@@ -70,6 +70,11 @@ class EngineConfig(Section):
         60.0, gt=0, description="A session evicted again within this window of its re-fill is thrashing."
     )
     seed: int = Field(0, description="Seed of the engine's generator for requests without a seed.")
+    logprobs_mode: Literal["processed", "raw"] = Field(
+        "processed", description="Logprobs shown to clients: of the distribution sampled from (after "
+        "temperature, penalties, top-k/p) or the model's raw log-softmax (vLLM's default). Capture "
+        "always records the processed ones, which the trainer needs."
+    )
 
 
 class ServerConfig(Section):
@@ -77,6 +82,10 @@ class ServerConfig(Section):
     port: int = Field(8000, ge=0, le=65535, description="Bind port; 0 = any free port.")
     admin_token: str = Field(
         "", description="Bearer token for admin endpoints; empty = BURSTRL_ADMIN_TOKEN or generated."
+    )
+    cluster_token: str = Field(
+        "", description="Also accepted for reads of traces and per-session loads (the router's scrapes); "
+        "empty = $BURSTRL_CLUSTER_TOKEN."
     )
     ssl_certfile: str = Field("", description="TLS certificate (PEM); with ssl_keyfile enables HTTPS.")
     ssl_keyfile: str = Field("", description="TLS private key (PEM).")

@@ -22,7 +22,8 @@ class Server:
         return {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
     def get(self, path: str) -> dict:
-        r = httpx.get(self.url + path, timeout=30)
+        """GET with the admin token (traces and per-session loads need it)."""
+        r = httpx.get(self.url + path, headers=self.admin(), timeout=30)
         r.raise_for_status()
         return r.json()
 

@@ -53,7 +53,8 @@ class KillHomeAfterFirstCall(MultiToyEnv):
         async def chat(messages, max_tokens=None):
             reply = await original(messages, max_tokens)
             if client.calls == 1:
-                trace = httpx.get(f"{self.router_url}/v1/traces/{client.session_id}", timeout=10).json()
+                trace = httpx.get(f"{self.router_url}/v1/traces/{client.session_id}",
+                                  headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=10).json()
                 next(s for s in self.servers if s.url == trace["replica"]).replica.kill()
             return reply
 
@@ -81,7 +82,8 @@ def test_an_attempt_returns_every_captured_call_and_releases_the_session(cluster
         assert later.prompt_ids[:len(earlier.prompt_ids) + len(earlier.completion_ids)] == \
             earlier.prompt_ids + earlier.completion_ids
     assert rollout.timings["calls"] == 3 and 0.0 <= rollout.reward <= 1.0
-    assert httpx.get(f"{router.url}/v1/traces/attempt-ok", timeout=10).status_code == 404  # released
+    assert httpx.get(f"{router.url}/v1/traces/attempt-ok",
+                     headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=10).status_code == 404  # released
 
 
 def test_a_replica_dying_mid_rollout_fails_the_attempt_instead_of_storing_half_a_capture(cluster) -> None:

@@ -96,7 +96,7 @@ def test_a_version_is_kept_while_a_session_uses_it(server: Server, adapters: dic
     r = httpx.delete(server.url + "/v1/traces/pinned", headers=server.admin())
     assert r.status_code == 200 and r.json()["calls"] == 2
     assert "policy-v3" not in server.get("/v1/loads")["retiring_versions"]
-    assert httpx.get(server.url + "/v1/traces/pinned").status_code == 404
+    assert httpx.get(server.url + "/v1/traces/pinned", headers=server.admin()).status_code == 404
 
 
 @pytest.mark.parametrize("body,status,needle", [

@@ -16,6 +16,8 @@ import pytest
 from burstrl.envs.swe.agent import AgentLimits, run_agent
 from burstrl.orchestrator.client import SessionClient
 
+from .conftest import ADMIN_TOKEN
+
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")]
 
@@ -25,7 +27,8 @@ async def _attempt(url: str, sandbox, task, session_id: str):
         client = SessionClient(http, url, session_id, "base", temperature=1.0, max_tokens=64, seed=0)
         result = await run_agent(client, sandbox, task,
                                  AgentLimits(max_turns=3, max_tokens_per_call=64, max_seconds=120))
-        trace = (await http.get(f"{url}/v1/traces/{session_id}")).json()
+        trace = (await http.get(f"{url}/v1/traces/{session_id}",
+                                 headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})).json()
     return client, result, trace
 
 
@@ -53,5 +56,5 @@ def test_minisweagent_bridge_runs_an_attempt(server, calc_sandbox, calc_task):
                            max_tokens=64, max_seconds=120)
     assert out["exit_status"] and 1 <= out["model_calls"] <= 3
     assert out["messages"][0]["role"] == "system" and "add(2, 3)" in out["messages"][1]["content"]
-    trace = httpx.get(f"{server.url}/v1/traces/{session_id}", timeout=30).json()
+    trace = httpx.get(f"{server.url}/v1/traces/{session_id}", headers=server.admin(), timeout=30).json()
     assert len(trace["calls"]) == out["model_calls"]

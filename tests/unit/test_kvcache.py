@@ -66,11 +66,11 @@ def test_put_take_keep_idle_tokens():
     assert cache.reserve(30)
     kv = _kv(20)
     cache.unreserve(30)
-    cache.put("a", kv, list(range(25)))  # tokens longer than kv: only kv.length kept
+    cache.put("a", kv, list(range(25)), 0)  # tokens longer than kv: only kv.length kept
     assert cache.idle_tokens == 20 and cache.cached_length("a") == 20
     assert cache.idle["a"].tokens == list(range(20))
     _check(cache)
-    got, reuse = cache.take("a", list(range(30)))
+    got, reuse = cache.take("a", list(range(30)), 0)
     assert got is kv and reuse == 20
     assert cache.idle_tokens == 0 and cache.cached_length("a") == 0
     _check(cache)
@@ -78,7 +78,7 @@ def test_put_take_keep_idle_tokens():
 
 def test_take_unknown_session():
     cache = SessionCache(capacity=100, thrash_window_s=1.0)
-    assert cache.take("nope", [1, 2, 3]) == (None, 0)
+    assert cache.take("nope", [1, 2, 3], 0) == (None, 0)
 
 
 def test_request_cycle_keeps_invariant():
@@ -86,7 +86,7 @@ def test_request_cycle_keeps_invariant():
     prompt = list(range(10))
     expected_reuse = 0
     for call in range(5):
-        kv, reuse = cache.take("s", prompt)
+        kv, reuse = cache.take("s", prompt, 0)
         assert reuse == expected_reuse
         need = len(prompt) + 8
         assert cache.reserve(need)
@@ -96,7 +96,7 @@ def test_request_cycle_keeps_invariant():
         kv.reserve(len(fed))
         kv.length = len(fed)
         cache.unreserve(need)
-        cache.put("s", kv, fed)
+        cache.put("s", kv, fed, 0)
         _check(cache)
         expected_reuse = len(fed)
         prompt = fed + [200 + call] * 3
@@ -105,11 +105,11 @@ def test_request_cycle_keeps_invariant():
 def test_lru_evicts_oldest_first_and_only_as_many_as_needed():
     cache = SessionCache(capacity=100, thrash_window_s=1.0)
     for name in ("a", "b", "c", "d"):
-        cache.put(name, _kv(20), list(range(20)))
+        cache.put(name, _kv(20), list(range(20)), 0)
     _check(cache)
     # touching b makes it most recent: order a, c, d, b
-    kv, _ = cache.take("b", list(range(21)))
-    cache.put("b", kv, list(range(20)))
+    kv, _ = cache.take("b", list(range(21)), 0)
+    cache.put("b", kv, list(range(20)), 0)
     assert cache.reserve(35)  # needs 15 more than free: a (20) is enough
     assert list(cache.idle) == ["c", "d", "b"]
     assert cache.stats.evictions == 1 and cache.stats.evicted_tokens == 20
@@ -122,7 +122,7 @@ def test_lru_evicts_oldest_first_and_only_as_many_as_needed():
 
 def test_reserve_exactly_fills_without_eviction():
     cache = SessionCache(capacity=100, thrash_window_s=1.0)
-    cache.put("a", _kv(40), list(range(40)))
+    cache.put("a", _kv(40), list(range(40)), 0)
     assert cache.reserve(60)
     assert "a" in cache.idle and cache.stats.evictions == 0
     _check(cache)
@@ -131,8 +131,8 @@ def test_reserve_exactly_fills_without_eviction():
 def test_reserve_false_when_it_cannot_fit_after_evicting_everything():
     cache = SessionCache(capacity=100, thrash_window_s=1.0)
     assert cache.reserve(50)
-    cache.put("a", _kv(10), list(range(10)))
-    cache.put("b", _kv(10), list(range(10)))
+    cache.put("a", _kv(10), list(range(10)), 0)
+    cache.put("b", _kv(10), list(range(10)), 0)
     assert not cache.reserve(60)
     assert cache.reserved == 50
     _check(cache)
@@ -142,22 +142,22 @@ def test_reserve_false_when_it_cannot_fit_after_evicting_everything():
 def test_failed_reserve_evicts_nothing():
     cache = SessionCache(capacity=100, thrash_window_s=1.0)
     assert cache.reserve(50)
-    cache.put("a", _kv(10), list(range(10)))
-    cache.put("b", _kv(10), list(range(10)))
+    cache.put("a", _kv(10), list(range(10)), 0)
+    cache.put("b", _kv(10), list(range(10)), 0)
     assert not cache.reserve(60)
     assert list(cache.idle) == ["a", "b"] and cache.stats.evictions == 0
 
 
 def test_used_tokens_counts_idle_and_running():
     cache = SessionCache(capacity=100, thrash_window_s=1.0)
-    cache.put("a", _kv(12), list(range(12)))
+    cache.put("a", _kv(12), list(range(12)), 0)
     cache.running_tokens = 7
     assert cache.used_tokens == 19
 
 
 def test_drop_forgets_without_eviction():
     cache = SessionCache(capacity=100, thrash_window_s=1.0)
-    cache.put("a", _kv(12), list(range(12)))
+    cache.put("a", _kv(12), list(range(12)), 0)
     cache.drop("a")
     cache.drop("unknown")
     assert cache.idle_tokens == 0 and not cache.idle
@@ -168,29 +168,29 @@ def test_drop_forgets_without_eviction():
 
 def test_take_returns_common_prefix_and_truncates():
     cache = SessionCache(capacity=100, thrash_window_s=1.0)
-    cache.put("a", _kv(10), [1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
-    kv, reuse = cache.take("a", [1, 2, 3, 4, 99, 6, 7, 8, 9, 10, 11])
+    cache.put("a", _kv(10), [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 0)
+    kv, reuse = cache.take("a", [1, 2, 3, 4, 99, 6, 7, 8, 9, 10, 11], 0)
     assert reuse == 4 and kv.length == 4
 
 
 def test_take_leaves_at_least_one_prompt_token():
     cache = SessionCache(capacity=100, thrash_window_s=1.0)
     tokens = list(range(10))
-    cache.put("a", _kv(10), tokens)
-    kv, reuse = cache.take("a", tokens)  # identical prompt
+    cache.put("a", _kv(10), tokens, 0)
+    kv, reuse = cache.take("a", tokens, 0)  # identical prompt
     assert reuse == 9 and kv.length == 9
-    cache.put("a", kv, tokens)
-    kv, reuse = cache.take("a", tokens[:4])  # shorter prompt
+    cache.put("a", kv, tokens, 0)
+    kv, reuse = cache.take("a", tokens[:4], 0)  # shorter prompt
     assert reuse == 3 and kv.length == 3
-    cache.put("a", kv, tokens)
-    kv, reuse = cache.take("a", [0])
+    cache.put("a", kv, tokens, 0)
+    kv, reuse = cache.take("a", [0], 0)
     assert reuse == 0 and kv.length == 0
 
 
 def test_take_no_common_prefix():
     cache = SessionCache(capacity=100, thrash_window_s=1.0)
-    cache.put("a", _kv(5), [1, 2, 3, 4, 5])
-    kv, reuse = cache.take("a", [9, 2, 3, 4, 5, 6])
+    cache.put("a", _kv(5), [1, 2, 3, 4, 5], 0)
+    kv, reuse = cache.take("a", [9, 2, 3, 4, 5, 6], 0)
     assert kv is not None and reuse == 0 and kv.length == 0
 
 
@@ -198,8 +198,8 @@ def test_take_keeps_cached_values_of_reused_prefix():
     cache = SessionCache(capacity=100, thrash_window_s=1.0)
     kv = _kv(6)
     k0 = kv.k[0][:, :6].clone()
-    cache.put("a", kv, list(range(6)))
-    got, reuse = cache.take("a", list(range(6)) + [7])
+    cache.put("a", kv, list(range(6)), 0)
+    got, reuse = cache.take("a", list(range(6)) + [7], 0)
     assert reuse == 6
     assert torch.equal(got.k[0][:, :6], k0)
 
@@ -216,14 +216,14 @@ def test_record_counts_tokens():
 
 def test_refill_after_eviction_and_thrash_within_window(clock):
     cache = SessionCache(capacity=30, thrash_window_s=5.0)
-    cache.put("a", _kv(20), list(range(20)))
+    cache.put("a", _kv(20), list(range(20)), 0)
     assert cache.reserve(20)  # evicts a
     assert cache.stats.evictions == 1 and cache.stats.thrash == 0
     cache.unreserve(20)
-    assert cache.take("a", list(range(25))) == (None, 0)
+    assert cache.take("a", list(range(25)), 0) == (None, 0)
     cache.record("a", 25, 0)
     assert cache.stats.refills == 1
-    cache.put("a", _kv(20), list(range(20)))
+    cache.put("a", _kv(20), list(range(20)), 0)
     clock.now += 1.0
     assert cache.reserve(20)  # evicted again 1 s after its refill
     assert cache.stats.evictions == 2 and cache.stats.thrash == 1
@@ -232,12 +232,12 @@ def test_refill_after_eviction_and_thrash_within_window(clock):
 
 def test_no_thrash_outside_window(clock):
     cache = SessionCache(capacity=30, thrash_window_s=5.0)
-    cache.put("a", _kv(20), list(range(20)))
+    cache.put("a", _kv(20), list(range(20)), 0)
     assert cache.reserve(20)
     cache.unreserve(20)
     cache.record("a", 25, 0)
     assert cache.stats.refills == 1
-    cache.put("a", _kv(20), list(range(20)))
+    cache.put("a", _kv(20), list(range(20)), 0)
     clock.now += 6.0
     assert cache.reserve(20)
     assert cache.stats.evictions == 2 and cache.stats.thrash == 0
@@ -247,7 +247,7 @@ def test_first_eviction_is_not_thrash_and_hit_is_not_refill(clock):
     cache = SessionCache(capacity=30, thrash_window_s=5.0)
     cache.record("a", 20, 0)  # first call: never evicted, not a refill
     assert cache.stats.refills == 0
-    cache.put("a", _kv(20), list(range(20)))
+    cache.put("a", _kv(20), list(range(20)), 0)
     assert cache.reserve(20)
     assert cache.stats.thrash == 0
     cache.unreserve(20)
@@ -259,18 +259,18 @@ def test_first_eviction_is_not_thrash_and_hit_is_not_refill(clock):
 
 def test_thrash_with_real_clock():
     cache = SessionCache(capacity=30, thrash_window_s=30.0)  # real time.monotonic
-    cache.put("a", _kv(20), list(range(20)))
+    cache.put("a", _kv(20), list(range(20)), 0)
     assert cache.reserve(20)
     cache.unreserve(20)
     cache.record("a", 25, 0)
-    cache.put("a", _kv(20), list(range(20)))
+    cache.put("a", _kv(20), list(range(20)), 0)
     assert cache.reserve(20)
     assert cache.stats.thrash == 1
 
 
 def test_drop_clears_eviction_history(clock):
     cache = SessionCache(capacity=30, thrash_window_s=5.0)
-    cache.put("a", _kv(20), list(range(20)))
+    cache.put("a", _kv(20), list(range(20)), 0)
     assert cache.reserve(20)
     cache.unreserve(20)
     cache.drop("a")
@@ -411,11 +411,11 @@ def test_decode_batch_attend_matches_per_row_attention():
 
 def test_no_thrash_after_window_with_real_clock():
     cache = SessionCache(capacity=30, thrash_window_s=0.02)
-    cache.put("a", _kv(20), list(range(20)))
+    cache.put("a", _kv(20), list(range(20)), 0)
     assert cache.reserve(20)
     cache.unreserve(20)
     cache.record("a", 25, 0)
-    cache.put("a", _kv(20), list(range(20)))
+    cache.put("a", _kv(20), list(range(20)), 0)
     time.sleep(0.05)
     assert cache.reserve(20)
     assert cache.stats.evictions == 2 and cache.stats.thrash == 0

@@ -49,10 +49,10 @@ def test_share_copies_the_common_prefix_and_keeps_the_donor() -> None:
     cache = SessionCache(capacity=10_000, thrash_window_s=60)
     system = list(range(100, 100 + 2 * BLOCK + 6))
     donor_tokens = system + [1, 2, 3]
-    cache.put("donor", filled(donor_tokens), donor_tokens)
-    cache.put("other", filled([5] * 40), [5] * 40)
+    cache.put("donor", filled(donor_tokens), donor_tokens, 0)
+    cache.put("other", filled([5] * 40), [5] * 40, 0)
     prompt = system + [9, 9]
-    kv, reuse = cache.share(prompt, new_kv)
+    kv, reuse = cache.share(prompt, 0, new_kv)
     assert reuse == len(system)  # exact common prefix, past the last full block
     want = filled(donor_tokens)
     for layer in range(LAYERS):
@@ -65,23 +65,23 @@ def test_share_copies_the_common_prefix_and_keeps_the_donor() -> None:
 def test_share_leaves_one_token_and_needs_a_full_block() -> None:
     cache = SessionCache(capacity=10_000, thrash_window_s=60)
     tokens = list(range(2 * BLOCK))
-    cache.put("d", filled(tokens), tokens)
-    kv, reuse = cache.share(tokens, new_kv)  # the whole prompt is cached: one token left to feed
+    cache.put("d", filled(tokens), tokens, 0)
+    kv, reuse = cache.share(tokens, 0, new_kv)  # the whole prompt is cached: one token left to feed
     assert reuse == len(tokens) - 1
-    assert cache.share(list(range(BLOCK - 1)), new_kv) == (None, 0)
-    assert cache.share([7] + tokens[1:], new_kv) == (None, 0)
+    assert cache.share(list(range(BLOCK - 1)), 0, new_kv) == (None, 0)
+    assert cache.share([7] + tokens[1:], 0, new_kv) == (None, 0)
 
 
 def test_evicted_or_taken_sessions_are_no_donors() -> None:
     cache = SessionCache(capacity=3 * BLOCK, thrash_window_s=60)
     tokens = list(range(2 * BLOCK))
-    cache.put("d", filled(tokens), tokens)
+    cache.put("d", filled(tokens), tokens, 0)
     assert cache.reserve(2 * BLOCK)  # evicts d
-    assert cache.share(tokens + [1], new_kv) == (None, 0)
+    assert cache.share(tokens + [1], 0, new_kv) == (None, 0)
     cache.unreserve(2 * BLOCK)
-    cache.put("e", filled(tokens), tokens)
-    cache.take("e", tokens + [1])
-    assert cache.share(tokens + [1], new_kv) == (None, 0)
+    cache.put("e", filled(tokens), tokens, 0)
+    cache.take("e", tokens + [1], 0)
+    assert cache.share(tokens + [1], 0, new_kv) == (None, 0)
 
 
 def test_shared_hits_are_counted() -> None:
@@ -89,3 +89,37 @@ def test_shared_hits_are_counted() -> None:
     cache.record("s", 100, 64, shared=True)
     cache.record("t", 50, 49)
     assert (cache.stats.queries_tokens, cache.stats.hit_tokens, cache.stats.shared_hit_tokens) == (150, 113, 64)
+
+
+def test_blocks_are_keyed_by_version_namespace() -> None:
+    """KV computed under one adapter version is never offered to a prompt on another."""
+    tokens = list(range(3 * BLOCK))
+    assert block_hashes(tokens, namespace=1) != block_hashes(tokens, namespace=2)
+    idx = PrefixIndex()
+    idx.add("v1", tokens, namespace=1)
+    assert idx.longest(tokens, namespace=2) == (None, 0)
+    assert idx.longest(tokens, namespace=1) == ("v1", 3)
+
+
+def test_share_and_take_refuse_another_namespace() -> None:
+    cache = SessionCache(capacity=10_000, thrash_window_s=60)
+    tokens = list(range(2 * BLOCK + 3))
+    cache.put("d", filled(tokens), tokens, 1)
+    assert cache.share(tokens + [5], 2, new_kv) == (None, 0)
+    kv, reuse = cache.share(tokens + [5], 1, new_kv)
+    assert reuse == len(tokens)
+    cache.add_running("r", filled(tokens), tokens, 3)
+    assert cache.share(tokens + [5], 4, new_kv) == (None, 0)
+    assert cache.share(tokens + [5], 3, new_kv)[1] == len(tokens)
+    # a session id reused on another version (released, then begun again) starts cold
+    assert cache.take("d", tokens + [5], 2) == (None, 0)
+    assert cache.cached_length("d") == 0 and cache.idle_tokens == 0
+
+
+def test_a_hash_collision_across_namespaces_is_not_copied(monkeypatch) -> None:
+    """Even when the index hands back a donor of another namespace, share refuses to copy it."""
+    cache = SessionCache(capacity=10_000, thrash_window_s=60)
+    tokens = list(range(2 * BLOCK + 3))
+    cache.put("d", filled(tokens), tokens, 1)
+    monkeypatch.setattr(cache.prefixes, "longest", lambda prompt, ns=0: ("d", 2))
+    assert cache.share(tokens + [5], 2, new_kv) == (None, 0)

@@ -122,6 +122,11 @@ class AdapterRegistry:
         with self._lock:
             return list(self.active)
 
+    def paths(self) -> dict[str, str]:
+        """Where each served version was loaded from (`root` in `/v1/models`)."""
+        with self._lock:
+            return {name: adapter.path for name, adapter in self.active.items()}
+
     def for_new_session(self, name: str) -> LoraAdapter | None:
         """The adapter a new session on `name` gets; KeyError if not served for new sessions."""
         with self._lock:

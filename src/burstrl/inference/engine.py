@@ -6,6 +6,11 @@ requests and aborts, admit waiting requests while the budget allows (prefill eac
 session's cached prefix, sample its first token), then run one decode step for every running
 request. Requests therefore join and leave the batch at token boundaries, and a batch mixes
 sessions, lengths and adapter versions freely.
+
+Failures stay with their request: a row whose distribution cannot be sampled, or whose callback
+raises, fails alone with an error; a forward pass that raises fails the requests of that step and
+the loop goes on. Only a bug in the loop's own bookkeeping stops it (then `error` says why, every
+waiting request is failed, and `on_fatal` lets the process exit so the fleet replaces it).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from burstrl.inference.kvcache import DecodeBatch, PackedPrefillAttention, Sessi
 from burstrl.inference.lora import LoraAdapter, LoraBatch
 from burstrl.inference.prefix import block_hashes
 from burstrl.inference.runner import ModelRunner
-from burstrl.inference.sampling import SamplingParams, sample
+from burstrl.inference.sampling import History, SamplingParams, sample
 from burstrl.inference.sessions import CallRecord, Session, SessionTable
 
 log = logging.getLogger(__name__)
@@ -47,7 +52,10 @@ class Request:
     completion_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    shown_logprobs: list[float] = field(default_factory=list)  # what the client sees (raw or processed)
+    shown_top: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop token id or string that ended it (vLLM's field)
     text: str | None = None
     cached_tokens: int = 0
     error: str | None = None
@@ -59,6 +67,11 @@ class Request:
     kv: SessionKV | None = None
     generator: torch.Generator | None = None
 
+    @property
+    def namespace(self) -> int:
+        """The KV namespace: keys/values are only ever reused within one adapter version."""
+        return 0 if self.adapter is None else self.adapter.uid
+
 
 @dataclass
 class EngineCounters:
@@ -68,6 +81,8 @@ class EngineCounters:
     decode_steps: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    failed_requests: int = 0  # failed alone (bad distribution, callback error, failed step)
+    step_failures: int = 0  # forward passes that raised
 
 
 def default_threads() -> int:
@@ -78,12 +93,20 @@ def default_threads() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+def _crash_point() -> int | None:
+    """`BURSTRL_CRASH=engine@N`: the loop dies once N requests have finished (the tests' way to
+    reach the dead-engine path now that no request can); unset, nothing happens."""
+    spec = os.environ.get("BURSTRL_CRASH", "")
+    return int(spec.split("@", 1)[1]) if spec.startswith("engine@") else None
+
+
 class Engine:
     """Owns the model runner, the decode batch and the session caches; runs in one thread."""
 
     def __init__(self, model: torch.nn.Module, tokenizer, cfg: EngineConfig, eos_ids: list[int],
                  sessions: SessionTable, max_model_len: int,
-                 on_release: Callable[[], None] | None = None) -> None:
+                 on_release: Callable[[], None] | None = None,
+                 on_fatal: Callable[[str], None] | None = None) -> None:
         torch.set_num_threads(cfg.num_threads or default_threads())
         self.cfg = cfg
         self.runner = ModelRunner(model)
@@ -92,6 +115,8 @@ class Engine:
         self.sessions = sessions
         self.max_model_len = max_model_len
         self.on_release = on_release
+        self.on_fatal = on_fatal
+        self.raw_logprobs = cfg.logprobs_mode == "raw"
         r = self.runner
         self.cache = SessionCache(cfg.max_total_num_tokens, cfg.thrash_window_s)
         self.batch = DecodeBatch(r.num_layers, r.num_kv_heads, r.head_dim, r.dtype, r.device, r.scaling)
@@ -110,6 +135,7 @@ class Engine:
         self._lora: LoraBatch | None = None
         self._lora_dirty = True
         self._next_expiry = 0.0
+        self._crash_after = _crash_point()
 
     # ---- public, any thread ----
     def start(self) -> None:
@@ -164,6 +190,8 @@ class Engine:
             for req in [*self.rows, *self.waiting, *self._inbox]:
                 req.error = self.error
                 self._report_done(req, "error")
+            if self.on_fatal is not None:
+                self.on_fatal(self.error)
             raise
 
     def _iterate(self) -> bool:
@@ -176,6 +204,8 @@ class Engine:
             self._inbox.clear()
             aborts, self._aborts = self._aborts, set()
             drops, self._drops = self._drops, []
+        if self._crash_after is not None and sum(self.counters.requests.values()) >= self._crash_after:
+            raise RuntimeError("engine crash injected by BURSTRL_CRASH")
         for session_id in drops:
             self.cache.drop(session_id)
         if aborts:
@@ -215,16 +245,16 @@ class Engine:
             sid = req.session.id
             kv, reuse, shared = None, 0, False
             if self.cfg.session_cache and not req.session.ephemeral:
-                kv, reuse = self.cache.take(sid, req.prompt_ids)
+                kv, reuse = self.cache.take(sid, req.prompt_ids, req.namespace)
             if kv is None and self.cfg.prefix_sharing:
                 if self._better_after(req, admitted):
                     break  # shares more with a request prefilled now: admit next iteration, copy it
-                kv, reuse = self.cache.share(req.prompt_ids, self._new_kv)
+                kv, reuse = self.cache.share(req.prompt_ids, req.namespace, self._new_kv)
                 shared = kv is not None
             need = len(req.prompt_ids) + req.params.max_tokens
             if not self.cache.reserve(need):
                 if kv is not None and not shared:
-                    self.cache.put(sid, kv, req.prompt_ids)
+                    self.cache.put(sid, kv, req.prompt_ids, req.namespace)
                 break
             self.waiting.popleft()
             self.cache.record(sid, len(req.prompt_ids), reuse, shared)
@@ -243,12 +273,14 @@ class Engine:
         """
         if not admitted:
             return False
-        mine = block_hashes(req.prompt_ids)
+        mine = block_hashes(req.prompt_ids, namespace=req.namespace)
         if not mine:
             return False
-        now = self.cache.prefixes.longest(req.prompt_ids)[1]
+        now = self.cache.prefixes.longest(req.prompt_ids, req.namespace)[1]
         for other in admitted:
-            theirs = block_hashes(other.prompt_ids, limit=len(req.prompt_ids))
+            if other.namespace != req.namespace:
+                continue
+            theirs = block_hashes(other.prompt_ids, limit=len(req.prompt_ids), namespace=other.namespace)
             common = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
             if common > now:
                 return True
@@ -270,24 +302,29 @@ class Engine:
         if any(r.adapter is not None for r in reqs):
             lora = LoraBatch([r.adapter for r, n in zip(reqs, new) for _ in n], per_token=True)
         select = torch.tensor(attention.last_positions, device=device)
-        logits = self.runner.forward(ids, positions, attention, lora, select=select)
+        try:
+            logits = self.runner.forward(ids, positions, attention, lora, select=select)
+        except Exception as exc:  # tolerated: these requests fail, the engine serves the rest
+            self._step_failed("prefill", exc, reqs)
+            return
         attention.commit()
         for req in reqs:
             self.cache.running_tokens += req.kv.length
             req.session.kv_tokens = req.kv.length
         self.counters.prompt_tokens += ids.shape[1]
         self.counters.prefill_s += time.monotonic() - t0
-        sampled = sample(logits, [r.params for r in reqs], [r.generator for r in reqs], self._gen)
-        for i, req in enumerate(reqs):
-            top = sampled.top[i] if sampled.top else None
-            if self._append(req, sampled.tokens[i], sampled.logprobs[i], top):
+        for req, outcome in zip(reqs, self._sample(logits, reqs)):
+            if isinstance(outcome, str) or (finished := self._append(req, *outcome)) is None:
+                self.cache.running_tokens -= req.kv.length
+                self._fail(req, outcome if isinstance(outcome, str) else req.error)
+            elif finished:
                 self._finish(req)
             else:
                 self.batch.add(req.kv)
                 self.rows.append(req)
                 self._lora_dirty = True
                 if self.cfg.prefix_sharing:
-                    self.cache.add_running(req.id, req.kv, req.prompt_ids)
+                    self.cache.add_running(req.id, req.kv, req.prompt_ids, req.namespace)
 
     def _decode_step(self) -> None:
         t0 = time.monotonic()
@@ -295,20 +332,27 @@ class Engine:
         self.batch.prepare()
         ids = torch.tensor([[r.completion_ids[-1]] for r in rows], device=self.runner.device)
         positions = self.batch.lens[:, None].clone()
-        logits = self.runner.forward(ids, positions, self.batch, self._lora_batch())
+        try:
+            logits = self.runner.forward(ids, positions, self.batch, self._lora_batch())
+        except Exception as exc:  # tolerated: the running requests fail, the engine serves the rest
+            self._step_failed("decode", exc, [self._drop_row(i) for i in reversed(range(len(rows)))])
+            return
         self.batch.advance()
         self.cache.running_tokens += len(rows)
-        sampled = sample(logits, [r.params for r in rows], [r.generator for r in rows], self._gen)
-        done = []
-        for i, req in enumerate(rows):
+        done, failed = [], {}
+        for i, (req, outcome) in enumerate(zip(rows, self._sample(logits, rows))):
             req.session.kv_tokens += 1
-            top = sampled.top[i] if sampled.top else None
-            if self._append(req, sampled.tokens[i], sampled.logprobs[i], top):
+            if isinstance(outcome, str) or (finished := self._append(req, *outcome)) is None:
+                failed[i] = outcome if isinstance(outcome, str) else req.error
+            elif finished:
                 done.append(i)
         self.counters.decode_steps += 1
         self.counters.decode_s += time.monotonic() - t0
-        for i in reversed(done):
-            self._leave(i)
+        for i in sorted([*done, *failed], reverse=True):
+            if i in failed:
+                self._fail(self._drop_row(i), failed[i])
+            else:
+                self._leave(i)
 
     def _lora_batch(self) -> LoraBatch | None:
         if self._lora_dirty:
@@ -317,36 +361,93 @@ class Engine:
             self._lora_dirty = False
         return self._lora
 
-    def _append(self, req: Request, token: int, logprob: float, top: list | None) -> bool:
-        """Record a sampled token; True when the request is finished."""
-        req.logprobs.append(logprob)  # before completion_ids: streaming readers index by its length
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[tuple | str]:
+        """Per request: (token, logprob, top, shown logprob, shown top), or an error message."""
+        params = [r.params for r in reqs]
+        histories = ([History(r.prompt_ids, r.completion_ids) for r in reqs]
+                     if any(p.adjusts for p in params) else None)
+        out = sample(logits, params, [r.generator for r in reqs], self._gen, histories,
+                     tuple(self.eos_ids), self.raw_logprobs)
+        results: list[tuple | str] = []
+        for i in range(len(reqs)):
+            if i in out.errors:
+                results.append(out.errors[i])
+                continue
+            top = out.top[i] if out.top else None
+            shown_top = out.shown_top[i] if out.shown_top else None
+            results.append((out.tokens[i], out.logprobs[i], top, out.shown[i], shown_top))
+        return results
+
+    def _append(self, req: Request, token: int, logprob: float, top: list | None, shown: float,
+                shown_top: list | None) -> bool | None:
+        """Record a sampled token; True when the request is finished, None when it failed (req.error)."""
+        req.logprobs.append(logprob)
+        req.shown_logprobs.append(shown)  # before completion_ids: streaming readers index by its length
         if top is not None:
             req.top_logprobs.append(top)
+            req.shown_top.append(shown_top)
         req.completion_ids.append(token)
         if not req.t_first:
             req.t_first = time.monotonic()
         self.counters.generation_tokens += 1
-        reason = None
-        if token in self.eos_ids and not req.params.ignore_eos:
-            reason = "stop"
-        elif req.params.stop and self._hit_stop(req):
-            reason = "stop"
-        elif len(req.completion_ids) >= req.params.max_tokens:
-            reason = "length"
-        elif len(req.prompt_ids) + len(req.completion_ids) >= self.max_model_len:
-            reason = "length"
-        if req.on_token is not None:
-            req.on_token(req)
-        req.finish_reason = reason
-        return reason is not None
+        try:
+            req.finish_reason = self._finish_reason(req, token)
+            if req.on_token is not None:
+                req.on_token(req)
+        except Exception as exc:  # tolerated: a stop check or callback failed for this request only
+            log.exception("request %s failed after a token", req.id)
+            req.error = f"{type(exc).__name__}: {exc}"
+            return None
+        return req.finish_reason is not None
+
+    def _finish_reason(self, req: Request, token: int) -> str | None:
+        p, n = req.params, len(req.completion_ids)
+        if n > p.min_tokens:  # before min_tokens, EOS and stop ids are masked and stop strings wait
+            if token in self.eos_ids and not p.ignore_eos:
+                return "stop"
+            if token in p.stop_token_ids:
+                req.stop_reason = token
+                return "stop"
+            if p.stop and self._hit_stop(req):
+                return "stop"
+        if n >= p.max_tokens or len(req.prompt_ids) + n >= self.max_model_len:
+            return "length"
+        return None
 
     def _hit_stop(self, req: Request) -> bool:
         text = self.tokenizer.decode(req.completion_ids, skip_special_tokens=True)
         window = len(text) - max(len(s) for s in req.params.stop) - 8
-        cuts = [i for i in (text.find(s, max(0, window)) for s in req.params.stop) if i >= 0]
+        cuts = [(i, s) for s in req.params.stop if (i := text.find(s, max(0, window))) >= 0]
         if cuts:
-            req.text = text[: min(cuts)]
+            at, req.stop_reason = min(cuts)
+            req.text = text[:at]
         return bool(cuts)
+
+    def _step_failed(self, stage: str, exc: Exception, reqs: list[Request]) -> None:
+        log.exception("%s forward failed; failing its %d request(s)", stage, len(reqs))
+        self.counters.step_failures += 1
+        for req in reqs:
+            self._fail(req, f"{stage} failed: {type(exc).__name__}: {exc}")
+
+    def _drop_row(self, row: int) -> Request:
+        """Take a failed request out of the batch; its keys/values are discarded, not cached."""
+        req = self.rows[row]
+        self.cache.remove_running(req.id)
+        self.cache.running_tokens -= int(self.batch.lens[row])
+        self.batch.remove(row, None)
+        self.rows[row] = self.rows[-1]
+        self.rows.pop()
+        self._lora_dirty = True
+        return req
+
+    def _fail(self, req: Request, message: str | None) -> None:
+        """End one request with an error: its budget is returned, its cache dropped, its session freed."""
+        self.counters.failed_requests += 1
+        self.cache.unreserve(req.reserved)
+        req.reserved, req.kv = 0, None
+        req.session.kv_tokens = 0
+        req.error = message or "request failed"
+        self._report_done(req, "error")
 
     def _leave(self, row: int) -> None:
         req = self.rows[row]
@@ -365,7 +466,7 @@ class Engine:
         fed = req.prompt_ids + req.completion_ids[:-1]
         assert kv.length == len(fed), (kv.length, len(fed))
         if self.cfg.session_cache and not session.ephemeral:
-            self.cache.put(session.id, kv, fed)
+            self.cache.put(session.id, kv, fed, req.namespace)
         else:
             session.kv_tokens = 0
         if req.text is None:

@@ -219,6 +219,7 @@ class CacheStats:
 class _Entry:
     kv: SessionKV
     tokens: list[int]
+    namespace: int  # the adapter version whose weights computed these keys/values
     last_used: float = field(default_factory=time.monotonic)
 
 
@@ -228,6 +229,9 @@ class SessionCache:
     Budget invariant: sum(idle cached tokens) + sum(running reservations) <= capacity. A running
     request reserves the tokens it may reach (cached prefix + new prompt + max_tokens) and gives
     back its reservation when it finishes and its cache becomes idle (actual length <= reserved).
+
+    Exactness invariant: every cache carries the namespace (adapter version) that computed it, and
+    a cache is reused or copied only by a request in the same namespace.
     """
 
     def __init__(self, capacity: int, thrash_window_s: float) -> None:
@@ -241,41 +245,47 @@ class SessionCache:
         self._evicted: set[str] = set()
         self._refilled_at: dict[str, float] = {}
         self.prefixes = PrefixIndex()
-        self._running: dict[str, tuple[SessionKV, list[int]]] = {}  # prompts being decoded: donors too
+        self._running: dict[str, tuple[SessionKV, list[int], int]] = {}  # prompts being decoded: donors too
 
     @property
     def used_tokens(self) -> int:
         """Tokens actually held: idle caches plus running sequences' current lengths."""
         return self.idle_tokens + self.running_tokens
 
-    def take(self, session_id: str, prompt: list[int]) -> tuple[SessionKV | None, int]:
+    def take(self, session_id: str, prompt: list[int], namespace: int) -> tuple[SessionKV | None, int]:
         """Remove a session's idle cache for a new call; returns (kv, reusable prefix length).
 
         At least one prompt token is always left to prefill (the forward needs an input). Give the
-        cache back with `put` if the call cannot start yet.
+        cache back with `put` if the call cannot start yet. A cache from another namespace (a
+        released session id reused on another version) is dropped, never reused.
         """
         entry = self._pop(session_id)
         if entry is None:
+            return None, 0
+        if entry.namespace != namespace:
             return None, 0
         reuse = _common_prefix(entry.tokens, prompt, limit=min(entry.kv.length, len(prompt) - 1))
         entry.kv.truncate(reuse)
         return entry.kv, reuse
 
-    def share(self, prompt: list[int], new_kv: Callable[[int], SessionKV]) -> tuple[SessionKV | None, int]:
-        """A fresh cache holding the longest prefix of `prompt` found in any idle session (a copy).
+    def share(self, prompt: list[int], namespace: int,
+              new_kv: Callable[[int], SessionKV]) -> tuple[SessionKV | None, int]:
+        """A fresh cache holding the longest prefix of `prompt` found in any cache of `namespace` (a copy).
 
-        The donor stays idle (and becomes most recently used). Returns (None, 0) if no idle session
-        shares a full block with the prompt. At least one prompt token is left to prefill.
+        The donor stays idle (and becomes most recently used). Returns (None, 0) if no cache of the
+        same namespace shares a full block with the prompt. At least one prompt token is left to prefill.
         """
-        donor_id, _ = self.prefixes.longest(prompt)
+        donor_id, _ = self.prefixes.longest(prompt, namespace)
         if donor_id is None:
             return None, 0
         if donor_id in self.idle:
             entry = self.idle[donor_id]
-            source, tokens = entry.kv, entry.tokens[: entry.kv.length]
+            source, tokens, donor_ns = entry.kv, entry.tokens[: entry.kv.length], entry.namespace
             self.idle.move_to_end(donor_id)
         else:  # a running request: its prompt's keys/values stay in its cache until it leaves
-            source, tokens = self._running[donor_id]
+            source, tokens, donor_ns = self._running[donor_id]
+        if donor_ns != namespace:  # a hash collision across versions: never copy
+            return None, 0
         reuse = _common_prefix(tokens, prompt, limit=min(len(tokens), len(prompt) - 1))
         if reuse == 0:
             return None, 0
@@ -286,11 +296,11 @@ class SessionCache:
         kv.length = reuse
         return kv, reuse
 
-    def add_running(self, request_id: str, kv: SessionKV, prompt: list[int]) -> None:
+    def add_running(self, request_id: str, kv: SessionKV, prompt: list[int], namespace: int) -> None:
         """Offer a running request's prefilled prompt as a donor (until `remove_running`)."""
         key = f" {request_id}"  # a space: never a session id
-        self._running[key] = (kv, prompt)
-        self.prefixes.add(key, prompt)
+        self._running[key] = (kv, prompt, namespace)
+        self.prefixes.add(key, prompt, namespace)
 
     def remove_running(self, request_id: str) -> None:
         key = f" {request_id}"
@@ -325,11 +335,12 @@ class SessionCache:
     def unreserve(self, tokens: int) -> None:
         self.reserved -= tokens
 
-    def put(self, session_id: str, kv: SessionKV, tokens: list[int]) -> None:
+    def put(self, session_id: str, kv: SessionKV, tokens: list[int], namespace: int) -> None:
         """A finished call's cache becomes idle (most recently used). `tokens` match kv.length."""
-        entry = self.idle[session_id] = _Entry(kv=kv, tokens=tokens[: kv.length])
+        self._pop(session_id)  # never two entries (and two budget charges) for one session
+        entry = self.idle[session_id] = _Entry(kv=kv, tokens=tokens[: kv.length], namespace=namespace)
         self.idle_tokens += kv.length
-        self.prefixes.add(session_id, entry.tokens)
+        self.prefixes.add(session_id, entry.tokens, namespace)
 
     def drop(self, session_id: str) -> None:
         """Forget a session (released by its owner); not an eviction."""

@@ -13,10 +13,11 @@ Math per target linear (PEFT's LoRA): y = W x + (B (A x)) * scale, scale = alpha
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -27,6 +28,7 @@ from torch import nn
 ATTN_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_PROJ = ("gate_proj", "up_proj", "down_proj")
 TARGETS = ATTN_PROJ + MLP_PROJ
+_UIDS = itertools.count(1)
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
 
@@ -42,6 +44,9 @@ class LoraAdapter:
     path: str
     rank: int
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]]
+    # KV namespace: unique per loaded object (the base model is 0), so caches computed under one
+    # load of a name are never reused under another load of the same name
+    uid: int = field(default_factory=lambda: next(_UIDS))
 
 
 Shapes = dict[tuple[int, str], tuple[int, int]]  # (layer, module) -> (in_features, out_features)

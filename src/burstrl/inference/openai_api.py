@@ -1,23 +1,59 @@
 """OpenAI request parsing and response shapes, with vLLM/SGLang's token extensions.
 
-Unknown request fields are ignored (as vLLM does), so any OpenAI client works unchanged; fields we
-read are validated and a bad value is a 400 naming it. Extensions: request `return_token_ids`,
-`session_id`, `top_k`, `ignore_eos`, `input_ids`; response `choices[].token_ids`,
-`prompt_token_ids`, `usage.prompt_tokens_details.cached_tokens`, `meta_info.weight_version`.
+Unknown request fields are ignored (as vLLM does), so any OpenAI client works unchanged; every
+optional field we read accepts an explicit `null` (= its default), and a bad value is a 400 naming
+it. A field we know but do not implement (beam search, tools, structured output, ...) is a 400 when
+set to anything but its no-op value: accepting and ignoring it would silently change what the
+client asked for. Extensions: request `return_token_ids`, `session_id`, `top_k`, `min_p`,
+`ignore_eos`, `input_ids`, `min_tokens`, `stop_token_ids`, `repetition_penalty`; response
+`choices[].token_ids`, `prompt_token_ids`, `choices[].stop_reason`,
+`usage.prompt_tokens_details.cached_tokens`, `meta_info.weight_version`.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict
 
-from burstrl.inference.engine import Request
-from burstrl.inference.sampling import SamplingParams
+if TYPE_CHECKING:  # the router imports this module and must not pull in torch
+    from burstrl.inference.engine import Request
+    from burstrl.inference.sampling import SamplingParams
 
 SESSION_HEADERS = ("x-session-id", "x-smg-routing-key", "x-dynamo-session-id")
+MAX_JSON_DEPTH = 64
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
+
+
+def _none_or(*allowed: Any) -> Callable[[Any], bool]:
+    return lambda v: v is None or v in allowed
+
+
+def _text_format(v: Any) -> bool:
+    return v is None or (isinstance(v, dict) and v.get("type") == "text")
+
+
+# Known fields that change the output and are not implemented: 400 unless at their no-op value.
+UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "best_of": _none_or(1), "use_beam_search": _none_or(False), "length_penalty": _none_or(1, 1.0),
+    "response_format": _text_format, "tools": _none_or([]), "tool_choice": _none_or("none"),
+    "functions": _none_or([]), "function_call": _none_or("none"), "guided_json": _none_or(),
+    "guided_regex": _none_or(), "guided_choice": _none_or(), "guided_grammar": _none_or(),
+    "structured_outputs": _none_or(), "prompt_logprobs": _none_or(), "suffix": _none_or(""),
+    "include_stop_str_in_output": _none_or(False), "skip_special_tokens": _none_or(True),
+    "truncate_prompt_tokens": _none_or(), "allowed_token_ids": _none_or(), "bad_words": _none_or([]),
+    "logits_processors": _none_or(), "echo": _none_or(False), "continue_final_message": _none_or(False),
+    "add_generation_prompt": _none_or(True), "chat_template": _none_or(), "chat_template_kwargs": _none_or({}),
+    "documents": _none_or(), "audio": _none_or(), "modalities": _none_or(["text"]), "prediction": _none_or(),
+}
+
+
+def unsupported_fields(body: dict[str, Any]) -> list[str]:
+    """Fields of `body` set to something this server would otherwise silently ignore."""
+    return [k for k, ok in UNSUPPORTED.items() if k in body and not ok(body[k])]
 
 
 class _Common(BaseModel):
@@ -25,32 +61,62 @@ class _Common(BaseModel):
 
     model: str
     max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
-    stream: bool = False
+    stop_token_ids: list[int] | None = None
+    stream: bool | None = None
     stream_options: dict[str, Any] | None = None
-    n: int = 1
-    return_token_ids: bool = False
+    n: int | None = None
+    return_token_ids: bool | None = None
     session_id: str | None = None
-    ignore_eos: bool = False
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
 
 
 class ChatRequest(_Common):
     messages: list[dict[str, Any]]
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = None
     top_logprobs: int | None = None
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int] | None = None
+    prompt: str | list[int] | list[str] | list[list[int]] | None = None
     input_ids: list[int] | None = None
     logprobs: int | None = None
-    echo: bool = False
-    max_tokens: int | None = 16
+
+
+def check_json(value: Any, max_depth: int = MAX_JSON_DEPTH) -> None:
+    """Refuse JSON no handler should see: nesting past `max_depth`, strings that are not valid
+    Unicode (a lone surrogate such as "\\ud800" is legal JSON but breaks every tokenizer)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > max_depth:
+            raise ValueError(f"JSON nested deeper than {max_depth} levels")
+        if isinstance(item, str):
+            _check_text(item)
+        elif isinstance(item, dict):
+            for k, v in item.items():
+                _check_text(k)
+                stack.append((v, depth + 1))
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1) for v in item)
+
+
+def _check_text(text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("strings must be valid Unicode (lone surrogate found)") from None
 
 
 class BodyTooLarge(ValueError):
@@ -74,13 +140,29 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def sampling_params(req: _Common, max_tokens: int, top_logprobs: int) -> SamplingParams:
+def sampling_params(req: _Common, max_tokens: int, top_logprobs: int, vocab_size: int) -> SamplingParams:
+    """The engine's parameters for a parsed request; ValueError (a 400) names a bad value."""
+    from burstrl.inference.sampling import SamplingParams
+
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                            top_k=req.top_k, seed=req.seed, stop=stop, top_logprobs=top_logprobs,
-                            ignore_eos=req.ignore_eos)
-    params.validate()
+    bias = {}
+    for key, value in (req.logit_bias or {}).items():
+        if not key.lstrip("-").isdigit() or len(key) > 12:
+            raise ValueError(f"logit_bias keys must be token ids, got {key[:20]!r}")
+        bias[int(key)] = value
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=_or(req.temperature, 1.0), top_p=_or(req.top_p, 1.0),
+        top_k=_or(req.top_k, 0), min_p=_or(req.min_p, 0.0), seed=req.seed, stop=stop,
+        stop_token_ids=list(req.stop_token_ids or []), top_logprobs=top_logprobs,
+        ignore_eos=bool(req.ignore_eos), min_tokens=_or(req.min_tokens, 0),
+        presence_penalty=_or(req.presence_penalty, 0.0), frequency_penalty=_or(req.frequency_penalty, 0.0),
+        repetition_penalty=_or(req.repetition_penalty, 1.0), logit_bias=bias)
+    params.validate(vocab_size)
     return params
+
+
+def _or(value: Any, default: Any) -> Any:
+    return default if value is None else value
 
 
 def error_body(status: int, message: str, kind: str = "invalid_request_error") -> dict[str, Any]:
@@ -103,9 +185,9 @@ class TokenText:
     def chat_logprobs(self, req: Request, start: int, end: int) -> dict[str, Any]:
         content = []
         for i in range(start, end):
-            item = self.entry(req.completion_ids[i], req.logprobs[i])
-            item["top_logprobs"] = ([self.entry(t, lp) for t, lp in req.top_logprobs[i]]
-                                    if req.top_logprobs else [])
+            item = self.entry(req.completion_ids[i], req.shown_logprobs[i])
+            item["top_logprobs"] = ([self.entry(t, lp) for t, lp in req.shown_top[i]]
+                                    if req.shown_top else [])
             content.append(item)
         return {"content": content}
 
@@ -114,8 +196,8 @@ class TokenText:
         for i in range(start, end):
             text = self.piece(req.completion_ids[i])
             tokens.append(text)
-            lps.append(req.logprobs[i])
-            tops.append({self.piece(t): lp for t, lp in req.top_logprobs[i]} if req.top_logprobs else None)
+            lps.append(req.shown_logprobs[i])
+            tops.append({self.piece(t): lp for t, lp in req.shown_top[i]} if req.shown_top else None)
             offsets.append(offset)
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
@@ -137,6 +219,7 @@ def chat_response(req: Request, model: str, want_ids: bool, want_logprobs: bool,
         "index": 0,
         "message": {"role": "assistant", "content": req.text},
         "finish_reason": req.finish_reason,
+        "stop_reason": req.stop_reason,
         "logprobs": text.chat_logprobs(req, 0, len(req.completion_ids)) if want_logprobs else None,
     }
     body = {"id": req.id, "object": "chat.completion", "created": int(time.time()), "model": model,
@@ -150,7 +233,7 @@ def chat_response(req: Request, model: str, want_ids: bool, want_logprobs: bool,
 
 def completion_response(req: Request, model: str, want_ids: bool, want_logprobs: bool, text: TokenText) -> dict[str, Any]:
     choice: dict[str, Any] = {
-        "index": 0, "text": req.text, "finish_reason": req.finish_reason,
+        "index": 0, "text": req.text, "finish_reason": req.finish_reason, "stop_reason": req.stop_reason,
         "logprobs": text.completion_logprobs(req, 0, len(req.completion_ids), 0) if want_logprobs else None,
     }
     body = {"id": req.id, "object": "text_completion", "created": int(time.time()), "model": model,
@@ -162,9 +245,11 @@ def completion_response(req: Request, model: str, want_ids: bool, want_logprobs:
     return body
 
 
-def models_list(names: list[str], root: str) -> dict[str, Any]:
+def models_list(names: list[str], root: str, base: str = "base",
+                roots: dict[str, str] | None = None) -> dict[str, Any]:
+    """`/v1/models` as vLLM answers it: adapters name the served base model as `parent` and
+    their own path as `root`; the base model has no parent and its path as root."""
     now = int(time.time())
     data = [{"id": n, "object": "model", "created": now, "owned_by": "burstrl",
-             "root": root, "parent": None if n == "base" else "base"} for n in names]
+             "root": (roots or {}).get(n, root), "parent": None if n == base else base} for n in names]
     return {"object": "list", "data": data}
-

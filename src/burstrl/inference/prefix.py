@@ -8,7 +8,10 @@ alias: eviction and truncation of one session never touch another.
 
 Index: each full block of BLOCK tokens of an idle cache is keyed by a hash chained over all the
 blocks before it, so one dict lookup per prompt block finds a session that holds that whole prefix.
-Hash collisions are harmless: the caller verifies the common prefix token by token.
+The chain starts from the cache's namespace: keys and values depend on the adapter version that
+computed them (LoRA touches k/v), so a block is only ever shared between requests on the same
+version. Hash collisions are harmless: the caller verifies the namespace and the common prefix
+token by token.
 """
 
 from __future__ import annotations
@@ -16,10 +19,10 @@ from __future__ import annotations
 BLOCK = 32
 
 
-def block_hashes(tokens: list[int], limit: int | None = None) -> list[int]:
-    """Chained hashes of the full BLOCK-token blocks of tokens[:limit]."""
+def block_hashes(tokens: list[int], limit: int | None = None, namespace: int = 0) -> list[int]:
+    """Chained hashes of the full BLOCK-token blocks of tokens[:limit], seeded by the namespace."""
     n = len(tokens) if limit is None else min(limit, len(tokens))
-    out, prev = [], 0
+    out, prev = [], hash(("kv-namespace", namespace))
     for start in range(0, n - BLOCK + 1, BLOCK):
         prev = hash((prev, tuple(tokens[start:start + BLOCK])))
         out.append(prev)
@@ -33,8 +36,8 @@ class PrefixIndex:
         self._owners: dict[int, dict[str, None]] = {}  # insertion-ordered set
         self._hashes: dict[str, list[int]] = {}
 
-    def add(self, session_id: str, tokens: list[int]) -> None:
-        hashes = block_hashes(tokens)
+    def add(self, session_id: str, tokens: list[int], namespace: int = 0) -> None:
+        hashes = block_hashes(tokens, namespace=namespace)
         self._hashes[session_id] = hashes
         for h in hashes:
             self._owners.setdefault(h, {})[session_id] = None
@@ -47,10 +50,10 @@ class PrefixIndex:
                 if not owners:
                     del self._owners[h]
 
-    def longest(self, prompt: list[int]) -> tuple[str | None, int]:
-        """(a session holding the most leading blocks of `prompt`, how many blocks)."""
+    def longest(self, prompt: list[int], namespace: int = 0) -> tuple[str | None, int]:
+        """(a session of `namespace` holding the most leading blocks of `prompt`, how many blocks)."""
         best, blocks = None, 0
-        for i, h in enumerate(block_hashes(prompt)):
+        for i, h in enumerate(block_hashes(prompt, namespace=namespace)):
             owners = self._owners.get(h)
             if not owners:
                 break

@@ -51,6 +51,7 @@ class Replica:
     chat: ChatTokenizer | None
     text: TokenText
     admin_token: str
+    cluster_token: str
     max_model_len: int
     state_dir: Path
     owns_state_dir: bool = False  # a temp dir made for this replica: removed on close
@@ -92,6 +93,7 @@ def build_replica(cfg: ServeConfig) -> Replica:
         chat = None
     replica = Replica(cfg=cfg, engine=engine, registry=registry, sessions=sessions, tokenizer=tokenizer,
                       chat=chat, text=TokenText(tokenizer), admin_token=_admin_token(cfg, state_dir),
+                      cluster_token=cfg.server.cluster_token or os.environ.get("BURSTRL_CLUSTER_TOKEN", ""),
                       max_model_len=max_len, state_dir=state_dir, owns_state_dir=not cfg.server.state_dir)
     engine.on_release = replica.collect_retired
     for name, path in cfg.adapters.items():
@@ -160,7 +162,15 @@ def serve(cfg: ServeConfig) -> None:
     config = uvicorn.Config(app, log_level="warning", ssl_certfile=cfg.server.ssl_certfile or None,
                             ssl_keyfile=cfg.server.ssl_keyfile or None, timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
+
+    def engine_died(error: str) -> None:  # exit, so the fleet replaces this replica
+        log.error("engine died (%s): shutting the replica down", error)
+        server.should_exit = True
+
+    replica.engine.on_fatal = engine_died
     try:
         server.run(sockets=[sock])
     finally:
         replica.close()
+    if replica.engine.error is not None:
+        raise SystemExit(f"replica stopped: engine died: {replica.engine.error}")

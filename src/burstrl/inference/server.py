@@ -1,8 +1,14 @@
 """The replica's HTTP API: OpenAI-compatible generation, capture, adapters, load and metrics.
 
 Every error from outside is a 4xx JSON body in OpenAI's shape (`{"error": {"message", ...}}`),
-never a traceback, and one bad request never disturbs the others. A client that disconnects
-mid-request has its request aborted at the next token boundary, freeing its batch slot.
+unknown routes and malformed parameters included, never a traceback, and one bad request never
+disturbs the others: a request that fails inside the engine gets a 500 naming the cause and the
+engine serves on. A replica whose engine is dead says so on `/health`, `/v1/loads` and
+`/v1/models` (503), so the router drops it. A client that disconnects mid-request has its
+request aborted at the next token boundary, freeing its batch slot.
+
+Traces hold prompts and completions: reading them, and the per-session part of `/v1/loads`,
+needs the admin token or the cluster token (the router's scrapes).
 """
 
 from __future__ import annotations
@@ -16,8 +22,10 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
 
 from burstrl.inference import openai_api as api
 from burstrl.inference.chat import ChatError, normalize_messages
@@ -50,6 +58,17 @@ def build_app(rep: Replica, on_ready: Callable[[], None] | None = None) -> FastA
             rep.counters.bad_requests += 1
         return JSONResponse(api.error_body(exc.status, exc.message, exc.kind), status_code=exc.status)
 
+    @app.exception_handler(HTTPException)
+    async def _http_error(_: Request, exc: HTTPException) -> JSONResponse:  # unknown route, bad method
+        rep.counters.bad_requests += 1
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(api.error_body(exc.status_code, str(exc.detail), kind), status_code=exc.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        rep.counters.bad_requests += 1
+        return JSONResponse(api.error_body(400, _first_error(exc.errors())), status_code=400)
+
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> JSONResponse:
         log.exception("internal error")
@@ -58,13 +77,14 @@ def build_app(rep: Replica, on_ready: Callable[[], None] | None = None) -> FastA
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        if not rep.engine.alive:
-            return JSONResponse({"status": "error", "error": rep.engine.error}, status_code=503)
+        _require_engine(rep)
         return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return api.models_list([rep.cfg.served_model_name, *rep.registry.names()], rep.cfg.model.path)
+        _require_engine(rep)
+        names = [rep.cfg.served_model_name, *rep.registry.names()]
+        return api.models_list(names, rep.cfg.model.path, rep.cfg.served_model_name, rep.registry.paths())
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -76,27 +96,22 @@ def build_app(rep: Replica, on_ready: Callable[[], None] | None = None) -> FastA
         except ChatError as exc:
             raise ApiError(400, str(exc)) from None
         top = (body.top_logprobs or 0) if body.logprobs else 0
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         return await _generate(rep, request, body, "chat", messages=messages, top_logprobs=top,
-                               max_tokens=body.max_completion_tokens or body.max_tokens,
-                               want_logprobs=body.logprobs)
+                               max_tokens=max_tokens, want_logprobs=bool(body.logprobs))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = _parse(api.CompletionRequest, await _read_json(request, rep.cfg.server.max_body_bytes))
-        if body.echo:
-            raise ApiError(400, "echo is not supported")
-        ids = body.input_ids if body.input_ids is not None else body.prompt
-        if ids is None or (isinstance(ids, (str, list)) and len(ids) == 0):
-            raise ApiError(400, "prompt (text or token ids) or input_ids is required")
-        if isinstance(ids, list) and any(not 0 <= t < rep.engine.runner.vocab_size for t in ids):
-            raise ApiError(400, f"prompt token ids must be in [0, {rep.engine.runner.vocab_size})")
-        prompt = ids if isinstance(ids, list) else rep.tokenizer.encode(ids, add_special_tokens=False)
+        prompt = _completion_prompt(rep, body)
         top = body.logprobs or 0
+        max_tokens = body.max_tokens if body.max_tokens is not None else api.COMPLETIONS_DEFAULT_MAX_TOKENS
         return await _generate(rep, request, body, "text", prompt_ids=prompt, top_logprobs=top,
-                               max_tokens=body.max_tokens, want_logprobs=body.logprobs is not None)
+                               max_tokens=max_tokens, want_logprobs=body.logprobs is not None)
 
     @app.get("/v1/traces/{session_id:path}")
-    async def get_trace(session_id: str) -> dict[str, Any]:
+    async def get_trace(session_id: str, request: Request) -> dict[str, Any]:
+        _require_reader(rep, request)
         session = rep.sessions.get(session_id)
         if session is None:
             raise ApiError(404, f"unknown session {session_id!r}", "not_found_error")
@@ -119,8 +134,11 @@ def build_app(rep: Replica, on_ready: Callable[[], None] | None = None) -> FastA
     add_admin_routes(app, rep, ApiError, _read_json, _read_body, _require_admin)
 
     @app.get("/v1/loads")
-    async def loads() -> dict[str, Any]:
+    async def loads(request: Request) -> dict[str, Any]:
+        _require_engine(rep)
         out = rep.engine.loads()
+        if not _is_reader(rep, request):  # session ids and sizes are for the fleet, not for anyone
+            out.pop("sessions")
         out["versions"] = [rep.cfg.served_model_name, *rep.registry.names()]
         out["retiring_versions"] = list(rep.registry.retiring)
         return out
@@ -132,19 +150,44 @@ def build_app(rep: Replica, on_ready: Callable[[], None] | None = None) -> FastA
     return app
 
 
+def _bearer(request: Request, *tokens: str) -> bool:
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and any(
+        t and hmac.compare_digest(given.encode(), t.encode()) for t in tokens)
+
+
 def _require_admin(rep: Replica, request: Request) -> None:
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), rep.admin_token.encode()):
+    if not _bearer(request, rep.admin_token):
         raise ApiError(401, "admin endpoint: missing or wrong bearer token", "authentication_error")
+
+
+def _is_reader(rep: Replica, request: Request) -> bool:
+    return _bearer(request, rep.admin_token, rep.cluster_token)
+
+
+def _require_reader(rep: Replica, request: Request) -> None:
+    if not _is_reader(rep, request):
+        raise ApiError(401, "traces need the admin or cluster bearer token", "authentication_error")
+
+
+def _require_engine(rep: Replica) -> None:
+    """A replica whose engine died must leave rotation: its health and load endpoints fail."""
+    if not rep.engine.alive:
+        raise ApiError(503, f"engine is not running: {rep.engine.error or 'stopped'}", "server_error")
 
 
 async def _read_json(request: Request, limit: int) -> Any:
     body = await _read_body(request, limit)
     try:
-        return json.loads(body)
+        data = json.loads(body)
+        api.check_json(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"malformed JSON body: {exc}") from None
+    except RecursionError:
+        raise ApiError(400, f"JSON nested deeper than {api.MAX_JSON_DEPTH} levels") from None
+    except ValueError as exc:
+        raise ApiError(400, str(exc)) from None
+    return data
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -157,12 +200,36 @@ async def _read_body(request: Request, limit: int) -> bytes:
 def _parse(cls: type[BaseModel], data: Any) -> Any:
     if not isinstance(data, dict):
         raise ApiError(400, "request body must be a JSON object")
+    bad = api.unsupported_fields(data)
+    if bad:
+        raise ApiError(400, f"not supported by this server: {', '.join(bad)} (see the README's "
+                            "vLLM compatibility table)")
     try:
         return cls.model_validate(data)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        key = ".".join(str(p) for p in err["loc"])
-        raise ApiError(400, f"{key}: {err['msg']}") from None
+        raise ApiError(400, _first_error(exc.errors())) from None
+
+
+def _first_error(errors: Any) -> str:
+    err = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    key = ".".join(str(p) for p in err.get("loc", ()))
+    return f"{key}: {err.get('msg', 'invalid')}"
+
+
+def _completion_prompt(rep: Replica, body: Any) -> list[int]:
+    """Token ids of a completions prompt: text, token ids, or a one-element batch of either."""
+    ids = body.input_ids if body.input_ids is not None else body.prompt
+    if isinstance(ids, list) and ids and isinstance(ids[0], (str, list)):
+        if len(ids) != 1:
+            raise ApiError(400, "batch prompts are not supported: send one request per prompt")
+        ids = ids[0]
+    if ids is None or len(ids) == 0:
+        raise ApiError(400, "prompt (text or token ids) or input_ids is required")
+    if isinstance(ids, str):
+        return rep.tokenizer.encode(ids, add_special_tokens=False)
+    if any(not 0 <= t < rep.engine.runner.vocab_size for t in ids):
+        raise ApiError(400, f"prompt token ids must be in [0, {rep.engine.runner.vocab_size})")
+    return ids
 
 
 def _session_id(body: Any, request: Request) -> str | None:
@@ -177,8 +244,8 @@ def _session_id(body: Any, request: Request) -> str | None:
 async def _generate(rep: Replica, request: Request, body: Any, kind: str, *, top_logprobs: int,
                     max_tokens: int | None, want_logprobs: bool, messages: list | None = None,
                     prompt_ids: list[int] | None = None) -> Response:
-    if body.n != 1:
-        raise ApiError(400, "n must be 1 (start one session per sample)")
+    if body.n not in (None, 1):
+        raise ApiError(400, "n must be 1: start one session per sample")
     rid = api.new_id("chatcmpl" if kind == "chat" else "cmpl")
     sid = _session_id(body, request)
     existing = rep.sessions.get(sid) if sid else None
@@ -187,26 +254,25 @@ async def _generate(rep: Replica, request: Request, body: Any, kind: str, *, top
         session = rep.sessions.begin(sid, body.model, rid)
     except SessionError as exc:
         raise ApiError(exc.status, str(exc)) from None
-    try:
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue[str] = asyncio.Queue()
+    try:  # until the engine owns the request, every way out must free the session
         if messages is not None:
             prompt_ids = rep.chat.prompt_ids(messages, session)
         params = _params(rep, body, prompt_ids, max_tokens, top_logprobs)
-    except BaseException:
-        rep.sessions.end(session)
-        raise
-    loop = asyncio.get_running_loop()
-    events: asyncio.Queue[str] = asyncio.Queue()
-    req = EngineRequest(
-        id=rid, session=session, prompt_ids=prompt_ids, params=params, version=body.model,
-        adapter=adapter, messages=messages,
-        on_done=lambda _: _notify(loop, events, "done"),
-        on_token=(lambda _: _notify(loop, events, "token")) if body.stream else None,
-    )
-    try:
+        req = EngineRequest(
+            id=rid, session=session, prompt_ids=prompt_ids, params=params, version=body.model,
+            adapter=adapter, messages=messages,
+            on_done=lambda _: _notify(loop, events, "done"),
+            on_token=(lambda _: _notify(loop, events, "token")) if body.stream else None,
+        )
         rep.engine.submit(req)
     except RuntimeError as exc:
         rep.sessions.end(session)
         raise ApiError(503, str(exc), "server_error") from None
+    except BaseException:
+        rep.sessions.end(session)
+        raise
     if body.stream:
         from burstrl.inference.streaming import stream_response
 
@@ -242,15 +308,15 @@ def _params(rep: Replica, body: Any, prompt_ids: list[int], max_tokens: int | No
     if len(prompt_ids) >= limit:
         raise ApiError(400, f"prompt has {len(prompt_ids)} tokens; this model's maximum context "
                             f"length is {limit} tokens")
-    if max_tokens is None:
+    if max_tokens is None:  # chat without a limit: the rest of the context, as vLLM does
         max_tokens = limit - len(prompt_ids)
     if max_tokens < 1:
-        raise ApiError(400, "max_tokens must be at least 1")
+        raise ApiError(400, "max_tokens (or max_completion_tokens) must be at least 1")
     if len(prompt_ids) + max_tokens > limit:
         raise ApiError(400, f"this model's maximum context length is {limit} tokens; you requested "
                             f"{len(prompt_ids)} prompt + {max_tokens} completion tokens")
     try:
-        return api.sampling_params(body, max_tokens, top_logprobs)
+        return api.sampling_params(body, max_tokens, top_logprobs, rep.engine.runner.vocab_size)
     except ValueError as exc:
         raise ApiError(400, str(exc)) from None
 

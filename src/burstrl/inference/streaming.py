@@ -3,6 +3,9 @@
 Text is sent as it becomes stable: a trailing partial UTF-8 character is held back, and so are the
 last characters that could still turn into a stop string (which is then cut, as OpenAI does).
 If the client goes away the generator is cancelled and the request aborted, freeing its slot.
+With `return_token_ids`, the prompt ids come where vLLM puts them: at the top level of the first
+chunk for chat, in the first chunk's choice for completions. A request that fails in the engine
+ends with an error event and no `[DONE]`, so a client never takes a cut stream for a whole one.
 """
 
 from __future__ import annotations
@@ -23,17 +26,18 @@ async def stream_response(rep: Replica, req: Request, events: asyncio.Queue[str]
     created = int(time.time())
     holdback = max((len(s) for s in req.params.stop), default=1) - 1
     sent_tokens, sent_text, finished = 0, "", False
+    prompt_ids = {"prompt_token_ids": req.prompt_ids} if body.return_token_ids else {}
     try:
         if kind == "chat":
-            first = {"role": "assistant", "content": ""}
-            extra = {"prompt_token_ids": req.prompt_ids} if body.return_token_ids else {}
-            yield _sse(_chunk(req, body, kind, created, first, None, [], None, extra))
+            first = _chunk(req, body, kind, created, {"role": "assistant", "content": ""}, None, [], None, {})
+            yield _sse({**first, **prompt_ids})
         while not finished:
             event = await events.get()
             finished = event == "done"
             if req.error is not None:
+                finished = True  # the engine is done with it: nothing to abort
                 yield _sse(api.error_body(500, f"engine error: {req.error}", "server_error"))
-                break
+                return
             n = len(req.completion_ids)
             if finished:
                 text = req.text or ""
@@ -50,7 +54,10 @@ async def stream_response(rep: Replica, req: Request, events: asyncio.Queue[str]
             ids = req.completion_ids[sent_tokens:n] if body.return_token_ids else None
             reason = req.finish_reason if finished else None
             content = {"content": delta} if kind == "chat" else delta
-            yield _sse(_chunk(req, body, kind, created, content, logprobs, ids, reason, {}))
+            extra = {"stop_reason": req.stop_reason} if finished else {}
+            if kind == "text" and sent_tokens == 0:
+                extra.update(prompt_ids)
+            yield _sse(_chunk(req, body, kind, created, content, logprobs, ids, reason, extra))
             sent_tokens, sent_text = n, sent_text + delta
         if finished and (body.stream_options or {}).get("include_usage"):
             yield _sse({"id": req.id, "object": _object(kind), "created": created, "model": body.model,
