@@ -294,3 +294,80 @@ def test_validate_accepts_edges():
     for p in [SamplingParams(), SamplingParams(temperature=0.0), SamplingParams(temperature=100.0),
               SamplingParams(top_p=1.0, top_k=-1, top_logprobs=20, stop=["a"] * 8, max_tokens=1)]:
         p.validate()
+
+
+def test_a_nan_row_fails_alone_and_the_others_are_sampled():
+    logits = _logits(3)
+    logits[1] = float("nan")
+    params = [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0), SamplingParams(temperature=0.0)]
+    out = sample(logits, params, [None] * 3, _gen())
+    assert set(out.errors) == {1} and "not finite" in out.errors[1]
+    assert out.tokens[1] == -1 and 0 <= out.tokens[0] < V and out.tokens[2] == int(logits[2].argmax())
+
+
+def test_raw_logprobs_are_shown_and_processed_ones_kept():
+    logits = _logits(1)
+    params = [SamplingParams(temperature=0.5, top_k=3, top_logprobs=2)]
+    out = sample(logits, params, [None], _gen(), raw=True)
+    raw = torch.log_softmax(logits, dim=-1)[0]
+    tok = out.tokens[0]
+    assert out.shown[0] == pytest.approx(raw[tok].item(), abs=1e-6)
+    assert out.logprobs[0] == pytest.approx(process(logits, params)[0, tok].item(), abs=1e-6)
+    assert out.logprobs[0] > out.shown[0]  # sharper than the raw distribution
+    assert out.shown_top[0][0][1] == pytest.approx(raw.max().item(), abs=1e-6)
+
+
+@pytest.mark.parametrize("kw,needle", [
+    ({"seed": 2**64}, "seed"), ({"seed": -(2**63) - 1}, "seed"), ({"temperature": float("nan")}, "temperature"),
+    ({"top_p": float("inf")}, "top_p"), ({"repetition_penalty": 1e-50}, "repetition_penalty"),
+    ({"presence_penalty": float("nan")}, "presence_penalty"), ({"logit_bias": {1: 101.0}}, "logit_bias"),
+    ({"min_tokens": 17}, "min_tokens"), ({"min_p": 1.5}, "min_p"),
+])
+def test_out_of_range_values_are_refused_by_name(kw, needle):
+    with pytest.raises(ValueError, match=needle):
+        SamplingParams(**kw).validate(vocab_size=V)
+
+
+def test_tiny_temperature_is_greedy_and_huge_top_k_is_off():
+    p = SamplingParams(temperature=1e-50, top_k=2**63)
+    p.validate(vocab_size=V)
+    assert p.temperature == 0.0 and p.top_k == 0
+    q = SamplingParams(logit_bias={V: 1.0})
+    with pytest.raises(ValueError, match="logit_bias"):
+        q.validate(vocab_size=V)
+
+
+def test_penalties_and_bias_shift_the_processed_logits():
+    from burstrl.inference.sampling import History
+
+    logits = torch.zeros(1, V)
+    hist = [History(prompt=[1], output=[2, 2, 3])]
+    p = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, logit_bias={4: 2.0}, temperature=1.0)
+    logp = process(logits, [p], hist)[0]
+    base = logp[10]
+    assert logp[2] - base == pytest.approx(-(0.5 + 2 * 0.25), abs=1e-5)
+    assert logp[3] - base == pytest.approx(-(0.5 + 0.25), abs=1e-5)
+    assert logp[4] - base == pytest.approx(2.0, abs=1e-5)
+    assert logp[1] == pytest.approx(base.item(), abs=1e-6)  # presence/frequency look at the output only
+    rep = SamplingParams(repetition_penalty=2.0)
+    logits = torch.full((1, V), 1.0)
+    logits[0, 5] = -1.0
+    logp = process(logits, [rep], [History(prompt=[5], output=[6])])[0]
+    assert logp[6] - logp[7] == pytest.approx(0.5 - 1.0, abs=1e-5)  # positive logit halved
+    assert logp[5] - logp[7] == pytest.approx(-2.0 - 1.0, abs=1e-5)  # negative logit doubled
+
+
+def test_min_tokens_masks_eos_and_stop_ids_until_reached():
+    from burstrl.inference.sampling import History
+
+    logits = torch.zeros(2, V)
+    p = SamplingParams(min_tokens=2, stop_token_ids=[9])
+    early = process(logits, [p, p], [History([], [1]), History([], [1, 2])], eos_ids=[0])
+    assert early[0, 0] == float("-inf") and early[0, 9] == float("-inf")
+    assert torch.isfinite(early[1]).all()
+
+
+def test_min_p_keeps_tokens_at_least_that_share_of_the_best():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05] + [1e-9] * (V - 4)]))
+    logp = process(logits, [SamplingParams(min_p=0.2)])[0]
+    assert torch.isfinite(logp[:3]).all() and not torch.isfinite(logp[3:]).any()

@@ -2,7 +2,8 @@
 
 Owns one model and its adapter versions. Talks HTTP to the router and orchestrator (OpenAI API,
 `/v1/traces`, `/v1/loads`, `/metrics`) and to the trainer (adapter load and sharded upload).
-Modules: runner (forward pass), kvcache (session caches, decode batch, budget), sampling, lora,
-adapters (versions, uploads), sessions (capture), chat (token continuity), engine (decode loop),
-openai_api/streaming/server/admin_routes (HTTP), metrics, replica (process wiring).
+Modules: runner (forward pass), kvcache (session caches, decode batch, budget), prefix (shared
+prefixes, keyed by version), sampling, lora, adapters (versions, uploads), sessions (capture), chat
+(token continuity), request (one call), engine (decode loop), openai_api/streaming/server/
+admin_routes (HTTP), metrics, replica (process wiring).
 """

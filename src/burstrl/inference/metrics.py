@@ -37,6 +37,10 @@ def prometheus_text(rep: Replica) -> str:
          rep.counters.client_disconnects),
         ("burstrl:bad_requests_total", "counter", "Requests refused with a 4xx.", rep.counters.bad_requests),
         ("burstrl:uploads_refused_total", "counter", "Adapter loads/uploads refused.", rep.counters.uploads_refused),
+        ("burstrl:failed_requests_total", "counter", "Requests failed alone inside the engine (the engine served on).",
+         eng.counters.failed_requests),
+        ("burstrl:engine_step_failures_total", "counter", "Forward passes that raised (their requests failed).",
+         eng.counters.step_failures),
     ]
     if rep.chat is not None:
         rows.append(("burstrl:chat_continuity_breaks_total", "counter",

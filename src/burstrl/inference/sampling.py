@@ -65,8 +65,8 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(_finite(value) and -2 <= value <= 2, f"{name} must be in [-2, 2]")
-        _check(_finite(self.repetition_penalty) and 0 < self.repetition_penalty <= 2,
-               "repetition_penalty must be in (0, 2]")
+        _check(_finite(self.repetition_penalty) and 0.01 <= self.repetition_penalty <= 10,
+               "repetition_penalty must be in [0.01, 10]")  # 1e-50 would overflow the logits to inf
         _check(len(self.logit_bias) <= MAX_LOGIT_BIAS, f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens")
         _check(all(_finite(b) and -100 <= b <= 100 for b in self.logit_bias.values()),
                "logit_bias values must be in [-100, 100]")

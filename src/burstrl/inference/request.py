@@ -1,0 +1,67 @@
+"""One engine call (`Request`) and the engine's counters: what HTTP handlers hand the engine thread.
+
+Kept apart from the engine loop so that the request's fields (what was fed, sampled, shown to the
+client, and why it ended) read in one place.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from burstrl.inference.kvcache import SessionKV
+from burstrl.inference.lora import LoraAdapter
+from burstrl.inference.sampling import SamplingParams
+from burstrl.inference.sessions import Session
+
+
+@dataclass(eq=False)
+class Request:
+    """One call: what to feed, how to sample, and where to report; the engine fills the rest."""
+
+    id: str
+    session: Session
+    prompt_ids: list[int]
+    params: SamplingParams
+    version: str
+    adapter: LoraAdapter | None
+    on_done: Callable[[Request], None]
+    on_token: Callable[[Request], None] | None = None
+    messages: list[dict] | None = None
+    completion_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    shown_logprobs: list[float] = field(default_factory=list)  # what the client sees (raw or processed)
+    shown_top: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop token id or string that ended it (vLLM's field)
+    text: str | None = None
+    cached_tokens: int = 0
+    error: str | None = None
+    t_submit: float = field(default_factory=time.monotonic)
+    t_start: float = 0.0
+    t_first: float = 0.0
+    t_end: float = 0.0
+    reserved: int = 0
+    kv: SessionKV | None = None
+    generator: torch.Generator | None = None
+
+    @property
+    def namespace(self) -> int:
+        """The KV namespace: keys/values are only ever reused within one adapter version."""
+        return 0 if self.adapter is None else self.adapter.uid
+
+
+@dataclass
+class EngineCounters:
+    requests: dict[str, int] = field(default_factory=dict)  # by finish reason
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    decode_steps: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    failed_requests: int = 0  # failed alone (bad distribution, callback error, failed step)
+    step_failures: int = 0  # forward passes that raised
