@@ -9,7 +9,7 @@ TORCH := torch==2.13.0
 STAMP := $(VENV)/.burstrl-installed
 PIP := $(PY) -m pip install --quiet --progress-bar off
 
-.PHONY: install test run clean system-deps
+.PHONY: install test test-fast run clean system-deps
 
 install: system-deps $(STAMP)
 
@@ -32,6 +32,10 @@ $(STAMP): pyproject.toml | $(PY)
 
 test: install
 	$(PY) -m pytest -m "not gpu" -q
+
+# The edit-test loop (< 3 min on 2 cores): unit tests not marked slow, stopping at the first failure.
+test-fast: install
+	$(PY) -m pytest tests/unit -m "not slow and not gpu" -q -x
 
 # The quickstart: a warm-started tiny model (made once, cached in .cache/ beside the tests' copy)
 # learns the toy tasks with the whole loop: router, 3 replicas, trainer, orchestrator.
