@@ -91,6 +91,10 @@ class ServerConfig(Section):
     ssl_keyfile: str = Field("", description="TLS private key (PEM).")
     max_body_bytes: int = Field(8 << 20, ge=1024, description="Largest JSON request body.")
     max_shard_bytes: int = Field(2 << 30, ge=1024, description="Largest adapter shard upload.")
+    dead_engine_exit_s: float = Field(
+        5.0, ge=0, description="After its engine dies the replica answers 503 this long (so routers "
+        "drop it on their next scrape, not after timeouts), then exits for the fleet to replace it."
+    )
     upload_ttl_s: float = Field(
         600.0, gt=0, description="An adapter upload not committed and idle this long is deleted."
     )

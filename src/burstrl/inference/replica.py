@@ -16,6 +16,7 @@ import shutil
 import socket
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -163,9 +164,11 @@ def serve(cfg: ServeConfig) -> None:
                             ssl_keyfile=cfg.server.ssl_keyfile or None, timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
 
-    def engine_died(error: str) -> None:  # exit, so the fleet replaces this replica
-        log.error("engine died (%s): shutting the replica down", error)
-        server.should_exit = True
+    def engine_died(error: str) -> None:  # 503 for a while, then exit so the fleet replaces us
+        log.error("engine died (%s): answering 503, exiting in %.1f s", error, cfg.server.dead_engine_exit_s)
+        timer = threading.Timer(cfg.server.dead_engine_exit_s, lambda: setattr(server, "should_exit", True))
+        timer.daemon = True  # owned by the process, which ends when it fires
+        timer.start()
 
     replica.engine.on_fatal = engine_died
     try:

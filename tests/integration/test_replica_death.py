@@ -1,0 +1,65 @@
+"""A replica whose engine died leaves the router's rotation at the next scrape, then exits.
+
+Before issue 14 a dead engine kept answering `/v1/loads` and `/v1/models` with 200, so the router
+kept placing sessions there (10 of 20 new sessions went to the dead replica). No request can kill
+the engine any more, so the test reaches that path with `BURSTRL_CRASH=engine@N`.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from burstrl.inference import process
+
+from .conftest import ADMIN_TOKEN, start_server, stop_server
+
+TOKEN = "death-cluster-token"
+pytestmark = pytest.mark.slow
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def test_a_dead_engine_leaves_rotation_and_the_process_exits(tiny_model_dir: Path, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    good = start_server(tiny_model_dir, tmp_path / "good", "--server.cluster_token", TOKEN)
+    monkeypatch.setenv("BURSTRL_CRASH", "engine@1")
+    doomed = start_server(tiny_model_dir, tmp_path / "doomed", "--server.cluster_token", TOKEN,
+                          "--server.dead_engine_exit_s", "10")
+    monkeypatch.delenv("BURSTRL_CRASH")
+    urls = f'["{good.url}", "{doomed.url}"]'
+    # health_failures is huge: only the replica's own 503 (not missed scrapes) can drop it in time
+    router = process.start_router(tmp_path / "router", "--cluster_token", TOKEN, "--replicas", urls,
+                                  "--scrape_s", "0.5", "--health_failures", "1000")
+    try:
+        listed = lambda: {r["url"] for r in httpx.get(router.url + "/v1/replicas", timeout=10).json()["replicas"]}
+        assert listed() == {good.url, doomed.url}
+        r = httpx.post(doomed.url + "/v1/completions", json={"model": "base", "prompt": [5, 6], "max_tokens": 2},
+                       timeout=60)
+        assert r.status_code == 200  # the one request before the injected crash
+        wait_for(lambda: httpx.get(doomed.url + "/health", timeout=10).status_code == 503, 60, "health 503")
+        for path in ("/v1/loads", "/v1/models"):
+            r = httpx.get(doomed.url + path, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=10)
+            assert r.status_code == 503 and "engine is not running" in r.json()["error"]["message"]
+        wait_for(lambda: listed() == {good.url}, 20, "the router to drop the dead replica")
+        for i in range(20):
+            r = httpx.post(router.url + "/v1/completions", timeout=60,
+                           json={"model": "base", "prompt": [5, 6, i], "max_tokens": 2, "session_id": f"after-{i}"})
+            assert r.status_code == 200, r.text
+        wait_for(lambda: doomed.replica.proc.poll() is not None, 90, "the replica process to exit")
+        assert doomed.replica.proc.returncode != 0
+        assert "engine died" in doomed.replica.log.read_text()
+    finally:
+        router.stop()
+        stop_server(doomed)
+        stop_server(good)
