@@ -247,4 +247,5 @@ def _live_sessions(url: str) -> int:
         loads: dict[str, Any] = httpx.get(f"{url}/v1/loads", timeout=5).json()
     except (httpx.HTTPError, ValueError):
         return 0
-    return len(loads.get("sessions", [])) + int(loads.get("num_running_reqs", 0))
+    # the count is public; the per-session list needs a token
+    return int(loads.get("num_sessions", 0)) + int(loads.get("num_running_reqs", 0))
