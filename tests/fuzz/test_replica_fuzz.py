@@ -78,10 +78,12 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
                    json={"lora_name": "policy-v1", "lora_path": str(adapter)}, timeout=60)
     assert r.status_code == 200, r.text
     yield srv
+    engine = {name: srv.metric(f"burstrl:{name}_total") for name in ("failed_requests", "engine_step_failures")}
+    engine["alive"] = httpx.get(srv.url + "/health", timeout=30).status_code == 200
     stop_server(srv)
     report = os.environ.get("BURSTRL_FUZZ_REPORT")
     if report:
-        Path(report).write_text(json.dumps({"replica": dict(SEEN)}))
+        Path(report).write_text(json.dumps({"replica": dict(SEEN), "engine": engine}))
 
 
 def send(server: Server, method: str, path: str, body: object = None, raw: bytes | None = None,

@@ -57,6 +57,22 @@ def adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 @pytest.fixture(scope="module")
+def replica(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """An in-process replica (engine thread, no HTTP) on the tiny model."""
+    from burstrl.config import ServeConfig
+    from burstrl.inference.replica import build_replica
+
+    cfg = ServeConfig.model_validate({
+        "model": {"path": str(tiny_model_dir)},
+        "engine": {"num_threads": 1},
+        "server": {"admin_token": "t", "state_dir": str(tmp_path_factory.mktemp("state"))},
+    })
+    rep = build_replica(cfg)
+    yield rep
+    rep.close()
+
+
+@pytest.fixture(scope="module")
 def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     srv = start_server(tiny_model_dir, tmp_path_factory.mktemp("replica"))
     yield srv

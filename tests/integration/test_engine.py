@@ -5,24 +5,11 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-import pytest
 
-from burstrl.config import ServeConfig
 from burstrl.inference.engine import Request
+from burstrl.config import ServeConfig
 from burstrl.inference.replica import Replica, build_replica
 from burstrl.inference.sampling import SamplingParams
-
-
-@pytest.fixture(scope="module")
-def replica(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    cfg = ServeConfig.model_validate({
-        "model": {"path": str(tiny_model_dir)},
-        "engine": {"num_threads": 1},
-        "server": {"admin_token": "t", "state_dir": str(tmp_path_factory.mktemp("state"))},
-    })
-    rep = build_replica(cfg)
-    yield rep
-    rep.close()
 
 
 def submit(rep: Replica, prompt: list[int], params: SamplingParams, session: str | None = None,

@@ -8,28 +8,13 @@ adapter (its forward raises). Before issue 14 either killed the engine thread fo
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 
-import pytest
 import torch
 
-from burstrl.config import ServeConfig
 from burstrl.inference.engine import Request
 from burstrl.inference.lora import LoraAdapter
-from burstrl.inference.replica import Replica, build_replica
+from burstrl.inference.replica import Replica
 from burstrl.inference.sampling import SamplingParams
-
-
-@pytest.fixture(scope="module")
-def replica(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    cfg = ServeConfig.model_validate({
-        "model": {"path": str(tiny_model_dir)},
-        "engine": {"num_threads": 1},
-        "server": {"admin_token": "t", "state_dir": str(tmp_path_factory.mktemp("state"))},
-    })
-    rep = build_replica(cfg)
-    yield rep
-    rep.close()
 
 
 def poisoned(rep: Replica, name: str, value: float | None = None, width_off: int = 0) -> LoraAdapter:
