@@ -334,6 +334,10 @@ class RouteConfig(Section):
         600.0, gt=0, description="Timeout of every call forwarded to a replica (connect: 5 s)."
     )
     max_body_bytes: int = Field(8 << 20, ge=1024, description="Largest JSON request body.")
+    max_sessions: int = Field(
+        1_000_000, ge=1, description="Sessions the router remembers (home, pinned version, kind); beyond "
+        "it the longest-unseen are forgotten first (finished ones are forgotten anyway)."
+    )
     version_pools: list[Literal["reserved", "on_demand"]] = Field(
         default_factory=list, description="Pools that must each serve a version before new sessions "
         "('latest') use it; empty = every pool that has a healthy replica."

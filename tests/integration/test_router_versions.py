@@ -18,8 +18,8 @@ import pytest
 from burstrl.router.registry import Registry, RouteError
 from burstrl.router.server import VERSION_HEADER, first_call_tokens, prometheus_text
 
-from .conftest import Server, start_server, stop_server
-from .test_router import AUTH, start_router
+from .conftest import Server, stop_server
+from .test_router import AUTH, start_replica, start_router
 
 
 def scraped(versions: tuple[str, ...], sessions: tuple[tuple[str, str], ...] = (), thrash: int = 0) -> dict:
@@ -105,7 +105,7 @@ def call(router_url: str, sid: str, model: str = "latest") -> httpx.Response:
     return r
 
 
-def wait_for_latest(router_url: str, version: str, timeout: float = 20.0) -> None:
+def wait_for_latest(router_url: str, version: str, timeout: float = 30.0) -> None:
     """Poll `/v1/stats` until the router's scrapes show `version` as the newest routable one."""
     deadline = time.monotonic() + timeout
     latest = None
@@ -117,15 +117,23 @@ def wait_for_latest(router_url: str, version: str, timeout: float = 20.0) -> Non
     raise AssertionError(f"router still routes latest to {latest!r}, expected {version!r}")
 
 
+def wait_until(condition, timeout: float = 30.0) -> None:
+    """Poll `condition` until it holds; fail after `timeout` (generous: the machine may be loaded)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.1)
+
+
 def trace_version(server: Server, sid: str) -> str | None:
-    r = httpx.get(server.url + f"/v1/traces/{sid}", timeout=10)
+    r = httpx.get(server.url + f"/v1/traces/{sid}", headers=server.admin(), timeout=10)
     return r.json()["version"] if r.status_code == 200 else None
 
 
 def test_rollout_gates_latest_and_keeps_old_sessions(tiny_model_dir: Path, adapters: dict[str, Path],
                                                      tmp_path: Path) -> None:
     with ThreadPoolExecutor(3) as pool:
-        servers = list(pool.map(lambda i: start_server(tiny_model_dir, tmp_path / f"r{i}"), range(3)))
+        servers = list(pool.map(lambda i: start_replica(tiny_model_dir, tmp_path / f"r{i}"), range(3)))
     router = None
     try:
         router = start_router(tmp_path / "router", "--scrape_s", "0.2", "--request_timeout_s", "60")
@@ -142,9 +150,8 @@ def test_rollout_gates_latest_and_keeps_old_sessions(tiny_model_dir: Path, adapt
         old_home = next(s for s in servers if trace_version(s, "old-session") == "policy-v1")
 
         load_adapter(reserved, "policy-v2", adapters["policy-v2"])  # the on-demand pool lacks v2
-        time.sleep(1.0)  # several scrapes: the router has seen v2 on the reserved replica
-        served = [m["id"] for m in httpx.get(router.url + "/v1/models", timeout=10).json()["data"]]
-        assert "policy-v2" in served
+        wait_until(lambda: "policy-v2" in [m["id"] for m in httpx.get(router.url + "/v1/models",
+                                                                      timeout=10).json()["data"]])
         for i in range(4):
             assert call(router.url, f"mid-{i}").headers[VERSION_HEADER] == "policy-v1"
         assert call(router.url, "old-session").headers[VERSION_HEADER] == "policy-v1"
@@ -162,16 +169,18 @@ def test_rollout_gates_latest_and_keeps_old_sessions(tiny_model_dir: Path, adapt
 
         for _ in range(2):  # the old session still runs on v1, on the replica it started on
             assert call(router.url, "old-session").headers[VERSION_HEADER] == "policy-v1"
-        assert len(httpx.get(old_home.url + "/v1/traces/old-session", timeout=10).json()["calls"]) == 4
+        assert len(old_home.get("/v1/traces/old-session")["calls"]) == 4
         conflict = httpx.post(router.url + "/v1/completions", json={"model": "policy-v2", "prompt": "x",
                                                                     "max_tokens": 1, "session_id": "old-session"},
                               timeout=30)
         assert conflict.status_code == 409
 
-        time.sleep(0.5)  # a scrape after the calls: version spread and per-replica thrash are reported
+        def spread() -> dict:
+            return httpx.get(router.url + "/v1/stats", timeout=10).json()["versions"]["live_sessions"]
+
+        # a scrape after the calls (with the cluster token, so the replicas list their sessions)
+        wait_until(lambda: spread().get("policy-v2", 0) >= 6 and spread().get("policy-v1", 0) >= 5)
         stats = httpx.get(router.url + "/v1/stats", timeout=10).json()
-        assert stats["versions"]["live_sessions"]["policy-v2"] >= 6
-        assert stats["versions"]["live_sessions"]["policy-v1"] >= 5
         assert stats["versions"]["in_use"] == 2
         assert all("thrash" in r and "cache_hit_rate" in r for r in stats["replicas"])
         assert stats["totals"]["rehomes"] == 0

@@ -2,8 +2,10 @@
 
 import pytest
 
+from burstrl.router.policies import Session, projected_headroom
 from burstrl.router.registry import Registry, RouteError, validate_url
-from burstrl.router.server import prometheus_text, session_id_of
+from burstrl.router.server import parse_json, prometheus_text, session_id_of, task_kind_of
+from burstrl.router.sim import SoakConfig, soak_registry
 
 
 def loads(*sessions, used=0, capacity=10_000, versions=("base",)):
@@ -170,3 +172,115 @@ def test_latest_waits_for_the_configured_pools():
     every = Registry(seed=0)
     every.replicas = reg.replicas
     assert every.resolve(None, "latest") == "base"  # default: every pool with a healthy replica
+
+
+# --- dead engines, task kinds, pruning (issue 14) ---------------------------------------------
+
+
+def test_a_503_scrape_drops_the_replica_at_once_a_timeout_needs_the_threshold():
+    reg = fleet(3)
+    dead, slow, _ = list(reg.replicas)
+    home = reg.place("s", "base").id
+    assert reg.scrape_failed(dead, status=503)  # the replica answered that it cannot serve
+    assert dead not in reg.replicas and reg.counters.replicas_dropped == 1
+    assert not reg.scrape_failed(slow, status=None)  # no answer: may be a blip
+    assert reg.scrape_failed(slow, status=None) and slow not in reg.replicas  # two in a row
+    for i in range(10):  # nothing new goes to the dead replica
+        assert reg.place(f"new-{i}", "base").id != dead
+    assert reg.place("s", "base").id != dead and reg.counters.rehomes == (1 if home == dead else 0)
+
+
+def test_task_kinds_reach_the_size_model():
+    reg = fleet(1)
+    url = next(iter(reg.replicas))
+    for i in range(20):  # finished sessions: swe ones end at 30k tokens, math ones at 500
+        reg.place(f"swe-{i}", "base", kind="swe")
+        reg.place(f"math-{i}", "base", kind="math")
+    reg.apply_scrape(url, loads(*[(f"swe-{i}", 30_000) for i in range(20)],
+                                *[(f"math-{i}", 500) for i in range(20)], capacity=10**7), models("base"))
+    assert reg.replicas[url].session_kinds["swe-0"] == "swe"
+    reg.apply_scrape(url, loads(capacity=10**7), models("base"))
+    assert reg.sizes.expected("swe") == 30_000 and reg.sizes.expected("math") == 500
+    view = reg.replicas[url]
+    swe = projected_headroom(view, Session("new", kind="swe", version="base"), reg.sizes)
+    math_ = projected_headroom(view, Session("new", kind="math", version="base"), reg.sizes)
+    assert math_ - swe == 29_500  # the same replica, two very different projections
+    reg.place("live-swe", "base", kind="swe")
+    reg.place("live-swe", "base", kind="math")  # a session keeps the kind it started with
+    assert reg.kinds["live-swe"] == "swe"
+
+
+def test_caller_supplied_kinds_are_capped():
+    reg = Registry(seed=0)
+    reg.sizes.max_kinds = 4
+    assert [reg.sizes.admit(f"k{i}") for i in range(5)] == ["k0", "k1", "k2", "default", "default"]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_sessions_no_replica_reports_are_pruned_after_the_grace():
+    clock = Clock()
+    reg = Registry(seed=0, grace_s=100, clock=clock)
+    url = "http://10.0.0.1:8000"
+    reg.add(url)
+    reg.apply_scrape(url, loads(), models("base"))
+    for sid in ("live", "finished", "abandoned"):
+        reg.place(sid, "base", kind="swe")
+    clock.now = 50
+    reg.apply_scrape(url, loads(("live", 10), ("finished", 10)), models("base"))
+    clock.now = 120  # `finished` ended after the scrape at 50; `abandoned` was never reported
+    reg.apply_scrape(url, loads(("live", 10)), models("base"))
+    assert reg.prune() == 1 and "abandoned" not in reg.homes
+    clock.now = 151
+    assert reg.prune() == 1
+    assert set(reg.homes) == set(reg.pinned) == set(reg.kinds) == set(reg.seen) == {"live"}
+    assert reg.stats()["totals"]["sessions_pruned"] == 2
+    assert "burstrl_router_sessions_pruned_total 2" in prometheus_text(reg.stats())
+
+
+def test_max_sessions_drops_the_longest_unseen_first():
+    clock = Clock()
+    reg = Registry(seed=0, max_sessions=3, clock=clock)
+    reg.add("http://10.0.0.1:8000")
+    reg.apply_scrape("http://10.0.0.1:8000", loads(), models("base"))
+    for i, sid in enumerate(("a", "b", "c")):
+        clock.now = i
+        reg.place(sid, "base")
+    clock.now = 3
+    reg.place("a", "base")  # a call: `a` is now the most recently seen
+    reg.place("d", "base")
+    assert list(reg.homes) == ["a", "c", "d"] and reg.counters.sessions_pruned == 1
+
+
+def test_short_soak_keeps_the_session_maps_bounded():
+    cfg = SoakConfig(hours=1.0, replica_ttl_s=300, grace_s=300, replace_every_s=600, samples=12)
+    samples = soak_registry(cfg, trace_memory=False)["samples"]
+    warm = [s for s in samples if s["hour"] >= 0.25]  # past lifetime + TTL + grace
+    homes = [s["homes"] for s in warm]
+    assert max(homes) <= 1.25 * min(homes), homes
+    end = samples[-1]
+    assert end["homes"] == end["pinned"] == end["kinds"] == end["seen"]
+    assert end["homes"] < end["sessions_started"] / 5 and end["pruned"] > 0 and end["rehomes"] > 0
+    assert end["session_kinds"] == end["live_sessions"] and end["size_model_kinds"] == 2
+    capped = soak_registry(SoakConfig(hours=0.1, max_sessions=500, samples=3), trace_memory=False)["samples"]
+    assert all(s["homes"] <= 500 for s in capped) and capped[-1]["pruned"] > 0
+
+
+def test_bad_bodies_are_400_not_500():
+    for raw in (b'{"model": "\\ud800"}', b'{"model": "\xed\xa0\x80"}', b"[" * 100_000, b"[1, 2]", b'"x"',
+                b"\xff\xfe", b"{", b""):
+        with pytest.raises(RouteError) as err:
+            parse_json(raw)
+        assert err.value.status == 400, raw[:20]
+    assert parse_json('{"content": "\\ud83d\\ude00 é 한"}'.encode()) == {"content": "\U0001F600 é 한"}
+    assert task_kind_of({"task_kind": "swe"}, {"x-task-kind": "math"}) == "swe"
+    assert task_kind_of({}, {"x-task-kind": "math"}) == "math" and task_kind_of({}, {}) == "default"
+    for bad in (5, "", "k" * 200, None):
+        with pytest.raises(RouteError):
+            task_kind_of({"task_kind": bad}, {})

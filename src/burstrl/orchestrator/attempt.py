@@ -28,7 +28,7 @@ async def run_attempt(http: httpx.AsyncClient, router: str, env: Environment, ta
     try:
         outcome = await env.rollout(client, task)
         t1 = time.monotonic()
-        trace = await fetch_trace(http, router, rollout_id)
+        trace = await fetch_trace(http, router, rollout_id, admin_token)
     finally:
         await release(http, router, rollout_id, admin_token)
     calls = trace.get("calls", [])

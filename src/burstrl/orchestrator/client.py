@@ -77,10 +77,14 @@ async def assign(http: httpx.AsyncClient, router: str, session_id: str) -> str:
     return r.json()["version"]
 
 
-async def fetch_trace(http: httpx.AsyncClient, router: str, session_id: str) -> dict[str, Any]:
-    """The session's captured calls, from the replica that served them (via the router)."""
+async def fetch_trace(http: httpx.AsyncClient, router: str, session_id: str, admin_token: str) -> dict[str, Any]:
+    """The session's captured calls, from the replica that served them (via the router).
+
+    The token is the replicas' admin token: traces hold prompts and completions, so a replica
+    serves them only to a caller with it (the router passes the header on).
+    """
     try:
-        r = await http.get(f"{router}/v1/traces/{session_id}")
+        r = await http.get(f"{router}/v1/traces/{session_id}", headers={"Authorization": f"Bearer {admin_token}"})
     except httpx.TransportError as exc:
         raise ReplicaFailure(f"trace: {type(exc).__name__}: {exc}") from None
     _raise_for(r, "trace")

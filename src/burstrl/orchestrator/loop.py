@@ -224,8 +224,8 @@ def orchestrate(cfg: OrchestrateConfig) -> None:
     Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
     token = os.environ.get("BURSTRL_ADMIN_TOKEN", "")
     if not token:
-        log.warning("BURSTRL_ADMIN_TOKEN is not set: finished sessions cannot be released on the replicas "
-                    "(their caches stay until engine.session_ttl_s)")
+        log.warning("BURSTRL_ADMIN_TOKEN is not set: replicas will refuse to show traces (every attempt "
+                    "fails with 401) and finished sessions cannot be released")
     asyncio.run(_main(Orchestrator(cfg, token)))
 
 

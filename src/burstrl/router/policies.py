@@ -52,6 +52,9 @@ class ReplicaView:
     healthy: bool = True
     draining: bool = False  # being removed: keeps its sessions, gets no new ones
     recent_assignments: list[Session] = field(default_factory=list)
+    # (live_sessions, session_kinds, size model generation, size model, projected total): scrapes replace
+    # those dicts (never mutate them), so a placement between scrapes reuses the sum.
+    live_projection: tuple | None = field(default=None, repr=False, compare=False)
 
 
 def record_assignment(replica: ReplicaView, session: Session) -> None:
@@ -98,10 +101,11 @@ class SizeModel:
     sizes; while a kind has fewer than `min_samples` it is blended linearly with `prior_tokens`.
     A live session is projected from the finished ones that grew past its current size (a session
     already at 40k tokens will likely end well above the kind's p90), never below its size now.
+    Kinds come from callers, so at most `max_kinds` are tracked; later ones are sized as `default`.
     """
 
     def __init__(self, prior_tokens: int = 8192, stat: str = "quantile", quantile: float = 0.9,
-                 min_samples: int = 8, window: int = 1000) -> None:
+                 min_samples: int = 8, window: int = 1000, max_kinds: int = 256) -> None:
         if stat not in ("quantile", "mean"):
             raise ValueError(f"stat must be 'quantile' or 'mean', not {stat!r}")
         self.prior_tokens = prior_tokens
@@ -109,18 +113,33 @@ class SizeModel:
         self.quantile = quantile
         self.min_samples = min_samples
         self.window = window
+        self.max_kinds = max_kinds
+        self._admitted: set[str] = {"default"}
         self._order: dict[str, deque[int]] = defaultdict(deque)  # arrival order, for the window
         self._sorted: dict[str, list[int]] = defaultdict(list)
         self._cache: dict[str, float] = {}
+        self.generation = 0  # bumped by every observation: projections made before are stale
+
+    def admit(self, kind: str) -> str:
+        """The kind a session is sized as: its own while fewer than `max_kinds` are known, else `default`."""
+        if kind not in self._admitted and len(self._admitted) < self.max_kinds:
+            self._admitted.add(kind)
+        return kind if kind in self._admitted else "default"
+
+    def kinds(self) -> set[str]:
+        """Kinds with finished sizes recorded."""
+        return set(self._sorted)
 
     def observe(self, kind: str, final_tokens: int) -> None:
         """Record the final size of a finished session."""
+        kind = self.admit(kind)
         order, ordered = self._order[kind], self._sorted[kind]
         order.append(final_tokens)
         bisect.insort(ordered, final_tokens)
         if len(order) > self.window:
             del ordered[bisect.bisect_left(ordered, order.popleft())]
         self._cache.pop(kind, None)
+        self.generation += 1
 
     def _stat(self, ordered: list[int]) -> float:
         if self.stat == "mean":
@@ -143,10 +162,17 @@ class SizeModel:
         value = max(float(current_tokens), self.expected(kind))
         ordered = self._sorted.get(kind)
         if ordered and len(ordered) >= self.min_samples and current_tokens > 0:
-            larger = ordered[bisect.bisect_right(ordered, current_tokens):]
-            if larger:
-                value = max(value, self._stat(larger))
+            start = bisect.bisect_right(ordered, current_tokens)
+            if start < len(ordered):
+                value = max(value, self._stat_from(ordered, start))
         return value
+
+    def _stat_from(self, ordered: list[int], start: int) -> float:
+        """`_stat(ordered[start:])` without the copy: projection runs for every live session per placement."""
+        if self.stat == "mean":
+            return statistics.fmean(ordered[start:])
+        n = len(ordered) - start
+        return float(ordered[start + min(n - 1, int(self.quantile * n))])
 
     def project_new(self, session: Session) -> float:
         """Projected final size of a new session: the model's estimate, or the caller's hint if larger."""
@@ -161,13 +187,27 @@ class Policy(Protocol):
 
 def projected_headroom(replica: ReplicaView, session: Session, sizes: SizeModel) -> float:
     """Capacity minus the projected final sizes of its live sessions, recent assignments and this one."""
-    total = 0.0
-    for sid, tokens in replica.live_sessions.items():
-        total += sizes.project(replica.session_kinds.get(sid, "default"), tokens)
+    total = live_projection(replica, sizes)
     for recent in replica.recent_assignments:
         if recent.id not in replica.live_sessions:
             total += sizes.project_new(recent)
     return replica.capacity_tokens - total - sizes.project_new(session)
+
+
+def live_projection(replica: ReplicaView, sizes: SizeModel) -> float:
+    """Sum of the projected final sizes of the replica's live sessions, cached until the next scrape.
+
+    Why cached: it is O(live sessions) and every placement needs it for K replicas, while it only
+    changes when a scrape replaces the live sessions or a finished session moves the size model.
+    """
+    cached = replica.live_projection
+    if (cached is not None and cached[0] is replica.live_sessions and cached[1] is replica.session_kinds
+            and cached[2] == sizes.generation and cached[3] is sizes):
+        return cached[4]
+    kinds = replica.session_kinds
+    total = sum(sizes.project(kinds.get(sid, "default"), tokens) for sid, tokens in replica.live_sessions.items())
+    replica.live_projection = (replica.live_sessions, kinds, sizes.generation, sizes, total)
+    return total
 
 
 class HeadroomPolicy:

@@ -12,7 +12,9 @@ replica serves is 404, a session whose version no healthy replica serves any mor
 from __future__ import annotations
 
 import random
-from collections import Counter
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -33,6 +35,11 @@ from burstrl.router.policies import (
 )
 
 LATEST = "latest"  # the model name that asks the router to pick the version
+# A session no replica has reported live for this long is forgotten: as long as a replica keeps
+# an idle session (its default `session_ttl_s`), so a live session is never dropped for idling.
+SESSION_GRACE_S = 1800.0
+MAX_SESSIONS = 1_000_000
+MAX_CAPACITY_TOKENS = 1 << 53  # beyond this a capacity is not a KV budget, and float math on it overflows
 
 
 class RouteError(Exception):
@@ -67,6 +74,7 @@ class Counters:
     errors: int = 0
     rehomes: int = 0
     replicas_dropped: int = 0
+    sessions_pruned: int = 0  # forgotten without a DELETE: finished, expired, or over `max_sessions`
 
 
 class Registry:
@@ -75,10 +83,16 @@ class Registry:
     A replica that is dropped (dead or deregistered) disappears from `replicas`; the sessions that
     lived there keep their stale home until their next call, which re-homes them. That is the
     "cache miss, not a lost rollout" the design asks for.
+
+    The session maps (`homes`, `pinned`, `kinds`, `seen`) are bounded: `prune` forgets sessions
+    that no replica has reported live and nobody has called for `grace_s` (finished or expired),
+    and `max_sessions` caps them, oldest first. Why: the router never hears that most rollouts
+    ended, and a router that runs for days must not grow with every session it ever placed.
     """
 
     def __init__(self, policy: str = "headroom", k: int = 2, health_failures: int = 2, seed: int | None = None,
-                 version_pools: tuple[str, ...] = ()) -> None:
+                 version_pools: tuple[str, ...] = (), max_sessions: int = MAX_SESSIONS,
+                 grace_s: float = SESSION_GRACE_S, clock: Callable[[], float] = time.monotonic) -> None:
         self.sizes = SizeModel()
         self.version_pools = version_pools or None  # pools that must serve a version before it is "latest"
         self.policy: Policy = make_policy(policy, k=k, sizes=self.sizes)
@@ -91,6 +105,9 @@ class Registry:
         self.cache_counts: dict[str, dict[str, int]] = {}  # replica -> thrash, evictions, hit/query tokens
         self.live_versions: dict[str, dict[str, str]] = {}  # replica -> live session id -> version
         self.pinned: dict[str, str] = {}  # session id -> the version it started on
+        self.kinds: dict[str, str] = {}  # session id -> task kind (sizes it in the size model)
+        self.seen: OrderedDict[str, float] = OrderedDict()  # session id -> last call or live report, oldest first
+        self.max_sessions, self.grace_s, self.clock = max_sessions, grace_s, clock
         self.counters = Counters()
 
     # --- membership -------------------------------------------------------------------------
@@ -102,8 +119,8 @@ class Registry:
             raise RouteError(400, f"pool must be one of {', '.join(POOLS)}, got {pool!r}")
         if not weight > 0:
             raise RouteError(400, "weight must be > 0")
-        if capacity_tokens < 0:
-            raise RouteError(400, "capacity_tokens must be >= 0")
+        if not 0 <= capacity_tokens <= MAX_CAPACITY_TOKENS:
+            raise RouteError(400, f"capacity_tokens must be in [0, {MAX_CAPACITY_TOKENS}]")
         view = ReplicaView(id=url, pool=pool, weight=float(weight), capacity_tokens=int(capacity_tokens))
         self.replicas[url] = view
         self.failures[url] = 0
@@ -142,6 +159,8 @@ class Registry:
             if sid not in live and tokens > 0:
                 self.sizes.observe(view.session_kinds.get(sid, "default"), tokens)
         view.live_sessions = live
+        view.session_kinds = {sid: self.kinds[sid] for sid in live if sid in self.kinds}
+        self._touch(live)
         view.used_tokens = int(loads.get("num_used_tokens", 0))
         capacity = int(loads.get("max_total_num_tokens", 0))
         if capacity > 0:
@@ -155,12 +174,17 @@ class Registry:
                                   ("thrash", "evictions", "prefix_cache_hit_tokens", "prefix_cache_queries_tokens")}
         self.live_versions[url] = {s["session_id"]: str(s.get("version", "")) for s in loads.get("sessions", [])}
 
-    def scrape_failed(self, url: str) -> bool:
-        """Count a failed scrape; after `health_failures` in a row the replica is dropped (True)."""
+    def scrape_failed(self, url: str, status: int | None = None) -> bool:
+        """Count a failed scrape; True when the replica is dropped.
+
+        `status` is the HTTP status of a replica that answered (None: timeout or no connection).
+        A 503 is the replica saying it cannot serve (its engine died): dropped at once. Anything
+        else may be a blip, so the replica goes only after `health_failures` failures in a row.
+        """
         if url not in self.replicas:
             return False
         self.failures[url] = self.failures.get(url, 0) + 1
-        if self.failures[url] >= self.health_failures:
+        if status == 503 or self.failures[url] >= self.health_failures:
             self.replicas[url].healthy = False
             self.mark_dead(url)
             return True
@@ -192,7 +216,8 @@ class Registry:
             raise RouteError(409, f"session {session_id!r} is pinned to {pinned!r}, not {version!r}", "conflict_error")
         return version
 
-    def place(self, session_id: str | None, version: str, expected_tokens: int = 0) -> ReplicaView:
+    def place(self, session_id: str | None, version: str, expected_tokens: int = 0,
+              kind: str = "default") -> ReplicaView:
         """The replica for one call (or one `/v1/assign`) of `session_id` on `version`.
 
         A session stays where it lives while that replica is healthy and serves the version. A
@@ -201,24 +226,24 @@ class Registry:
         Calls without a session go to the least loaded replica, unrecorded.
         """
         live = list(self.replicas.values())
+        kind = self.kinds.get(session_id, kind) if session_id else kind  # a session keeps its first kind
+        session = Session(id=session_id or "", kind=self.sizes.admit(kind), version=version,
+                          expected_tokens=expected_tokens)
         home = self.homes.get(session_id) if session_id else None
         if home is not None:
+            self._touch((session_id,))
             view = self.replicas.get(home)
             if view is not None and view.healthy and version in view.versions:
                 return view
-            return self._rehome(session_id, version, expected_tokens)
+            self.homes.pop(session_id, None)
+            self.counters.rehomes += 1
+            return self._assign(session)
         if version not in self.models():
             raise RouteError(404, f"model {version!r} not found; served: {sorted(self.models())}",
                              "not_found_error")
-        session = Session(id=session_id or "", version=version, expected_tokens=expected_tokens)
         if not session_id:
             return min(eligible(session, live), key=lambda r: (load_fraction(r), self.rng.random()))
         return self._assign(session)
-
-    def _rehome(self, session_id: str, version: str, expected_tokens: int) -> ReplicaView:
-        self.homes.pop(session_id, None)
-        self.counters.rehomes += 1
-        return self._assign(Session(id=session_id, version=version, expected_tokens=expected_tokens))
 
     def _assign(self, session: Session) -> ReplicaView:
         try:
@@ -228,6 +253,10 @@ class Registry:
         record_assignment(view, session)
         self.homes[session.id] = view.id
         self.pinned[session.id] = session.version
+        self.kinds[session.id] = session.kind
+        self._touch((session.id,))
+        while len(self.seen) > self.max_sessions:  # the cap: the longest-unseen session goes first
+            self._prune_one()
         return view
 
     def home_of(self, session_id: str) -> ReplicaView:
@@ -244,6 +273,45 @@ class Registry:
         """A finished session: drop its home and pin, so the maps do not grow for the whole run."""
         self.homes.pop(session_id, None)
         self.pinned.pop(session_id, None)
+        self.kinds.pop(session_id, None)
+        self.seen.pop(session_id, None)
+
+    # --- pruning ----------------------------------------------------------------------------
+
+    def _touch(self, session_ids: Any) -> None:
+        """The sessions were called or reported live now: they are the last to be pruned."""
+        now = self.clock()
+        for sid in session_ids:
+            if sid in self.homes:
+                self.seen[sid] = now
+                self.seen.move_to_end(sid)
+
+    def _prune_one(self) -> None:
+        sid, _ = self.seen.popitem(last=False)
+        self.forget(sid)
+        self.counters.sessions_pruned += 1
+
+    def prune(self) -> int:
+        """Forget sessions unseen for `grace_s` (finished, expired, or homed on a dead replica); how many.
+
+        Cost is the number pruned: `seen` is ordered by last sighting, so the scan stops at the
+        first session seen recently.
+        """
+        cutoff, pruned = self.clock() - self.grace_s, 0
+        while self.seen and next(iter(self.seen.values())) < cutoff:
+            self._prune_one()
+            pruned += 1
+        return pruned
+
+    def map_sizes(self) -> dict[str, int]:
+        """Entries in every per-session map (the soak checks they stay flat)."""
+        views = self.replicas.values()
+        return {"homes": len(self.homes), "pinned": len(self.pinned), "kinds": len(self.kinds),
+                "seen": len(self.seen), "session_kinds": sum(len(v.session_kinds) for v in views),
+                "live_sessions": sum(len(v.live_sessions) for v in views),
+                "recent_assignments": sum(len(v.recent_assignments) for v in views),
+                "live_versions": sum(len(s) for s in self.live_versions.values()),
+                "size_model_kinds": len(self.sizes.kinds())}
 
     # --- reporting --------------------------------------------------------------------------
 
@@ -251,12 +319,13 @@ class Registry:
         """Per-replica load and placement figures plus totals (the `/v1/stats` body)."""
         probe = Session(id="")
         per_replica = []
+        homed = Counter(self.homes.values())
         for view in self.replicas.values():
             counts = self.cache_counts.get(view.id, {})
             headroom = projected_headroom(view, probe, self.sizes) + self.sizes.project_new(probe)
             per_replica.append({
                 "url": view.id, "pool": view.pool, "weight": view.weight, "healthy": view.healthy,
-                "sessions": sum(1 for home in self.homes.values() if home == view.id),
+                "sessions": homed[view.id],
                 "live_sessions": len(view.live_sessions), "used_tokens": view.used_tokens,
                 "capacity_tokens": view.capacity_tokens, "projected_headroom": headroom,
                 "versions": sorted(view.versions), "cache_hit_rate": self.cache_hit_rate.get(view.id, 0.0),
@@ -268,6 +337,7 @@ class Registry:
                                                       "latest": newest_routable_version(list(self.replicas.values()))},
                 "totals": {"replicas": len(per_replica), "sessions": len(self.homes), "rehomes": c.rehomes,
                            "requests": c.requests, "errors": c.errors, "replicas_dropped": c.replicas_dropped,
+                           "sessions_pruned": c.sessions_pruned,
                            "thrash": sum(r["thrash"] for r in per_replica),
                            "evictions": sum(r["evictions"] for r in per_replica),
                            "cache_hit_rate": self.fleet_hit_rate()}}
@@ -288,3 +358,29 @@ class Registry:
         hits = sum(c.get("prefix_cache_hit_tokens", 0) for c in self.cache_counts.values())
         queries = sum(c.get("prefix_cache_queries_tokens", 0) for c in self.cache_counts.values())
         return hits / queries if queries else 0.0
+
+
+def prometheus_text(stats: dict[str, Any]) -> str:
+    """`/v1/stats` as Prometheus text: totals as counters/gauges, per-replica gauges by label."""
+    totals = stats["totals"]
+    lines = []
+    for name, kind in (("requests", "counter"), ("errors", "counter"), ("rehomes", "counter"),
+                       ("replicas_dropped", "counter"), ("sessions_pruned", "counter"), ("sessions", "gauge"),
+                       ("replicas", "gauge")):
+        metric = f"burstrl_router_{name}" + ("_total" if kind == "counter" else "")
+        lines += [f"# TYPE {metric} {kind}", f"{metric} {totals[name]}"]
+    for name in ("thrash", "evictions", "cache_hit_rate"):  # summed over the replicas' own counters
+        metric = f"burstrl_router_fleet_{name}"
+        lines += [f"# TYPE {metric} gauge", f"{metric} {float(totals[name])}"]
+    lines.append("# TYPE burstrl_router_versions_in_use gauge")
+    lines.append(f"burstrl_router_versions_in_use {stats['versions']['in_use']}")
+    lines.append("# TYPE burstrl_router_version_live_sessions gauge")
+    for version, count in stats["versions"]["live_sessions"].items():
+        lines.append(f'burstrl_router_version_live_sessions{{version="{version}"}} {count}')
+    for field in ("sessions", "live_sessions", "used_tokens", "capacity_tokens", "projected_headroom",
+                  "cache_hit_rate", "thrash", "evictions"):
+        metric = f"burstrl_router_replica_{field}"
+        lines.append(f"# TYPE {metric} gauge")
+        for r in stats["replicas"]:
+            lines.append(f'{metric}{{replica="{r["url"]}",pool="{r["pool"]}"}} {float(r[field])}')
+    return "\n".join(lines) + "\n"

@@ -1,10 +1,13 @@
 """The router's HTTP API: the replicas' OpenAI surface, a replica registry, and placement.
 
 Why a proxy and not a redirect: OpenAI clients follow neither redirects on POST nor custom
-headers, so the router forwards each call (streams chunk by chunk) to the replica the registry
+headers, so the router forwards each call (streams event by event) to the replica the registry
 picks. Every upstream call has a timeout; a replica that refuses connections is dropped and the
 call retried once on the session's new home, so a dying replica costs a cache miss, not a rollout,
-and a caller gets either an answer or a clear JSON error, never a hang.
+and a caller gets either an answer or a clear JSON error, never a hang. A call the replica may
+already have run (the connection broke after it was sent) is never retried, since it would run
+twice: the replica is dropped and the caller gets a 503 (mid-stream: a final SSE error event and
+no `[DONE]`) that is safe to retry, because the session's next call goes to another replica.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import hmac
 import json
 import logging
 import os
+import re
 import secrets
 import sys
 from collections.abc import AsyncIterator, Callable
@@ -22,24 +26,34 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import (
     JSONResponse,
     PlainTextResponse,
     Response,
     StreamingResponse,
 )
+from starlette.exceptions import HTTPException
 
 from burstrl.config import RouteConfig
 from burstrl.inference.openai_api import SESSION_HEADERS, BodyTooLarge, error_body, models_list, read_body
-from burstrl.router.registry import LATEST, Registry, RouteError, validate_url
+from burstrl.inference.sessions import SESSION_ID
+from burstrl.router.registry import LATEST, Registry, RouteError, prometheus_text, validate_url
 
 log = logging.getLogger(__name__)
 
-# A replica that is gone: refused or reset connections. A read timeout is not one (a long
-# generation may be slow), it becomes a 504 for that call only.
 VERSION_HEADER = "X-Burstrl-Version"  # the version a call ran on (`latest` resolved)
+KIND_HEADER = "x-task-kind"  # the task kind that sizes a new session (also the body's `task_kind`)
+MAX_KIND_CHARS = 128
+MAX_TOKENS_HINT = 1 << 40  # expected_tokens above this is not a size, it is an overflow
 
-DEAD = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+# A replica that is gone. Refused connections mean the call never reached it (safe to retry);
+# a connection that broke after the call was sent may have run it (never retried). A read
+# timeout is neither (a long generation may be slow): a 504 for that call only.
+NEVER_SENT = (httpx.ConnectError, httpx.ConnectTimeout)
+MAYBE_RAN = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+DEAD = NEVER_SENT + MAYBE_RAN
+SURROGATE_HINT = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")  # an escaped or raw UTF-16 surrogate
 
 
 def cluster_token(cfg: RouteConfig) -> str:
@@ -52,14 +66,44 @@ def cluster_token(cfg: RouteConfig) -> str:
 
 
 def session_id_of(body: dict[str, Any], headers: Any) -> str | None:
-    """The session of a call: `session_id` in the body, else the first session header set."""
+    """The session of a call: `session_id` in the body, else the first session header set.
+
+    An id the replicas would refuse is refused here, before it takes a place in the router's maps.
+    """
     sid = body.get("session_id")
-    if isinstance(sid, str) and sid:
-        return sid
-    for name in SESSION_HEADERS:
-        if headers.get(name):
-            return headers[name]
-    return None
+    if not (isinstance(sid, str) and sid):
+        sid = next((headers[name] for name in SESSION_HEADERS if headers.get(name)), None)
+    if sid is not None and not SESSION_ID.fullmatch(sid):
+        raise RouteError(400, "session_id must be 1-128 characters of [A-Za-z0-9._:@/-]")
+    return sid
+
+
+def task_kind_of(body: dict[str, Any], headers: Any) -> str:
+    """The task kind of a call: `task_kind` in the body, else the `X-Task-Kind` header, else `default`."""
+    kind = body.get("task_kind", headers.get(KIND_HEADER) or "default")
+    if not isinstance(kind, str) or not kind or len(kind) > MAX_KIND_CHARS:
+        raise RouteError(400, f"task_kind must be a non-empty string of at most {MAX_KIND_CHARS} characters")
+    return kind
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    """A request body as a JSON object, or a 400 that says why.
+
+    Why more than `json.loads`: a body nested deeper than the interpreter's stack raises
+    RecursionError, and a lone UTF-16 surrogate (`"\\ud800"`) parses but cannot be encoded back,
+    so it would fail later, in an error message or a forwarded body, as a 500.
+    """
+    try:
+        body = json.loads(raw)
+        if SURROGATE_HINT.search(raw):
+            json.dumps(body, ensure_ascii=False).encode()
+    except (json.JSONDecodeError, UnicodeError) as exc:
+        raise RouteError(400, f"malformed JSON body: {type(exc).__name__}: {exc}"[:300]) from None
+    except RecursionError:
+        raise RouteError(400, "malformed JSON body: nested too deeply") from None
+    if not isinstance(body, dict):
+        raise RouteError(400, "request body must be a JSON object")
+    return body
 
 
 def first_call_tokens(body: dict[str, Any]) -> int:
@@ -71,7 +115,7 @@ def first_call_tokens(body: dict[str, Any]) -> int:
     ids = body.get("input_ids")
     max_tokens = body.get("max_tokens")
     n = len(ids) if isinstance(ids, list) else 0
-    return n + (max_tokens if isinstance(max_tokens, int) and max_tokens > 0 and n else 0)
+    return min(MAX_TOKENS_HINT, n + (max_tokens if isinstance(max_tokens, int) and max_tokens > 0 and n else 0))
 
 
 class Router:
@@ -81,38 +125,54 @@ class Router:
         self.cfg = cfg
         self.token = token
         self.registry = registry or Registry(cfg.policy, cfg.k, cfg.health_failures,
-                                             version_pools=tuple(cfg.version_pools))
+                                             version_pools=tuple(cfg.version_pools), max_sessions=cfg.max_sessions)
         self.client: httpx.AsyncClient | None = None
         self.lock = asyncio.Lock()  # serialises placement against scrapes; held briefly, never across I/O
+        self.unlisted: set[str] = set()  # replicas already warned about for not listing their sessions
 
     def http(self) -> httpx.AsyncClient:
         assert self.client is not None, "router client used outside the app lifespan"
         return self.client
 
     async def scrape(self, url: str) -> bool:
-        """One scrape of `/v1/loads` and `/v1/models`; a failure counts toward dropping the replica."""
+        """One scrape of `/v1/loads` and `/v1/models` with the cluster token (replicas list their
+        sessions only to it); a failure counts toward dropping the replica, a 503 drops it at once."""
         timeout = min(self.cfg.request_timeout_s, max(2.0, 2 * self.cfg.scrape_s))
+        auth = {"Authorization": f"Bearer {self.token}"}
         try:
-            loads, models = await asyncio.gather(self.http().get(url + "/v1/loads", timeout=timeout),
-                                                 self.http().get(url + "/v1/models", timeout=timeout))
-            loads.raise_for_status()
-            models.raise_for_status()
-            loads_body, models_body = loads.json(), models.json()
-        except (httpx.HTTPError, ValueError) as exc:
+            answers = await asyncio.gather(self.http().get(url + "/v1/loads", timeout=timeout, headers=auth),
+                                           self.http().get(url + "/v1/models", timeout=timeout, headers=auth))
+        except httpx.HTTPError as exc:
+            return await self.scrape_failed(url, None, f"{type(exc).__name__}: {exc}")
+        statuses = [r.status_code for r in answers if r.status_code != 200]
+        if statuses:
+            status = 503 if 503 in statuses else statuses[0]
+            return await self.scrape_failed(url, status, f"HTTP {status}")
+        try:
+            loads_body, models_body = answers[0].json(), answers[1].json()
+            if "sessions" not in loads_body and url not in self.unlisted:  # pruning would forget its sessions
+                self.unlisted.add(url)
+                log.warning("replica %s lists no sessions to the router: does it have the cluster token?", url)
             async with self.lock:
-                if self.registry.scrape_failed(url):
-                    log.warning("replica %s dropped after failed scrapes (%s)", url, exc)
-            return False
-        async with self.lock:
-            self.registry.apply_scrape(url, loads_body, models_body)
+                self.registry.apply_scrape(url, loads_body, models_body)
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:  # answered, but not a load report
+            return await self.scrape_failed(url, None, f"malformed answer: {type(exc).__name__}: {exc}")
         return True
 
+    async def scrape_failed(self, url: str, status: int | None, why: str) -> bool:
+        async with self.lock:
+            if self.registry.scrape_failed(url, status):
+                log.warning("replica %s dropped after a failed scrape (%s)", url, why)
+        return False
+
     async def scrape_loop(self) -> None:
-        """Refresh every replica's view each `scrape_s` until cancelled by the lifespan."""
+        """Refresh every replica's view each `scrape_s`, then forget finished sessions; until cancelled."""
         while True:
             urls = list(self.registry.replicas)
             if urls:
                 await asyncio.gather(*(self.scrape(u) for u in urls))
+            async with self.lock:
+                self.registry.prune()
             await asyncio.sleep(self.cfg.scrape_s)
 
     def require_token(self, request: Request) -> None:
@@ -126,7 +186,9 @@ def build_app(router: Router, on_ready: Callable[[], None] | None = None) -> Fas
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
+        # Idle connections expire before uvicorn's 5 s keep-alive does, so a call is never sent on
+        # a connection the replica is closing (that would look like a replica dying mid-call).
+        limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100, keepalive_expiry=2.0)
         timeout = httpx.Timeout(router.cfg.request_timeout_s, connect=5.0)
         router.client = httpx.AsyncClient(timeout=timeout, limits=limits)
         for url in router.cfg.replicas:
@@ -150,8 +212,22 @@ def build_app(router: Router, on_ready: Callable[[], None] | None = None) -> Fas
 
     @app.exception_handler(RouteError)
     async def _route_error(_: Request, exc: RouteError) -> JSONResponse:
-        reg.counters.errors += 1
-        return JSONResponse(error_body(exc.status, exc.message, exc.kind), status_code=exc.status)
+        return error_response(router, exc.status, exc.message, exc.kind)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(router, exc.status_code, str(exc.detail), kind, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        where = "; ".join(f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg', '')}" for e in exc.errors())
+        return error_response(router, 400, f"invalid request: {where}"[:500])
+
+    @app.exception_handler(Exception)
+    async def _bug(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error in the router")
+        return error_response(router, 500, f"internal router error: {type(exc).__name__}", "server_error")
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -165,13 +241,15 @@ def build_app(router: Router, on_ready: Callable[[], None] | None = None) -> Fas
     async def register(request: Request) -> JSONResponse:
         router.require_token(request)
         body = await _read_json(request, router.cfg.max_body_bytes)
-        try:
-            pool, weight = str(body.get("pool", "reserved")), float(body.get("weight", 1.0))
-            capacity = int(body.get("capacity_tokens", 0))
-        except (TypeError, ValueError):
-            raise RouteError(400, "weight must be a number and capacity_tokens an integer") from None
+        pool, weight, capacity = body.get("pool", "reserved"), body.get("weight", 1.0), body.get("capacity_tokens", 0)
+        if not isinstance(pool, str):
+            raise RouteError(400, "pool must be a string")
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < 1e300:
+            raise RouteError(400, "weight must be a number in (0, 1e300)")
+        if isinstance(capacity, bool) or not isinstance(capacity, int):
+            raise RouteError(400, "capacity_tokens must be an integer")
         async with router.lock:
-            view = reg.add(body.get("url", ""), pool, weight, capacity)
+            view = reg.add(body.get("url", ""), pool, float(weight), capacity)
         scraped = await router.scrape(view.id)  # routable at once, not after the next tick
         return JSONResponse({"url": view.id, "pool": view.pool, "weight": view.weight,
                              "scraped": scraped, "versions": sorted(view.versions)}, status_code=201)
@@ -180,7 +258,10 @@ def build_app(router: Router, on_ready: Callable[[], None] | None = None) -> Fas
     async def drain(request: Request) -> dict[str, Any]:
         """Stop sending new sessions to a replica that is about to be removed; its sessions finish there."""
         router.require_token(request)
-        url = str((await _read_json(request, router.cfg.max_body_bytes)).get("url", "")).rstrip("/")
+        url = (await _read_json(request, router.cfg.max_body_bytes)).get("url", "")
+        if not isinstance(url, str):
+            raise RouteError(400, "url must be a string")
+        url = url.rstrip("/")
         async with router.lock:
             view = reg.replicas.get(url)
             if view is None:
@@ -208,15 +289,16 @@ def build_app(router: Router, on_ready: Callable[[], None] | None = None) -> Fas
     async def assign(request: Request) -> dict[str, Any]:
         body = await _read_json(request, router.cfg.max_body_bytes)
         sid, version = body.get("session_id"), body.get("version", LATEST)
-        if not isinstance(sid, str) or not sid or not isinstance(version, str) or not version:
-            raise RouteError(400, "session_id (a non-empty string) is required; version, if given, "
-                             "must be a non-empty string (default latest)")
+        if not isinstance(sid, str) or not SESSION_ID.fullmatch(sid) or not isinstance(version, str) or not version:
+            raise RouteError(400, "session_id (1-128 characters of [A-Za-z0-9._:@/-]) is required; version, "
+                             "if given, must be a non-empty string (default latest)")
         expected = body.get("expected_tokens", 0)
-        if not isinstance(expected, int) or expected < 0:
-            raise RouteError(400, "expected_tokens must be a non-negative integer")
+        if not isinstance(expected, int) or not 0 <= expected <= MAX_TOKENS_HINT:
+            raise RouteError(400, f"expected_tokens must be an integer in [0, {MAX_TOKENS_HINT}]")
+        kind = task_kind_of(body, request.headers)
         async with router.lock:
             resolved = reg.resolve(sid, version)
-            view = reg.place(sid, resolved, expected)
+            view = reg.place(sid, resolved, expected, kind)
         return {"url": view.id, "session_id": sid, "version": resolved}
 
     @app.get("/v1/stats")
@@ -228,13 +310,12 @@ def build_app(router: Router, on_ready: Callable[[], None] | None = None) -> Fas
         return PlainTextResponse(prometheus_text(reg.stats()), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/traces/{session_id:path}")
-    async def get_trace(session_id: str) -> Response:
-        return await forward_trace(router, "GET", session_id, request_headers={})
+    async def get_trace(session_id: str, request: Request) -> Response:
+        return await forward_trace(router, "GET", session_id, request_headers=_auth_of(request))
 
     @app.delete("/v1/traces/{session_id:path}")
     async def delete_trace(session_id: str, request: Request) -> Response:
-        auth = {"authorization": request.headers["authorization"]} if "authorization" in request.headers else {}
-        return await forward_trace(router, "DELETE", session_id, request_headers=auth)
+        return await forward_trace(router, "DELETE", session_id, request_headers=_auth_of(request))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -248,37 +329,47 @@ def build_app(router: Router, on_ready: Callable[[], None] | None = None) -> Fas
 
 
 async def proxy(router: Router, request: Request, path: str) -> Response:
-    """Forward one generation call to its session's replica; on a dead replica re-home and retry once."""
+    """Forward one generation call to its session's replica; retried once only if it never got there."""
     reg = router.registry
     reg.counters.requests += 1
     raw = await _read_body(request, router.cfg.max_body_bytes)
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise RouteError(400, f"malformed JSON body: {exc}") from None
-    if not isinstance(body, dict) or not isinstance(body.get("model"), str):
+    body = parse_json(raw)
+    if not isinstance(body.get("model"), str):
         raise RouteError(400, "request body must be a JSON object with a string `model`")
-    sid = session_id_of(body, request.headers)
+    sid, kind = session_id_of(body, request.headers), task_kind_of(body, request.headers)
     headers = {"content-type": "application/json"}
     headers.update({name: request.headers[name] for name in SESSION_HEADERS if name in request.headers})
-    for attempt in range(2):
+    for _ in range(2):
         async with router.lock:
             version = reg.resolve(sid, body["model"])
-            url = reg.place(sid, version, first_call_tokens(body)).id
+            url = reg.place(sid, version, first_call_tokens(body), kind).id
         if version != body["model"]:  # `latest`: the replica must see the concrete version
             body["model"] = version
             raw = json.dumps(body).encode()
         try:
-            response = await _forward(router, url + path, raw, headers, bool(body.get("stream")))
-            response.headers[VERSION_HEADER] = version
-            return response
-        except DEAD as exc:
-            log.warning("replica %s failed (%s); re-homing session %s", url, type(exc).__name__, sid)
-            async with router.lock:
-                reg.mark_dead(url)
+            response = await _forward(router, url, path, raw, headers, bool(body.get("stream")))
+        except NEVER_SENT as exc:
+            log.warning("replica %s refused a call (%s); re-homing session %s", url, type(exc).__name__, sid)
+            await _drop(router, url)
+            continue
+        except MAYBE_RAN as exc:
+            await _drop(router, url)
+            raise RouteError(503, f"replica {url} failed after it accepted the call ({type(exc).__name__}); "
+                             "not retried, since it may have run there. Retrying is safe: the replica is "
+                             "dropped and the session's next call goes to another replica", "server_error") from None
         except httpx.TimeoutException:
             raise RouteError(504, f"replica {url} timed out", "server_error") from None
-    raise RouteError(503, "replicas failed twice in a row; try again", "server_error")
+        except httpx.HTTPError as exc:
+            raise RouteError(502, f"replica {url}: {type(exc).__name__}", "server_error") from None
+        response.headers[VERSION_HEADER] = version
+        return response
+    raise RouteError(503, "replicas refused the connection twice in a row; try again", "server_error")
+
+
+async def _drop(router: Router, url: str) -> None:
+    """A replica whose connection failed leaves rotation now; its sessions re-home on their next call."""
+    async with router.lock:
+        router.registry.mark_dead(url)
 
 
 async def forward_trace(router: Router, method: str, session_id: str, request_headers: dict[str, str]) -> Response:
@@ -292,15 +383,17 @@ async def forward_trace(router: Router, method: str, session_id: str, request_he
     try:
         r = await router.http().request(method, f"{url}/v1/traces/{session_id}", headers=request_headers)
     except DEAD as exc:
-        async with router.lock:
-            router.registry.mark_dead(url)
+        await _drop(router, url)
         raise RouteError(503, f"session {session_id!r}: replica {url} failed ({type(exc).__name__})",
                          "server_error") from None
     except httpx.TimeoutException:
         raise RouteError(504, f"replica {url} timed out", "server_error") from None
     body = r.content
     if r.status_code == 200:
-        data = r.json()
+        try:
+            data = r.json()
+        except ValueError:
+            raise RouteError(502, f"replica {url} answered a trace that is not JSON", "server_error") from None
         data["replica"] = url
         body = json.dumps(data).encode()
         if method == "DELETE":
@@ -309,26 +402,72 @@ async def forward_trace(router: Router, method: str, session_id: str, request_he
     return Response(body, status_code=r.status_code, media_type="application/json")
 
 
-async def _forward(router: Router, url: str, raw: bytes, headers: dict[str, str], stream: bool) -> Response:
+async def _forward(router: Router, replica: str, path: str, raw: bytes, headers: dict[str, str],
+                   stream: bool) -> Response:
     client = router.http()
     if not stream:
-        r = await client.post(url, content=raw, headers=headers)
+        r = await client.post(replica + path, content=raw, headers=headers)
         return Response(r.content, status_code=r.status_code,
                         media_type=r.headers.get("content-type", "application/json"))
-    upstream = await client.send(client.build_request("POST", url, content=raw, headers=headers), stream=True)
-
-    async def chunks() -> AsyncIterator[bytes]:
-        try:
-            async for chunk in upstream.aiter_raw():
-                yield chunk
-        except httpx.HTTPError as exc:  # the replica died mid-stream: end the stream, counted
-            router.registry.counters.errors += 1
-            log.warning("stream from %s broke: %s", url, exc)
-        finally:
-            await upstream.aclose()
-
-    return StreamingResponse(chunks(), status_code=upstream.status_code,
+    upstream = await client.send(client.build_request("POST", replica + path, content=raw, headers=headers),
+                                 stream=True)
+    return StreamingResponse(relay(router, replica, upstream), status_code=upstream.status_code,
                              media_type=upstream.headers.get("content-type", "text/event-stream"))
+
+
+async def relay(router: Router, replica: str, upstream: httpx.Response) -> AsyncIterator[bytes]:
+    """Pass a replica's SSE stream on, whole events only; a broken stream ends in an error event.
+
+    Why whole events: a replica that dies mid-stream leaves a cut event and no `[DONE]`; passing
+    the cut part on, or just ending, would make a half answer look complete. Instead the cut
+    event is dropped and a final `data: {"error": ...}` (what OpenAI clients raise on) follows;
+    the replica is dropped, so the session's retry goes to another replica.
+    """
+    pending = b""
+    try:
+        async for chunk in upstream.aiter_raw():
+            pending += chunk
+            start = max(0, len(pending) - len(chunk) - 3)  # a separator may straddle the chunk boundary
+            cut = max(_end_after(pending, b"\n\n", start), _end_after(pending, b"\r\n\r\n", start))
+            if cut:
+                yield pending[:cut]
+                pending = pending[cut:]
+        if pending:
+            yield pending
+    except httpx.TimeoutException:
+        router.registry.counters.errors += 1
+        yield _sse_error(504, f"replica {replica} timed out mid-stream; the partial answer is void")
+    except httpx.HTTPError as exc:
+        router.registry.counters.errors += 1
+        log.warning("stream from %s broke (%s); replica dropped", replica, type(exc).__name__)
+        await _drop(router, replica)
+        yield _sse_error(503, f"replica {replica} failed mid-stream ({type(exc).__name__}); the partial "
+                         "answer is void. Retrying is safe: the replica is dropped and the session's next "
+                         "call goes to another replica")
+    finally:
+        await upstream.aclose()
+
+
+def _end_after(data: bytes, separator: bytes, start: int) -> int:
+    """Where the data after the last `separator` (found at or after `start`) begins; 0 if none."""
+    at = data.rfind(separator, start)
+    return at + len(separator) if at >= 0 else 0
+
+
+def _sse_error(status: int, message: str) -> bytes:
+    return f"data: {json.dumps(error_body(status, message, 'server_error'))}\n\n".encode()
+
+
+def _auth_of(request: Request) -> dict[str, str]:
+    """The caller's Authorization header, for a replica to check (the router holds no replica's admin token)."""
+    return {"authorization": request.headers["authorization"]} if "authorization" in request.headers else {}
+
+
+def error_response(router: Router, status: int, message: str, kind: str = "invalid_request_error",
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    """Every error the router answers, OpenAI-shaped (`{"error": {...}}`), counted."""
+    router.registry.counters.errors += 1
+    return JSONResponse(error_body(status, message, kind), status_code=status, headers=headers)
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -339,39 +478,7 @@ async def _read_body(request: Request, limit: int) -> bytes:
 
 
 async def _read_json(request: Request, limit: int) -> dict[str, Any]:
-    raw = await _read_body(request, limit)
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise RouteError(400, f"malformed JSON body: {exc}") from None
-    if not isinstance(body, dict):
-        raise RouteError(400, "request body must be a JSON object")
-    return body
-
-
-def prometheus_text(stats: dict[str, Any]) -> str:
-    """`/v1/stats` as Prometheus text: totals as counters/gauges, per-replica gauges by label."""
-    totals = stats["totals"]
-    lines = []
-    for name, kind in (("requests", "counter"), ("errors", "counter"), ("rehomes", "counter"),
-                       ("replicas_dropped", "counter"), ("sessions", "gauge"), ("replicas", "gauge")):
-        metric = f"burstrl_router_{name}" + ("_total" if kind == "counter" else "")
-        lines += [f"# TYPE {metric} {kind}", f"{metric} {totals[name]}"]
-    for name in ("thrash", "evictions", "cache_hit_rate"):  # summed over the replicas' own counters
-        metric = f"burstrl_router_fleet_{name}"
-        lines += [f"# TYPE {metric} gauge", f"{metric} {float(totals[name])}"]
-    lines.append("# TYPE burstrl_router_versions_in_use gauge")
-    lines.append(f"burstrl_router_versions_in_use {stats['versions']['in_use']}")
-    lines.append("# TYPE burstrl_router_version_live_sessions gauge")
-    for version, count in stats["versions"]["live_sessions"].items():
-        lines.append(f'burstrl_router_version_live_sessions{{version="{version}"}} {count}')
-    for field in ("sessions", "live_sessions", "used_tokens", "capacity_tokens", "projected_headroom",
-                  "cache_hit_rate", "thrash", "evictions"):
-        metric = f"burstrl_router_replica_{field}"
-        lines.append(f"# TYPE {metric} gauge")
-        for r in stats["replicas"]:
-            lines.append(f'{metric}{{replica="{r["url"]}",pool="{r["pool"]}"}} {float(r[field])}')
-    return "\n".join(lines) + "\n"
+    return parse_json(await _read_body(request, limit))
 
 
 def serve(cfg: RouteConfig) -> None:
