@@ -22,7 +22,7 @@ import argparse
 import json
 import time
 
-from burstrl.router.sim import SoakConfig, soak_registry
+from burstrl.router.soak import SoakConfig, soak_registry
 
 
 def figures(result: dict, cfg: SoakConfig) -> dict:

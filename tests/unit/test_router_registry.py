@@ -5,7 +5,7 @@ import pytest
 from burstrl.router.policies import Session, projected_headroom
 from burstrl.router.registry import Registry, RouteError, validate_url
 from burstrl.router.server import parse_json, prometheus_text, session_id_of, task_kind_of
-from burstrl.router.sim import SoakConfig, soak_registry
+from burstrl.router.soak import SoakConfig, soak_registry
 
 
 def loads(*sessions, used=0, capacity=10_000, versions=("base",)):
