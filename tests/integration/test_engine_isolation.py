@@ -99,3 +99,15 @@ def test_penalties_bias_and_min_tokens_change_the_output(replica: Replica) -> No
     finish(no_eos)
     ids = no_eos[0].completion_ids
     assert eos not in ids[:5] and ids[5] == eos and no_eos[0].finish_reason == "stop"
+
+
+def test_raw_logprobs_mode_shows_raw_and_captures_processed(replica: Replica) -> None:
+    replica.engine.raw_logprobs = True
+    try:
+        req, done = start(replica, [30, 31, 32], temperature=1.0, top_k=1, seed=3)
+        finish((req, done))
+    finally:
+        replica.engine.raw_logprobs = False
+    assert req.error is None
+    # top_k=1 samples from a one-token distribution (processed logprob 0); the raw model is unsure
+    assert all(p == 0.0 for p in req.logprobs) and all(s < 0.0 for s in req.shown_logprobs)
