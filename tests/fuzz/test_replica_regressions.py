@@ -206,3 +206,17 @@ def test_models_name_their_parent_and_root(server: Server) -> None:
     cards = {m["id"]: m for m in httpx.get(server.url + "/v1/models").json()["data"]}
     assert cards["base"]["parent"] is None
     assert cards["policy-v1"]["parent"] == "base" and cards["policy-v1"]["root"].endswith("policy-v1")
+
+
+def test_masked_alternatives_are_finite_in_json(server: Server) -> None:
+    """Found by the fuzzer: top_k=1 with 2 top logprobs put -inf in the body (a 500, invalid JSON)."""
+    r = post(server, "/v1/completions", {**COMPLETION, "top_k": 1, "logprobs": 2, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["logprobs"]["top_logprobs"][0]  # two entries, the second -9999.0
+    chat = {**CHAT, "top_k": 1, "logprobs": True, "top_logprobs": 3}
+    r = post(server, "/v1/chat/completions", chat)
+    assert r.status_code == 200, r.text
+    tops = r.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+    assert [t["logprob"] for t in tops][1:] == [-9999.0, -9999.0]
+    chunks = stream_chunks(server, "/v1/chat/completions", chat)
+    assert any(c["choices"] and c["choices"][0].get("logprobs") for c in chunks)

@@ -169,6 +169,11 @@ def error_body(status: int, message: str, kind: str = "invalid_request_error") -
     return {"error": {"message": message, "type": kind, "param": None, "code": status}}
 
 
+def json_logprob(logprob: float) -> float:
+    """-inf (a token masked by top-k/top-p) is not JSON: report -9999.0 as vLLM does."""
+    return max(logprob, -9999.0)
+
+
 class TokenText:
     """Token ids -> text pieces for logprobs entries."""
 
@@ -180,7 +185,7 @@ class TokenText:
 
     def entry(self, token: int, logprob: float) -> dict[str, Any]:
         text = self.piece(token)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": text, "logprob": json_logprob(logprob), "bytes": list(text.encode("utf-8"))}
 
     def chat_logprobs(self, req: Request, start: int, end: int) -> dict[str, Any]:
         content = []
@@ -196,8 +201,8 @@ class TokenText:
         for i in range(start, end):
             text = self.piece(req.completion_ids[i])
             tokens.append(text)
-            lps.append(req.shown_logprobs[i])
-            tops.append({self.piece(t): lp for t, lp in req.shown_top[i]} if req.shown_top else None)
+            lps.append(json_logprob(req.shown_logprobs[i]))
+            tops.append({self.piece(t): json_logprob(lp) for t, lp in req.shown_top[i]} if req.shown_top else None)
             offsets.append(offset)
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
