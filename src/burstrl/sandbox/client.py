@@ -9,6 +9,18 @@ sent once more on a new connection. That is safe because every exec carries a re
 or the caller's), and the daemon answers a repeated id with the first run's result instead of
 running the command again; the other requests are idempotent.
 
+Bodies over the daemon's limits (`MAX_BODY`, `MAX_UPLOAD_BODY`) are refused here with the 413 the
+daemon would give, never sent; and a daemon's early answer (it refused a body while it was being
+sent) is read and reported, not taken for a dropped connection and sent again.
+
+Trusting the socket. Code inside the sandbox can write where the socket lives, so it could put its
+own server or a symlink (to a host listener, which would receive the token) in its place. On a unix
+socket the client refuses a path that is not a socket (lstat: a symlink is refused) or whose owner
+is not `expected_uid`, and, after connecting and before sending a byte, checks the listener's
+SO_PEERCRED against `expected_pid`/`expected_uid`. The pid check is the race-free one (no other
+process can hold the daemon's pid); a backend records it with `socket_peer()` right after the
+daemon says it is ready, before any command has run.
+
 Standard library only, like the daemon, so a harness inside an image can use it too.
 """
 
@@ -21,6 +33,8 @@ import io
 import json
 import os
 import socket
+import stat
+import struct
 import tarfile
 import uuid
 from typing import Any, Dict, List, Optional, Tuple, Type, TypeVar, Union
@@ -29,6 +43,8 @@ from urllib.parse import urlencode, urlsplit
 from burstrl.sandbox.protocol import (
     DEFAULT_OUTPUT_BYTES,
     DEFAULT_READ_BYTES,
+    MAX_BODY,
+    MAX_UPLOAD_BODY,
     ExecRequest,
     ExecResult,
     Health,
@@ -133,16 +149,75 @@ def _file_bytes(result: ReadFileResult, max_bytes: int) -> bytes:
     return base64.b64decode(result.content_b64)
 
 
+def _check_size(call: _Call) -> None:
+    """Refuse a body the daemon would refuse, before sending it (the daemon closes on such a body)."""
+    cap = MAX_UPLOAD_BODY if call.target.startswith("/upload") else MAX_BODY
+    if len(call.body) > cap:
+        raise SandboxError(413, f"body of {len(call.body)} bytes is over the {cap}-byte limit of "
+                                f"{call.target.split('?')[0]}; not sent", "request_too_large")
+
+
+def peer_credentials(sock: socket.socket) -> Tuple[int, int, int]:
+    """(pid, uid, gid) of the process that listens at the other end of a connected unix socket."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, gid = struct.unpack("3i", raw)
+    return pid, uid, gid
+
+
+def _untrusted(path: str, why: str) -> SandboxError:
+    return SandboxError(502, f"refusing sandbox socket {path}: {why}", "untrusted_endpoint")
+
+
+def _check_path(path: str, expected_uid: Optional[int]) -> None:
+    """The path must be a unix socket itself (not a symlink to one) owned by `expected_uid`."""
+    st = os.lstat(path)  # FileNotFoundError: no daemon there (yet), i.e. unreachable
+    if not stat.S_ISSOCK(st.st_mode):
+        raise _untrusted(path, "not a unix socket (a symlink or another file)")
+    if expected_uid is not None and st.st_uid != expected_uid:
+        raise _untrusted(path, f"owned by uid {st.st_uid}, not {expected_uid}")
+
+
+def _check_peer(path: str, sock: socket.socket, expected_pid: Optional[int], expected_uid: Optional[int]) -> None:
+    pid, uid, _ = peer_credentials(sock)
+    if expected_pid is not None and pid != expected_pid:
+        raise _untrusted(path, f"served by pid {pid}, not the daemon's pid {expected_pid}")
+    if expected_uid is not None and uid != expected_uid:
+        raise _untrusted(path, f"served by uid {uid}, not {expected_uid}")
+
+
+def connect_unix(path: str, timeout: Optional[float], expected_pid: Optional[int] = None,
+                 expected_uid: Optional[int] = None) -> socket.socket:
+    """A connected socket to the daemon at `path`, checked before anything is sent (see above)."""
+    _check_path(path, expected_uid)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout)
+        sock.connect(path)
+        _check_peer(path, sock, expected_pid, expected_uid)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def socket_peer(path: str, timeout: float = 5.0) -> Tuple[int, int, int]:
+    """(pid, uid, gid) of the daemon listening at `path`: record it when the sandbox starts."""
+    sock = connect_unix(path, timeout)
+    try:
+        return peer_credentials(sock)
+    finally:
+        sock.close()
+
+
 class _UnixHTTPConnection(http.client.HTTPConnection):
-    def __init__(self, path: str, timeout: float):
+    def __init__(self, path: str, timeout: float, expected_pid: Optional[int] = None,
+                 expected_uid: Optional[int] = None):
         super().__init__("localhost", timeout=timeout)
         self._path = path
+        self._expected = (expected_pid, expected_uid)
 
     def connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout)
-        sock.connect(self._path)
-        self.sock = sock
+        self.sock = connect_unix(self._path, self.timeout, *self._expected)
 
 
 class _HTTPConnection(http.client.HTTPConnection):
@@ -167,13 +242,16 @@ class SandboxClient:
 
     `timeout` bounds connecting and every answer; an exec may take its own timeout on top of it.
     `close()` stops the daemon; `disconnect()` (also `with` exit) only drops this connection.
+    `expected_pid`/`expected_uid`: the daemon's, checked on every unix connection (see the module).
     """
 
     def __init__(self, socket_path: Optional[str] = None, url: Optional[str] = None, token: str = "",
-                 timeout: float = 30.0):
+                 timeout: float = 30.0, expected_pid: Optional[int] = None, expected_uid: Optional[int] = None):
         self.socket_path, self.host, self.port = _endpoint(socket_path, url)
         self.token = token
         self.timeout = timeout
+        self.expected_pid = expected_pid
+        self.expected_uid = expected_uid
         self._conn: Optional[http.client.HTTPConnection] = None
 
     def health(self) -> Health:
@@ -220,20 +298,18 @@ class SandboxClient:
     def _connection(self) -> http.client.HTTPConnection:
         if self._conn is None:
             if self.socket_path is not None:
-                self._conn = _UnixHTTPConnection(self.socket_path, self.timeout)
+                self._conn = _UnixHTTPConnection(self.socket_path, self.timeout, self.expected_pid,
+                                                 self.expected_uid)
             else:
                 self._conn = _HTTPConnection(self.host, self.port, timeout=self.timeout)
         return self._conn
 
     def _do(self, call: _Call, retry: bool = True) -> Any:
+        _check_size(call)
         for attempt in range(2 if retry else 1):
             conn = self._connection()
             try:
-                if conn.sock is not None:
-                    conn.sock.settimeout(self.timeout + call.wait_s)
-                conn.request(call.method, call.target, body=call.body, headers=call.headers(self.token))
-                resp = conn.getresponse()
-                data = resp.read()
+                status, data, will_close = self._exchange(conn, call)
             except socket.timeout:
                 self.disconnect()
                 raise SandboxError(504, f"no answer to {call.target} within {self.timeout + call.wait_s:g}s") from None
@@ -242,22 +318,51 @@ class SandboxClient:
                 if attempt == 0 and retry and isinstance(exc, _DROPPED):
                     continue
                 raise SandboxError(503, f"sandboxd unreachable: {exc!r}") from None
-            if resp.will_close:
+            if will_close:
                 self.disconnect()
             if call.result is dict:  # /close: any 200 will do
                 return None
-            return _answer(call, resp.status, data)
+            return _answer(call, status, data)
         raise AssertionError("unreachable")
+
+    def _exchange(self, conn: http.client.HTTPConnection, call: _Call) -> Tuple[int, bytes, bool]:
+        """(status, body, the daemon closes) of one request; a daemon's early answer is kept."""
+        if conn.sock is not None:
+            conn.sock.settimeout(self.timeout + call.wait_s)
+        try:
+            conn.request(call.method, call.target, body=call.body, headers=call.headers(self.token))
+        except (BrokenPipeError, ConnectionResetError):
+            early = _early_answer(conn, call)  # the daemon refused the body and closed: read why
+            if early is None:
+                raise
+            return early
+        resp = conn.getresponse()
+        return resp.status, resp.read(), resp.will_close
+
+
+def _early_answer(conn: http.client.HTTPConnection, call: _Call) -> Optional[Tuple[int, bytes, bool]]:
+    """The answer a daemon sent before it stopped reading our request, if there is one."""
+    if conn.sock is None:
+        return None
+    try:
+        conn.sock.settimeout(1.0)
+        resp = http.client.HTTPResponse(conn.sock, method=call.method)
+        resp.begin()
+        return resp.status, resp.read(), True
+    except (OSError, http.client.HTTPException):
+        return None
 
 
 class AsyncSandboxClient:
     """The same methods as coroutines; one short connection per request (no shared state)."""
 
     def __init__(self, socket_path: Optional[str] = None, url: Optional[str] = None, token: str = "",
-                 timeout: float = 30.0):
+                 timeout: float = 30.0, expected_pid: Optional[int] = None, expected_uid: Optional[int] = None):
         self.socket_path, self.host, self.port = _endpoint(socket_path, url)
         self.token = token
         self.timeout = timeout
+        self.expected_pid = expected_pid
+        self.expected_uid = expected_uid
 
     async def health(self) -> Health:
         return await self._do(_Call("GET", "/health", Health))
@@ -286,6 +391,7 @@ class AsyncSandboxClient:
                 raise
 
     async def _do(self, call: _Call, retry: bool = True) -> Any:
+        _check_size(call)
         limit = self.timeout + call.wait_s
         for attempt in range(2 if retry else 1):
             try:
@@ -302,14 +408,19 @@ class AsyncSandboxClient:
     async def _once(self, call: _Call) -> Tuple[int, bytes]:
         """A minimal HTTP/1.1 exchange: the daemon always sends Content-Length."""
         if self.socket_path is not None:
-            reader, writer = await asyncio.open_unix_connection(self.socket_path)
+            sock = connect_unix(self.socket_path, self.timeout, self.expected_pid, self.expected_uid)
+            sock.setblocking(False)
+            reader, writer = await asyncio.open_unix_connection(sock=sock)
         else:
             reader, writer = await asyncio.open_connection(self.host, self.port)
         try:
             headers = dict(call.headers(self.token), Host="sandbox", Connection="close")
             head = f"{call.method} {call.target} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-            writer.write(head.encode("latin-1") + b"\r\n" + call.body)
-            await writer.drain()
+            try:
+                writer.write(head.encode("latin-1") + b"\r\n" + call.body)
+                await writer.drain()
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the daemon refused the body and closed: its answer may be waiting below
             status_line = await reader.readline()
             if not status_line:
                 raise ConnectionResetError("connection closed before an answer")

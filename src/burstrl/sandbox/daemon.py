@@ -12,11 +12,22 @@ needs only what the clients send (Content-Length bodies, keep-alive). Standard l
 Listens on a unix socket (created 0600) or on TCP (`--host/--port`, port 0 = any free port).
 When listening it prints one JSON line to stdout, `{"event": "ready", "socket"|"url", "pid"}`.
 SIGTERM and SIGINT stop it cleanly (exit 0, socket file removed).
+
+Base environment: `--env-file FILE` (a JSON object of strings) or the env var SANDBOXD_ENV (the same
+JSON, removed from this process's env) is given to every command, under the request's `env`; that
+is how a backend passes `SandboxSpec.env` and an image's `Env`.
+
+Holding against its own commands: at most MAX_CONNECTIONS connections, a new one evicting the
+oldest connection that is not serving an authenticated request (so idle or half-sent connections
+can never lock the harness out), read timeouts, and the daemon makes itself non-dumpable so its
+commands (same uid) cannot ptrace it or take its fds. When it is pid 1 of its pid namespace it
+reaps orphans, and no signal from inside (`kill -9 -1`) reaches it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hmac
 import json
 import os
@@ -27,13 +38,15 @@ import sys
 import threading
 import time
 import traceback
+from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Tuple
 from urllib.parse import parse_qs, urlsplit
 
 import burstrl
 from burstrl.sandbox.protocol import (
     ENDPOINTS,
-    MiB,
+    MAX_BODY,
+    MAX_UPLOAD_BODY,
     CloseResult,
     Health,
     ProtocolError,
@@ -44,14 +57,17 @@ from burstrl.sandbox.protocol import (
 )
 from burstrl.sandbox.runtime import Runtime
 
-MAX_BODY = 16 * MiB
-MAX_UPLOAD_BODY = 64 * MiB
 MAX_HEADER_BYTES = 64 * 1024
 TOKEN_HEADER = "x-sandbox-token"
 DRAIN_LIMIT = 1 << 20  # a refused request's body up to this size is read and dropped, not left unread
 REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found",
-           405: "Method Not Allowed", 411: "Length Required", 413: "Payload Too Large",
-           431: "Request Header Fields Too Large", 500: "Internal Server Error"}
+           405: "Method Not Allowed", 410: "Gone", 411: "Length Required", 413: "Payload Too Large",
+           431: "Request Header Fields Too Large", 500: "Internal Server Error", 503: "Service Unavailable"}
+MAX_CONNECTIONS = 48  # each is a thread, and threads count against the sandbox's pids limit
+IDLE_TIMEOUT_S = 300.0  # a connection waiting for its next request (a client reconnects on a drop)
+READ_TIMEOUT_S = 30.0  # each read of the rest of a request once its first line came
+REAP_INTERVAL_S = 0.5  # how often a pid 1 daemon reaps orphaned zombies
+ENV_VAR = "SANDBOXD_ENV"
 
 
 class _Request:
@@ -117,14 +133,20 @@ class _Handler(socketserver.StreamRequestHandler):
     def handle(self) -> None:
         daemon: Daemon = self.server.daemon_app
         while True:
+            self.server.set_busy(self.request, False)  # evictable until its request is authenticated
             try:
                 req = self._read_head()
             except ProtocolError as exc:
                 self._send(exc.status, exc.to_body(), keep_alive=False)
                 return
+            except OSError:  # a read timeout, or evicted for a newer connection
+                return
             if req is None:
                 return
-            status, body, keep = self._serve(daemon, req)
+            try:
+                status, body, keep = self._serve(daemon, req)
+            except OSError:
+                return
             self._send(status, body, keep)
             if req.path == "/close" and status == 200:
                 daemon.stop_soon()
@@ -137,6 +159,7 @@ class _Handler(socketserver.StreamRequestHandler):
         has_body = req.headers.get("content-length", "0") != "0" or "transfer-encoding" in req.headers
         try:
             _check_route(req, daemon)
+            self.server.set_busy(self.request, True)
             body = self._read_body(req)
         except ProtocolError as exc:
             if has_body and self._drain(req):  # the connection stays in step, and closing it will not reset
@@ -153,9 +176,11 @@ class _Handler(socketserver.StreamRequestHandler):
             return 500, error_body(500, f"{type(exc).__name__}: {exc}"), False
 
     def _read_head(self) -> Optional[_Request]:
+        self.request.settimeout(IDLE_TIMEOUT_S)
         line = self.rfile.readline(MAX_HEADER_BYTES + 1)
         if not line:
             return None
+        self.request.settimeout(READ_TIMEOUT_S)
         if len(line) > MAX_HEADER_BYTES:
             raise ProtocolError(431, "request line too long")
         words = line.decode("latin-1").split()
@@ -229,13 +254,64 @@ def _check_route(req: _Request, daemon: Daemon) -> None:
         raise ProtocolError(405, f"{req.path} takes {want}, not {req.method}")
 
 
-class _UnixServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+class _Bounded:
+    """Connection cap for a threading server: at the cap, a new connection evicts the oldest one
+    that is not serving an authenticated request; when every one is, the new one is refused.
+
+    Why evict rather than refuse: idle or half-sent connections (anyone inside the sandbox can open
+    them) must not lock out the harness, whose client reconnects and retries on a dropped one.
+    """
+
+    def init_bounds(self) -> None:
+        self._conns: "OrderedDict[socket.socket, bool]" = OrderedDict()  # socket -> busy
+        self._conns_lock = threading.Lock()
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._admit(request):
+            _refuse(request)
+            super().shutdown_request(request)  # type: ignore[misc]
+            return
+        super().process_request(request, client_address)  # type: ignore[misc]
+
+    def shutdown_request(self, request: Any) -> None:
+        with self._conns_lock:
+            self._conns.pop(request, None)
+        super().shutdown_request(request)  # type: ignore[misc]
+
+    def set_busy(self, request: Any, busy: bool) -> None:
+        with self._conns_lock:
+            if request in self._conns:
+                self._conns[request] = busy
+
+    def _admit(self, request: Any) -> bool:
+        with self._conns_lock:
+            if len(self._conns) >= MAX_CONNECTIONS:
+                victim = next((s for s, busy in self._conns.items() if not busy), None)
+                if victim is None:
+                    return False
+                del self._conns[victim]
+                with contextlib.suppress(OSError):
+                    victim.shutdown(socket.SHUT_RDWR)  # its thread reads EOF and ends
+            self._conns[request] = False
+            return True
+
+
+def _refuse(request: socket.socket) -> None:
+    """Tell a refused connection why, without ever blocking on it."""
+    body = json.dumps(error_body(503, f"over {MAX_CONNECTIONS} connections all serving requests")).encode()
+    head = f"HTTP/1.1 503 Service Unavailable\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    with contextlib.suppress(OSError):
+        request.setblocking(False)
+        request.send(head.encode("latin-1") + body)
+
+
+class _UnixServer(_Bounded, socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     daemon_threads = True
     block_on_close = False
     request_queue_size = 128
 
 
-class _TCPServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
+class _TCPServer(_Bounded, socketserver.ThreadingMixIn, socketserver.TCPServer):
     daemon_threads = True
     block_on_close = False
     allow_reuse_address = True
@@ -256,6 +332,7 @@ def make_server(daemon: Daemon, socket_path: Optional[str] = None, host: str = "
         os.chmod(socket_path, 0o600)
     else:
         server = _TCPServer((host, port or 0), _Handler)
+    server.init_bounds()  # type: ignore[attr-defined]
     server.daemon_app = daemon  # type: ignore[attr-defined]
     daemon.server = server
     return server
@@ -273,15 +350,56 @@ def read_token(token_file: Optional[str]) -> str:
     return token
 
 
+def read_base_env(env_file: Optional[str]) -> Dict[str, str]:
+    """The commands' base env: the JSON object in `env_file`, else in SANDBOXD_ENV (then removed)."""
+    if env_file:
+        with open(env_file, encoding="utf-8") as f:
+            text = f.read()
+    else:
+        text = os.environ.pop(ENV_VAR, "")
+    if not text.strip():
+        return {}
+    try:
+        env = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"base env is not valid JSON: {exc}") from None
+    if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+        raise ValueError("base env must be a JSON object of strings")
+    return env
+
+
+def protect_self() -> None:
+    """Make the daemon non-dumpable: commands of the same uid can then neither ptrace it nor read its
+    memory or take its fds (`pidfd_getfd`), and its /proc files are not theirs to open.
+
+    What it cannot do unprivileged: lower its own oom_score_adj (commands raise theirs instead).
+    """
+    with contextlib.suppress(Exception):  # ctypes or libc may be missing in a minimal image
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE = 4
+
+
+def _reap_forever(runtime: Runtime) -> None:
+    while True:
+        time.sleep(REAP_INTERVAL_S)
+        runtime.reap_orphans()
+
+
 def run(socket_path: Optional[str] = None, host: str = "127.0.0.1", port: Optional[int] = None,
-        token_file: Optional[str] = None, root: str = "/", work_dir: Optional[str] = None) -> int:
+        token_file: Optional[str] = None, root: str = "/", work_dir: Optional[str] = None,
+        env_file: Optional[str] = None) -> int:
     """Serve until /close, SIGTERM or SIGINT; print the ready line once listening; return 0."""
     if socket_path is None and port is None:
         raise ValueError("give --socket PATH (or --port N for TCP)")
-    daemon = Daemon(Runtime(root=root, work_dir=work_dir or os.getcwd()), read_token(token_file))
+    runtime = Runtime(root=root, work_dir=work_dir or os.getcwd(), base_env=read_base_env(env_file))
+    daemon = Daemon(runtime, read_token(token_file))
+    protect_self()
     server = make_server(daemon, socket_path, host, port)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: daemon.stop_soon())
+    if os.getpid() == 1:
+        threading.Thread(target=_reap_forever, args=(runtime,), name="reaper", daemon=True).start()
     ready: Dict[str, Any] = {"event": "ready", "pid": os.getpid()}
     if socket_path is not None:
         ready["socket"] = os.path.abspath(socket_path)
@@ -308,9 +426,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--token-file", help="File holding the token (default: env SANDBOX_TOKEN).")
     parser.add_argument("--root", default="/", help="File requests must resolve inside this directory.")
     parser.add_argument("--work-dir", help="Default cwd and base of relative paths (default: the cwd).")
+    parser.add_argument("--env-file", help=f"JSON object: every command's base env (default: env {ENV_VAR}).")
     args = parser.parse_args(argv)
     try:
-        return run(args.socket, args.host, args.port, args.token_file, args.root, args.work_dir)
+        return run(args.socket, args.host, args.port, args.token_file, args.root, args.work_dir, args.env_file)
     except (ValueError, OSError) as exc:
         sys.stderr.write(f"sandboxd: error: {exc}\n")
         return 2

@@ -24,6 +24,8 @@ DEFAULT_OUTPUT_BYTES = 1 * MiB  # per stream
 MAX_OUTPUT_BYTES = 64 * MiB
 DEFAULT_READ_BYTES = 16 * MiB
 MAX_READ_BYTES = 64 * MiB
+MAX_BODY = 16 * MiB  # the daemon's limit on a JSON request body (the client checks it before sending)
+MAX_UPLOAD_BODY = 64 * MiB  # the same for /upload's raw tar body
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -32,6 +34,7 @@ ERROR_TYPES = {
     404: "not_found_error",
     405: "method_not_allowed",
     411: "length_required",
+    410: "gone",
     413: "request_too_large",
     500: "internal_error",
 }

@@ -18,8 +18,18 @@ inside a real sandbox, whose own walls do the isolating; in tests it is a temp d
 and cwds are taken from `work_dir`.
 
 Retries. An exec with a `request_id` already seen returns the recorded result instead of running
-again (a bounded LRU of recent ids); one still running is waited for. So a client that retries
-after a dropped connection never runs a command twice.
+again; one still running is waited for. So a client that retries after a dropped connection never
+runs a command twice. The kept results are bounded by count and by bytes (`RESULT_BYTES`, oldest
+dropped first: a thousand 1 MB outputs would otherwise OOM the daemon); an id whose result was
+dropped answers 410, never a second run.
+
+Environment. Every command gets `DEFAULT_ENV`, overlaid by the base env the daemon was started with
+(the sandbox spec's and the image's `Env`), overlaid by the request's `env`.
+
+Protection (what an unprivileged daemon can do against its own commands). Commands start with
+`oom_score_adj` 1000, so the OOM killer picks them before the daemon (the daemon cannot lower its
+own score without CAP_SYS_RESOURCE). When the daemon is pid 1 of its pid namespace, no signal from
+inside the namespace can kill it (`kill -9 -1` included) and it reaps the orphans there.
 """
 
 from __future__ import annotations
@@ -54,6 +64,11 @@ EXIT_GRACE_S = 0.05  # reading after the leader exited, for output still in flig
 POLL_S = 0.05  # leader-exit polling where pidfd_open is missing (Python < 3.9 or old kernels)
 READ_CHUNK = 65536
 RECENT_RESULTS = 1024
+RESULT_BYTES = 32 * 1024 * 1024  # total output kept for retries; the oldest results go first
+DROPPED_IDS = 65536  # ids whose result was dropped, remembered so a retry answers 410, not a re-run
+# Run first in every shell command: the OOM killer then picks the command, not the daemon. Raising
+# one's own score needs no privilege; a missing /proc only loses the protection.
+OOM_PREFIX = "{ echo 1000 >/proc/self/oom_score_adj; } 2>/dev/null; "
 DRAIN_CHUNKS = 64  # after a kill, read at most this many chunks still buffered in a pipe
 
 
@@ -93,18 +108,23 @@ class _Recorded:
         self.done = threading.Event()
         self.result: Optional[ExecResult] = None
         self.error: Optional[ProtocolError] = None
+        self.size = 0  # bytes of output held, counted once done
 
 
 class Runtime:
     """Runs requests against this machine (or sandbox); thread-safe, one per daemon."""
 
-    def __init__(self, root: str = "/", work_dir: Optional[str] = None, env: Optional[Dict[str, str]] = None):
+    def __init__(self, root: str = "/", work_dir: Optional[str] = None, env: Optional[Dict[str, str]] = None,
+                 base_env: Optional[Dict[str, str]] = None):
+        """`env` replaces `DEFAULT_ENV`; `base_env` (the spec's and image's env) overlays it."""
         self.root = os.path.realpath(root)
         self.work_dir = os.path.realpath(work_dir) if work_dir else self.root
-        self.env = dict(DEFAULT_ENV if env is None else env)
+        self.env = dict(DEFAULT_ENV if env is None else env, **(base_env or {}))
         self.env.setdefault("HOME", self.work_dir)
         self._lock = threading.Lock()
         self._recent: "OrderedDict[str, _Recorded]" = OrderedDict()
+        self._dropped: "OrderedDict[str, None]" = OrderedDict()
+        self._kept_bytes = 0
         self._running: Set[int] = set()
 
     # ---- commands ----
@@ -130,6 +150,7 @@ class Runtime:
             raise
         finally:
             rec.done.set()
+            self._account(req.request_id, rec)
         return rec.result
 
     def close(self) -> None:
@@ -141,39 +162,89 @@ class Runtime:
 
     def _claim(self, request_id: str) -> Tuple[_Recorded, bool]:
         with self._lock:
+            if request_id in self._dropped:
+                raise ProtocolError(410, f"request id '{request_id}' already ran and its result was dropped "
+                                         "from memory; it is not run again")
             rec = self._recent.get(request_id)
             if rec is not None:
                 self._recent.move_to_end(request_id)
                 return rec, False
             rec = self._recent[request_id] = _Recorded()
-            while len(self._recent) > RECENT_RESULTS:
-                self._recent.popitem(last=False)  # a waiter still holds its entry by reference
+            self._evict()
             return rec, True
 
+    def _account(self, request_id: str, rec: _Recorded) -> None:
+        """Count a finished result's bytes, then drop the oldest finished results over the bounds."""
+        res = rec.result
+        size = len(res.stdout) + len(res.stderr) if res is not None else 0
+        with self._lock:
+            if self._recent.get(request_id) is rec:
+                rec.size = size
+                self._kept_bytes += size
+            self._evict()
+
+    def _evict(self) -> None:
+        """Drop finished results, oldest first, while over RECENT_RESULTS or RESULT_BYTES (lock held).
+
+        A running entry is kept (its retry must wait for it, not run it again); a waiter already
+        holding a dropped entry still gets its result by reference.
+        """
+        for request_id in list(self._recent):
+            if len(self._recent) <= RECENT_RESULTS and self._kept_bytes <= RESULT_BYTES:
+                return
+            rec = self._recent[request_id]
+            if not rec.done.is_set():
+                continue
+            del self._recent[request_id]
+            self._kept_bytes -= rec.size
+            self._dropped[request_id] = None
+            while len(self._dropped) > DROPPED_IDS:
+                self._dropped.popitem(last=False)
+
     def _run(self, req: ExecRequest) -> ExecResult:
-        argv = ["/bin/sh", "-c", req.cmd] if isinstance(req.cmd, str) else list(req.cmd)
+        argv = ["/bin/sh", "-c", OOM_PREFIX + req.cmd] if isinstance(req.cmd, str) else list(req.cmd)
         cwd = self._cwd(req.cwd)
         env = dict(self.env, **(req.env or {}))
         start = time.monotonic()
         try:
-            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    cwd=cwd, env=env, start_new_session=True)
+            with self._lock:  # a pid 1 reaper must never reap a leader before it is in _running
+                proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, cwd=cwd, env=env, start_new_session=True)
+                self._running.add(proc.pid)
         except OSError as exc:  # like a shell: 127 when not found, 126 when not executable
             code = 127 if isinstance(exc, FileNotFoundError) else 126
             return ExecResult(stdout="", stderr=f"{argv[0]}: {exc.strerror}\n", exit_code=code,
                               duration_s=time.monotonic() - start)
-        with self._lock:
-            self._running.add(proc.pid)
+        _raise_oom_score(proc.pid)
         try:
             out, err, timed_out = _collect(proc, start + req.timeout, req.max_output_bytes)
         finally:
             _kill_group(proc.pid)  # leader not reaped yet, so the group id cannot have been reused
+            proc.wait()
             with self._lock:
                 self._running.discard(proc.pid)
-            proc.wait()
         return ExecResult(stdout=out.text(), stderr=err.text(), exit_code=proc.returncode, timed_out=timed_out,
                           truncated=bool(out.elided or err.elided), stdout_elided_bytes=out.elided,
                           stderr_elided_bytes=err.elided, duration_s=time.monotonic() - start)
+
+    def reap_orphans(self) -> int:
+        """Reap exited children no request waits for; returns how many.
+
+        Why: a daemon that is pid 1 of its namespace inherits every orphan there (`cmd &`), and
+        unreaped zombies hold pids until fork fails. Leaders in `_running` are left to their request.
+        """
+        reaped = 0
+        while True:
+            with self._lock:
+                try:
+                    info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+                except ChildProcessError:
+                    return reaped
+                if info is None or info.si_pid == 0 or info.si_pid in self._running:
+                    return reaped
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(info.si_pid, os.WNOHANG)
+                reaped += 1
 
     def _cwd(self, cwd: Optional[str]) -> str:
         path = self.work_dir if cwd is None else os.path.join(self.work_dir, cwd)
@@ -187,10 +258,9 @@ class Runtime:
         """The first `max_bytes` of a regular file, base64-encoded."""
         real = self.resolve(req.path)
         with _os_errors(req.path):
-            with open(real, "rb") as f:
-                st = os.fstat(f.fileno())
-                if not stat.S_ISREG(st.st_mode):  # a fifo would hang the request, a device never end
-                    raise ProtocolError(400, f"'{req.path}' is not a regular file")
+            fd = _open_regular(req.path, real, os.O_RDONLY)
+            with os.fdopen(fd, "rb") as f:
+                st = os.fstat(fd)
                 data = f.read(req.max_bytes + 1)
         truncated = len(data) > req.max_bytes
         data = data[:req.max_bytes]
@@ -204,8 +274,9 @@ class Runtime:
         with _os_errors(req.path):
             if req.mkdir:
                 os.makedirs(os.path.dirname(real), exist_ok=True)
-            fd = os.open(real, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, req.mode)
+            fd = _open_regular(req.path, real, os.O_WRONLY | os.O_CREAT, req.mode)
             try:
+                os.ftruncate(fd, 0)  # only now: a fifo or device must never be truncated or written
                 os.fchmod(fd, req.mode)  # the umask and an existing file's mode must not win
                 view = memoryview(data)
                 while view:
@@ -320,6 +391,37 @@ def _pidfd_open(pid: int) -> Optional[int]:
         return opener(pid)
     except OSError:
         return None
+
+
+def _open_regular(path: str, real: str, flags: int, mode: int = 0o644) -> int:
+    """Open `real` only if it is a regular file (400 otherwise); blocking mode once checked.
+
+    Why O_NONBLOCK and the type check: opening a fifo blocks until a peer opens the other end, and a
+    device may never end, so a request thread would hang forever. O_NOFOLLOW: `real` is already
+    resolved, so a symlink there now was swapped in after the check.
+    """
+    with contextlib.suppress(FileNotFoundError):
+        if not stat.S_ISREG(os.lstat(real).st_mode):
+            raise ProtocolError(400, f"'{path}' is not a regular file")
+    fd = os.open(real, flags | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ProtocolError(400, f"'{path}' is not a regular file")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _raise_oom_score(pid: int) -> None:
+    """oom_score_adj 1000 for an argv command (shell commands set it themselves, before any fork).
+
+    Set from outside after the exec: a command that forks in its first instant keeps 0 in that child.
+    """
+    with contextlib.suppress(OSError):
+        with open(f"/proc/{pid}/oom_score_adj", "w") as f:
+            f.write("1000")
 
 
 def _kill_group(pgid: int) -> None:
