@@ -36,6 +36,7 @@ import socket
 import stat
 import struct
 import tarfile
+import time
 import uuid
 from typing import Any, Dict, List, Optional, Tuple, Type, TypeVar, Union
 from urllib.parse import urlencode, urlsplit
@@ -192,12 +193,26 @@ def connect_unix(path: str, timeout: Optional[float], expected_pid: Optional[int
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.settimeout(timeout)
-        sock.connect(path)
+        _connect_waiting(sock, path, timeout)
         _check_peer(path, sock, expected_pid, expected_uid)
     except BaseException:
         sock.close()
         raise
     return sock
+
+
+def _connect_waiting(sock: socket.socket, path: str, timeout: Optional[float]) -> None:
+    """Connect, waiting out a full listen backlog: a unix socket in timeout mode answers EAGAIN at
+    once where TCP would wait (a burst of connections to the daemon is transient)."""
+    deadline = time.monotonic() + (timeout if timeout is not None else 30.0)
+    while True:
+        try:
+            sock.connect(path)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise socket.timeout(f"connect to {path}: listen backlog full") from None
+            time.sleep(0.01)
 
 
 def socket_peer(path: str, timeout: float = 5.0) -> Tuple[int, int, int]:

@@ -202,10 +202,10 @@ class Runtime:
                 self._dropped.popitem(last=False)
 
     def _run(self, req: ExecRequest) -> ExecResult:
-        argv = ["/bin/sh", "-c", OOM_PREFIX + req.cmd] if isinstance(req.cmd, str) else list(req.cmd)
         cwd = self._cwd(req.cwd)
         env = dict(self.env, **(req.env or {}))
         start = time.monotonic()
+        argv = ["/bin/sh", "-c", OOM_PREFIX + req.cmd] if isinstance(req.cmd, str) else _wrap_argv(req.cmd, env, cwd)
         try:
             with self._lock:  # a pid 1 reaper must never reap a leader before it is in _running
                 proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -215,7 +215,6 @@ class Runtime:
             code = 127 if isinstance(exc, FileNotFoundError) else 126
             return ExecResult(stdout="", stderr=f"{argv[0]}: {exc.strerror}\n", exit_code=code,
                               duration_s=time.monotonic() - start)
-        _raise_oom_score(proc.pid)
         try:
             out, err, timed_out = _collect(proc, start + req.timeout, req.max_output_bytes)
         finally:
@@ -414,14 +413,25 @@ def _open_regular(path: str, real: str, flags: int, mode: int = 0o644) -> int:
     return fd
 
 
-def _raise_oom_score(pid: int) -> None:
-    """oom_score_adj 1000 for an argv command (shell commands set it themselves, before any fork).
+def _wrap_argv(argv: List[str], env: Dict[str, str], cwd: str) -> List[str]:
+    """`argv` run through the shell prefix that raises its oom_score_adj before it execs.
 
-    Set from outside after the exec: a command that forks in its first instant keeps 0 in that child.
+    A program that cannot be run is left unwrapped so the error stays the OS's own (127/126 from
+    Popen), not the shell's; without /bin/sh the program runs unwrapped, at the daemon's score.
     """
-    with contextlib.suppress(OSError):
-        with open(f"/proc/{pid}/oom_score_adj", "w") as f:
-            f.write("1000")
+    if not os.path.exists("/bin/sh") or _find(argv[0], env.get("PATH", ""), cwd) is None:
+        return list(argv)
+    return ["/bin/sh", "-c", OOM_PREFIX + 'exec "$@"', "sh", *argv]
+
+
+def _find(prog: str, path: str, cwd: str) -> Optional[str]:
+    """Where `prog` resolves like execvp would, if it is an executable file."""
+    dirs = [""] if "/" in prog else [d or "." for d in path.split(os.pathsep)]
+    for d in dirs:
+        full = os.path.join(cwd, d, prog)
+        if os.path.isfile(full) and os.access(full, os.X_OK):
+            return full
+    return None
 
 
 def _kill_group(pgid: int) -> None:
