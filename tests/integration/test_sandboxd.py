@@ -211,3 +211,39 @@ def test_close_kills_running_commands(tmp_path: Path) -> None:
     while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
         time.sleep(0.02)
     assert not Path(f"/proc/{pid}").exists() or " Z" in Path(f"/proc/{pid}/stat").read_text()
+
+
+def test_idle_and_half_sent_connections_time_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In-process daemon with short timeouts: a silent connection and one that stops mid-request
+    are both closed by the daemon; a connection past the cap evicts the oldest unauthenticated one."""
+    import threading
+
+    from burstrl.sandbox import daemon as daemon_mod
+    from burstrl.sandbox.runtime import Runtime
+
+    monkeypatch.setattr(daemon_mod, "IDLE_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(daemon_mod, "READ_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(daemon_mod, "MAX_CONNECTIONS", 4)
+    app = daemon_mod.Daemon(Runtime(root=str(tmp_path)), TOKEN)
+    path = str(tmp_path / "sd.sock")
+    server = daemon_mod.make_server(app, path)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    try:
+        silent, half = socket.socket(socket.AF_UNIX), socket.socket(socket.AF_UNIX)
+        for s, data in ((silent, b""), (half, b"POST /exec HTTP/1.1\r\nContent-Le")):
+            s.connect(path)
+            s.sendall(data)
+            s.settimeout(5)
+        start = time.monotonic()
+        assert silent.recv(100) == b"" and half.recv(100) == b""  # closed by the daemon, unanswered
+        assert time.monotonic() - start < 3
+        extra = [socket.socket(socket.AF_UNIX) for _ in range(6)]
+        for s in extra:
+            s.connect(path)
+        c = SandboxClient(socket_path=path, token=TOKEN, timeout=5)
+        assert c.exec("echo ok").stdout == "ok\n"
+        for s in [silent, half, *extra]:
+            s.close()
+    finally:
+        server.shutdown()
+        server.server_close()

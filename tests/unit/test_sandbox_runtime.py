@@ -224,3 +224,42 @@ def test_protocol_roundtrip() -> None:
         from_json(WriteFileRequest, {"path": "p", "text": "a", "content_b64": ""})
     with pytest.raises(ProtocolError, match="must be a JSON object"):
         from_json(ExecRequest, ["ls"])
+
+
+def test_kept_results_are_bounded_by_bytes(rt: Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Oldest results go first once over RESULT_BYTES; a dropped id answers 410, never a re-run."""
+    import burstrl.sandbox.runtime as runtime_mod
+
+    monkeypatch.setattr(runtime_mod, "RESULT_BYTES", 3000)
+    for i in range(5):
+        assert len(run(rt, "head -c 1000 /dev/zero | tr '\\0' a; echo x >> runs", request_id=f"r{i}").stdout) == 1000
+    assert len(run(rt, "echo x >> runs", request_id="r4").stdout) == 1000  # kept: recorded, not run
+    with pytest.raises(ProtocolError) as err:
+        run(rt, "echo x >> runs", request_id="r0")
+    assert err.value.status == 410
+    assert (Path(rt.root) / "runs").read_text().count("x") == 5
+    assert rt._kept_bytes <= 3000
+
+
+def test_base_env_under_the_request_env(tmp_path: Path) -> None:
+    rt = Runtime(root=str(tmp_path), base_env={"FOO": "base", "BAR": "b", "PATH": "/usr/bin:/bin"})
+    assert run(rt, 'echo "$FOO $BAR $PATH"', env={"FOO": "req"}).stdout == "req b /usr/bin:/bin\n"
+
+
+def test_fifo_and_devices_are_not_opened(tmp_path: Path) -> None:
+    rt = Runtime(root="/", work_dir=str(tmp_path))
+    os.mkfifo(tmp_path / "fifo")
+    start = time.monotonic()
+    for call in (lambda: rt.read_file(ReadFileRequest(path="fifo")),
+                 lambda: rt.write_file(WriteFileRequest(path="fifo", text="x")),
+                 lambda: rt.read_file(ReadFileRequest(path="/dev/zero"))):
+        with pytest.raises(ProtocolError) as err:
+            call()
+        assert err.value.status == 400 and "not a regular file" in err.value.message
+    assert time.monotonic() - start < 1
+
+
+def test_commands_get_oom_score_adj_1000(rt: Runtime) -> None:
+    assert run(rt, "cat /proc/self/oom_score_adj").stdout == "1000\n"
+    assert run(rt, ["cat", "/proc/self/oom_score_adj"]).stdout == "1000\n"
+    assert run(rt, ["./nope"]).exit_code == 127
