@@ -22,6 +22,7 @@ from typing import Any
 from burstrl.sandbox.backends import SandboxBackend, make_backend
 from burstrl.sandbox.backends.base import (Sandbox, SandboxSpec, pid_alive, read_owner, remove_tree)
 from burstrl.sandbox.backends.cgroups import kill_and_remove
+from burstrl.sandbox.backends.oci import sweep_orphan_cgroups
 
 _pools: weakref.WeakSet[SandboxPool] = weakref.WeakSet()
 
@@ -106,7 +107,8 @@ def _close_all_pools() -> None:
 
 
 def sweep_stale(state_dir: Path, min_age_s: float = 60.0) -> list[str]:
-    """Remove sandbox dirs (and their processes and cgroups) whose owner process is dead.
+    """Remove sandbox dirs (and their processes and cgroups) whose owner process is dead, then
+    the oci backend's cgroups whose dir is gone (found by name: runc can drop its state first).
 
     A dir with no owner record yet is left alone for `min_age_s`: its owner may be creating it.
     Returns the ids removed.
@@ -124,7 +126,7 @@ def sweep_stale(state_dir: Path, min_age_s: float = 60.0) -> list[str]:
         _kill_leftovers(owner or {})
         remove_tree(path)
         removed.append(path.name)
-    return removed
+    return removed + [sid for sid in sweep_orphan_cgroups(state_dir) if sid not in removed]
 
 
 def _kill_leftovers(owner: dict[str, Any]) -> None:
