@@ -4,10 +4,19 @@ Each sandbox gets new user, mount, pid, ipc, uts, cgroup and network namespaces 
 all: only its own loopback), no capabilities, a read-only base (the host's system dirs, or an
 image's merged root from the LayerCache), its own writable /work and /tmp, and the daemon's code
 read-only at /opt/burstrl. Limits go through cgroups where the machine allows it.
+
+Run as root (CI, GPU pods), the harness never hands root to sandboxed code: bwrap, the daemon
+and every command run as an unprivileged host uid (`sandbox_uid`, default 65534 nobody), so the
+user namespace maps the inside uid to it; /proc/sys (and /proc/sysrq-trigger where the kernel
+has it) are read-only inside. What stays visible in /proc/self/mountinfo: the host path of each
+bind source within its filesystem (`state_dir/<id>/work` and `.../run`, or for an overlay /work
+its lowerdir/upperdir options, the host's /usr, /etc, ...). bwrap has no way to hide a bind's
+root field; with /proc/sys read-only and no host uid 0 the path is not a way out.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -16,10 +25,24 @@ from pathlib import Path
 from typing import Any
 
 from burstrl.sandbox.backends import cgroups
-from burstrl.sandbox.backends.base import (CODE_MOUNT, RUN_MOUNT, SOCKET_NAME, LimitsReport, Sandbox,
-                                           SandboxSpec, daemon_argv, kill_group, make_run_dir,
-                                           process_start_time, remove_tree, spawn, src_dir,
-                                           wait_ready, warn_once, write_owner)
+from burstrl.sandbox.backends.base import (
+    CODE_MOUNT,
+    RUN_MOUNT,
+    SOCKET_NAME,
+    LimitsReport,
+    Sandbox,
+    SandboxSpec,
+    daemon_argv,
+    kill_group,
+    make_run_dir,
+    process_start_time,
+    remove_tree,
+    spawn,
+    src_dir,
+    wait_ready,
+    warn_once,
+    write_owner,
+)
 
 HOST_SYSTEM_DIRS = ("usr", "bin", "lib", "lib32", "lib64", "libx32", "sbin", "etc")
 # Masked inside the host's /etc (files become empty, dirs empty tmpfs).
@@ -29,8 +52,10 @@ REPLACED = {"proc", "dev", "sys", "tmp", "work", "run"}
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # Runs as the first process, already in the sandbox's cgroups before bwrap execs: every process
 # of the sandbox inherits them, so no command runs unlimited even for a moment.
-_ENTER = ('for f in $BURSTRL_CGROUP_PROCS; do echo $$ > "$f" || exit 125; done; '
-          '[ -z "$BURSTRL_NPROC" ] || ulimit -u "$BURSTRL_NPROC" || exit 125; exec "$@"')
+# Then the privilege drop and RLIMIT_NPROC come as argv prefixes (`setpriv`, `prlimit`: util-linux,
+# since dash has no `ulimit -u`), so the cgroup writes happen as root and nothing after them does.
+_ENTER = 'for f in $BURSTRL_CGROUP_PROCS; do echo $$ > "$f" || exit 125; done; exec "$@"'
+NOBODY = 65534
 
 
 def default_state_dir() -> Path:
@@ -71,16 +96,21 @@ def overlay_work(lower: Path, work: Path) -> bool:
 
     Why: a copy of a task repo costs its size at every sandbox start (~0.3 s for 17 MB here), an
     overlay costs one mount (~5 ms) and keeps the cached layer shared and untouched. Needs the
-    right to mount (root, as in CI); False means "copy instead", warned about once.
+    right to mount (root, as in CI); False means "copy instead", warned about once. metacopy=on
+    where the kernel has it: handing /work to the sandbox uid (a chown of every file) then copies
+    up metadata only, not the data.
     """
     if not lower.is_dir():
         return True  # nothing to bring in: the empty writable dir is the whole /work
     upper, scratch = work.parent / "upper", work.parent / "ovwork"
     upper.mkdir()
     scratch.mkdir()
-    r = subprocess.run(["mount", "-t", "overlay", "overlay", "-o",
-                        f"lowerdir={lower},upperdir={upper},workdir={scratch}", str(work)],
-                       capture_output=True, text=True)
+    opts = f"lowerdir={lower},upperdir={upper},workdir={scratch}"
+    for extra in (",metacopy=on", ""):
+        r = subprocess.run(["mount", "-t", "overlay", "overlay", "-o", opts + extra, str(work)],
+                           capture_output=True, text=True, check=False)
+        if r.returncode == 0:
+            break
     if r.returncode != 0:
         warn_once(f"cannot mount an overlay for /work ({r.stderr.strip() or r.returncode}); "
                   "each sandbox copies its image's /work instead")
@@ -94,16 +124,20 @@ class NamespaceBackend:
     name = "namespace"
 
     def __init__(self, state_dir: Path | None = None, layer_cache: Any = None,
-                 bwrap: str = "bwrap") -> None:
+                 bwrap: str = "bwrap", sandbox_uid: int | None = None,
+                 sandbox_gid: int | None = None) -> None:
         self.state_dir = Path(state_dir or default_state_dir())
         self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.layer_cache = layer_cache
         self.bwrap = shutil.which(bwrap) or bwrap
+        self.uid, self.gid = sandbox_ids(sandbox_uid, sandbox_gid)
+        if self.uid is not None:  # bwrap, as that uid, must reach its bind sources under state_dir
+            os.chmod(self.state_dir, 0o711)
 
     def create(self, spec: SandboxSpec) -> Sandbox:
         sid = secrets.token_hex(4)
         path = self.state_dir / sid
-        path.mkdir(mode=0o700)
+        path.mkdir(mode=0o700 if self.uid is None else 0o711)
         state: dict[str, Any] = {"path": path, "proc": None, "cgroups": None, "image": None}
         try:
             return self._start(sid, spec, state)
@@ -114,15 +148,17 @@ class NamespaceBackend:
     def _start(self, sid: str, spec: SandboxSpec, state: dict[str, Any]) -> Sandbox:
         path: Path = state["path"]
         run, token = make_run_dir(path)
+        code = self._reachable(src_dir(), path / "code", state)
         (path / "work").mkdir()
         base = self._base_args(spec, path / "work", state)
+        if self.uid is not None:
+            hand_over([run, path / "work"], self.uid, self.gid)
         cg = cgroups.create(sid, spec)
         state["cgroups"] = cg
         report = _report(cg.report)
-        env = {"PATH": PATH, "BURSTRL_CGROUP_PROCS": " ".join(map(str, cg.procs_files)),
-               "BURSTRL_NPROC": str(spec.pids_limit) if report.pids == "rlimit" else ""}
-        argv = ["/bin/sh", "-c", _ENTER, "sh", self.bwrap, *base, *self._common_args(run, spec),
-                *daemon_argv()]
+        env = {"PATH": PATH, "BURSTRL_CGROUP_PROCS": " ".join(map(str, cg.procs_files))}
+        argv = ["/bin/sh", "-c", _ENTER, "sh", *self._prefix(spec, report), self.bwrap, *base,
+                *self._common_args(run, code, spec), *daemon_argv()]
         write_owner(path, cgroups=[str(d) for d in cg.dirs])
         log = path / "daemon.log"
         proc = spawn(argv, env, log)
@@ -135,19 +171,87 @@ class NamespaceBackend:
         client = SandboxClient(socket_path=str(run / SOCKET_NAME), token=token)
         return Sandbox(sid, client, report, path, lambda: _close(state, client, self.layer_cache))
 
+    def _prefix(self, spec: SandboxSpec, report: LimitsReport) -> list[str]:
+        """RLIMIT_NPROC where no cgroup holds pids, then (as root) the drop to the sandbox uid."""
+        prefix = ["prlimit", f"--nproc={spec.pids_limit}"] if report.pids == "rlimit" else []
+        if self.uid is not None:
+            prefix += ["setpriv", f"--reuid={self.uid}", f"--regid={self.gid}", "--clear-groups"]
+        return prefix
+
     def _base_args(self, spec: SandboxSpec, work: Path, state: dict[str, Any]) -> list[str]:
         root = prepare_root(self, spec, work, state)
+        if root is not None:
+            root = self._reachable(root, work.parent / "root", state)
         return _host_base() if root is None else _image_base(root)
 
-    def _common_args(self, run: Path, spec: SandboxSpec) -> list[str]:
+    def _reachable(self, path: Path, mount_point: Path, state: dict[str, Any]) -> Path:
+        """`path`, or a read-only bind of it at `mount_point` when the sandbox uid cannot walk
+        down to it (a layer cache or checkout under root's 0700 home): bwrap, run as that uid,
+        resolves its bind sources with that uid's rights."""
+        if self.uid is None or _walkable(path, self.uid, self.gid):
+            return path
+        mount_point.mkdir()
+        state.setdefault("mounts", []).append(mount_point)
+        for opts in (["--bind"], ["-o", "remount,bind,ro"]):
+            r = subprocess.run(["mount", *opts, str(path), str(mount_point)], capture_output=True, text=True,
+                               check=False)
+            if r.returncode != 0:
+                raise RuntimeError(f"sandbox uid {self.uid} cannot reach {path}, and binding it "
+                                   f"failed: {r.stderr.strip()}")
+        return mount_point
+
+    def _common_args(self, run: Path, code: Path, spec: SandboxSpec) -> list[str]:
         env: list[str] = []
         for key, value in {"PATH": PATH, "HOME": "/work", "LANG": "C.UTF-8", **spec.env}.items():
             env += ["--setenv", key, value]
         return ["--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
                 "--hostname", "sandbox", "--clearenv", *env,
-                "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
+                "--proc", "/proc", *_proc_ro(), "--dev", "/dev", "--tmpfs", "/tmp",
                 "--bind", str(run.parent / "work"), "/work", "--bind", str(run), RUN_MOUNT,
-                "--ro-bind", str(src_dir()), CODE_MOUNT, "--remount-ro", "/", "--chdir", "/work"]
+                "--ro-bind", str(code), CODE_MOUNT, "--remount-ro", "/", "--chdir", "/work"]
+
+
+def sandbox_ids(uid: int | None, gid: int | None) -> tuple[int | None, int | None]:
+    """The host uid/gid sandboxed code runs as: None (our own) unless we are root, where it is
+    `uid` or nobody. Never 0: root inside would be root on the host (the core_pattern escape)."""
+    if os.geteuid() != 0:
+        return None, None
+    uid = NOBODY if uid is None else uid
+    gid = uid if gid is None else gid
+    if uid == 0 or gid == 0:
+        raise ValueError("sandbox_uid/sandbox_gid 0 would run sandboxed code as host root")
+    if shutil.which("setpriv") is None:
+        raise RuntimeError("running as root needs setpriv (util-linux) to drop to the sandbox uid")
+    return uid, gid
+
+
+def hand_over(paths: list[Path], uid: int, gid: int | None) -> None:
+    """chown the sandbox's writable dirs (and what an image put in /work) to its uid, so it can
+    write them; never follows symlinks (an image's links must not chown host files)."""
+    g = -1 if gid is None else gid
+    for top in paths:
+        os.chown(top, uid, g, follow_symlinks=False)
+        for root, dirs, files in os.walk(top):
+            for name in dirs + files:
+                os.chown(os.path.join(root, name), uid, g, follow_symlinks=False)
+
+
+def _walkable(path: Path, uid: int, gid: int | None) -> bool:
+    """Whether `uid`/`gid` (no other groups) may search every dir from / down to `path`."""
+    for p in (path, path.resolve()):  # through a symlink both its dirs and its target's are walked
+        for d in [p, *p.parents]:
+            st = d.stat()
+            bit = 0o100 if st.st_uid == uid else 0o010 if st.st_gid == gid else 0o001
+            if not st.st_mode & bit:
+                return False
+    return True
+
+
+def _proc_ro() -> list[str]:
+    """/proc/sys and /proc/sysrq-trigger read-only over the sandbox's own /proc: sysctls that are
+    not namespaced (vm.*, kernel.core_pattern) would otherwise be the host's to change."""
+    return [a for p in ("/proc/sys", "/proc/sysrq-trigger") if os.path.exists(p)
+            for a in ("--ro-bind", p, p)]
 
 
 def _host_base() -> list[str]:
@@ -193,7 +297,7 @@ def _entries_one(entry: Path, dest: str) -> list[str]:
 def _report(report: LimitsReport) -> LimitsReport:
     """Fall back to RLIMIT_NPROC for pids where no cgroup could, and say once what is not held."""
     if report.pids == "none":
-        note = "pids: RLIMIT_NPROC instead (per user, and not enforced for root)"
+        note = "pids: RLIMIT_NPROC instead (per host uid, so shared by every sandbox of that uid)"
         report = LimitsReport(cpu=report.cpu, memory=report.memory, pids="rlimit",
                               reasons=report.reasons + (note,))
     if not report.enforced or report.pids == "rlimit":
@@ -215,6 +319,10 @@ def _teardown(state: dict[str, Any], layer_cache: Any) -> None:
         kill_group(state["proc"])
     if state["cgroups"] is not None:
         state["cgroups"].kill_all()
+    for mount_point in state.pop("mounts", []):  # unmounted first: rmtree must never reach the source
+        subprocess.run(["umount", "-l", str(mount_point)], capture_output=True, check=False)
+        with contextlib.suppress(OSError):  # still mounted: its bind is read-only, rmtree fails on it
+            mount_point.rmdir()
     if state["image"] is not None:
         layer_cache.unpin(state["image"])
         state["image"] = None

@@ -1,0 +1,1 @@
+"""Security suite: attacks from inside a sandbox that must fail (issue 15)."""

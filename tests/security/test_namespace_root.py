@@ -1,0 +1,174 @@
+"""Attacks from inside a `namespace` sandbox that must fail when the harness runs as root (as CI
+and GPU pods do): host root in the sandbox, writable /proc/sys (issue 15, defect 1), and the
+same backend run by an ordinary user (defect 8: it never started on Debian).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from burstrl.sandbox.backends import make_backend
+from burstrl.sandbox.backends.base import Sandbox, SandboxSpec, read_owner
+
+ROOT = os.geteuid() == 0
+SRC = Path(__file__).resolve().parents[2] / "src"
+DROP = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+
+pytestmark = [
+    pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed"),
+    pytest.mark.filterwarnings("ignore:sandbox limits not fully enforced"),
+]
+needs_root = pytest.mark.skipif(not ROOT, reason="the attacks on host root need a harness run as root")
+
+
+@pytest.fixture(scope="module")
+def sandbox() -> Iterator[Sandbox]:
+    """One sandbox for every attack: each only reads or fails to write."""
+    state = Path(tempfile.mkdtemp(prefix="sbx", dir="/tmp"))
+    sb = make_backend("namespace", state_dir=state).create(SandboxSpec())
+    try:
+        yield sb
+    finally:
+        sb.close()
+        shutil.rmtree(state, ignore_errors=True)
+
+
+def _tree(pid: int) -> list[int]:
+    """`pid` and all its descendants, from the host's /proc."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        for task in Path(f"/proc/{p}/task").glob("*/children"):
+            with contextlib.suppress(OSError):  # a process that just ended
+                todo += [int(c) for c in task.read_text().split()]
+    return out
+
+
+def _uids(pid: int) -> list[int]:
+    """Real, effective, saved and fs uid; none for a process that has ended."""
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("Uid:"):
+                return [int(u) for u in line.split()[1:]]
+    return []
+
+
+@needs_root
+def test_no_process_of_the_sandbox_is_host_root(sandbox: Sandbox) -> None:
+    """bwrap, the daemon and a running command all hold an unprivileged host uid."""
+    sandbox.exec("sleep 5 >/dev/null 2>&1 &")
+    owner = read_owner(sandbox.path)
+    assert owner is not None
+    pids = _tree(owner["pid"])
+    assert len(pids) >= 3, pids  # bwrap, its init, the daemon (and the sleep)
+    for pid in pids:
+        assert 0 not in _uids(pid), (pid, _uids(pid))
+
+
+@needs_root
+def test_files_made_inside_are_not_root_owned_on_the_host(sandbox: Sandbox) -> None:
+    """(uid_map inside is relative to bwrap's nested setup namespace, so the host's view is
+    the one that counts.)"""
+    assert sandbox.exec("touch /work/mine && mkdir /tmp/d").exit_code == 0
+    st = (sandbox.path / "work" / "mine").stat()
+    assert st.st_uid != 0 and st.st_gid != 0
+
+
+@needs_root
+@pytest.mark.parametrize("sysctl", ["vm/overcommit_ratio", "kernel/core_pattern"])
+def test_host_sysctls_are_read_only(sandbox: Sandbox, sysctl: str) -> None:
+    """The escape of defect 1: core_pattern=|<script> ran that script as host root. The write
+    is of the host's own value, so a regression fails the test without harming the CI host."""
+    host = Path("/proc/sys") / sysctl
+    before = host.read_text()
+    r = sandbox.exec(f"cat /proc/sys/{sysctl} > /proc/sys/{sysctl}")
+    assert r.exit_code != 0 and "Read-only" in r.stderr
+    assert host.read_text() == before
+
+
+@needs_root
+def test_sysrq_trigger_is_not_writable(sandbox: Sandbox) -> None:
+    r = sandbox.exec("echo h > /proc/sysrq-trigger")
+    assert r.exit_code != 0
+
+
+@needs_root
+def test_mountinfo_shows_only_what_is_documented(sandbox: Sandbox) -> None:
+    """bwrap cannot hide a bind's host path (documented in namespace.py): what shows is the
+    sandbox's own dir, and /proc/sys is a read-only mount."""
+    lines = sandbox.exec("cat /proc/self/mountinfo").stdout.splitlines()
+    by_point = {line.split()[4]: line.split() for line in lines}
+    assert by_point["/proc/sys"][5].startswith("ro")
+    assert by_point["/work"][3] in (f"{sandbox.path}/work", "/")  # bind, or an overlay's root
+
+
+RUN_AS_USER = f"""
+import json, sys, tempfile, warnings
+from pathlib import Path
+sys.path.insert(0, {str(SRC)!r})
+warnings.simplefilter("ignore")
+from burstrl.sandbox.backends import make_backend
+from burstrl.sandbox.backends.base import SandboxSpec
+state = Path(tempfile.mkdtemp(prefix="sbx", dir="/tmp"))
+with make_backend("namespace", state_dir=state).create(SandboxSpec(pids_limit=64)) as sb:
+    r = sb.exec("id -u; grep 'Max processes' /proc/self/limits | tr -s ' ' | cut -d' ' -f3")
+    print(json.dumps({{"out": r.stdout, "rc": r.exit_code, "pids": sb.limits.pids}}))
+"""
+
+
+def _as_user() -> list[str]:
+    """The command prefix that runs as an ordinary user, or a skip when there is none."""
+    if not ROOT:
+        return []
+    if shutil.which("setpriv") is None:
+        pytest.skip("running as root without setpriv: cannot become an ordinary user")
+    probe = subprocess.run([*DROP, "bwrap", "--unshare-user", "--ro-bind", "/", "/", "true"],
+                           capture_output=True, text=True, timeout=30, check=False)
+    if probe.returncode != 0:
+        pytest.skip(f"unprivileged user namespaces unavailable: {probe.stderr.strip()}")
+    return DROP
+
+
+def test_ordinary_user_can_create_exec_close() -> None:
+    """Defect 8: without writable cgroups the pids limit is RLIMIT_NPROC, set by prlimit (dash
+    has no `ulimit -u`); the sandbox starts and runs as the user's own uid."""
+    r = subprocess.run([*_as_user(), "/usr/bin/python3", "-c", RUN_AS_USER], capture_output=True,
+                       text=True, timeout=60, cwd="/tmp", check=False)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(r.stdout.splitlines()[-1])
+    uid, nproc = res["out"].split()
+    assert res["rc"] == 0 and uid != "0"
+    if res["pids"] == "rlimit":
+        assert nproc == "64"
+
+
+@needs_root
+def test_code_under_a_private_dir_is_bound_for_the_sandbox_uid(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkout or layer cache under a 0700 dir (root's home) is out of the sandbox uid's
+    reach: it gets a read-only bind inside the sandbox's own dir, unmounted at close."""
+    from burstrl.sandbox.backends import namespace
+
+    hidden = Path(tempfile.mkdtemp(prefix="sbxpriv", dir="/tmp"))  # 0700
+    (hidden / "src").symlink_to(SRC)
+    monkeypatch.setattr(namespace, "src_dir", lambda: hidden / "src")
+    state = Path(tempfile.mkdtemp(prefix="sbx", dir="/tmp"))
+    sb = make_backend("namespace", state_dir=state).create(SandboxSpec())
+    try:
+        assert sb.exec("echo ok").stdout == "ok\n"
+        assert f" {sb.path}/code " in Path("/proc/self/mountinfo").read_text()
+    finally:
+        sb.close()  # unmounts the bind before anything removes the dir
+        assert list(state.iterdir()) == [] and (SRC / "burstrl" / "__init__.py").is_file()
+        assert f" {sb.path}/code " not in Path("/proc/self/mountinfo").read_text()
+        shutil.rmtree(state, ignore_errors=True)
+        shutil.rmtree(hidden, ignore_errors=True)
