@@ -145,6 +145,12 @@ def test_oversized_body_is_413_and_never_resent(daemon: Daemon, monkeypatch: pyt
     with pytest.raises(SandboxError) as err:
         c.write_file("big", big)
     assert err.value.status == 413 and len(calls) == 1, (err.value, calls)
+    import asyncio
+
+    aclient = AsyncSandboxClient(socket_path=daemon.socket_path, token=TOKEN, timeout=10)
+    with pytest.raises(SandboxError) as err:  # the async client reads the daemon's early answer too
+        asyncio.run(aclient.write_file("big", big))
+    assert err.value.status == 413, err.value
     assert not (daemon.root / "big").exists()
     assert c.health().status == "ok"
 

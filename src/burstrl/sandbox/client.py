@@ -421,33 +421,59 @@ class AsyncSandboxClient:
         raise AssertionError("unreachable")
 
     async def _once(self, call: _Call) -> Tuple[int, bytes]:
-        """A minimal HTTP/1.1 exchange: the daemon always sends Content-Length."""
-        if self.socket_path is not None:
-            sock = connect_unix(self.socket_path, self.timeout, self.expected_pid, self.expected_uid)
-            sock.setblocking(False)
-            reader, writer = await asyncio.open_unix_connection(sock=sock)
-        else:
-            reader, writer = await asyncio.open_connection(self.host, self.port)
+        """A minimal HTTP/1.1 exchange on a raw socket: the daemon always sends Content-Length.
+
+        Why not asyncio streams: a stream transport that fails to write closes itself and drops
+        what the daemon already answered (its 413 for a body it would not read).
+        """
+        loop = asyncio.get_running_loop()
+        sock = await self._open(loop)
         try:
             headers = dict(call.headers(self.token), Host="sandbox", Connection="close")
             head = f"{call.method} {call.target} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items())
             try:
-                writer.write(head.encode("latin-1") + b"\r\n" + call.body)
-                await writer.drain()
+                await loop.sock_sendall(sock, head.encode("latin-1") + b"\r\n" + call.body)
             except (BrokenPipeError, ConnectionResetError):
                 pass  # the daemon refused the body and closed: its answer may be waiting below
-            status_line = await reader.readline()
-            if not status_line:
-                raise ConnectionResetError("connection closed before an answer")
-            status = int(status_line.split()[1])
-            length = 0
-            while True:
-                line = await reader.readline()
-                if line in (b"\r\n", b"\n", b""):
-                    break
-                name, _, value = line.decode("latin-1").partition(":")
-                if name.strip().lower() == "content-length":
-                    length = int(value.strip())
-            return status, await reader.readexactly(length)
+            return await _read_answer(loop, sock)
         finally:
-            writer.close()
+            sock.close()
+
+    async def _open(self, loop: asyncio.AbstractEventLoop) -> socket.socket:
+        if self.socket_path is not None:
+            sock = connect_unix(self.socket_path, self.timeout, self.expected_pid, self.expected_uid)
+            sock.setblocking(False)
+            return sock
+        sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            await loop.sock_connect(sock, (self.host, self.port))
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+
+async def _read_answer(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> Tuple[int, bytes]:
+    """(status, body) of one answer read from `sock`; ConnectionResetError if it ends before one."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = await loop.sock_recv(sock, 65536)
+        if not chunk:
+            raise ConnectionResetError("connection closed before an answer")
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1])
+    length = 0
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        if name.strip().lower() == "content-length":
+            length = int(value.strip())
+    while len(body) < length:
+        chunk = await loop.sock_recv(sock, max(65536, length - len(body)))
+        if not chunk:
+            raise asyncio.IncompleteReadError(body, length)
+        body += chunk
+    return status, body[:length]
