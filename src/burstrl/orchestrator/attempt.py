@@ -6,6 +6,10 @@ trainer needs those, not a re-tokenization. An attempt is only trainable if the 
 call the environment made, all on the group's version: a replica that died mid-rollout took part
 of the capture with it (the router re-homed the session and later calls went elsewhere), so such
 an attempt is a `ReplicaFailure` and is re-run under a new id, never stored half-captured.
+
+An attempt the model wrecked (it killed or filled its sandbox: the environment's outcome has a
+`reason`) is stored like any other, with its reward 0 and status `failed`: the model's failure,
+trained on, never re-run.
 """
 
 from __future__ import annotations
@@ -41,5 +45,6 @@ async def run_attempt(http: httpx.AsyncClient, router: str, env: Environment, ta
     turns = [Turn(prompt_ids=c["prompt_ids"], completion_ids=c["completion_ids"], logprobs=c["logprobs"],
                   version=version_number(version), replica=replica) for c in calls]
     return Rollout(id=rollout_id, turns=turns, reward=outcome.reward, reward_parts=outcome.parts,
+                   status="failed" if outcome.info.get("reason") else "complete",
                    timings={"rollout_s": t1 - t0, "total_s": time.monotonic() - t0, "calls": client.calls,
                             "passed": float(outcome.passed)})

@@ -7,6 +7,9 @@ resolves `latest` to when the group starts. An attempt the fleet fails (a replic
 was lost) is re-run under a new rollout id and the old id is closed as `requeued` in the store's
 attempt ledger; a group whose version no replica serves any more restarts on the newest one. So
 every rollout id ends exactly once: stored in a group, requeued, or abandoned.
+What the model does to its own sandbox is never a fleet failure: the environment scores it 0 and
+the attempt is stored (counted in `attempts_sandbox_lost`), so the run goes on and the policy
+cannot erase a failure by wrecking its sandbox.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ class Counters:
     rollouts_done: int = 0
     attempts_requeued: int = 0
     attempts_abandoned: int = 0
+    attempts_sandbox_lost: int = 0  # stored with reward 0: the model killed or filled its sandbox
 
 
 class Orchestrator:
@@ -182,6 +186,7 @@ class Orchestrator:
         self.version = max(self.version, version_number(version))
         self.counters.groups_done += 1
         self.counters.rollouts_done += len(rollouts)
+        self.counters.attempts_sandbox_lost += sum(r.reward_parts.get("sandbox_lost", 0.0) > 0 for r in rollouts)
 
     async def abandon(self, rollouts: list[Rollout], why: str) -> None:
         for r in rollouts:

@@ -16,6 +16,12 @@ oldest observations are elided, down to half the budget at once so that this re-
 
 The sandbox is anything with `exec(cmd, timeout=, cwd=, env=)` returning an `ExecResult`: a
 `Sandbox` (sync, run in a worker thread) or an `AsyncSandboxClient` (awaited).
+
+Why a sandbox that dies under a command ends the attempt instead of raising: every exec runs a
+command the model wrote, in a sandbox that answered before it (the repo was uploaded), so a daemon
+killed or OOM-killed by `kill -9 -1` or a filled tmpfs is the model's doing. The attempt stops with
+`exit_reason="sandbox_lost"` and the error kept; the caller scores it 0. Re-running it as an infra
+fault would let the policy erase its failures (and loop a group forever).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from typing import Any
 
 from burstrl.envs.base import ChatClient
 from burstrl.envs.swe.task import SweTask
+from burstrl.sandbox.client import SandboxError
 
 REPO_DIR = "/work/repo"
 SUBMIT_SENTINEL = "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
@@ -67,12 +74,28 @@ class AgentResult:
 
     submitted: bool
     turns: int
-    exit_reason: str  # submitted | max_turns | max_tokens | timeout | format_errors
+    exit_reason: str  # submitted | max_turns | max_tokens | timeout | format_errors | sandbox_lost
     transcript: list[dict[str, Any]] = field(default_factory=list)
     messages: list[dict[str, str]] = field(default_factory=list)
     format_errors: int = 0
     est_completion_tokens: int = 0
     seconds: float = 0.0
+    sandbox_error: str = ""  # why the sandbox stopped answering (exit_reason "sandbox_lost")
+
+
+class SandboxLost(Exception):
+    """The sandbox died or stopped answering under one of the model's commands (the model's doing)."""
+
+
+def is_sandbox_lost(exc: BaseException) -> bool:
+    """Whether a sandbox call's error means the sandbox is gone, not that one request was refused.
+
+    A 4xx is the daemon refusing a request (bad cwd, too big): it is alive. 5xx (500 daemon error,
+    503 unreachable, 504 no answer in time) and socket errors: it died or hangs.
+    """
+    if isinstance(exc, SandboxError):
+        return exc.status >= 500
+    return isinstance(exc, OSError)
 
 
 def extract_commands(reply: str) -> list[str]:
@@ -166,8 +189,8 @@ async def run_agent(client: ChatClient, sandbox: Any, task: SweTask,
                     limits: AgentLimits | None = None) -> AgentResult:
     """One attempt at `task`: the model's commands run in `sandbox`, whose repo is at /work/repo.
 
-    Sandbox errors (daemon gone) and replica failures propagate: they are infrastructure faults
-    the caller retries, not outcomes of the attempt.
+    A sandbox that dies under a command ends the attempt as `sandbox_lost` (see the module
+    docstring). Replica failures propagate: they are infrastructure faults the caller retries.
     """
     limits = limits or AgentLimits()
     start = time.monotonic()
@@ -175,6 +198,7 @@ async def run_agent(client: ChatClient, sandbox: Any, task: SweTask,
     messages = initial_messages(task)
     transcript: list[dict[str, Any]] = []
     tokens = format_errors = 0
+    sandbox_error = ""
     while (reason := _stop_reason(limits, len(transcript), tokens, deadline, format_errors)) is None:
         elided = fit_context(messages, limits.max_context_chars)
         max_tokens = min(limits.max_tokens_per_call, limits.max_total_tokens - tokens)
@@ -186,7 +210,14 @@ async def run_agent(client: ChatClient, sandbox: Any, task: SweTask,
             break
         tokens += estimate_tokens(reply)
         messages.append({"role": "assistant", "content": reply})
-        step = await _act(sandbox, reply, limits, deadline)
+        try:
+            step = await _act(sandbox, reply, limits, deadline)
+        except SandboxLost as exc:
+            transcript.append({"turn": len(transcript) + 1, "reply": reply, "context_elided": elided,
+                               "command": extract_commands(reply)[0], "format_error": False,
+                               "submitted": False, "sandbox_error": str(exc)})
+            reason, sandbox_error = "sandbox_lost", str(exc)
+            break
         step.update(turn=len(transcript) + 1, reply=reply, context_elided=elided)
         transcript.append(step)
         format_errors += step["format_error"]
@@ -196,7 +227,8 @@ async def run_agent(client: ChatClient, sandbox: Any, task: SweTask,
             break
     return AgentResult(submitted=reason == "submitted", turns=len(transcript), exit_reason=reason,
                        transcript=transcript, messages=messages, format_errors=format_errors,
-                       est_completion_tokens=tokens, seconds=time.monotonic() - start)
+                       est_completion_tokens=tokens, seconds=time.monotonic() - start,
+                       sandbox_error=sandbox_error)
 
 
 async def _act(sandbox: Any, reply: str, limits: AgentLimits, deadline: float) -> dict[str, Any]:
@@ -207,7 +239,13 @@ async def _act(sandbox: Any, reply: str, limits: AgentLimits, deadline: float) -
                 "timed_out": False, "observation": format_error_message(commands), "exec_s": 0.0}
     command = commands[0]
     timeout = max(1.0, min(limits.command_timeout_s, deadline - time.monotonic()))
-    result = await run_command(sandbox, command, timeout)
+    try:
+        result = await run_command(sandbox, command, timeout)
+    except (SandboxError, OSError) as exc:
+        if not is_sandbox_lost(exc):
+            return {"command": command, "format_error": False, "submitted": False, "exit_code": None,
+                    "timed_out": False, "observation": f"error: {exc}", "exec_s": 0.0}
+        raise SandboxLost(f"{type(exc).__name__}: {exc}") from exc
     return {"command": command, "format_error": False,
             "submitted": is_submission(command, result.stdout, result.exit_code),
             "exit_code": result.exit_code, "timed_out": result.timed_out,

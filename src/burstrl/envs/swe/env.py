@@ -7,12 +7,20 @@ it committed is taken (`git diff burstrl-base HEAD`) -> a fresh sandbox grades t
 the task's tests. The reward is `resolved` (default), `f2p` or `strict`; its parts go to the store.
 A sandbox that fails to start or a grading that times out is an `InfraError`: the orchestrator
 re-runs the attempt instead of scoring the model for it.
+
+Who broke the sandbox decides what a lost sandbox means. Before the model acted (create, upload
+of the repo, a grading sandbox that does not start or fails before the patch runs) it is infra.
+After (the daemon killed, OOM-killed or hung under the model's commands, during the patch
+extraction that follows them, or while the grading sandbox runs the model's code) it is the
+model's doing: reward 0, parts `sandbox_lost=1`, the reason in `info["reason"]` and the log.
+Never a re-run: the policy would learn to erase its failures by killing its sandbox.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import shutil
 import tempfile
 from pathlib import Path
@@ -23,6 +31,8 @@ from burstrl.envs.base import ChatClient, InfraError, Outcome, Task
 from burstrl.envs.swe.task import SweTask, load_tasks
 
 REPO_DIR = "/work/repo"
+PARTS = ("resolved", "f2p", "strict", "apply_ok", "submitted")
+log = logging.getLogger("burstrl.envs.swe")
 
 
 class SweEnv:
@@ -118,7 +128,7 @@ class SweEnv:
 
     async def _rollout(self, client: ChatClient, task: Task) -> Outcome:
         from burstrl.envs.swe.agent import AgentLimits, run_agent
-        from burstrl.envs.swe.grade import extract_patch, grade, reward_of
+        from burstrl.envs.swe.grade import grade, reward_of
 
         swe = SweTask.from_json(task.data)
         sandbox = await asyncio.to_thread(self._open, swe)
@@ -126,16 +136,49 @@ class SweEnv:
             limits = AgentLimits(max_turns=self.cfg.max_turns, max_tokens_per_call=self.cfg.max_tokens_per_call,
                                  command_timeout_s=self.cfg.command_timeout_s)
             result = await run_agent(client, sandbox, swe, limits)
-            patch = await asyncio.to_thread(extract_patch, sandbox, REPO_DIR)
+            patch, failure = await self._patch(sandbox, result)
         finally:
             await asyncio.to_thread(sandbox.close)
+        info = {"turns": result.turns, "exit_reason": result.exit_reason, "patch_bytes": len(patch)}
+        if failure:
+            return self._failed(swe, failure, info, submitted=result.submitted)
         graded = await asyncio.to_thread(grade, swe, patch, self.pool(), timeout_s=self.cfg.grade_timeout_s)
         if getattr(graded, "infra_error", None):
             raise InfraError(f"grading {swe.instance_id}: {graded.infra_error}")
+        if getattr(graded, "model_error", None):
+            return self._failed(swe, f"sandbox_lost: grading: {graded.model_error}", info, submitted=result.submitted,
+                                apply_ok=graded.apply_ok)
         parts = {"resolved": float(graded.resolved), "f2p": float(graded.f2p), "strict": float(graded.strict),
-                 "apply_ok": float(graded.apply_ok), "submitted": float(result.submitted)}
+                 "apply_ok": float(graded.apply_ok), "submitted": float(result.submitted), "sandbox_lost": 0.0}
         return Outcome(reward=reward_of(graded, self.cfg.reward), parts=parts, passed=bool(graded.resolved),
-                       info={"turns": result.turns, "exit_reason": result.exit_reason, "patch_bytes": len(patch)})
+                       info=info)
+
+    @staticmethod
+    async def _patch(sandbox: Any, result: Any) -> tuple[str, str]:
+        """(the committed patch, "") or ("", why there is none to grade) once the model has acted.
+
+        Any sandbox error here follows the model's commands: a background process it left killed
+        the daemon (`sandbox_lost`), or it committed something the daemon refuses to hand back.
+        """
+        from burstrl.envs.swe.agent import is_sandbox_lost
+        from burstrl.envs.swe.grade import extract_patch
+        from burstrl.sandbox.client import SandboxError
+
+        if result.exit_reason == "sandbox_lost":
+            return "", f"sandbox_lost: {result.sandbox_error}"
+        try:
+            return await asyncio.to_thread(extract_patch, sandbox, REPO_DIR), ""
+        except (SandboxError, OSError) as exc:
+            kind = "sandbox_lost" if is_sandbox_lost(exc) else "patch_unreadable"
+            return "", f"{kind}: after the agent's commands: {type(exc).__name__}: {exc}"
+
+    @staticmethod
+    def _failed(swe: SweTask, reason: str, info: dict[str, Any], submitted: bool, apply_ok: bool = False) -> Outcome:
+        """A model failure that left nothing to grade: reward 0 with the reason, never a re-run."""
+        log.info("attempt at %s scores 0: %s", swe.instance_id, reason)
+        parts = dict.fromkeys(PARTS, 0.0) | {"submitted": float(submitted), "apply_ok": float(apply_ok),
+                                             "sandbox_lost": float(reason.startswith("sandbox_lost"))}
+        return Outcome(reward=0.0, parts=parts, passed=False, info={**info, "reason": reason})
 
     def _open(self, swe: SweTask) -> Any:
         """A sandbox with the task's base in /work/repo (InfraError if it cannot be made)."""
@@ -151,8 +194,18 @@ class SweEnv:
         try:
             with tempfile.TemporaryDirectory(prefix="swe-base-") as tmp:
                 export_base(swe, Path(tmp) / "repo")
-                sandbox.upload(Path(tmp) / "repo", REPO_DIR)
+                self._upload(sandbox, Path(tmp) / "repo", swe)
         except BaseException:
             sandbox.close()
             raise
         return sandbox
+
+    @staticmethod
+    def _upload(sandbox: Any, repo: Path, swe: SweTask) -> None:
+        """Upload the base; a sandbox failing here failed before the model acted: infra, re-run."""
+        from burstrl.sandbox.client import SandboxError
+
+        try:
+            sandbox.upload(repo, REPO_DIR)
+        except (SandboxError, OSError) as exc:
+            raise InfraError(f"upload to the sandbox for {swe.instance_id}: {type(exc).__name__}: {exc}") from None

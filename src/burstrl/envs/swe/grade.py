@@ -17,6 +17,9 @@ count them as model failures. Bad task input (a repository that cannot be export
 A timeout is infra by this rule even when a patch made the tests hang; the partial statuses are
 kept in the result, so an evaluator that sees the same attempt time out on every retry can
 decide to score it as a failure. `reward_of` raises on an infra result.
+A sandbox that dies or stops answering while the tests run the model's patch (which can kill the
+daemon or fill its memory) is the model's doing, not infra: `model_error` says so, the result
+scores 0, and a trainer must not re-run it (a policy would learn to erase its failures that way).
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ class GradeResult:
     apply_ok: bool = False
     apply_error: str = ""
     infra_error: str = ""  # non-empty: not a model outcome; retry, never score
+    model_error: str = ""  # non-empty: the model's code broke the grading sandbox; scores 0
     timed_out: bool = False
     statuses: dict[str, str] = field(default_factory=dict)  # test id -> status, target + existing only
     log: str = ""
@@ -191,6 +195,8 @@ def grade(task: SweTask, patch: str, pool_or_backend: Any, *, timeout_s: float =
         return _done(result, start)
     try:
         _grade_in(sandbox, task, patch, (base_id, repo_tar, base_files), timeout_s, result)
+    except ModelCodeError as exc:  # the daemon died under the tests of the model's patch
+        result.model_error = f"sandbox failed while running the tests: {exc.__cause__!r}"
     except (SandboxError, OSError, GradeInfraError) as exc:  # the sandbox died or stopped answering
         result.infra_error = f"sandbox failed while grading: {exc!r}"
     finally:
@@ -213,12 +219,16 @@ def _grade_in(sandbox: Any, task: SweTask, patch: str, base: tuple[str, bytes, f
         if not ok:
             result.infra_error = f"task error: test_patch does not apply on the base: {msg}"
             return
-    text, timed_out = run_tests(sandbox, task, timeout_s)
+    try:
+        text, timed_out = run_tests(sandbox, task, timeout_s)
+        statuses = collect_statuses(sandbox, task, text)
+    except (SandboxError, OSError) as exc:
+        raise ModelCodeError() from exc
     result.log = cap_log(text)
     if timed_out:
         result.timed_out = True
         result.infra_error = f"test command ran past {timeout_s:g}s"
-    score(result, task, collect_statuses(sandbox, task, text))
+    score(result, task, statuses)
 
 
 def apply_in(sandbox: Any, patch: str, name: str) -> tuple[bool, str]:
@@ -387,6 +397,10 @@ def _spec(task: SweTask) -> SandboxSpec:
 
 class GradeInfraError(RuntimeError):
     """A grading step that cannot fail for a model's reason failed (resetting the fresh repo)."""
+
+
+class ModelCodeError(RuntimeError):
+    """The sandbox failed while it ran the model's patch (its tests): the model's doing (the cause)."""
 
 
 def _check(res: Any, what: str) -> None:
