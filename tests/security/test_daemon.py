@@ -116,11 +116,14 @@ def test_fifo_is_refused_quickly(daemon: Daemon) -> None:
     assert c.health().status == "ok"
 
 
-@pytest.mark.parametrize("how", ["env", "file"])
+@pytest.mark.parametrize("how", ["env", "file", "inherit"])
 def test_base_env_reaches_commands(tmp_path: Path, how: str) -> None:
     base = {"FOO": "from-spec", "PATH": "/opt/img/bin:/usr/bin:/bin"}
     if how == "env":
         d = _start(tmp_path, extra_env={"SANDBOXD_ENV": json.dumps(base)})
+    elif how == "inherit":  # the token reaches the daemon by env here: it must not reach commands
+        d = _start(tmp_path, extra_env=base, args=("--inherit-env",))
+        assert d.client().exec('echo "${SANDBOX_TOKEN:-gone}"').stdout == "gone\n"
     else:
         (tmp_path / "env.json").write_text(json.dumps(base))
         d = _start(tmp_path, args=("--env-file", str(tmp_path / "env.json")))

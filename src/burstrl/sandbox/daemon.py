@@ -15,7 +15,9 @@ SIGTERM and SIGINT stop it cleanly (exit 0, socket file removed).
 
 Base environment: `--env-file FILE` (a JSON object of strings) or the env var SANDBOXD_ENV (the same
 JSON, removed from this process's env) is given to every command, under the request's `env`; that
-is how a backend passes `SandboxSpec.env` and an image's `Env`.
+is how a backend passes `SandboxSpec.env` and an image's `Env`. With `--inherit-env` the daemon's
+own environment (read after SANDBOX_TOKEN and SANDBOXD_ENV are removed from it) is the base, under
+the JSON: for a backend that already sets the spec's env on the daemon process.
 
 Holding against its own commands: at most MAX_CONNECTIONS connections, a new one evicting the
 oldest connection that is not serving an authenticated request (so idle or half-sent connections
@@ -350,22 +352,23 @@ def read_token(token_file: Optional[str]) -> str:
     return token
 
 
-def read_base_env(env_file: Optional[str]) -> Dict[str, str]:
-    """The commands' base env: the JSON object in `env_file`, else in SANDBOXD_ENV (then removed)."""
+def read_base_env(env_file: Optional[str], inherit: bool = False) -> Dict[str, str]:
+    """The commands' base env: the JSON object in `env_file`, else in SANDBOXD_ENV (then removed),
+    over this process's env if `inherit` (call after `read_token`: the token is gone from it)."""
+    text = os.environ.pop(ENV_VAR, "")
     if env_file:
         with open(env_file, encoding="utf-8") as f:
             text = f.read()
-    else:
-        text = os.environ.pop(ENV_VAR, "")
+    own = {k: v for k, v in os.environ.items() if k != "SANDBOX_TOKEN"} if inherit else {}
     if not text.strip():
-        return {}
+        return own
     try:
         env = json.loads(text)
     except ValueError as exc:
         raise ValueError(f"base env is not valid JSON: {exc}") from None
     if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
         raise ValueError("base env must be a JSON object of strings")
-    return env
+    return dict(own, **env)
 
 
 def protect_self() -> None:
@@ -388,12 +391,13 @@ def _reap_forever(runtime: Runtime) -> None:
 
 def run(socket_path: Optional[str] = None, host: str = "127.0.0.1", port: Optional[int] = None,
         token_file: Optional[str] = None, root: str = "/", work_dir: Optional[str] = None,
-        env_file: Optional[str] = None) -> int:
+        env_file: Optional[str] = None, inherit_env: bool = False) -> int:
     """Serve until /close, SIGTERM or SIGINT; print the ready line once listening; return 0."""
     if socket_path is None and port is None:
         raise ValueError("give --socket PATH (or --port N for TCP)")
-    runtime = Runtime(root=root, work_dir=work_dir or os.getcwd(), base_env=read_base_env(env_file))
-    daemon = Daemon(runtime, read_token(token_file))
+    token = read_token(token_file)  # first: it removes the token from the env a command may inherit
+    runtime = Runtime(root=root, work_dir=work_dir or os.getcwd(), base_env=read_base_env(env_file, inherit_env))
+    daemon = Daemon(runtime, token)
     protect_self()
     server = make_server(daemon, socket_path, host, port)
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -427,9 +431,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--root", default="/", help="File requests must resolve inside this directory.")
     parser.add_argument("--work-dir", help="Default cwd and base of relative paths (default: the cwd).")
     parser.add_argument("--env-file", help=f"JSON object: every command's base env (default: env {ENV_VAR}).")
+    parser.add_argument("--inherit-env", action="store_true",
+                        help="Commands inherit this process's env (token removed), under --env-file.")
     args = parser.parse_args(argv)
     try:
-        return run(args.socket, args.host, args.port, args.token_file, args.root, args.work_dir, args.env_file)
+        return run(args.socket, args.host, args.port, args.token_file, args.root, args.work_dir, args.env_file,
+                   args.inherit_env)
     except (ValueError, OSError) as exc:
         sys.stderr.write(f"sandboxd: error: {exc}\n")
         return 2
