@@ -5,6 +5,7 @@ that the attack fails alone and the daemon keeps serving.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -21,7 +22,12 @@ from pathlib import Path
 import pytest
 
 from burstrl.sandbox import client as client_mod
-from burstrl.sandbox.client import AsyncSandboxClient, SandboxClient, SandboxError, socket_peer
+from burstrl.sandbox.client import (
+    AsyncSandboxClient,
+    SandboxClient,
+    SandboxError,
+    socket_peer,
+)
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 TOKEN = "s3cret-token"
@@ -148,8 +154,6 @@ def test_oversized_body_is_413_and_never_resent(daemon: Daemon, monkeypatch: pyt
     with pytest.raises(SandboxError) as err:
         c.write_file("big", big)
     assert err.value.status == 413 and len(calls) == 1, (err.value, calls)
-    import asyncio
-
     aclient = AsyncSandboxClient(socket_path=daemon.socket_path, token=TOKEN, timeout=10)
     with pytest.raises(SandboxError) as err:  # the async client reads the daemon's early answer too
         asyncio.run(aclient.write_file("big", big))
@@ -180,8 +184,6 @@ def test_client_refuses_another_process_socket(daemon: Daemon, tmp_path: Path) -
                 SandboxClient(socket_path=impostor.socket_path, token=TOKEN, **kwargs).health()
             assert err.value.status == 502, err.value
         aclient = AsyncSandboxClient(socket_path=impostor.socket_path, token=TOKEN, expected_pid=daemon.pid)
-        import asyncio
-
         with pytest.raises(SandboxError) as err:
             asyncio.run(aclient.health())
         assert err.value.status == 502
@@ -203,8 +205,8 @@ def test_pid1_daemon_survives_kill_all_and_reaps(tmp_path: Path) -> None:
     (run / "token").write_text(TOKEN)
     argv = ["bwrap", "--unshare-all", "--as-pid-1", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
             "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--bind", str(run), str(run),
-            sys.executable, "-I", "-c", f"import sys, runpy; sys.path.insert(0, {str(SRC)!r}); "
-            "runpy.run_module('burstrl.sandbox.daemon', run_name='__main__', alter_sys=True)",
+            sys.executable, "-I", "-c", (f"import sys, runpy; sys.path.insert(0, {str(SRC)!r}); "
+                                         "runpy.run_module('burstrl.sandbox.daemon', run_name='__main__', alter_sys=True)"),
             "--socket", str(run / "sd.sock"), "--token-file", str(run / "token"), "--root", "/", "--work-dir", "/tmp"]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, start_new_session=True)
     try:
