@@ -167,8 +167,20 @@ def src_dir() -> Path:
 
 
 def daemon_argv(python: str = "python3") -> list[str]:
+    """The daemon's command line; `--inherit-env`: the env the backend gave the daemon
+    (`SandboxSpec.env`, an image's `Env`) is the base env of every command."""
     return [python, "-I", "-c", _BOOTSTRAP, "--socket", f"{RUN_MOUNT}/{SOCKET_NAME}",
-            "--token-file", f"{RUN_MOUNT}/{TOKEN_NAME}"]
+            "--token-file", f"{RUN_MOUNT}/{TOKEN_NAME}", "--inherit-env"]
+
+
+def trusted_client(socket: Path, token: str) -> Any:
+    """A client bound to the daemon that just reported ready: the listener's pid is recorded now,
+    before any command runs, and every later connection checks it (SO_PEERCRED), so a socket
+    swapped in from inside the sandbox is refused instead of believed."""
+    from burstrl.sandbox.client import SandboxClient, socket_peer
+
+    pid, uid, _ = socket_peer(str(socket))
+    return SandboxClient(socket_path=str(socket), token=token, expected_pid=pid, expected_uid=uid)
 
 
 def process_start_time(pid: int) -> int | None:

@@ -39,6 +39,7 @@ from burstrl.sandbox.backends.base import (
     remove_tree,
     spawn,
     src_dir,
+    trusted_client,
     wait_ready,
     warn_once,
     write_owner,
@@ -166,9 +167,7 @@ class NamespaceBackend:
         write_owner(path, cgroups=[str(d) for d in cg.dirs], pid=proc.pid,
                     pid_start=process_start_time(proc.pid))
         wait_ready(proc, spec.start_timeout_s, log)
-        from burstrl.sandbox.client import SandboxClient
-
-        client = SandboxClient(socket_path=str(run / SOCKET_NAME), token=token)
+        client = trusted_client(run / SOCKET_NAME, token)
         return Sandbox(sid, client, report, path, lambda: _close(state, client, self.layer_cache))
 
     def _prefix(self, spec: SandboxSpec, report: LimitsReport) -> list[str]:
@@ -204,11 +203,22 @@ class NamespaceBackend:
         env: list[str] = []
         for key, value in {"PATH": PATH, "HOME": "/work", "LANG": "C.UTF-8", **spec.env}.items():
             env += ["--setenv", key, value]
-        return ["--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+        tmpfs = str(tmpfs_bytes(spec))
+        # --as-pid-1: the daemon is init of the pid namespace, so `kill -9 -1` from a command
+        # cannot reach it, and it reaps the orphans commands leave. Sized tmpfs: filling /tmp or
+        # /dev/shm ends in ENOSPC for the command, not in the memory cgroup's OOM killer.
+        return ["--unshare-all", "--as-pid-1", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
                 "--hostname", "sandbox", "--clearenv", *env,
-                "--proc", "/proc", *_proc_ro(), "--dev", "/dev", "--tmpfs", "/tmp",
+                "--proc", "/proc", *_proc_ro(), "--dev", "/dev", "--size", tmpfs, "--tmpfs", "/dev/shm",
+                "--size", tmpfs, "--tmpfs", "/tmp",
                 "--bind", str(run.parent / "work"), "/work", "--bind", str(run), RUN_MOUNT,
                 "--ro-bind", str(code), CODE_MOUNT, "--remount-ro", "/", "--chdir", "/work"]
+
+
+def tmpfs_bytes(spec: SandboxSpec) -> int:
+    """/tmp and /dev/shm each hold at most a quarter of the memory limit (their pages count
+    against it), so both full still leave half of it to the commands and the daemon."""
+    return max(16, spec.memory_limit_mb // 4) << 20
 
 
 def sandbox_ids(uid: int | None, gid: int | None) -> tuple[int | None, int | None]:

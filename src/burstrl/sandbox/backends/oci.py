@@ -24,10 +24,10 @@ from typing import Any
 from burstrl.sandbox.backends.base import (CODE_MOUNT, RUN_MOUNT, SOCKET_NAME, LimitsReport, Sandbox,
                                            SandboxSpec, daemon_argv, kill_group, make_run_dir,
                                            process_start_time, remove_tree, spawn, src_dir,
-                                           wait_ready, write_owner)
+                                           trusted_client, wait_ready, write_owner)
 from burstrl.sandbox.backends.cgroups import CPU_PERIOD_US, _mounts, _own_paths, _under, kill_and_remove
 from burstrl.sandbox.backends.namespace import (HOST_SECRETS, HOST_SYSTEM_DIRS, PATH, REPLACED,
-                                                default_state_dir, prepare_root)
+                                                default_state_dir, prepare_root, tmpfs_bytes)
 
 RUNTIMES = ("runc", "crun", "runsc")
 RO = ["rbind", "ro", "nosuid", "nodev"]
@@ -81,9 +81,7 @@ class OciBackend:
         write_owner(path, cleanup_argv=delete, cgroups=state["cgroups"], pid=proc.pid,
                     pid_start=process_start_time(proc.pid))
         wait_ready(proc, spec.start_timeout_s, log)
-        from burstrl.sandbox.client import SandboxClient
-
-        client = SandboxClient(socket_path=str(run / SOCKET_NAME), token=token)
+        client = trusted_client(run / SOCKET_NAME, token)
         limits = LimitsReport(cpu="runtime", memory="runtime", pids="runtime")
         return Sandbox(sid, client, limits, path, lambda: self._close(state, client))
 
@@ -190,9 +188,12 @@ def bundle_config(path: Path, base: Path | None, spec: SandboxSpec, cgroup: str)
          "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"]},
         {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
          "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]},
-        {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "nodev", "mode=1777"]},
-        {"destination": "/work", "type": "bind", "source": str(path / "work"), "options": ["rbind", "rw"]},
-        {"destination": RUN_MOUNT, "type": "bind", "source": str(path / "run"), "options": ["rbind", "rw"]},
+        {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs",  # sized: ENOSPC, not the OOM killer
+         "options": ["nosuid", "nodev", "mode=1777", f"size={tmpfs_bytes(spec) >> 10}k"]},
+        {"destination": "/work", "type": "bind", "source": str(path / "work"),
+         "options": ["rbind", "rw", "nosuid", "nodev"]},
+        {"destination": RUN_MOUNT, "type": "bind", "source": str(path / "run"),
+         "options": ["rbind", "rw", "nosuid", "nodev"]},
         {"destination": CODE_MOUNT, "type": "bind", "source": str(src_dir()), "options": RO},
         {"destination": INIT_MOUNT, "type": "bind", "source": init_binary(), "options": RO},
     ]
