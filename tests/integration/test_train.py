@@ -84,8 +84,12 @@ def test_two_ranks_train_like_one(tiny_model_dir: Path, tmp_path: Path) -> None:
     assert m1[0]["kl"] == 0.0 and m1[1]["kl"] > 0  # the adapter starts as the base model (B = 0)
     w1, w2 = adapter(one, 2), adapter(two, 2)
     assert w1.keys() == w2.keys()
+    # Two ranks sum gradients in another order; Adam divides by sqrt(v), so for an element whose
+    # gradient is near zero that rounding moves its update by a visible fraction of lr (1e-4):
+    # 1.08e-6 was seen here on a 2e-3 weight. atol = 5% of one step still catches a wrong gradient.
     for key in w1:
-        assert torch.allclose(w1[key], w2[key], atol=1e-6, rtol=1e-4), key
+        diff = (w1[key] - w2[key]).abs().max().item()
+        assert torch.allclose(w1[key], w2[key], atol=5e-6, rtol=1e-4), (key, diff)
     assert any(not torch.equal(w, adapter(one, 1)[k]) for k, w in w1.items())  # it did train
 
 

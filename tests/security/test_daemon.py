@@ -204,10 +204,11 @@ def test_pid1_daemon_survives_kill_all_and_reaps(tmp_path: Path) -> None:
     run = Path(tempfile.mkdtemp(prefix="sd-", dir="/tmp"))
     (run / "token").write_text(TOKEN)
     argv = ["bwrap", "--unshare-all", "--as-pid-1", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
-            "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--bind", str(run), str(run),
+            "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev", "--bind", str(run), str(run),
             sys.executable, "-I", "-c", (f"import sys, runpy; sys.path.insert(0, {str(SRC)!r}); "
                                          "runpy.run_module('burstrl.sandbox.daemon', run_name='__main__', alter_sys=True)"),
-            "--socket", str(run / "sd.sock"), "--token-file", str(run / "token"), "--root", "/", "--work-dir", "/tmp"]
+            "--socket", str(run / "sd.sock"), "--token-file", str(run / "token"), "--root", "/", "--work-dir", str(run)]
+    # no tmpfs over /tmp: the interpreter may live there (a CI clone under /tmp)
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, start_new_session=True)
     try:
         ready = json.loads(proc.stdout.readline())
