@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from ..integration.conftest import Server, start_server, stop_server
 
-EXAMPLES = int(os.environ.get("BURSTRL_FUZZ_EXAMPLES", "50"))
+EXAMPLES = int(os.environ.get("BURSTRL_FUZZ_EXAMPLES", "30"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
                 suppress_health_check=list(HealthCheck))
 SEEN: Counter[str] = Counter()
