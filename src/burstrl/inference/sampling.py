@@ -167,7 +167,7 @@ def _draw(logp: torch.Tensor, params: list[SamplingParams], generators: list[tor
 def process(logits: torch.Tensor, params: list[SamplingParams], histories: list[History] | None = None,
             eos_ids: Sequence[int] = ()) -> torch.Tensor:
     """Log-probabilities of each row's sampling distribution: [B, V]."""
-    if any(p.adjusts or p.stop_token_ids for p in params):
+    if any(p.adjusts for p in params):
         logits = _adjust(logits.clone(), params, histories, eos_ids)
     temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
                          device=logits.device)[:, None]
@@ -185,7 +185,7 @@ def _adjust(logits: torch.Tensor, params: list[SamplingParams], histories: list[
     """logit_bias, then repetition/frequency/presence penalties, then the min_tokens mask (vLLM's order)."""
     vocab = logits.shape[-1]
     for i, p in enumerate(params):
-        if not (p.adjusts and histories is not None) and not p.logit_bias:
+        if not p.adjusts:
             continue
         row = logits[i]
         if p.logit_bias:
