@@ -2,12 +2,14 @@
 patch; existing tests pass both ways.)
 
 Why: a flawed task (a target test that already passes, a gold patch that does not fix, an existing
-test that is flaky or broken) gives rewards that mean nothing, and SWE-bench-style sets have them.
-The check runs as grading does: the base is exported without history on the host (`repo`), then
-uploaded into a fresh sandbox (no network, the task's image, CPU and memory) where the test patch
-and then the gold patch are applied with `git apply` and the task's `test_cmd` runs with the target
-and existing test ids appended. A sandbox starts in ~0.2 s, so this costs little over running on the
-host; `sandbox=False` runs the same steps on the host, for machines without bubblewrap.
+test that is flaky or broken, a test runner the image lacks) gives rewards that mean nothing, and
+SWE-bench-style sets have them. In sandboxes the check IS grading: `grade` of the empty patch (the
+base) and of the gold patch, so every step is the grader's (test files and test configuration
+reset after the gold patch, the test patch on top, the JUnit cross-check). A "gold" patch that only
+edits tests is reported flawed here, not found later as a task that always scores 0. When the
+runner itself fails (`No module named pytest`, a stale id) that error is the one problem reported,
+not one "not run" line per test id. `sandbox=False` runs the same steps with plain git on the host,
+for machines without bubblewrap (no integrity checks there: nothing untrusted runs).
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from burstrl.envs.swe.grade import base_tar, grade, graded_test_files, patch_paths
+from burstrl.envs.swe.integrity import harness_files, runner_error
 from burstrl.envs.swe.repo import export_base
 from burstrl.envs.swe.task import SweTask
-from burstrl.envs.swe.testlog import parse_test_log
+from burstrl.envs.swe.testlog import parse_test_log, status_of
 
 SANDBOX_ROOT = "/work"
 MAX_PROBLEMS = 12
@@ -52,16 +56,6 @@ def _host_exec(timeout: float) -> Exec:
     return run
 
 
-def _sandbox_exec(sb, timeout: float) -> Exec:
-    def run(cmd: str, cwd: str) -> tuple[int, str]:
-        # Output goes to a file: sandboxd caps exec output, and a long test log must stay whole.
-        res = sb.exec(f"({cmd}) > {SANDBOX_ROOT}/.out 2>&1", timeout=timeout, cwd=cwd,
-                      env={"PYTHONDONTWRITEBYTECODE": "1"})
-        text = sb.read_file(f"{SANDBOX_ROOT}/.out").decode(errors="replace")
-        return (124 if res.timed_out else res.exit_code), text
-    return run
-
-
 def _test_command(task: SweTask) -> str:
     ids = task.FAIL_TO_PASS + task.PASS_TO_PASS
     return " ".join([task.test_cmd, *(shlex.quote(t) for t in ids)])
@@ -74,34 +68,54 @@ def _apply(run: Exec, repo: str, patches: str, name: str) -> str | None:
 
 
 def _judge(task: SweTask, base: dict[str, str], gold: dict[str, str]) -> list[str]:
+    def st(statuses: dict[str, str], t: str) -> str:
+        s = status_of(statuses, t)
+        return "not run" if s == "missing" else s
+
     problems = []
     if not task.FAIL_TO_PASS:
         problems.append("FAIL_TO_PASS is empty")
     for t in task.FAIL_TO_PASS:
-        if base.get(t) == "passed":
+        if st(base, t) == "passed":
             problems.append(f"FAIL_TO_PASS {t} passes at the base")
-        if gold.get(t) != "passed":
-            problems.append(f"FAIL_TO_PASS {t} is {gold.get(t, 'not run')} with the gold patch")
+        if st(gold, t) != "passed":
+            problems.append(f"FAIL_TO_PASS {t} is {st(gold, t)} with the gold patch")
     for t in task.PASS_TO_PASS:
         for where, status in (("at the base", base), ("with the gold patch", gold)):
-            if status.get(t) != "passed":
-                problems.append(f"PASS_TO_PASS {t} is {status.get(t, 'not run')} {where}")
+            if st(status, t) != "passed":
+                problems.append(f"PASS_TO_PASS {t} is {st(status, t)} {where}")
     if len(problems) > MAX_PROBLEMS:
         problems = problems[:MAX_PROBLEMS] + [f"... and {len(problems) - MAX_PROBLEMS} more"]
     return problems
 
 
 def _steps(task: SweTask, run: Exec, repo: str, patches: str, result: CheckResult) -> None:
-    """Test patch, tests, gold patch, tests; fills `result`."""
+    """On the host, grading's steps with plain git: test patch, tests; back to the base, gold
+    patch, the files grading resets reset, test patch, tests. Fills `result`."""
     if task.test_patch.strip() and (problem := _apply(run, repo, patches, "test.patch")):
         result.problems.append(problem)
         return
-    result.at_base = parse_test_log(run(_test_command(task), repo)[1])
+    code, out = run(_test_command(task), repo)
+    result.at_base = parse_test_log(out)
+    if err := runner_error(out, code, result.at_base, task.FAIL_TO_PASS + task.PASS_TO_PASS):
+        result.problems.append(f"the test runner fails without any patch: {err}")
+        return
+    run("git reset -q --hard && git clean -fdq", repo)
     if problem := _apply(run, repo, patches, "gold.patch"):
+        result.problems.append(problem)
+        return
+    files = run("git ls-files", repo)[1].split()
+    tests, touched = graded_test_files(task, frozenset(files)), patch_paths(task.patch)
+    protected = tests + patch_paths(task.test_patch) + harness_files(touched, tests, set(touched) - set(files))
+    for f in dict.fromkeys(protected):
+        run(f"git checkout -q HEAD -- {shlex.quote(f)} 2>/dev/null || rm -rf -- {shlex.quote(f)}", repo)
+    if task.test_patch.strip() and (problem := _apply(run, repo, patches, "test.patch")):
         result.problems.append(problem)
         return
     result.at_gold = parse_test_log(run(_test_command(task), repo)[1])
     result.problems += _judge(task, result.at_base, result.at_gold)
+    if (reset := [p for p in touched if p in protected]) and result.problems:
+        result.problems.append(f"the gold patch edits files grading resets: {', '.join(reset[:8])}")
 
 
 def _patch_texts(task: SweTask) -> dict[str, str]:
@@ -109,11 +123,22 @@ def _patch_texts(task: SweTask) -> dict[str, str]:
             for name, text in (("gold.patch", task.patch), ("test.patch", task.test_patch))}
 
 
-def check_task(task: SweTask, workdir: Path, sandbox: bool = True, timeout: float = 300) -> CheckResult:
-    """Check one task in a fresh export under `workdir`; a repository that will not export is a
-    problem of the task, reported like the others."""
+def check_task(task: SweTask, workdir: Path, sandbox: bool = True, timeout: float = 300,
+               backend: str = "namespace") -> CheckResult:
+    """Check one task (in sandboxes: by grading it; on the host: in a fresh export under `workdir`);
+    a repository that will not export is a problem of the task, reported like the others."""
     start = time.monotonic()
     result = CheckResult(task.instance_id, ok=False)
+    if sandbox:
+        try:
+            base_tar(task)
+        except (OSError, RuntimeError) as exc:
+            result.problems.append(f"export of {task.repo}@{task.base_commit} failed: {exc}")
+        else:
+            _check_by_grading(task, result, timeout, backend)
+        result.ok = not result.problems
+        result.seconds = time.monotonic() - start
+        return result
     local = Path(workdir) / task.instance_id
     shutil.rmtree(local, ignore_errors=True)
     try:
@@ -124,33 +149,38 @@ def check_task(task: SweTask, workdir: Path, sandbox: bool = True, timeout: floa
         return result
     for name, text in _patch_texts(task).items():
         (local / name).write_text(text)
-    if sandbox:
-        _check_in_sandbox(task, local, result, timeout)
-    else:
-        _steps(task, _host_exec(timeout), str(local / "repo"), str(local), result)
+    _steps(task, _host_exec(timeout), str(local / "repo"), str(local), result)
     result.ok = not result.problems
     result.seconds = time.monotonic() - start
     return result
 
 
-def _check_in_sandbox(task: SweTask, local: Path, result: CheckResult, timeout: float) -> None:
-    from burstrl.sandbox import open_sandbox
-
-    sb = open_sandbox(image=task.image or None, cpu_limit=task.cpu, memory_limit_mb=task.memory)
-    try:
-        sb.upload(local, SANDBOX_ROOT)
-        _steps(task, _sandbox_exec(sb, timeout), f"{SANDBOX_ROOT}/repo", SANDBOX_ROOT, result)
-    finally:
-        sb.close()
+def _check_by_grading(task: SweTask, result: CheckResult, timeout: float, backend: str) -> None:
+    """The base (empty patch) and the gold patch, each graded exactly as an attempt is."""
+    at_base = grade(task, "", backend, timeout_s=timeout)
+    if at_base.infra_error:
+        result.problems.append(f"without any patch: {at_base.infra_error}")
+        return
+    gold = grade(task, task.patch, backend, timeout_s=timeout)
+    result.at_base, result.at_gold = at_base.statuses, gold.statuses
+    if not gold.apply_ok:
+        result.problems.append(f"gold.patch does not apply: {gold.apply_error[:300]}")
+        return
+    if gold.infra_error or gold.model_error or gold.reason:
+        result.problems.append(f"with the gold patch: {gold.infra_error or gold.model_error or gold.reason}")
+        return
+    result.problems += _judge(task, result.at_base, result.at_gold)
+    if gold.reset_files and not gold.resolved:
+        result.problems.append(f"the gold patch edits files grading resets: {', '.join(gold.reset_files[:8])}")
 
 
 def check_tasks(tasks: list[SweTask], workdir: Path | str, sandbox: bool = True, jobs: int = 1,
-                timeout: float = 300) -> list[CheckResult]:
+                timeout: float = 300, backend: str = "namespace") -> list[CheckResult]:
     """Check every task (up to `jobs` at once); results in the order of `tasks`."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        return list(pool.map(lambda t: check_task(t, workdir, sandbox, timeout), tasks))
+        return list(pool.map(lambda t: check_task(t, workdir, sandbox, timeout, backend), tasks))
 
 
 def format_results(results: list[CheckResult]) -> str:

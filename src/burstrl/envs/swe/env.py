@@ -3,10 +3,14 @@
 One attempt: a sandbox gets the task's repository at its base commit (no later history) in
 /work/repo -> the agent works on it through sandboxd, talking to the model through the
 orchestrator's session client (so routing, KV reuse and capture apply to every turn) -> only what
-it committed is taken (`git diff burstrl-base HEAD`) -> a fresh sandbox grades that patch against
-the task's tests. The reward is `resolved` (default), `f2p` or `strict`; its parts go to the store.
-A sandbox that fails to start or a grading that times out is an `InfraError`: the orchestrator
-re-runs the attempt instead of scoring the model for it.
+it committed is taken (`git diff BASE HEAD`, BASE the export's commit id: the `burstrl-base` tag is
+the agent's to move, and a moved tag would lose its own committed work) -> a fresh sandbox grades
+that patch against the task's tests. The reward is `resolved` (default), `f2p` or `strict`; its
+parts go to the store, with `tampered` (forged results, see `integrity`) and `reset_files` (how
+many files the patch touched that grading reset: tests, test configuration) so a run shows when a
+policy starts hacking. A sandbox that fails to start, or a grading timeout the task's own tests
+also hit without the patch, is an `InfraError`: the orchestrator re-runs the attempt instead of
+scoring the model for it. A timeout only the patch causes is the model's (`tests_timeout`).
 
 Who broke the sandbox decides what a lost sandbox means. Before the model acted (create, upload
 of the repo, a grading sandbox that does not start or fails before the patch runs) it is infra.
@@ -31,7 +35,7 @@ from burstrl.envs.base import ChatClient, InfraError, Outcome, Task
 from burstrl.envs.swe.task import SweTask, load_tasks
 
 REPO_DIR = "/work/repo"
-PARTS = ("resolved", "f2p", "strict", "apply_ok", "submitted")
+PARTS = ("resolved", "f2p", "strict", "apply_ok", "submitted", "tampered", "reset_files", "tests_timeout")
 log = logging.getLogger("burstrl.envs.swe")
 
 
@@ -128,15 +132,17 @@ class SweEnv:
 
     async def _rollout(self, client: ChatClient, task: Task) -> Outcome:
         from burstrl.envs.swe.agent import AgentLimits, run_agent
-        from burstrl.envs.swe.grade import grade, reward_of
+        from burstrl.envs.swe.grade import base_tar, grade, reward_of
 
         swe = SweTask.from_json(task.data)
         sandbox = await asyncio.to_thread(self._open, swe)
         try:
+            # export_base is deterministic (fixed identity and dates): this is the commit in the sandbox.
+            base_id = (await asyncio.to_thread(base_tar, swe))[0]
             limits = AgentLimits(max_turns=self.cfg.max_turns, max_tokens_per_call=self.cfg.max_tokens_per_call,
                                  command_timeout_s=self.cfg.command_timeout_s)
             result = await run_agent(client, sandbox, swe, limits)
-            patch, failure = await self._patch(sandbox, result)
+            patch, failure = await self._patch(sandbox, result, base_id)
         finally:
             await asyncio.to_thread(sandbox.close)
         info = {"turns": result.turns, "exit_reason": result.exit_reason, "patch_bytes": len(patch)}
@@ -149,12 +155,20 @@ class SweEnv:
             return self._failed(swe, f"sandbox_lost: grading: {graded.model_error}", info, submitted=result.submitted,
                                 apply_ok=graded.apply_ok)
         parts = {"resolved": float(graded.resolved), "f2p": float(graded.f2p), "strict": float(graded.strict),
-                 "apply_ok": float(graded.apply_ok), "submitted": float(result.submitted), "sandbox_lost": 0.0}
+                 "apply_ok": float(graded.apply_ok), "submitted": float(result.submitted), "sandbox_lost": 0.0,
+                 "tampered": float(bool(graded.tampered)), "reset_files": float(len(graded.reset_files)),
+                 "tests_timeout": float(graded.reason.startswith("tests_timeout"))}
+        for key in ("reset_files", "suspicious"):
+            if getattr(graded, key):
+                info[key] = list(getattr(graded, key))
+        if graded.reason:
+            log.info("attempt at %s scores 0: %s", swe.instance_id, graded.reason)
+            info["reason"] = graded.reason
         return Outcome(reward=reward_of(graded, self.cfg.reward), parts=parts, passed=bool(graded.resolved),
                        info=info)
 
     @staticmethod
-    async def _patch(sandbox: Any, result: Any) -> tuple[str, str]:
+    async def _patch(sandbox: Any, result: Any, base_id: str) -> tuple[str, str]:
         """(the committed patch, "") or ("", why there is none to grade) once the model has acted.
 
         Any sandbox error here follows the model's commands: a background process it left killed
@@ -167,7 +181,7 @@ class SweEnv:
         if result.exit_reason == "sandbox_lost":
             return "", f"sandbox_lost: {result.sandbox_error}"
         try:
-            return await asyncio.to_thread(extract_patch, sandbox, REPO_DIR), ""
+            return await asyncio.to_thread(extract_patch, sandbox, REPO_DIR, base_id), ""
         except (SandboxError, OSError) as exc:
             kind = "sandbox_lost" if is_sandbox_lost(exc) else "patch_unreadable"
             return "", f"{kind}: after the agent's commands: {type(exc).__name__}: {exc}"

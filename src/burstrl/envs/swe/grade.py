@@ -2,21 +2,31 @@
 
 Why commit-only: the attempt's sandbox is the agent's to mess up (stray files, half edits,
 background processes); a commit is an explicit "this is my answer". So `extract_patch` takes
-`git diff --binary BASE HEAD` and nothing else, and `grade` applies it to a fresh export of the
-task's base in a new sandbox (no network), as SWE-bench does: the patch applied (failure = reward
-0, recorded), the files that hold the graded tests and those the test patch touches reset to the
-base (an edited test proves nothing), the test patch applied, the target (FAIL_TO_PASS) and
-existing (PASS_TO_PASS) tests run, and per-test status parsed (the log; a JUnit XML report too
-when the test command writes one with `--junitxml=PATH`).
+`git diff --binary BASE HEAD` (BASE: the export's commit id, never the movable tag) and nothing
+else, and `grade` applies it to a fresh export of the task's base in a new sandbox (no network),
+as SWE-bench does: the patch applied (failure = reward 0, recorded), the files that hold the graded
+tests, those the test patch touches and every file that configures the test run reset to the base
+(an edited test or a committed `conftest.py` proves nothing; `reset_files` lists what the patch
+had touched), the test patch applied, the target (FAIL_TO_PASS) and existing (PASS_TO_PASS) tests
+run, and per-test status read from the log and, for pytest, a JUnit report at an unguessable path,
+cross-checked (`integrity` holds the rules and the threat model; a mismatch is `tampered`, reward 0).
 
 Infra failures vs model failures: a result with `infra_error` set says nothing about the model
-(the sandbox could not start or died, the test command ran past its time limit, the task's test
-patch does not apply on its own base). `grade` returns it instead of raising, so that a pool of
+(the sandbox could not start or died, the task's test patch does not apply on its own base, the
+test runner fails without the patch too). `grade` returns it instead of raising, so that a pool of
 graders never loses a batch to one fault; the evaluator retries such attempts and must never
 count them as model failures. Bad task input (a repository that cannot be exported) raises.
-A timeout is infra by this rule even when a patch made the tests hang; the partial statuses are
-kept in the result, so an evaluator that sees the same attempt time out on every retry can
-decide to score it as a failure. `reward_of` raises on an infra result.
+`reward_of` raises on an infra result.
+
+The rule that keeps infra out of the model's reach: an outcome the patch could cause is only infra
+when the same thing happens WITHOUT the patch. So when the tests with the patch run past the time
+limit, or the runner runs no graded test at all (`No module named pytest`, a stale id, an import
+the patch broke), the grader runs the tests at the base (empty patch, a fresh sandbox, cached per
+task in this process). A timeout is the model's (`reason` = `tests_timeout: ...`, reward 0) when
+the base run finishes within half the limit, infra otherwise (the task is too slow for its limit,
+or the machine is). A runner error is the task's (`infra_error` = `task error: ...`) when the base
+run errors too, a plain failure (reward 0) otherwise. A patch cannot make the base run slow or
+broken: it runs in its own sandbox, without the patch.
 A sandbox that dies or stops answering while the tests run the model's patch (which can kill the
 daemon or fill its memory) is the model's doing, not infra: `model_error` says so, the result
 scores 0, and a trainer must not re-run it (a policy would learn to erase its failures that way).
@@ -24,6 +34,7 @@ scores 0, and a trainer must not re-run it (a policy would learn to erase its fa
 
 from __future__ import annotations
 
+import hashlib
 import io
 import re
 import shlex
@@ -39,9 +50,26 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from burstrl.envs.swe.integrity import (
+    check_log,
+    cross_check,
+    harness_files,
+    new_report_dir,
+    runner_error,
+    runner_kind,
+    suspicious_lines,
+)
 from burstrl.envs.swe.repo import BASE_TAG, export_base
 from burstrl.envs.swe.task import SweTask
-from burstrl.envs.swe.testlog import parse_test_log
+from burstrl.envs.swe.testlog import (
+    dotted_id,
+    parse_junit_xml,
+    parse_test_log,
+    status_of,
+)
+
+__all__ = ["GradeResult", "reward_of", "score", "grade", "extract_patch", "dotted_id", "parse_junit_xml",
+           "status_of", "patch_paths", "graded_test_files", "grading_command", "grading_throughput"]
 from burstrl.sandbox.backends import SandboxSpec, make_backend
 from burstrl.sandbox.client import SandboxError
 
@@ -50,8 +78,7 @@ SCRATCH = "/tmp/burstrl-grade"  # outside the repo: patches and logs never enter
 LOG_CAP = 64 * 1024  # chars of test log kept in a result (head and tail)
 LOG_READ_CAP = 8 * 1024 * 1024  # bytes of a test log read back (head and tail); the daemon reads <= 16 MiB
 REWARD_KINDS = ("binary", "f2p", "strict")
-# Higher is worse: when one test id is reported twice (pytest: call passed, teardown errored), the worst wins.
-_SEVERITY = {"error": 3, "failed": 2, "skipped": 1, "passed": 0}
+TEST_ENV = {"PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1"}  # unbuffered: the log keeps the real order
 _JUNIT_OPT = re.compile(r"--junit-?xml[= ](\S+)")
 
 
@@ -71,13 +98,25 @@ class GradeResult:
     apply_error: str = ""
     infra_error: str = ""  # non-empty: not a model outcome; retry, never score
     model_error: str = ""  # non-empty: the model's code broke the grading sandbox; scores 0
+    reason: str = ""  # "kind: why" of a model failure with a name (tampered, tests_timeout, run_incomplete)
+    tampered: str = ""  # non-empty: the results were forged (integrity); scores 0
+    reset_files: list[str] = field(default_factory=list)  # paths the patch touched that were reset to the base
+    suspicious: list[str] = field(default_factory=list)  # patch lines that reach for harness internals
+    runner_error: str = ""  # the runner ran no graded test; its own error
     timed_out: bool = False
+    test_seconds: float = 0.0  # the test command alone
     statuses: dict[str, str] = field(default_factory=dict)  # test id -> status, target + existing only
     log: str = ""
     duration_s: float = 0.0
 
     def parts(self) -> dict[str, Any]:
-        return {"resolved": self.resolved, "f2p": self.f2p, "strict": self.strict, "apply_ok": self.apply_ok}
+        return {"resolved": self.resolved, "f2p": self.f2p, "strict": self.strict, "apply_ok": self.apply_ok,
+                "tampered": bool(self.tampered), "reset_files": len(self.reset_files)}
+
+    def fail(self, reason: str) -> None:
+        """A named model failure: reward 0 whatever the statuses said."""
+        self.reason = reason
+        self.resolved, self.f2p, self.strict, self.f2p_passed = False, 0.0, 0.0, 0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -121,49 +160,6 @@ def score(result: GradeResult, task: SweTask, statuses: dict[str, str]) -> Grade
     return result
 
 
-def status_of(statuses: dict[str, str], test_id: str) -> str:
-    """A test's status, "missing" when absent; a pytest id also matches its dotted JUnit form."""
-    if test_id in statuses:
-        return statuses[test_id]
-    return statuses.get(dotted_id(test_id), "missing")
-
-
-def dotted_id(test_id: str) -> str:
-    """`tests/test_a.py::TestX::test_y[p/1]` -> `tests.test_a.TestX.test_y[p/1]`: the
-    classname.name form JUnit reports use, so one lookup serves pytest and unittest ids."""
-    head, bracket, params = test_id.partition("[")
-    head = head.replace("::", ".").replace("/", ".").replace(".py.", ".")
-    return head + bracket + params
-
-
-def parse_junit_xml(text: str) -> dict[str, str]:
-    """Per-test status from a JUnit XML report (pytest `--junitxml`, or any xunit writer).
-
-    Keys are `classname.name` (pytest's classname is the dotted module path plus class), so they
-    match unittest ids directly and pytest ids through `dotted_id`.
-    """
-    out: dict[str, str] = {}
-    for case in ET.fromstring(text).iter("testcase"):
-        name = case.get("name", "")
-        classname = case.get("classname", "")
-        tid = f"{classname}.{name}" if classname else name
-        status = _junit_status(case)
-        if _SEVERITY[status] >= _SEVERITY.get(out.get(tid, "passed"), 0):
-            out[tid] = status
-    return out
-
-
-def _junit_status(case: ET.Element) -> str:
-    tags = {child.tag for child in case}
-    if "error" in tags:
-        return "error"
-    if "failure" in tags:
-        return "failed"
-    if "skipped" in tags:
-        return "skipped"
-    return "passed"
-
-
 def extract_patch(sandbox: Any, repo_dir: str = REPO_DIR, base: str = BASE_TAG) -> str:
     """Only what the agent committed: `git diff --binary BASE HEAD` inside its sandbox.
 
@@ -188,8 +184,9 @@ def grade(task: SweTask, patch: str, pool_or_backend: Any, *, timeout_s: float =
     start = time.monotonic()
     result = GradeResult(instance_id=task.instance_id)
     base_id, repo_tar, base_files = base_tar(task)
+    creator = _creator(pool_or_backend)
     try:
-        sandbox = _creator(pool_or_backend).create(_spec(task))
+        sandbox = creator.create(_spec(task))
     except Exception as exc:  # could not start: not the model's doing
         result.infra_error = f"sandbox did not start: {exc!r}"
         return _done(result, start)
@@ -200,8 +197,48 @@ def grade(task: SweTask, patch: str, pool_or_backend: Any, *, timeout_s: float =
     except (SandboxError, OSError, GradeInfraError) as exc:  # the sandbox died or stopped answering
         result.infra_error = f"sandbox failed while grading: {exc!r}"
     finally:
-        sandbox.close()
+        sandbox.close()  # before any base run: a grader never holds two sandboxes of a bounded pool
+    if not (result.infra_error or result.model_error) and (result.timed_out or result.runner_error):
+        _judge_against_base(task, patch, creator, timeout_s, result)
     return _done(result, start)
+
+
+def _judge_against_base(task: SweTask, patch: str, creator: Any, timeout_s: float, result: GradeResult) -> None:
+    """A timeout or a runner error is the model's only if the tests run fine without its patch."""
+    what = f"test command ran past {timeout_s:g}s" if result.timed_out else f"test runner error: {result.runner_error}"
+    if not patch.strip():  # this run was the base run
+        result.infra_error = f"task error: {what} without any patch" if result.runner_error else what
+        return
+    base = base_run(task, creator, timeout_s)
+    if base.infra_error:
+        result.infra_error = f"{what}; the run without the patch failed too: {base.infra_error}"
+    elif result.timed_out and base.test_seconds > timeout_s / 2:
+        result.infra_error = f"{what}; without the patch they take {base.test_seconds:.1f}s (over half the limit)"
+    elif result.timed_out:
+        result.fail(f"tests_timeout: with the patch the tests ran past {timeout_s:g}s; "
+                    f"without it they finish in {base.test_seconds:.1f}s")
+    # a runner error with a base that runs: the patch broke the run; a plain failure, scored as is
+
+
+_BASE_RUNS: OrderedDict[tuple[str, ...], GradeResult] = OrderedDict()
+
+
+def base_run(task: SweTask, creator: Any, timeout_s: float) -> GradeResult:
+    """The task's tests without any patch (a fresh sandbox), measured once per task in this process.
+
+    Only runs that say something about the task are kept (not one whose sandbox failed)."""
+    key = (task.repo, task.base_commit, task.test_cmd, hashlib.sha256(task.test_patch.encode()).hexdigest(),
+           *_unique(task.FAIL_TO_PASS + task.PASS_TO_PASS))
+    with _base_lock:
+        if key in _BASE_RUNS:
+            return _BASE_RUNS[key]
+    result = grade(task, "", creator, timeout_s=timeout_s)
+    if not result.infra_error or result.infra_error.startswith("task error"):
+        with _base_lock:
+            _BASE_RUNS[key] = result
+            while len(_BASE_RUNS) > 64:
+                _BASE_RUNS.popitem(last=False)
+    return result
 
 
 def _grade_in(sandbox: Any, task: SweTask, patch: str, base: tuple[str, bytes, frozenset[str]],
@@ -213,22 +250,51 @@ def _grade_in(sandbox: Any, task: SweTask, patch: str, base: tuple[str, bytes, f
     result.apply_ok, result.apply_error = apply_in(sandbox, patch, "model.patch")
     if not result.apply_ok:
         return  # reward 0, nothing to run
-    reset_paths(sandbox, graded_test_files(task, base_files) + patch_paths(task.test_patch), base_id)
+    tests, touched = graded_test_files(task, base_files), patch_paths(patch)
+    harness = harness_files(touched, tests, [p for p in touched if p not in base_files])
+    protected = tests + patch_paths(task.test_patch) + harness
+    result.reset_files = [p for p in touched if p in protected]
+    result.suspicious = suspicious_lines(patch, tests)
+    reset_paths(sandbox, protected, base_id)
     if task.test_patch.strip():
         ok, msg = apply_in(sandbox, task.test_patch, "test.patch")
         if not ok:
             result.infra_error = f"task error: test_patch does not apply on the base: {msg}"
             return
     try:
-        text, timed_out = run_tests(sandbox, task, timeout_s)
-        statuses = collect_statuses(sandbox, task, text)
+        run = run_tests(sandbox, task, timeout_s)
+        report = read_report(sandbox, run["report"])
     except (SandboxError, OSError) as exc:
         raise ModelCodeError() from exc
-    result.log = cap_log(text)
-    if timed_out:
-        result.timed_out = True
-        result.infra_error = f"test command ran past {timeout_s:g}s"
+    result.log, result.test_seconds = cap_log(run["text"]), run["seconds"]
+    judge_run(task, run, report, result)
+
+
+def judge_run(task: SweTask, run: dict[str, Any], report: dict[str, str] | None, result: GradeResult) -> None:
+    """Scores from one run's log and report, with the integrity checks of `integrity`."""
+    graded = _unique(task.FAIL_TO_PASS + task.PASS_TO_PASS)
+    kind = runner_kind(task.test_cmd)
+    log = parse_test_log(run["text"])
+    strict = kind == "pytest" and report is not None  # the grader's own report, and -rA in the log
+    statuses, tampered = cross_check(log, report, graded, strict)
+    finished = True
+    if not tampered:
+        tampered, finished = check_log(run["text"], kind, graded)
+    if kind == "pytest" and report is None:
+        finished = False
     score(result, task, statuses)
+    if run["timed_out"]:
+        result.timed_out = True  # partial statuses kept; the base run decides (`_judge_against_base`)
+        result.fail("")
+        return
+    if tampered:
+        result.tampered = tampered
+        result.fail(f"tampered: {tampered}")
+    elif not finished and any(s == "passed" for s in result.statuses.values()):
+        result.fail(f"run_incomplete: the runner exited {run['exit_code']} without its final summary"
+                    f"{' or report' if kind == 'pytest' else ''}; nothing it printed is credited")
+    else:
+        result.runner_error = runner_error(run["text"], run["exit_code"], statuses, graded)
 
 
 def apply_in(sandbox: Any, patch: str, name: str) -> tuple[bool, str]:
@@ -289,26 +355,38 @@ def reset_paths(sandbox: Any, paths: Sequence[str], base_id: str) -> None:
     _check(sandbox.exec(cmd, cwd=REPO_DIR, timeout=120), "reset the test patch's files")
 
 
-def grading_command(task: SweTask) -> str:
-    """`test_cmd` followed by the target and existing test ids (unittest and pytest take ids)."""
+def grading_command(task: SweTask, options: str = "") -> str:
+    """`test_cmd` (then the grader's `options`) followed by the target and existing test ids."""
     ids = _unique(task.FAIL_TO_PASS) + [t for t in _unique(task.PASS_TO_PASS) if t not in task.FAIL_TO_PASS]
-    return " ".join([task.test_cmd, *(shlex.quote(t) for t in ids)])
+    return " ".join([task.test_cmd, *([options] if options else []), *(shlex.quote(t) for t in ids)])
 
 
-def run_tests(sandbox: Any, task: SweTask, timeout_s: float) -> tuple[str, bool]:
-    """The test log (stdout and stderr interleaved, through a file: exec output is capped and
-    would drop the middle of a long log) and whether the command ran past `timeout_s`."""
+def run_tests(sandbox: Any, task: SweTask, timeout_s: float) -> dict[str, Any]:
+    """One run of the graded tests: {text, timed_out, exit_code, seconds, report}.
+
+    The log is stdout and stderr interleaved, through a file (exec output is capped and would drop
+    the middle of a long log). For pytest the grader adds `-rA` and its own JUnit report in a fresh
+    random directory (`integrity`); `report` is that path ("" for runners that write none).
+    """
     log = f"{SCRATCH}/test.log"
+    options, prep = "", ""
     report = junit_path(task)
-    clear = f"rm -f {shlex.quote(report)}; " if report else ""  # a committed fake report must not count
-    res = sandbox.exec(f"{clear}{{ {grading_command(task)} ; }} > {log} 2>&1", cwd=REPO_DIR, timeout=timeout_s,
-                       env={"PYTHONDONTWRITEBYTECODE": "1"})
+    if runner_kind(task.test_cmd) == "pytest":
+        rdir = new_report_dir()
+        report, options, prep = f"{rdir}/report.xml", f"-rA --junitxml={rdir}/report.xml", f"mkdir -m 700 {rdir} && "
+    elif report:
+        prep = f"rm -f {shlex.quote(report)}; "  # a committed fake report must not count
+    start = time.monotonic()
+    res = sandbox.exec(f"{prep}{{ {grading_command(task, options)} ; }} > {log} 2>&1", cwd=REPO_DIR,
+                       timeout=timeout_s, env=TEST_ENV)
+    seconds = time.monotonic() - start
     # Over the daemon's read limit (16 MiB): keep the head and the tail, where the statuses are.
     sandbox.exec(f"if [ $(stat -c %s {log}) -gt {LOG_READ_CAP} ]; then {{ head -c {LOG_READ_CAP // 2} {log}; "
                  f"echo; echo '... [elided] ...'; tail -c {LOG_READ_CAP // 2} {log}; }} > {log}.cut && "
                  f"mv {log}.cut {log}; fi", timeout=60)
     text = sandbox.read_file(log).decode("utf-8", "replace")
-    return text, bool(res.timed_out)
+    return {"text": text, "timed_out": bool(res.timed_out), "exit_code": res.exit_code, "seconds": round(seconds, 3),
+            "report": report}
 
 
 def junit_path(task: SweTask) -> str:
@@ -319,16 +397,14 @@ def junit_path(task: SweTask) -> str:
     return m.group(1) if m.group(1).startswith("/") else f"{REPO_DIR}/{m.group(1)}"
 
 
-def collect_statuses(sandbox: Any, task: SweTask, log_text: str) -> dict[str, str]:
-    """Statuses from the log, overlaid by the JUnit report when the test command writes one."""
-    statuses = dict(parse_test_log(log_text))
-    report = junit_path(task)
-    if report:
-        try:
-            statuses.update(parse_junit_xml(sandbox.read_file(report).decode("utf-8", "replace")))
-        except (SandboxError, ET.ParseError):  # no report (the run crashed early) or a torn one
-            pass
-    return statuses
+def read_report(sandbox: Any, path: str) -> dict[str, str] | None:
+    """Statuses from the JUnit report at `path`; None if there is none or it is torn (a crashed run)."""
+    if not path:
+        return None
+    try:
+        return parse_junit_xml(sandbox.read_file(path).decode("utf-8", "replace"))
+    except (SandboxError, ET.ParseError):
+        return None
 
 
 def cap_log(text: str, cap: int = LOG_CAP) -> str:
@@ -382,7 +458,8 @@ def grading_throughput(tasks: Sequence[SweTask], patches: Sequence[str], pool: A
     return {"n": n, "attempts": len(results), "seconds": round(seconds, 3),
             "per_minute": round(60 * len(results) / seconds, 1) if seconds > 0 else 0.0,
             "resolved": sum(r.resolved for r in results),
-            "infra_errors": sum(bool(r.infra_error) for r in results)}
+            "infra_errors": sum(bool(r.infra_error) for r in results),
+            "failures": [r.reason or r.infra_error or r.model_error for r in results if not r.resolved]}
 
 
 def _creator(pool_or_backend: Any) -> Any:

@@ -2,8 +2,10 @@
 
 Why parse text: the grader and `tasks check` run whatever `test_cmd` a task names inside a
 sandbox and get its output back; the output is all they have. Statuses are "passed", "failed",
-"error" or "skipped". Where two lines speak of one test (the `-v` line and the failure section),
-the later wins; both agree in practice.
+"error" or "skipped". Where two lines speak of one test (the `-v` line and the failure section, or
+pytest's PASSED for the call and ERROR for its teardown) the worst status wins: the code under test
+writes into the same output, and a line it prints must never turn the runner's FAILED into a pass
+(see `integrity`).
 
 unittest ids are `module.Class.method` (the form `python3 -m unittest` accepts back). Python 3.11+
 prints `test_y (tests.test_mod.TestX.test_y) ... ok`, older versions `test_y (tests.test_mod.TestX)`;
@@ -15,6 +17,10 @@ seen with `-v` (`path::test SKIPPED`).
 from __future__ import annotations
 
 import re
+import xml.etree.ElementTree as ET
+
+# Higher is worse: when one test id is reported twice, the worst wins.
+SEVERITY = {"error": 3, "failed": 2, "skipped": 1, "passed": 0}
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 # unittest -v: "test_y (tests.test_mod.TestX.test_y) ... ok" (the docstring line may sit between).
@@ -48,9 +54,17 @@ def _unittest_status(rest: str) -> str | None:
     return None
 
 
+class _Worst(dict):
+    """A dict where setting a key keeps the worse of the old and the new status."""
+
+    def __setitem__(self, key: str, status: str) -> None:
+        if SEVERITY[status] >= SEVERITY.get(self.get(key, "passed"), 0):
+            super().__setitem__(key, status)
+
+
 def parse_test_log(text: str) -> dict[str, str]:
-    """Map each test id found in `text` to "passed", "failed", "error" or "skipped"."""
-    out: dict[str, str] = {}
+    """Map each test id found in `text` to "passed", "failed", "error" or "skipped" (worst wins)."""
+    out: dict[str, str] = _Worst()
     pending: str | None = None  # a unittest test whose status has not been printed yet
     for raw in _ANSI.sub("", text).splitlines():
         line = raw.rstrip()
@@ -72,4 +86,45 @@ def parse_test_log(text: str) -> dict[str, str]:
             out[m.group(2).strip()] = _PY_STATUS[m.group(1)]
         elif m := _PY_VERBOSE.match(line):
             out[m.group(1)] = _PY_STATUS[m.group(2)]
-    return out
+    return dict(out)
+
+
+def status_of(statuses: dict[str, str], test_id: str) -> str:
+    """A test's status, "missing" when absent; a pytest id also matches its dotted JUnit form."""
+    if test_id in statuses:
+        return statuses[test_id]
+    return statuses.get(dotted_id(test_id), "missing")
+
+
+def dotted_id(test_id: str) -> str:
+    """`tests/test_a.py::TestX::test_y[p/1]` -> `tests.test_a.TestX.test_y[p/1]`: the
+    classname.name form JUnit reports use, so one lookup serves pytest and unittest ids."""
+    head, bracket, params = test_id.partition("[")
+    head = head.replace("::", ".").replace("/", ".").replace(".py.", ".")
+    return head + bracket + params
+
+
+def parse_junit_xml(text: str) -> dict[str, str]:
+    """Per-test status from a JUnit XML report (pytest `--junitxml`, or any xunit writer).
+
+    Keys are `classname.name` (pytest's classname is the dotted module path plus class), so they
+    match unittest ids directly and pytest ids through `dotted_id`. An expected failure (pytest
+    writes it as skipped of type `pytest.xfail`) is "passed", as in the log.
+    """
+    out: dict[str, str] = _Worst()
+    for case in ET.fromstring(text).iter("testcase"):
+        name = case.get("name", "")
+        classname = case.get("classname", "")
+        out[f"{classname}.{name}" if classname else name] = _junit_status(case)
+    return dict(out)
+
+
+def _junit_status(case: ET.Element) -> str:
+    tags = {child.tag: child for child in case}
+    if "error" in tags:
+        return "error"
+    if "failure" in tags:
+        return "failed"
+    if "skipped" in tags:
+        return "passed" if tags["skipped"].get("type") == "pytest.xfail" else "skipped"
+    return "passed"

@@ -1,0 +1,190 @@
+"""Reward integrity: what the grader trusts, what it resets, and what it calls tampering.
+
+RL optimises whatever the grader rewards, so the grader is attacked by the very thing it grades.
+The attacker is the model's patch: any file it commits, run inside the grading sandbox by the
+task's test command, in the same process as the test runner (the tests import the code).
+
+Threat model and the rule for each channel:
+
+1. **The log** (stdout and stderr of the test command). The code under test writes into it
+   freely: a few lines in a package's `__init__.py` with `atexit` printing `PASSED <id>` for every
+   id on `sys.argv` used to score resolved=1. Now (a) when one test is reported twice the worst
+   status wins (`testlog`), so a printed PASSED never overrides the runner's own FAILED; (b) for
+   a runner we know (pytest, unittest) a status line for a graded test after the runner's final
+   summary (pytest's `== ... in 0.12s ==`, unittest's `Ran N tests`) is `tampered`: nothing
+   legitimate prints a test status after the run is over; (c) without that final summary the run
+   did not finish, and nothing it printed is credited (`run_incomplete`).
+2. **The report**. For pytest the grader adds `-rA --junitxml=/tmp/burstrl-<nonce>/report.xml`:
+   a directory with a fresh 128-bit random name made in the grading sandbox right before the run,
+   so no committed file, no guess and no background process left from the agent's own sandbox
+   (the grading sandbox is a new one) can be that report. The report and the log must agree on
+   every graded test: present in both with the same status. A disagreement where either side
+   says "passed" is `tampered`; a missing or unreadable report denies every pass
+   (`run_incomplete`: the runner did not finish).
+3. **The harness**. Files that configure the run are the task's, not the model's: a committed
+   `conftest.py` (any depth), `pytest.ini`, `tox.ini`, `setup.cfg`, `pyproject.toml`,
+   `sitecustomize.py`, `usercustomize.py`, `*.pth`, the `__init__.py` of a graded test's
+   directory, and a new module at the repository root or beside a graded test that shadows the
+   runner or the standard library (`unittest/`, `pytest.py`, `traceback.py`: `python -m` puts the
+   working directory first on `sys.path`). Each such path the patch touches is reset to the base
+   (removed if new) before the tests run and listed in `reset_files`. Not a tamper verdict: a real
+   fix may touch `setup.cfg`; the list is reported so a user sees a policy reaching for them.
+4. **The ids**. The graded ids are the task's (`FAIL_TO_PASS`, `PASS_TO_PASS`), fixed before the
+   patch is applied; a result for any other id is ignored, a graded id the run never reports
+   counts as failed.
+
+What this does NOT stop, said plainly: code running inside the test process can do anything the
+runner can. It can read `sys.argv` (or /proc/self/cmdline) and find the report path, monkeypatch
+pytest's or unittest's result objects so the runner itself prints and writes "passed", or print a
+complete fake run (statuses, summary, report) and `os._exit(0)` before the real tests start. No
+nonce hides a path from the process that must write to it. Those attacks need deliberate code
+aimed at the harness's internals, so `suspicious` lists the lines of the patch that reach for
+them (`atexit`, `sys.argv`, `_pytest`, `junit`, `os._exit`, result classes): a reader of
+`burstrl eval` sees a policy that starts down that road. An out-of-process channel (a runner in a
+separate process reporting over a pipe, tests isolated from the code's interpreter) would close
+it; that changes how tests run and is not done here.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import shlex
+import sys
+from collections.abc import Iterable, Sequence
+
+from burstrl.envs.swe.testlog import SEVERITY, parse_test_log, status_of
+
+CONFIG_NAMES = frozenset({"conftest.py", "pytest.ini", ".pytest.ini", "tox.ini", "setup.cfg", "pyproject.toml",
+                          "sitecustomize.py", "usercustomize.py"})
+RUNNER_MODULES = frozenset({"unittest", "pytest", "_pytest", "pluggy", "iniconfig", "py", "xdist", "nose",
+                            "nose2", "coverage", "site", "sitecustomize", "usercustomize"})
+# pytest's last line: "==== 1 failed, 2 passed in 0.12s ====" (also "no tests ran in 0.01s").
+_PYTEST_FINAL = re.compile(r"^=+ .*\bin [\d.]+s\b.*=+$")
+_UNITTEST_FINAL = re.compile(r"^Ran \d+ tests? in [\d.]+s$")
+SUSPICIOUS = re.compile(r"\batexit\b|\bsys\.argv\b|/proc/self/cmdline|\b_pytest\b|junit|\bos\._exit\b|"
+                        r"TestResult|TextTestRunner|TestReport|pytest_runtest|\bPASSED\b|sys\.stdout\.write\(.*ok")
+
+
+def runner_kind(test_cmd: str) -> str:
+    """"pytest", "unittest" or "" (a runner whose output format the grader does not know)."""
+    words = shlex.split(test_cmd)
+    if any(w in ("pytest", "py.test") or w.endswith("/pytest") for w in words):
+        return "pytest"
+    if "unittest" in words:
+        return "unittest"
+    return ""
+
+
+def new_report_dir() -> str:
+    """A fresh, unguessable directory for this run's report (128 random bits)."""
+    return f"/tmp/burstrl-{secrets.token_hex(16)}"
+
+
+def harness_files(paths: Iterable[str], test_files: Sequence[str], new_paths: Iterable[str]) -> list[str]:
+    """The paths among `paths` (those a patch touches) that configure or shadow the test harness.
+
+    `test_files` are the graded test files (their directories' `__init__.py` and modules beside
+    them are harness); `new_paths` are the touched paths the base lacks (only new files can
+    shadow a module: the base's own top-level modules are the task's)."""
+    test_dirs = {p.rsplit("/", 1)[0] if "/" in p else "" for p in test_files}
+    new = set(new_paths)
+    out: list[str] = []
+    for path in paths:
+        parent, _, name = path.rpartition("/")
+        top = _module_name(path.split("/", 1)[0])  # the module a root-level file or package would be
+        hit = (name in CONFIG_NAMES or name.endswith(".pth")
+               or (name == "__init__.py" and parent in test_dirs and parent != "")
+               or top in RUNNER_MODULES
+               or (parent in test_dirs and _module_name(name) in RUNNER_MODULES))
+        if not hit and path in new:
+            hit = top in _stdlib() or (parent in test_dirs and _module_name(name) in _stdlib())
+        if hit and path not in out:
+            out.append(path)
+    return out
+
+
+def _module_name(name: str) -> str:
+    return name[:-3] if name.endswith(".py") else name
+
+
+def _stdlib() -> frozenset[str]:
+    return frozenset(getattr(sys, "stdlib_module_names", ())) | RUNNER_MODULES
+
+
+def final_summary_line(lines: Sequence[str], kind: str) -> int | None:
+    """Index of the runner's final summary line (the last one), None if the run never printed it."""
+    pattern = _PYTEST_FINAL if kind == "pytest" else _UNITTEST_FINAL if kind == "unittest" else None
+    if pattern is None:
+        return None
+    for i in range(len(lines) - 1, -1, -1):
+        if pattern.match(lines[i].strip()):
+            return i
+    return None
+
+
+def check_log(text: str, kind: str, graded: Sequence[str]) -> tuple[str, bool]:
+    """("" or why the log is tampered, whether the runner printed its final summary).
+
+    A status line for a graded test after the final summary is tampering; unittest's summary is
+    followed by one verdict line ("OK" / "FAILED (failures=1)"), which is not a status line.
+    """
+    if not kind:
+        return "", True
+    lines = text.splitlines()
+    at = final_summary_line(lines, kind)
+    if at is None:
+        return "", False
+    late = parse_test_log("\n".join(lines[at + 1:]))
+    claimed = [t for t in graded if status_of(late, t) != "missing"]
+    if claimed:
+        return f"test statuses printed after the runner's final summary: {', '.join(claimed[:5])}", True
+    return "", True
+
+
+def cross_check(log: dict[str, str], report: dict[str, str] | None, graded: Sequence[str],
+                strict: bool) -> tuple[dict[str, str], str]:
+    """Per-test statuses from the log and the report, and "" or why they are tampered.
+
+    `strict` (pytest with the grader's own report and `-rA`): every graded test must be in both
+    with one status. Otherwise (a task's own report, or none) a test both mention must agree;
+    where only one mentions it, that one counts. Either way the worse status is the result.
+    """
+    out: dict[str, str] = {}
+    bad: list[str] = []
+    for tid in graded:
+        a = status_of(log, tid)
+        b = status_of(report, tid) if report is not None else "missing"
+        if a != b and "passed" in (a, b) and (strict or "missing" not in (a, b)):
+            bad.append(f"{tid} (log {a}, report {b})")
+        present = [s for s in (a, b) if s != "missing"]
+        out[tid] = max(present, key=lambda s: SEVERITY[s]) if present else "missing"
+    if bad:
+        return out, f"the log and the report disagree: {'; '.join(bad[:5])}"
+    return out, ""
+
+
+def runner_error(text: str, exit_code: int, statuses: dict[str, str], graded: Sequence[str]) -> str:
+    """The runner's own error when it did not run a single graded test ("" if it ran some).
+
+    Why: a missing runner (`No module named pytest`) or a stale id (`not found`) makes every
+    attempt fail; that is a fact about the task, and must not read as a model that fixed nothing.
+    The grader re-runs the tests without the patch to tell the two apart.
+    """
+    if exit_code == 0 or any(statuses.get(t, "missing") != "missing" for t in graded):
+        return ""
+    tail = [line for line in text.strip().splitlines() if line.strip()][-12:]
+    return f"exit {exit_code}: " + " | ".join(tail)[-1500:] if tail else f"exit {exit_code}, no output"
+
+
+def suspicious_lines(patch: str, test_files: Sequence[str]) -> list[str]:
+    """Added lines of the patch, outside the graded test files, that reach for harness internals."""
+    out: list[str] = []
+    current = ""
+    for line in patch.splitlines():
+        if line.startswith("+++ "):
+            current = line[6:] if line.startswith("+++ b/") else ""
+            continue
+        if line.startswith("+") and current not in test_files and SUSPICIOUS.search(line):
+            out.append(f"{current}: {line[1:].strip()[:160]}")
+    return out[:20]
