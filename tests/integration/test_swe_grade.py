@@ -243,5 +243,5 @@ def test_grading_throughput_runs_in_parallel(toy_tasks: list[SweTask], pool: San
                                               task: SweTask, patches: dict[str, str]) -> None:
     tasks = [*toy_tasks, task, task]
     stats = grading_throughput(tasks, [tasks[0].patch, "", task.patch, patches["breaks_mul"]], pool, n=4, timeout_s=60)
-    assert stats["attempts"] == 4 and stats["resolved"] == 2 and stats["infra_errors"] == 0
+    assert stats["attempts"] == 4 and stats["resolved"] == 2 and stats["infra_errors"] == 0, stats
     assert stats["per_minute"] > 0

@@ -23,7 +23,8 @@ def test_all_pass_is_resolved() -> None:
     assert r.resolved and r.f2p == 1.0 and r.strict == 1.0
     assert (r.f2p_passed, r.f2p_total, r.p2p_failed, r.p2p_total) == (2, 2, 0, 1)
     assert [reward_of(r, k) for k in ("binary", "f2p", "strict")] == [1.0, 1.0, 1.0]
-    assert r.parts() == {"resolved": True, "f2p": 1.0, "strict": 1.0, "apply_ok": True}
+    assert r.parts() == {"resolved": True, "f2p": 1.0, "strict": 1.0, "apply_ok": True, "tampered": False,
+                       "reset_files": 0}
 
 
 def test_partial_target_gives_partial_credit_but_not_resolved() -> None:

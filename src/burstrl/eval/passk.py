@@ -8,6 +8,11 @@ Infra failures (sandbox died, image missing, grader timeout: `infra_error` set) 
 model's fault and are retried by the runner, so they are counted apart and EXCLUDED from n: a task
 with 8 good attempts and 2 infra failures has n = 8. Apply failures (the agent's patch does not
 apply) ARE the model's fault: they count in n as unresolved attempts with score 0.
+
+Reward hacking is counted, not hidden: `tampered` (the grader caught forged test results),
+`reset_files` (attempts whose patch touched tests or test configuration, reset before grading)
+and `reasons` (named model failures by kind: `tampered`, `tests_timeout`, `sandbox_lost`, ...).
+A policy that starts gaming the grader shows up in these columns before it shows anywhere else.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ class AttemptRecord:
     strict: float = 0.0
     apply_ok: bool = True
     infra_error: str | None = None
+    reason: str = ""  # "kind: why" of a named model failure (tampered, tests_timeout, sandbox_lost, ...)
     reward: float = 0.0
     log_path: str = ""
     duration_s: float = 0.0
@@ -90,7 +96,17 @@ def summarize_task(records: list[AttemptRecord], ks: Iterable[int] | None = None
     task["reward"] = _mean([float(r.reward) for r in good])
     task["apply_failures"] = sum(1 for r in good if not r.apply_ok)
     task["infra_failures"] = len(records) - n
+    kinds = [reason_kind(r) for r in good]
+    task["tampered"] = kinds.count("tampered")
+    task["reset_files"] = sum(1 for r in good if r.extra.get("reset_files"))
+    task["reasons"] = {k: kinds.count(k) for k in sorted(set(kinds) - {""})}
     return task
+
+
+def reason_kind(record: AttemptRecord) -> str:
+    """The kind of a named model failure ("tampered" of "tampered: ..."), "" for none."""
+    reason = record.reason or str(record.extra.get("reason") or "")
+    return reason.split(":", 1)[0].strip() if reason else ""
 
 
 def pass_keys(task: dict[str, Any]) -> list[str]:
@@ -120,6 +136,13 @@ def summarize_overall(tasks: dict[str, dict[str, Any]]) -> dict[str, Any]:
         overall[key] = _mean([t[key] for t in scored.values()])
     overall["apply_failures"] = sum(t["apply_failures"] for t in tasks.values())
     overall["infra_failures"] = sum(t["infra_failures"] for t in tasks.values())
+    overall["tampered"] = sum(t.get("tampered", 0) for t in tasks.values())
+    overall["reset_files"] = sum(t.get("reset_files", 0) for t in tasks.values())
+    reasons: dict[str, int] = {}
+    for t in tasks.values():
+        for kind, count in t.get("reasons", {}).items():
+            reasons[kind] = reasons.get(kind, 0) + count
+    overall["reasons"] = dict(sorted(reasons.items()))
     return overall
 
 

@@ -65,7 +65,8 @@ async def _attempt(env: SweEnv, http: httpx.AsyncClient, url: str, version: str,
         p = outcome.parts
         return {"task_id": task.instance_id, "attempt": k, "version": version, "resolved": bool(p["resolved"]),
                 "f2p": p["f2p"], "strict": p["strict"], "apply_ok": bool(p["apply_ok"]), "infra_error": None,
-                "reward": outcome.reward, "duration_s": time.monotonic() - start, "session_id": sid,
+                "reason": str(outcome.info.get("reason") or ""), "reward": outcome.reward,
+                "duration_s": time.monotonic() - start, "session_id": sid,
                 "extra": outcome.info}
     return {"task_id": task.instance_id, "attempt": k, "version": version, "resolved": False, "f2p": 0.0,
             "strict": 0.0, "apply_ok": False, "infra_error": error, "reward": 0.0, "duration_s": 0.0,

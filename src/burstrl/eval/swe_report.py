@@ -72,7 +72,8 @@ def load_records(path: Path | str) -> list[AttemptRecord]:
 
 def _overall_keys(overall: dict[str, Any]) -> list[str]:
     return pass_keys(overall) + ["f2p", "strict", "reward", "n_tasks", "attempts", "resolved",
-                                 "apply_failures", "infra_failures", "tasks_without_attempts"]
+                                 "apply_failures", "infra_failures", "tampered", "reset_files",
+                                 "tasks_without_attempts"]
 
 
 def _overall_markdown(summary: dict[str, Any]) -> list[str]:
@@ -92,14 +93,30 @@ def _task_markdown(summary: dict[str, Any]) -> list[str]:
     if not tasks:
         return ["No tasks."]
     keys = sorted({k for t in tasks.values() for k in pass_keys(t)}, key=lambda s: int(s[5:]))
-    cols = ["n", "c"] + keys + ["f2p", "strict", "apply fail", "infra fail"]
+    cols = ["n", "c"] + keys + ["f2p", "strict", "apply fail", "infra fail", "tampered", "reset files"]
     rows = ["| task | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for tid, t in tasks.items():
         name = f"{_cell(tid)} (excluded)" if t.get("excluded") else _cell(tid)
         cells = [t["n"], t["c"]] + [t.get(k) for k in keys]
-        cells += [t.get("f2p"), t.get("strict"), t["apply_failures"], t["infra_failures"]]
+        cells += [t.get("f2p"), t.get("strict"), t["apply_failures"], t["infra_failures"], t.get("tampered", 0),
+                  t.get("reset_files", 0)]
         rows.append(f"| {name} | " + " | ".join(_fmt(c) for c in cells) + " |")
     return rows
+
+
+def _reasons_markdown(results: dict[str, Any], limit: int = 10) -> list[str]:
+    """Named model failures by kind, then the first few reasons verbatim (what a person checks
+    when `tampered` or `reset_files` is not 0: is the policy gaming the grader?)."""
+    kinds = results["summary"]["overall_all"].get("reasons") or {}
+    rows = ["| reason | attempts |", "|---|---|"] + [f"| {_cell(k)} | {v} |" for k, v in kinds.items()]
+    examples = []
+    for r in results.get("records", []):
+        reason = r.get("reason") or (r.get("extra") or {}).get("reason")
+        reset = (r.get("extra") or {}).get("reset_files")
+        if reason or reset:
+            text = reason or f"reset before grading: {', '.join(reset)}"
+            examples.append(f"- {_cell(r.get('task_id'))} #{r.get('attempt')}: {_cell(str(text)[:300])}")
+    return rows + ([""] + examples[:limit] if examples else [])
 
 
 def _comparison_markdown(comparison: dict[str, Any], label: str) -> list[str]:
@@ -132,6 +149,11 @@ def render_eval_markdown(results: dict[str, Any], png_name: str) -> str:
     if summary.get("excluded"):
         lines += [f"Excluded (flawed) tasks: {', '.join(_cell(t) for t in summary['excluded'])}", ""]
     lines += _overall_markdown(summary)
+    if summary["overall_all"].get("reasons") or summary["overall_all"].get("reset_files"):
+        lines += ["", "## Failure reasons and reward integrity", "",
+                  "`tampered`: the grader caught forged test results (reward 0). `reset files`: the patch "
+                  "touched tests or test configuration, reset before grading.", ""]
+        lines += _reasons_markdown(results)
     if results.get("comparison"):
         lines += ["", "## Comparison", ""]
         lines += _comparison_markdown(results["comparison"], results.get("compare_label", "baseline"))

@@ -18,6 +18,12 @@ used, or a row that no longer decodes) keeps status `quarantined` and a reason; 
 can be inspected but is never returned by `take`. Its rollouts are stored as rows when their id is
 new; a rollout whose id is already taken is never written over the existing row: its JSON goes to
 the group's `raw` column instead.
+
+Failure reasons: a rollout's `reason` column holds the text of why a failed attempt failed
+(`sandbox_lost: ...`, `tampered: ...`, `tests_timeout: ...`), queryable with plain SQL
+(`SELECT reason, COUNT(*) FROM rollouts GROUP BY ...`) or `failure_reasons()`. The column was added
+after schema version 1 shipped; it is nullable, and opening an older file adds it in place
+(`ALTER TABLE ... ADD COLUMN`, old rows NULL), so no version bump and no copy of the data.
 """
 
 from __future__ import annotations
@@ -70,7 +76,8 @@ CREATE TABLE IF NOT EXISTS rollouts (
     turns TEXT,
     timings TEXT,
     version INTEGER,
-    created REAL NOT NULL
+    created REAL NOT NULL,
+    reason TEXT
 );
 CREATE INDEX IF NOT EXISTS rollouts_group ON rollouts (group_id, idx);
 CREATE TABLE IF NOT EXISTS attempts (
@@ -186,6 +193,9 @@ class RolloutStore:
                 self._conn.execute("INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION,))
             elif row[0] != SCHEMA_VERSION:
                 raise StoreError(f"{self.path}: schema version {row[0]}, this burstrl reads {SCHEMA_VERSION}")
+            columns = {r[1] for r in self._conn.execute("PRAGMA table_info(rollouts)")}
+            if "reason" not in columns:  # a store made before failure reasons were kept
+                self._conn.execute("ALTER TABLE rollouts ADD COLUMN reason TEXT")
 
     @contextmanager
     def _tx(self, immediate: bool = True) -> Iterator[sqlite3.Connection]:
@@ -258,9 +268,11 @@ class RolloutStore:
             for idx, (r, k, enc, v) in enumerate(zip(rollouts, keep, encoded, versions)):
                 if k and enc is not None:
                     reward = _float_or_none(r.reward)
+                    reason = getattr(r, "reason", None)
                     c.execute("INSERT INTO rollouts (id, group_id, idx, status, reward, reward_parts, turns, "
-                              "timings, version, created) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                              (r.id, gid, idx, r.status, reward, enc[1], enc[0], enc[2], v, now))
+                              "timings, version, created, reason) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                              (r.id, gid, idx, r.status, reward, enc[1], enc[0], enc[2], v, now,
+                               str(reason) if reason else None))
         return gid
 
     @staticmethod
@@ -353,15 +365,16 @@ class RolloutStore:
     @staticmethod
     def _decode_group(c: sqlite3.Connection, gid: int) -> tuple[list[Rollout], str | None]:
         """The group's rollouts in stored order, or the reason they cannot be trained on."""
-        rows = c.execute("SELECT id, status, reward, reward_parts, turns, timings FROM rollouts "
+        rows = c.execute("SELECT id, status, reward, reward_parts, turns, timings, reason FROM rollouts "
                          "WHERE group_id = ? ORDER BY idx", (gid,)).fetchall()
         if not rows:
             return [], "corrupt row: group has no rollouts"
         rollouts = []
-        for rid, status, reward, parts, turns, timings in rows:
+        for rid, status, reward, parts, turns, timings, reason in rows:
             try:
                 r = Rollout.from_json({"id": rid, "status": status, "reward": reward, "turns": json.loads(turns),
-                                       "reward_parts": json.loads(parts), "timings": json.loads(timings)})
+                                       "reward_parts": json.loads(parts), "timings": json.loads(timings),
+                                       "reason": reason})
                 r.validate()
             except (TypeError, ValueError, KeyError, AttributeError) as e:
                 return [], f"corrupt row: rollout {rid}: {type(e).__name__}: {e}"
@@ -432,6 +445,20 @@ class RolloutStore:
             out["steps"] = self._last_step(c)
             out["attempts"] = dict(c.execute("SELECT status, COUNT(*) FROM attempts GROUP BY status").fetchall())
         return out
+
+    def failure_reasons(self, limit: int = 20) -> dict[str, Any]:
+        """Failed rollouts by reason kind (the text before the first ':') and the latest reasons
+        verbatim: where a user looks when rewards drop or a policy starts gaming the grader."""
+        with self._tx(immediate=False) as c:
+            kinds = dict(c.execute("SELECT CASE WHEN instr(reason, ':') > 0 "
+                                   "THEN substr(reason, 1, instr(reason, ':') - 1) ELSE reason END AS kind, "
+                                   "COUNT(*) FROM rollouts WHERE reason IS NOT NULL GROUP BY kind ORDER BY kind"
+                                   ).fetchall())
+            latest = c.execute("SELECT r.id, g.task_id, r.reason FROM rollouts r JOIN groups g ON r.group_id = g.id "
+                               "WHERE r.reason IS NOT NULL ORDER BY r.created DESC, r.rowid DESC LIMIT ?",
+                               (limit,)).fetchall()
+        return {"kinds": kinds, "latest": [{"rollout": rid, "task_id": tid, "reason": reason}
+                                           for rid, tid, reason in latest]}
 
     def consumed(self) -> dict[str, int]:
         """Rollout id -> the step that consumed it."""

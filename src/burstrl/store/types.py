@@ -47,6 +47,7 @@ class Rollout:
     reward_parts: dict[str, float] = field(default_factory=dict)
     status: str = "complete"
     timings: dict[str, float] = field(default_factory=dict)
+    reason: str | None = None  # "kind: why" of a failed attempt (sandbox_lost, tampered, tests_timeout); kept as text
 
     @property
     def version(self) -> int:
