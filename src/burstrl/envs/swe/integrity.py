@@ -59,8 +59,10 @@ CONFIG_NAMES = frozenset({"conftest.py", "pytest.ini", ".pytest.ini", "tox.ini",
                           "sitecustomize.py", "usercustomize.py"})
 RUNNER_MODULES = frozenset({"unittest", "pytest", "_pytest", "pluggy", "iniconfig", "py", "xdist", "nose",
                             "nose2", "coverage", "site", "sitecustomize", "usercustomize"})
-# pytest's last line: "==== 1 failed, 2 passed in 0.12s ====" (also "no tests ran in 0.01s").
-_PYTEST_FINAL = re.compile(r"^=+ .*\bin [\d.]+s\b.*=+$")
+# pytest's last line: "==== 1 failed, 2 passed in 0.12s ====", bare with -q ("2 passed in 0.02s"),
+# also "no tests ran in 0.01s" and a "(0:01:02)" duration.
+_PYTEST_FINAL = re.compile(r"^=*\s*(?:no tests ran|\d+ (?:passed|failed|errors?|skipped|deselected|xfailed|xpassed|"
+                           r"warnings?|rerun)\b.*?) in [\d.]+s\b.*?=*$")
 _UNITTEST_FINAL = re.compile(r"^Ran \d+ tests? in [\d.]+s$")
 SUSPICIOUS = re.compile(r"\batexit\b|\bsys\.argv\b|/proc/self/cmdline|\b_pytest\b|junit|\bos\._exit\b|"
                         r"TestResult|TextTestRunner|TestReport|pytest_runtest|\bPASSED\b|sys\.stdout\.write\(.*ok")

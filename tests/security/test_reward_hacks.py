@@ -1,0 +1,377 @@
+"""Reward hacks against the real grader in real sandboxes (issue 16): each must score 0, and say so.
+
+Every hack here is a patch a policy could commit without fixing anything. Each one used to score
+resolved=1 (or would, where a control run below shows the hack working when nothing resets it):
+output spoofing from `atexit` (unittest and pytest), a forged JUnit report, test configuration
+(`conftest.py` in a subdirectory, `pytest.ini`, `tox.ini`, `setup.cfg`, `pyproject.toml` addopts,
+`sitecustomize.py`, `.pth`), a shadowed test runner, a patched test package `__init__.py`, an agent
+that moves the `burstrl-base` tag, and tests made to hang. Plus the flawed-task side: a missing
+runner and a stale test id are the task's errors (infra), reported once by `tasks check`.
+
+The pytest tasks carry pytest itself at the repository root (copied from this venv): sandboxes
+have the host's /usr/bin/python3, without pytest, as the default runtime.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import sqlite3
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from burstrl.envs.swe.grade import GradeResult, grade, reward_of
+from burstrl.envs.swe.repo import commit_all, init_repo
+from burstrl.envs.swe.task import SweTask
+from burstrl.sandbox.pool import SandboxPool
+
+pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None,
+                                reason="bubblewrap (bwrap) is not installed: `make system-deps` as root")
+
+CALC = "def add(a, b):\n    return a - b\n\n\ndef mul(a, b):\n    return a * b\n"
+GOLD_CALC = CALC.replace("a - b", "a + b")
+UT_TESTS = """import unittest
+
+from calc import add, mul
+
+
+class TestAdd(unittest.TestCase):
+    def test_add(self):
+        self.assertEqual(add(2, 3), 5)
+
+
+class TestMul(unittest.TestCase):
+    def test_mul(self):
+        self.assertEqual(mul(2, 3), 6)
+"""
+PY_TESTS = "from calc import add, mul\n\n\ndef test_add():\n    assert add(2, 3) == 5\n\n\n" \
+           "def test_mul():\n    assert mul(2, 3) == 6\n"
+PYTEST_CMD = "python3 -m pytest -rA -q -p no:cacheprovider"
+RUNNER = ("pytest", "_pytest", "pluggy", "iniconfig", "packaging", "py.py")
+
+# ---- the hacks (file contents a patch commits) ----
+UT_SPOOF = CALC + """
+import atexit, sys
+
+def _spoof():
+    for tid in sys.argv[1:]:
+        if tid.startswith("tests."):
+            sys.stderr.write(f"{tid.rsplit('.', 1)[1]} ({tid}) ... ok\\n")
+
+atexit.register(_spoof)
+"""
+PY_SPOOF = CALC + """
+import atexit, sys
+
+atexit.register(lambda: [print("PASSED " + a) for a in sys.argv if "::" in a])
+"""
+PY_FORGE_JUNIT = CALC + """
+import atexit, sys
+
+def _forge():
+    path = next(a.split("=", 1)[1] for a in sys.argv if a.startswith("--junitxml="))
+    cases = []
+    for a in sys.argv:
+        if "::" in a:
+            mod, name = a.split("::")
+            cases.append(f'<testcase classname="{mod[:-3].replace("/", ".")}" name="{name}"/>')
+    open(path, "w").write("<testsuites><testsuite>" + "".join(cases) + "</testsuite></testsuites>")
+
+atexit.register(_forge)
+"""
+PY_BOTH = PY_FORGE_JUNIT + PY_SPOOF.removeprefix(CALC)
+PLUGIN = """import pytest
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    report.outcome = "passed"
+    report.longrepr = None
+"""
+SHADOW_MAIN = """import sys
+for tid in sys.argv[1:]:
+    if not tid.startswith("-"):
+        print(f"{tid.rsplit('.', 1)[1]} ({tid}) ... ok", file=sys.stderr)
+print("", "-" * 70, f"Ran {len(sys.argv) - 2} tests in 0.001s", "", "OK", sep="\\n", file=sys.stderr)
+"""
+HANG_CALC = GOLD_CALC + "\nimport time\ntime.sleep(600)\n"
+
+
+def patch_of(repo: Path, files: dict[str, str]) -> str:
+    """The git diff that writes `files` (path -> text) into the repo at HEAD; the repo is left as it was."""
+    for path, text in files.items():
+        (repo / path).parent.mkdir(parents=True, exist_ok=True)
+        (repo / path).write_text(text)
+    subprocess.run(["git", "-C", str(repo), "add", "-A"], check=True)
+    diff = subprocess.run(["git", "-C", str(repo), "diff", "--cached", "--binary"], capture_output=True, text=True,
+                          check=True).stdout
+    subprocess.run(["git", "-C", str(repo), "reset", "-q", "--hard"], check=True)
+    subprocess.run(["git", "-C", str(repo), "clean", "-fdqx"], check=True)
+    return diff
+
+
+def make_repo(root: Path, name: str, tests: dict[str, str], vendor_pytest: bool) -> Path:
+    repo = root / name
+    init_repo(repo)
+    (repo / "calc.py").write_text(CALC)
+    for path, text in tests.items():
+        (repo / path).parent.mkdir(parents=True, exist_ok=True)
+        (repo / path).write_text(text)
+    if vendor_pytest:
+        site = Path(pytest.__file__).parent.parent
+        for name_ in RUNNER:
+            src = site / name_
+            if src.is_dir():
+                shutil.copytree(src, repo / name_, ignore=shutil.ignore_patterns("__pycache__"))
+            else:
+                shutil.copy(src, repo / name_)
+    commit_all(repo, "buggy base")
+    return repo
+
+
+def task_of(repo: Path, name: str, f2p: list[str], p2p: list[str], test_cmd: str) -> SweTask:
+    base = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    return SweTask(instance_id=name, repo=str(repo), base_commit=base, problem_statement="add() subtracts",
+                   FAIL_TO_PASS=f2p, PASS_TO_PASS=p2p, patch=patch_of(repo, {"calc.py": GOLD_CALC}),
+                   test_cmd=test_cmd, cpu=1.0, memory=512)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with SandboxPool("namespace", max_concurrent=6) as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
+def ut(tmp_path_factory: pytest.TempPathFactory) -> SweTask:
+    repo = make_repo(tmp_path_factory.mktemp("ut"), "ut", {"tests/__init__.py": "", "tests/test_calc.py": UT_TESTS},
+                     vendor_pytest=False)
+    return task_of(repo, "ut", ["tests.test_calc.TestAdd.test_add"], ["tests.test_calc.TestMul.test_mul"],
+                   "python3 -m unittest -v")
+
+
+@pytest.fixture(scope="module")
+def py(tmp_path_factory: pytest.TempPathFactory) -> SweTask:
+    repo = make_repo(tmp_path_factory.mktemp("py"), "py", {"tests/test_calc.py": PY_TESTS}, vendor_pytest=True)
+    return task_of(repo, "py", ["tests/test_calc.py::test_add"], ["tests/test_calc.py::test_mul"], PYTEST_CMD)
+
+
+def host_run(task: SweTask, patch: str, tmp: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Control: the task's tests with `patch` applied and nothing reset, on the host. Shows the hack works."""
+    clone = tmp / "control"
+    subprocess.run(["git", "clone", "-q", task.repo, str(clone)], check=True)
+    subprocess.run(["git", "-C", str(clone), "apply", "-"], input=patch, text=True, check=True)
+    ids = task.FAIL_TO_PASS + task.PASS_TO_PASS
+    return subprocess.run(f"{task.test_cmd} {' '.join(ids)}", shell=True, cwd=clone, capture_output=True, text=True,
+                          env={"PATH": "/usr/bin:/bin", **(env or {})}, timeout=120)
+
+
+def assert_zero(r: GradeResult) -> None:
+    assert r.apply_ok and not r.infra_error and not r.resolved, (r.infra_error, r.statuses, r.log[-2000:])
+    assert [reward_of(r, k) for k in ("binary", "f2p", "strict")] == [0.0, 0.0, 0.0]
+
+
+# ---- honest patches still score as before ----
+
+def test_honest_patches_score_as_before(ut: SweTask, py: SweTask, pool: SandboxPool) -> None:
+    for task in (ut, py):
+        gold = grade(task, task.patch, pool, timeout_s=60)
+        assert gold.resolved and not gold.tampered and not gold.reason and gold.reset_files == [], gold.log[-2000:]
+        empty = grade(task, "", pool, timeout_s=60)
+        assert_zero(empty)
+        assert not empty.tampered and not empty.reason
+    broken = grade(py, patch_of(Path(py.repo), {"calc.py": "def add(:\n"}), pool, timeout_s=60)
+    assert_zero(broken)  # the model broke the import: a plain failure, not the task's, not a hack
+    assert "SyntaxError" in broken.runner_error  # no graded test ran; the base runs, so it is the patch's
+    assert not broken.tampered and not broken.reason
+
+
+# ---- output spoofing ----
+
+@pytest.mark.parametrize("hack", ["ut_atexit_spoof", "py_atexit_spoof", "py_forged_junit", "py_spoof_and_junit"])
+def test_spoofed_results_are_tampered(hack: str, ut: SweTask, py: SweTask, pool: SandboxPool) -> None:
+    task, calc = {"ut_atexit_spoof": (ut, UT_SPOOF), "py_atexit_spoof": (py, PY_SPOOF),
+                  "py_forged_junit": (py, PY_FORGE_JUNIT), "py_spoof_and_junit": (py, PY_BOTH)}[hack]
+    r = grade(task, patch_of(Path(task.repo), {"calc.py": calc}), pool, timeout_s=60)
+    assert_zero(r)
+    assert r.tampered and r.reason.startswith("tampered: ") and r.parts()["tampered"], (r.statuses, r.log[-2000:])
+    assert any("atexit" in line for line in r.suspicious)
+    if "spoof" in hack:  # the forged lines really are in the log (the runner itself says FAIL): the hack ran
+        assert "test_add (tests.test_calc.TestAdd.test_add) ... ok" in r.log or \
+            "PASSED tests/test_calc.py::test_add" in r.log
+
+
+# ---- test harness tampering ----
+
+HARNESS = {  # name -> (task fixture, files the patch commits, the file(s) that must be reset)
+    "conftest_in_subdir": ("py", {"tests/conftest.py": PLUGIN}, ["tests/conftest.py"]),
+    "pytest_ini": ("py", {"calc_plugin.py": PLUGIN, "pytest.ini": "[pytest]\naddopts = -p calc_plugin\n"},
+                   ["pytest.ini"]),
+    "tox_ini": ("py", {"calc_plugin.py": PLUGIN, "tox.ini": "[pytest]\naddopts = -p calc_plugin\n"}, ["tox.ini"]),
+    "setup_cfg": ("py", {"calc_plugin.py": PLUGIN, "setup.cfg": "[tool:pytest]\naddopts = -p calc_plugin\n"},
+                  ["setup.cfg"]),
+    "pyproject": ("py", {"calc_plugin.py": PLUGIN,
+                         "pyproject.toml": '[tool.pytest.ini_options]\naddopts = ["-p", "calc_plugin"]\n'},
+                  ["pyproject.toml"]),
+    "shadow_unittest": ("ut", {"unittest/__init__.py": "", "unittest/__main__.py": SHADOW_MAIN},
+                        ["unittest/__init__.py", "unittest/__main__.py"]),
+    "test_package_init": ("ut", {"tests/__init__.py": "import unittest\n"
+                                 "unittest.TestCase.assertEqual = lambda self, a, b, msg=None: None\n"},
+                          ["tests/__init__.py"]),
+    "edited_vendored_runner": ("py", {"_pytest/runner.py": "raise SystemExit(0)\n"}, ["_pytest/runner.py"]),
+}
+
+
+@pytest.mark.parametrize("hack", list(HARNESS))
+def test_harness_files_are_reset_and_recorded(hack: str, ut: SweTask, py: SweTask, pool: SandboxPool,
+                                              tmp_path: Path) -> None:
+    which, files, reset = HARNESS[hack]
+    task = {"ut": ut, "py": py}[which]
+    patch = patch_of(Path(task.repo), files)
+    control = host_run(task, patch, tmp_path)
+    if hack != "edited_vendored_runner":  # it exits 0 with nothing run; the others report every test passed
+        assert control.returncode == 0 and "FAIL" not in control.stdout + control.stderr, control.stdout[-1500:]
+    r = grade(task, patch, pool, timeout_s=60)
+    assert_zero(r)
+    assert r.reset_files == reset and r.parts()["reset_files"] == len(reset)
+    assert not r.tampered
+
+
+def test_sitecustomize_and_pth_are_reset(py: SweTask, pool: SandboxPool, tmp_path: Path) -> None:
+    """With the repo on PYTHONPATH (as an editable install puts it on sys.path) a root
+    `sitecustomize.py` runs at interpreter start, before any test: here it loads the plugin."""
+    task = SweTask(**{**py.to_json(), "instance_id": "py-pythonpath",
+                      "test_cmd": "PYTHONPATH=/work/repo " + PYTEST_CMD})
+    files = {"calc_plugin.py": PLUGIN, "sitecustomize.py": "import os\nos.environ['PYTEST_PLUGINS'] = 'calc_plugin'\n",
+             "calc.pth": "import calc_plugin\n"}
+    patch = patch_of(Path(task.repo), files)
+    control = host_run(SweTask(**{**task.to_json(), "test_cmd": "PYTHONPATH=. " + PYTEST_CMD}), patch, tmp_path)
+    assert control.returncode == 0 and "2 passed" in control.stdout, control.stdout[-1500:]
+    r = grade(task, patch, pool, timeout_s=60)
+    assert_zero(r)
+    assert r.reset_files == ["calc.pth", "sitecustomize.py"] and not r.tampered
+
+
+# ---- the agent moves the tag ----
+
+def test_an_agent_that_moves_the_base_tag_keeps_its_work(tmp_path: Path) -> None:
+    from burstrl.config import SweEnvConfig
+    from burstrl.envs.swe.agent import SUBMIT_COMMAND
+    from burstrl.envs.swe.demos import patch_commands
+    from burstrl.envs.swe.env import SweEnv
+
+    class Script:
+        def __init__(self, commands: list[str]) -> None:
+            self.commands, self.calls = commands, 0
+
+        async def chat(self, messages, max_tokens=None) -> str:
+            self.calls += 1
+            return f"```bash\n{self.commands[min(self.calls - 1, len(self.commands) - 1)]}\n```"
+
+    env = SweEnv(SweEnvConfig(toy_tasks=1, max_sandboxes=2, max_turns=6), tmp_path)
+    task = env.make_tasks(1, seed=0, difficulty=1)[0]
+    commands = patch_commands(SweTask.from_json(task.data)) + ["git tag -f burstrl-base HEAD", SUBMIT_COMMAND]
+    try:
+        o = asyncio.run(asyncio.wait_for(env.rollout(Script(commands), task), timeout=180))
+    finally:
+        env.close()
+    assert o.info["patch_bytes"] > 0 and o.reward == 1.0 and o.passed, o
+
+
+# ---- tests that hang, a missing runner, a stale id ----
+
+def test_tests_made_to_hang_are_the_models_failure(ut: SweTask, pool: SandboxPool) -> None:
+    """The base runs in well under half the limit, so a timeout with the patch is the patch's: reward 0,
+    `tests_timeout`, never infra (an infra error is re-run, and a policy must not be able to ask for that)."""
+    r = grade(ut, patch_of(Path(ut.repo), {"calc.py": HANG_CALC}), pool, timeout_s=8)
+    assert r.timed_out and r.infra_error == "" and r.reason.startswith("tests_timeout: "), (r.infra_error, r.reason)
+    assert reward_of(r) == 0.0 and not r.resolved
+
+
+def test_a_task_too_slow_for_its_limit_is_still_infra(ut: SweTask, pool: SandboxPool) -> None:
+    slow = SweTask(**{**ut.to_json(), "instance_id": "ut-slow", "test_cmd": "sleep 30; python3 -m unittest -v"})
+    r = grade(slow, slow.patch, pool, timeout_s=2)
+    assert r.timed_out and "ran past" in r.infra_error and not r.reason
+    with pytest.raises(ValueError, match="infra"):
+        reward_of(r)
+
+
+@pytest.mark.parametrize("flaw", ["missing_runner", "stale_id"])
+def test_runner_errors_are_the_tasks_and_check_reports_them(flaw: str, py: SweTask, pool: SandboxPool,
+                                                            tmp_path: Path) -> None:
+    from burstrl.envs.swe.check import check_tasks
+
+    if flaw == "missing_runner":
+        task = SweTask(**{**py.to_json(), "instance_id": "no-runner",
+                          "test_cmd": "python3 -m no_such_runner -rA"})
+        expected = "No module named no_such_runner"
+    else:
+        task = SweTask(**{**py.to_json(), "instance_id": "stale-id",
+                          "FAIL_TO_PASS": ["tests/test_calc.py::test_gone"]})
+        expected = "not found"
+    for patch in (task.patch, ""):
+        r = grade(task, patch, pool, timeout_s=60)
+        assert r.infra_error.startswith("task error") or "without the patch" in r.infra_error, r.infra_error
+        assert expected in r.infra_error, r.infra_error
+    [checked] = check_tasks([task], tmp_path)
+    assert not checked.ok and len(checked.problems) == 1 and expected in checked.problems[0], checked.problems
+
+
+def test_check_flags_a_gold_patch_that_only_edits_tests(ut: SweTask, tmp_path: Path) -> None:
+    from burstrl.envs.swe.check import check_tasks
+
+    cheat = patch_of(Path(ut.repo), {"tests/test_calc.py": UT_TESTS.replace("add(2, 3), 5)", "add(2, 3), -1)")})
+    task = SweTask(**{**ut.to_json(), "instance_id": "gold-edits-tests", "patch": cheat})
+    host, sandboxed = check_tasks([task], tmp_path / "h", sandbox=False) + check_tasks([task], tmp_path / "s")
+    for r in (host, sandboxed):
+        assert not r.ok and any("files grading resets: tests/test_calc.py" in p for p in r.problems), r.problems
+
+
+# ---- a user sees it: eval reports and the store ----
+
+def test_eval_report_counts_tampered_and_reset_attempts(ut: SweTask, py: SweTask, pool: SandboxPool,
+                                                        tmp_path: Path) -> None:
+    from burstrl.eval.swe_report import make_results, render_eval_markdown
+
+    graded = [grade(py, patch_of(Path(py.repo), {"calc.py": PY_SPOOF}), pool, timeout_s=60),
+              grade(py, patch_of(Path(py.repo), HARNESS["conftest_in_subdir"][1]), pool, timeout_s=60),
+              grade(ut, ut.patch, pool, timeout_s=60)]
+    records = [{"task_id": r.instance_id, "attempt": i, "resolved": r.resolved, "f2p": r.f2p, "strict": r.strict,
+                "apply_ok": r.apply_ok, "reason": r.reason, "reward": reward_of(r),
+                "extra": {"reset_files": r.reset_files} if r.reset_files else {}} for i, r in enumerate(graded)]
+    results = make_results(records)
+    overall = results["summary"]["overall"]
+    assert overall["tampered"] == 1 and overall["reset_files"] == 1 and overall["reasons"] == {"tampered": 1}
+    md = render_eval_markdown(results, "report.png")
+    assert "| tampered | 1 |" in md and "| reset_files | 1 |" in md and "## Failure reasons" in md
+    assert "reset before grading: tests/conftest.py" in md and "tampered: " in md
+
+
+def test_store_keeps_the_reason_and_adds_the_column_to_an_old_store(tmp_path: Path) -> None:
+    from burstrl.store import RolloutStore
+    from burstrl.store.types import Rollout, Turn
+
+    path = tmp_path / "old.sqlite"
+    with sqlite3.connect(path) as db:  # a store as schema 1 made it before reasons were kept
+        db.executescript("CREATE TABLE schema_version (version INTEGER NOT NULL); INSERT INTO schema_version VALUES (1);"
+                         "CREATE TABLE rollouts (id TEXT PRIMARY KEY, group_id INTEGER NOT NULL, idx INTEGER NOT NULL,"
+                         " status TEXT, reward REAL, reward_parts TEXT, turns TEXT, timings TEXT, version INTEGER,"
+                         " created REAL NOT NULL);"
+                         "INSERT INTO rollouts VALUES ('old', 0, 0, 'complete', 1.0, '{}', '[]', '{}', 0, 0);")
+    turn = Turn(prompt_ids=[1], completion_ids=[2], logprobs=[-0.1], version=0)
+    with RolloutStore(path) as store:
+        store.put_group("t", [Rollout(id="a", turns=[turn], reward=0.0, status="failed",
+                                      reason="tampered: the log and the report disagree"),
+                              Rollout(id="b", turns=[turn], reward=1.0)])
+        reasons = store.failure_reasons()
+        [group] = store.take(1, trainer_version=0, max_staleness=1)
+    assert reasons["kinds"] == {"tampered": 1}
+    assert reasons["latest"] == [{"rollout": "a", "task_id": "t", "reason": "tampered: the log and the report disagree"}]
+    assert [r.reason for r in group.rollouts] == ["tampered: the log and the report disagree", None]
+    with sqlite3.connect(path) as db:
+        assert db.execute("SELECT reason FROM rollouts WHERE id = 'old'").fetchone() == (None,)
