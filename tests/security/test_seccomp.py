@@ -1,0 +1,146 @@
+"""The seccomp deny-list inside real bubblewrap (issue 15, defect 10): with `--seccomp FD`, code in
+the sandbox gets EPERM from keyctl, unshare, mount and clone(CLONE_NEWUSER), which bwrap's user
+namespace would otherwise allow, while python, subprocess and git keep working. Then the same
+policy as an OCI profile under real runc (libseccomp), where root and runc are available.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import platform
+import shutil
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+
+from burstrl.sandbox.backends import seccomp
+from burstrl.sandbox.backends.seccomp import write_program_fd
+
+BWRAP = shutil.which("bwrap")
+PYTHON = shutil.which("python3")
+ARCH = {"amd64": "x86_64", "arm64": "aarch64"}.get(platform.machine().lower(), platform.machine())
+TABLE = {"x86_64": seccomp._X86_64, "aarch64": seccomp._AARCH64}.get(ARCH)
+
+pytestmark = [
+    pytest.mark.skipif(BWRAP is None, reason="bubblewrap (bwrap) is not installed"),
+    pytest.mark.skipif(TABLE is None, reason=f"no seccomp filter for {ARCH}"),
+    pytest.mark.skipif(PYTHON is None, reason="no python3 on PATH"),
+]
+
+# Inside the sandbox: errno of each probe (0: it worked), then whether git and a thread run.
+PROBE = r"""
+import ctypes, json, os, shutil, subprocess, sys, threading
+nums = json.loads(sys.argv[1])
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+def sc(nr, *args):
+    ctypes.set_errno(0)
+    r = libc.syscall(ctypes.c_long(nr), *(a if isinstance(a, bytes) else ctypes.c_long(a) for a in args))
+    if r == 0 and nr == nums["clone"]:
+        os._exit(0)
+    if r > 0 and nr == nums["clone"]:
+        os.waitpid(r, 0)
+    return ctypes.get_errno() if r == -1 else 0
+out = {
+    "keyctl": sc(nums["keyctl"], 0, -3, 0),
+    "mount": sc(nums["mount"], b"none", b"/tmp", b"tmpfs", 0, 0),
+    "clone_newuser": sc(nums["clone"], 0x10000000 | 17, 0, 0, 0, 0),
+    "unshare": sc(nums["unshare"], 0x10000000),
+}
+git = shutil.which("git")
+out["git"] = git is None or b"git version" in subprocess.run([git, "--version"], capture_output=True).stdout
+out["true"] = subprocess.run(["true"]).returncode
+box = []
+t = threading.Thread(target=box.append, args=(1,))
+t.start(); t.join()
+out["thread"] = box == [1]
+print(json.dumps(out))
+"""
+
+NUMS = json.dumps({n: TABLE[n] for n in ("keyctl", "mount", "clone", "unshare")} if TABLE else {})
+
+
+def bwrap(*extra: str, pass_fds: tuple[int, ...] = ()) -> dict:
+    argv = [BWRAP, "--unshare-all", "--die-with-parent", "--ro-bind", "/", "/", "--dev", "/dev",
+            "--proc", "/proc", "--tmpfs", "/tmp", *extra, PYTHON, "-c", PROBE, NUMS]
+    proc = subprocess.run(argv, check=False, pass_fds=pass_fds, capture_output=True, text=True,
+                          timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_bwrap_without_filter_allows_the_probes() -> None:
+    """The control: bwrap's own namespaces leave these calls open, so the filter is what denies."""
+    out = bwrap()
+    if all(out[n] != 0 for n in ("keyctl", "mount", "clone_newuser", "unshare")):
+        pytest.skip(f"this host already refuses every probe without the filter: {out}")
+    assert out["git"] is True and out["thread"] is True
+
+
+def test_bwrap_with_filter_denies_and_keeps_tools_working() -> None:
+    fd = write_program_fd()
+    try:
+        out = bwrap("--seccomp", str(fd), pass_fds=(fd,))
+    finally:
+        os.close(fd)
+    for name in ("keyctl", "mount", "clone_newuser", "unshare"):
+        assert out[name] == errno.EPERM, (name, out)
+    assert out["git"] is True
+    assert out["true"] == 0
+    assert out["thread"] is True
+
+
+def test_program_fd_is_read_once_per_launch() -> None:
+    """bwrap consumes the fd to EOF; a second launch needs a fresh fd (or an lseek back to 0)."""
+    fd = write_program_fd()
+    try:
+        bwrap("--seccomp", str(fd), pass_fds=(fd,))
+        assert os.lseek(fd, 0, os.SEEK_CUR) == len(seccomp.bpf_program())
+        os.lseek(fd, 0, os.SEEK_SET)
+        assert bwrap("--seccomp", str(fd), pass_fds=(fd,))["keyctl"] == errno.EPERM
+    finally:
+        os.close(fd)
+
+
+def runc(tmp: Path, profile: dict | None) -> dict | str:
+    """Run PROBE in a runc container (host /usr, /etc, ... bound read-only): its report, or
+    runc's stderr when the container did not run."""
+    (tmp / "rootfs").mkdir(exist_ok=True)
+    subprocess.run(["runc", "spec"], cwd=tmp, check=True, capture_output=True)
+    (tmp / "config.json").rename(tmp / "default.json")
+    config = json.loads((tmp / "default.json").read_text())
+    config["root"] = {"path": "rootfs", "readonly": True}
+    config["process"].update(terminal=False, args=["/usr/bin/python3", "-c", PROBE, NUMS])
+    config["mounts"] += [{"destination": d, "type": "bind", "source": d, "options": ["rbind", "ro"]}
+                         for d in ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/etc")
+                         if os.path.exists(d)]
+    if profile is not None:
+        config["linux"]["seccomp"] = profile
+    (tmp / "config.json").write_text(json.dumps(config))
+    name, root = f"burstrl-seccomp-{uuid.uuid4().hex[:8]}", str(tmp / "state")
+    try:
+        proc = subprocess.run(["runc", "--root", root, "run", "--bundle", str(tmp), name],
+                              check=False, capture_output=True, text=True, timeout=30)
+    finally:
+        subprocess.run(["runc", "--root", root, "delete", "--force", name], capture_output=True,
+                       check=False)
+    (tmp / "config.json").unlink()
+    return json.loads(proc.stdout) if proc.returncode == 0 else proc.stderr
+
+
+@pytest.mark.skipif(shutil.which("runc") is None, reason="runc is not installed")
+@pytest.mark.skipif(os.geteuid() != 0, reason="the bundle here is a rootful one")
+@pytest.mark.skipif(not os.path.exists("/usr/bin/python3"), reason="no /usr/bin/python3")
+def test_runc_with_oci_profile_denies(tmp_path: Path) -> None:
+    control = runc(tmp_path, None)
+    if isinstance(control, str):
+        pytest.skip(f"runc cannot run a container here: {control.strip()[-300:]}")
+    out = runc(tmp_path, seccomp.oci_profile())
+    assert isinstance(out, dict), out
+    for name in ("keyctl", "mount", "clone_newuser", "unshare"):
+        assert out[name] == errno.EPERM, (name, out)
+    assert out["git"] is True and out["true"] == 0 and out["thread"] is True
