@@ -86,3 +86,13 @@ def test_cli_make_toy(tmp_path: Path) -> None:
     assert (tmp_path / "t" / "tasks.jsonl").exists()
     res = CliRunner().invoke(app, ["tasks", "make-toy", str(tmp_path / "t"), "--n", "1"])
     assert res.exit_code == 2 and "not empty" in res.output
+
+
+def test_a_missing_runner_is_one_problem_with_its_own_error(tasks: list[SweTask], tmp_path: Path) -> None:
+    """Issue 16: not one "not run" line per test id, but the runner's error, once (host and sandbox)."""
+    task = dataclasses.replace(tasks[0], instance_id="no-runner", test_cmd="python3 -m no_such_runner -v")
+    modes = [False] + ([True] if shutil.which("bwrap") else [])
+    for sandbox in modes:
+        [r] = check_tasks([task], tmp_path / str(sandbox), sandbox=sandbox)
+        assert not r.ok and len(r.problems) == 1, r.problems
+        assert "No module named no_such_runner" in r.problems[0] and "without any patch" in r.problems[0]
