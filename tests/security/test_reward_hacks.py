@@ -375,3 +375,19 @@ def test_store_keeps_the_reason_and_adds_the_column_to_an_old_store(tmp_path: Pa
     assert [r.reason for r in group.rollouts] == ["tampered: the log and the report disagree", None]
     with sqlite3.connect(path) as db:
         assert db.execute("SELECT reason FROM rollouts WHERE id = 'old'").fetchone() == (None,)
+
+
+def test_run_report_lists_failed_attempts_by_reason(tmp_path: Path) -> None:
+    from burstrl.eval.report import render_markdown, summary
+    from burstrl.store import RolloutStore
+    from burstrl.store.types import Rollout, Turn
+
+    turn = Turn(prompt_ids=[1], completion_ids=[2], logprobs=[-0.1], version=0)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "reward_mean": 0.0}\n')
+    with RolloutStore(tmp_path / "store.sqlite") as store:
+        store.put_group("t", [Rollout(id=f"r{i}", turns=[turn], reward=0.0, status="failed", reason=reason)
+                              for i, reason in enumerate(["tampered: x", "tampered: y", "tests_timeout: z"])])
+    figures = summary(tmp_path)
+    assert figures["failure_reasons"]["kinds"] == {"tampered": 2, "tests_timeout": 1}
+    md = render_markdown(figures, "dashboard.png")
+    assert "## Failed attempts by reason" in md and "| tampered | 2 |" in md and "- tests_timeout: z" in md

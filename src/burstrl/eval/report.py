@@ -10,6 +10,7 @@ without a `time`.
 from __future__ import annotations
 
 import json
+import sqlite3
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -174,7 +175,32 @@ def _summary(run: RunData) -> dict[str, Any]:
         "replica_events": _event_rows(run),
         "outage_steps": [run.metrics[i].get("step", i) for i, _ in outages],
         "outage_ratio": max(ratio for _, ratio in outages) if outages else None,
+        "failure_reasons": failure_reasons(run.run_dir / "store.sqlite"),
     }
+
+
+def failure_reasons(store: Path, limit: int = 10) -> dict[str, Any]:
+    """Failed rollouts by reason kind and the latest reasons, read-only from a (maybe live) store.
+
+    Why in the run report: `tampered` or `tests_timeout` climbing during training is a policy
+    learning to game the grader; the reward curve alone would show it as progress."""
+    if not store.exists():
+        return {"kinds": {}, "latest": []}
+    try:
+        db = sqlite3.connect(f"file:{store}?mode=ro", uri=True, timeout=5)
+        try:
+            if "reason" not in {r[1] for r in db.execute("PRAGMA table_info(rollouts)")}:
+                return {"kinds": {}, "latest": []}  # a store from before reasons were kept
+            rows = db.execute("SELECT reason FROM rollouts WHERE reason IS NOT NULL ORDER BY created DESC").fetchall()
+        finally:
+            db.close()
+    except sqlite3.Error:
+        return {"kinds": {}, "latest": []}
+    kinds: dict[str, int] = {}
+    for (reason,) in rows:
+        kind = reason.split(":", 1)[0].strip()
+        kinds[kind] = kinds.get(kind, 0) + 1
+    return {"kinds": dict(sorted(kinds.items())), "latest": [r for (r,) in rows[:limit]]}
 
 
 # ----- markdown ----------------------------------------------------------------------------
@@ -217,6 +243,13 @@ def render_markdown(figures: dict[str, Any], png_name: str) -> str:
         "",
     ]
     lines += _events_markdown(figures["replica_events"])
+    reasons = figures.get("failure_reasons") or {}
+    if reasons.get("kinds"):
+        lines += ["", "## Failed attempts by reason", "",
+                  "From the store's `rollouts.reason` (reward 0; `tampered`: forged test results).", "",
+                  "| reason | rollouts |", "|---|---|"]
+        lines += [f"| {_cell(k)} | {v} |" for k, v in reasons["kinds"].items()]
+        lines += [""] + [f"- {_cell(r[:300])}" for r in reasons["latest"]]
     lines += ["", "## Dashboard", "", f"![dashboard]({png_name})", ""]
     return "\n".join(lines)
 
