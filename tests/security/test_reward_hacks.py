@@ -71,7 +71,9 @@ PY_FORGE_JUNIT = CALC + """
 import atexit, sys
 
 def _forge():
-    path = next(a.split("=", 1)[1] for a in sys.argv if a.startswith("--junitxml="))
+    path = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--junitxml=")), None)
+    if path is None:
+        return
     cases = []
     for a in sys.argv:
         if "::" in a:
@@ -82,6 +84,27 @@ def _forge():
 atexit.register(_forge)
 """
 PY_BOTH = PY_FORGE_JUNIT + PY_SPOOF.removeprefix(CALC)
+UT_FAKE_RUN = CALC + """
+import os, sys
+
+for tid in [a for a in sys.argv[1:] if a.startswith("tests.")]:
+    sys.stderr.write(f"{tid.rsplit('.', 1)[1]} ({tid}) ... ok\\n")
+sys.stderr.write("\\n" + "-" * 70 + "\\nRan 2 tests in 0.001s\\n\\nOK\\n")
+sys.stderr.flush()
+os._exit(0)
+"""
+# pytest captures fd 1 and 2 while it collects: the fake run goes to the saved originals (the log).
+PY_FAKE_RUN = PY_FORGE_JUNIT.replace("atexit.register(_forge)", """_forge()
+import os
+lines = [f"PASSED {a}" for a in sys.argv if "::" in a] + ["2 passed in 0.01s"]
+for n in range(3, 64):
+    try:
+        target = os.readlink(f"/proc/self/fd/{n}")
+    except OSError:
+        continue
+    if target.startswith("pipe:") or target.endswith("test.log"):
+        os.write(n, ("\\n".join(lines) + "\\n").encode())
+os._exit(0)""")
 PLUGIN = """import pytest
 
 
@@ -193,14 +216,27 @@ def test_honest_patches_score_as_before(ut: SweTask, py: SweTask, pool: SandboxP
 
 # ---- output spoofing ----
 
-@pytest.mark.parametrize("hack", ["ut_atexit_spoof", "py_atexit_spoof", "py_forged_junit", "py_spoof_and_junit"])
-def test_spoofed_results_are_tampered(hack: str, ut: SweTask, py: SweTask, pool: SandboxPool) -> None:
-    task, calc = {"ut_atexit_spoof": (ut, UT_SPOOF), "py_atexit_spoof": (py, PY_SPOOF),
-                  "py_forged_junit": (py, PY_FORGE_JUNIT), "py_spoof_and_junit": (py, PY_BOTH)}[hack]
-    r = grade(task, patch_of(Path(task.repo), {"calc.py": calc}), pool, timeout_s=60)
+SPOOFS = {"ut_atexit_spoof": ("ut", UT_SPOOF), "py_atexit_spoof": ("py", PY_SPOOF),
+          "py_forged_junit": ("py", PY_FORGE_JUNIT), "py_spoof_and_junit": ("py", PY_BOTH),
+          "ut_fake_run_then_exit": ("ut", UT_FAKE_RUN), "py_fake_run_then_exit": ("py", PY_FAKE_RUN)}
+
+
+@pytest.mark.parametrize("hack", list(SPOOFS))
+def test_spoofed_results_are_tampered(hack: str, ut: SweTask, py: SweTask, pool: SandboxPool,
+                                      tmp_path: Path) -> None:
+    which, calc = SPOOFS[hack]
+    task = {"ut": ut, "py": py}[which]
+    patch = patch_of(Path(task.repo), {"calc.py": calc})
+    if "fake_run" in hack:  # control: run plainly, the fake run is a complete, passing run
+        control = host_run(task, patch, tmp_path)
+        out = control.stdout + control.stderr
+        assert control.returncode == 0 and "FAIL" not in out and ("OK" in out or "2 passed" in out), out[-1500:]
+    r = grade(task, patch, pool, timeout_s=60)
     assert_zero(r)
     assert r.tampered and r.reason.startswith("tampered: ") and r.parts()["tampered"], (r.statuses, r.log[-2000:])
-    assert any("atexit" in line for line in r.suspicious)
+    assert r.suspicious and any(w in " ".join(r.suspicious) for w in ("atexit", "os._exit"))
+    if "fake_run" in hack:
+        assert "end marker" in r.tampered
     if "spoof" in hack:  # the forged lines really are in the log (the runner itself says FAIL): the hack ran
         assert "test_add (tests.test_calc.TestAdd.test_add) ... ok" in r.log or \
             "PASSED tests/test_calc.py::test_add" in r.log
@@ -358,7 +394,8 @@ def test_store_keeps_the_reason_and_adds_the_column_to_an_old_store(tmp_path: Pa
 
     path = tmp_path / "old.sqlite"
     with sqlite3.connect(path) as db:  # a store as schema 1 made it before reasons were kept
-        db.executescript("CREATE TABLE schema_version (version INTEGER NOT NULL); INSERT INTO schema_version VALUES (1);"
+        db.executescript("CREATE TABLE schema_version (version INTEGER NOT NULL);"
+                         "INSERT INTO schema_version VALUES (1);"
                          "CREATE TABLE rollouts (id TEXT PRIMARY KEY, group_id INTEGER NOT NULL, idx INTEGER NOT NULL,"
                          " status TEXT, reward REAL, reward_parts TEXT, turns TEXT, timings TEXT, version INTEGER,"
                          " created REAL NOT NULL);"
@@ -371,7 +408,8 @@ def test_store_keeps_the_reason_and_adds_the_column_to_an_old_store(tmp_path: Pa
         reasons = store.failure_reasons()
         [group] = store.take(1, trainer_version=0, max_staleness=1)
     assert reasons["kinds"] == {"tampered": 1}
-    assert reasons["latest"] == [{"rollout": "a", "task_id": "t", "reason": "tampered: the log and the report disagree"}]
+    why = "tampered: the log and the report disagree"
+    assert reasons["latest"] == [{"rollout": "a", "task_id": "t", "reason": why}]
     assert [r.reason for r in group.rollouts] == ["tampered: the log and the report disagree", None]
     with sqlite3.connect(path) as db:
         assert db.execute("SELECT reason FROM rollouts WHERE id = 'old'").fetchone() == (None,)

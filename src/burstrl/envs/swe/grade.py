@@ -37,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import io
 import re
+import secrets
 import shlex
 import tarfile
 import tempfile
@@ -50,28 +51,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from burstrl.envs.swe.integrity import (
-    check_log,
-    cross_check,
-    harness_files,
-    new_report_dir,
-    runner_error,
-    runner_kind,
-    suspicious_lines,
-)
+from burstrl.envs.swe.integrity import (WRAPPER, check_log, cross_check, end_marker, harness_files,
+                                        new_report_dir, runner_error, runner_kind, suspicious_lines,
+                                        wrapped_command)
 from burstrl.envs.swe.repo import BASE_TAG, export_base
 from burstrl.envs.swe.task import SweTask
-from burstrl.envs.swe.testlog import (
-    dotted_id,
-    parse_junit_xml,
-    parse_test_log,
-    status_of,
-)
+from burstrl.envs.swe.testlog import dotted_id, parse_junit_xml, parse_test_log, status_of
+from burstrl.sandbox.backends import SandboxSpec, make_backend
+from burstrl.sandbox.client import SandboxError
 
 __all__ = ["GradeResult", "reward_of", "score", "grade", "extract_patch", "dotted_id", "parse_junit_xml",
            "status_of", "patch_paths", "graded_test_files", "grading_command", "grading_throughput"]
-from burstrl.sandbox.backends import SandboxSpec, make_backend
-from burstrl.sandbox.client import SandboxError
 
 REPO_DIR = "/work/repo"
 SCRATCH = "/tmp/burstrl-grade"  # outside the repo: patches and logs never enter `git status`
@@ -277,11 +267,15 @@ def judge_run(task: SweTask, run: dict[str, Any], report: dict[str, str] | None,
     log = parse_test_log(run["text"])
     strict = kind == "pytest" and report is not None  # the grader's own report, and -rA in the log
     statuses, tampered = cross_check(log, report, graded, strict)
-    finished = True
+    finished = summary = True
     if not tampered:
-        tampered, finished = check_log(run["text"], kind, graded)
-    if kind == "pytest" and report is None:
-        finished = False
+        tampered, summary = check_log(run["text"], kind, graded)
+        finished = summary and (kind != "pytest" or report is not None)
+    if run.get("nonce") and end_marker(run["text"], run["nonce"]) is None:
+        finished = False  # the runner never returned (the wrapper's end marker is missing)
+        if summary and not tampered and not run["timed_out"] and "passed" in statuses.values():
+            tampered = ("the runner's final summary is in the log but the grader's end marker is not: "
+                        "the process ended before the runner returned")
     score(result, task, statuses)
     if run["timed_out"]:
         result.timed_out = True  # partial statuses kept; the base run decides (`_judge_against_base`)
@@ -291,8 +285,8 @@ def judge_run(task: SweTask, run: dict[str, Any], report: dict[str, str] | None,
         result.tampered = tampered
         result.fail(f"tampered: {tampered}")
     elif not finished and any(s == "passed" for s in result.statuses.values()):
-        result.fail(f"run_incomplete: the runner exited {run['exit_code']} without its final summary"
-                    f"{' or report' if kind == 'pytest' else ''}; nothing it printed is credited")
+        result.fail(f"run_incomplete: the runner exited {run['exit_code']} without its final summary, "
+                    "report or end marker; nothing it printed is credited")
     else:
         result.runner_error = runner_error(run["text"], run["exit_code"], statuses, graded)
 
@@ -355,29 +349,34 @@ def reset_paths(sandbox: Any, paths: Sequence[str], base_id: str) -> None:
     _check(sandbox.exec(cmd, cwd=REPO_DIR, timeout=120), "reset the test patch's files")
 
 
-def grading_command(task: SweTask, options: str = "") -> str:
-    """`test_cmd` (then the grader's `options`) followed by the target and existing test ids."""
+def grading_command(task: SweTask, options: str = "", test_cmd: str = "") -> str:
+    """`test_cmd` (the task's unless given; then the grader's `options`) followed by the target and
+    existing test ids."""
     ids = _unique(task.FAIL_TO_PASS) + [t for t in _unique(task.PASS_TO_PASS) if t not in task.FAIL_TO_PASS]
-    return " ".join([task.test_cmd, *([options] if options else []), *(shlex.quote(t) for t in ids)])
+    return " ".join([test_cmd or task.test_cmd, *([options] if options else []), *(shlex.quote(t) for t in ids)])
 
 
 def run_tests(sandbox: Any, task: SweTask, timeout_s: float) -> dict[str, Any]:
-    """One run of the graded tests: {text, timed_out, exit_code, seconds, report}.
+    """One run of the graded tests: {text, timed_out, exit_code, seconds, report, nonce}.
 
     The log is stdout and stderr interleaved, through a file (exec output is capped and would drop
-    the middle of a long log). For pytest the grader adds `-rA` and its own JUnit report in a fresh
-    random directory (`integrity`); `report` is that path ("" for runners that write none).
+    the middle of a long log). In a fresh random directory (`integrity`): for pytest the grader's
+    own JUnit report (`report`, with `-rA` added), and for a plain `python -m pytest|unittest`
+    command the wrapper that ends the run with a marker holding `nonce` ("" when not wrapped).
     """
     log = f"{SCRATCH}/test.log"
-    options, prep = "", ""
-    report = junit_path(task)
+    rdir, nonce = new_report_dir(), secrets.token_hex(16)
+    options, report = "", junit_path(task)
+    wrapped = wrapped_command(task.test_cmd, f"{rdir}/w.py") or ""
+    prep = f"rm -f {shlex.quote(report)}; " if report else ""  # a committed fake report must not count
     if runner_kind(task.test_cmd) == "pytest":
-        rdir = new_report_dir()
-        report, options, prep = f"{rdir}/report.xml", f"-rA --junitxml={rdir}/report.xml", f"mkdir -m 700 {rdir} && "
-    elif report:
-        prep = f"rm -f {shlex.quote(report)}; "  # a committed fake report must not count
+        report, options, prep = f"{rdir}/report.xml", f"-rA --junitxml={rdir}/report.xml", ""
+    _check(sandbox.exec(f"mkdir -m 700 {rdir}", timeout=60), "make the report directory")
+    if wrapped:
+        sandbox.write_file(f"{rdir}/w.py", WRAPPER.encode())
+        sandbox.write_file(f"{rdir}/nonce", nonce.encode())
     start = time.monotonic()
-    res = sandbox.exec(f"{prep}{{ {grading_command(task, options)} ; }} > {log} 2>&1", cwd=REPO_DIR,
+    res = sandbox.exec(f"{prep}{{ {grading_command(task, options, wrapped)} ; }} > {log} 2>&1", cwd=REPO_DIR,
                        timeout=timeout_s, env=TEST_ENV)
     seconds = time.monotonic() - start
     # Over the daemon's read limit (16 MiB): keep the head and the tail, where the statuses are.
@@ -386,7 +385,7 @@ def run_tests(sandbox: Any, task: SweTask, timeout_s: float) -> dict[str, Any]:
                  f"mv {log}.cut {log}; fi", timeout=60)
     text = sandbox.read_file(log).decode("utf-8", "replace")
     return {"text": text, "timed_out": bool(res.timed_out), "exit_code": res.exit_code, "seconds": round(seconds, 3),
-            "report": report}
+            "report": report, "nonce": nonce if wrapped else ""}
 
 
 def junit_path(task: SweTask) -> str:

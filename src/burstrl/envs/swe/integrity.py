@@ -29,7 +29,15 @@ Threat model and the rule for each channel:
    working directory first on `sys.path`). Each such path the patch touches is reset to the base
    (removed if new) before the tests run and listed in `reset_files`. Not a tamper verdict: a real
    fix may touch `setup.cfg`; the list is reported so a user sees a policy reaching for them.
-4. **The ids**. The graded ids are the task's (`FAIL_TO_PASS`, `PASS_TO_PASS`), fixed before the
+4. **The end marker**. When the test command is `[VAR=value ...] python3 -m pytest|unittest ...`
+   the grader runs the same runner through a wrapper it writes into the random directory
+   (`WRAPPER`): the wrapper reads a second 128-bit nonce from a file and deletes the file and
+   itself before it imports the runner, and after the runner RETURNS it writes
+   `burstrl-end <nonce> exit=<code>` straight to fd 2. A patch that prints a complete fake run
+   (statuses and summary) and then `os._exit(0)`s before the real tests ran leaves the summary
+   without the marker: `tampered`. The nonce lives only in a local variable of the wrapper's
+   frame while the code under test runs (no file, no argv, no environment).
+5. **The ids**. The graded ids are the task's (`FAIL_TO_PASS`, `PASS_TO_PASS`), fixed before the
    patch is applied; a result for any other id is ignored, a graded id the run never reports
    counts as failed.
 
@@ -47,6 +55,7 @@ it; that changes how tests run and is not done here.
 
 from __future__ import annotations
 
+import os
 import re
 import secrets
 import shlex
@@ -81,6 +90,61 @@ def runner_kind(test_cmd: str) -> str:
 def new_report_dir() -> str:
     """A fresh, unguessable directory for this run's report (128 random bits)."""
     return f"/tmp/burstrl-{secrets.token_hex(16)}"
+
+
+WRAPPER = '''"""burstrl's grading wrapper: run the test runner as `python -m` would, then an end marker."""
+import os
+import sys
+
+
+def _run():
+    here = os.path.dirname(os.path.abspath(__file__))
+    with open(os.path.join(here, "nonce")) as f:
+        nonce = f.read().strip()
+    os.unlink(os.path.join(here, "nonce"))
+    os.unlink(os.path.abspath(__file__))
+    runner = sys.argv[1]
+    sys.argv = ["python -m " + runner, *sys.argv[2:]]
+    sys.path[0] = os.getcwd()  # as `python -m` has it: the working directory first, not this directory
+    if runner == "pytest":
+        import pytest
+        code = int(pytest.main(sys.argv[1:]))
+    else:
+        import unittest
+        program = unittest.main(module=None, argv=sys.argv, exit=False)
+        code = 0 if program.result.wasSuccessful() else 1
+    return nonce, code
+
+
+_nonce, _code = _run()  # an exception or an exit inside the runner never reaches the marker
+sys.stdout.flush()
+sys.stderr.flush()
+os.write(2, ("\\nburstrl-end %s exit=%d\\n" % (_nonce, _code)).encode())
+sys.exit(_code)
+'''
+_ASSIGN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
+
+
+def wrapped_command(test_cmd: str, wrapper: str) -> str | None:
+    """`test_cmd` run through the grader's wrapper script, or None when it is not of the plain
+    form `[VAR=value ...] python[3] -m pytest|unittest ARGS` the wrapper reproduces exactly."""
+    try:
+        words = shlex.split(test_cmd)
+    except ValueError:
+        return None
+    i = 0
+    while i < len(words) and _ASSIGN.match(words[i]):
+        i += 1
+    if len(words) < i + 3 or not re.fullmatch(r"python3?(\.\d+)?", os.path.basename(words[i])) \
+            or words[i + 1] != "-m" or words[i + 2] not in ("pytest", "unittest"):
+        return None
+    return shlex.join([*words[:i + 1], wrapper, words[i + 2], *words[i + 3:]])
+
+
+def end_marker(text: str, nonce: str) -> int | None:
+    """The runner's exit code from the wrapper's end marker, None if the marker is not in `text`."""
+    m = re.search(rf"^burstrl-end {re.escape(nonce)} exit=(-?\d+)$", text, re.M)
+    return int(m.group(1)) if m else None
 
 
 def harness_files(paths: Iterable[str], test_files: Sequence[str], new_paths: Iterable[str]) -> list[str]:
