@@ -13,14 +13,14 @@ PIP := $(PY) -m pip install --quiet --progress-bar off
 
 install: system-deps $(STAMP)
 
-# Sandboxes need bubblewrap (and an OCI runtime for the oci backend, with tini's static binary as
-# its containers' reaping init): Debian packages, installed when missing and we are root;
-# otherwise the sandbox tests skip and say why.
+# Sandboxes need bubblewrap, OCI runtimes for the oci backend (runc, crun, and gVisor's runsc)
+# and e2fsprogs (each sandbox's /work is a size-limited ext4 on a loop device): Debian packages,
+# installed when missing and we are root; otherwise the sandbox tests skip and say why.
 system-deps:
-	@if command -v bwrap >/dev/null && [ -x /usr/bin/tini-static ]; then :; \
+	@if command -v bwrap >/dev/null && command -v runsc >/dev/null && command -v mkfs.ext4 >/dev/null; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-		apt-get update -qq && apt-get install -y -qq bubblewrap crun runc tini; \
-	else echo "bubblewrap or tini missing and not root: sandbox tests will be skipped"; fi
+		apt-get update -qq && apt-get install -y -qq bubblewrap crun runc runsc e2fsprogs util-linux; \
+	else echo "bubblewrap, runsc or mkfs.ext4 missing and not root: some sandbox tests will be skipped"; fi
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)

@@ -120,10 +120,25 @@ warnings.simplefilter("ignore")
 from burstrl.sandbox.backends import make_backend
 from burstrl.sandbox.backends.base import SandboxSpec
 state = Path(tempfile.mkdtemp(prefix="sbx", dir="/tmp"))
-with make_backend("namespace", state_dir=state).create(SandboxSpec(pids_limit=64)) as sb:
+with make_backend("namespace", state_dir=state).create(SandboxSpec(pids_limit=64, memory_limit_mb=256)) as sb:
     r = sb.exec("id -u; grep 'Max processes' /proc/self/limits | tr -s ' ' | cut -d' ' -f3")
-    print(json.dumps({{"out": r.stdout, "rc": r.exit_code, "pids": sb.limits.pids}}))
+    res = {{"out": r.stdout, "rc": r.exit_code, "pids": sb.limits.pids, "attacks": {{}}}}
+    for name, cmd in ATTACKS.items():
+        r = sb.exec(cmd, timeout=60)
+        alive = sb.client.health().status == "ok" and sb.exec("echo alive").stdout == "alive\\n"
+        res["attacks"][name] = {{"alive": alive, "out": r.stdout, "err": r.stderr[-300:]}}
+    print(json.dumps(res))
 """
+# The suite's attacks, as an ordinary user: each must leave the daemon serving and print no "BAD".
+ATTACKS = {
+    "kill_all": "kill -9 -1; sleep 0.2",
+    "kill_pid_1": "kill -TERM 1; kill -INT 1; kill -HUP 1; sleep 0.2",
+    "fill_tmp": "head -c 400M /dev/zero > /tmp/fill || echo ENOSPC; rm -f /tmp/fill",
+    "socket_dir": "ls /run/sandbox 2>/dev/null && echo BAD",
+    "sysctl": "v=$(cat /proc/sys/vm/overcommit_ratio); echo $v > /proc/sys/vm/overcommit_ratio && echo BAD",
+    "ptrace": "python3 -c 'import ctypes; print(\"BAD\" if ctypes.CDLL(None).ptrace(16, 1, 0, 0) == 0 else \"\")'",
+    "network": "python3 -c 'import socket; socket.create_connection((\"1.1.1.1\", 53), timeout=3); print(\"BAD\")'",
+}
 
 
 def _as_user() -> list[str]:
@@ -141,15 +156,21 @@ def _as_user() -> list[str]:
 
 def test_ordinary_user_can_create_exec_close() -> None:
     """Defect 8: without writable cgroups the pids limit is RLIMIT_NPROC, set by prlimit (dash
-    has no `ulimit -u`); the sandbox starts and runs as the user's own uid."""
-    r = subprocess.run([*_as_user(), "/usr/bin/python3", "-c", RUN_AS_USER], capture_output=True,
-                       text=True, timeout=60, cwd="/tmp", check=False)
+    has no `ulimit -u`); the sandbox starts and runs as the user's own uid. Then the suite's
+    attacks on the daemon and the kernel's knobs, run by that user's sandbox, all fail (the
+    system python: the sandbox code is stdlib only, and the venv's may be out of the user's reach)."""
+    script = f"ATTACKS = {ATTACKS!r}\n" + RUN_AS_USER
+    r = subprocess.run([*_as_user(), "/usr/bin/python3", "-c", script], capture_output=True,
+                       text=True, timeout=300, cwd="/tmp", check=False)
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(r.stdout.splitlines()[-1])
     uid, nproc = res["out"].split()
     assert res["rc"] == 0 and uid != "0"
     if res["pids"] == "rlimit":
         assert nproc == "64"
+    for name, got in res["attacks"].items():
+        assert got["alive"] and "BAD" not in got["out"], (name, got)
+    assert "ENOSPC" in res["attacks"]["fill_tmp"]["out"]
 
 
 @needs_root

@@ -1,7 +1,7 @@
-"""Attacks on the `oci` backend (runc, or $BURSTRL_OCI_RUNTIME) that must fail (issue 15): the
-host's password hashes read through the /etc bind (defect 2), orphans left as zombies until fork
-fails (defect 4), a container outliving its runtime now that tini is pid 1, and cgroups leaked by
-concurrent start and close, which a sweep must still find by name with no state dir left (defect 7).
+"""Attacks on the `oci` backend, with runc and with runsc (gVisor), that must fail (issue 15):
+orphans left as zombies until fork fails (defect 4), a container outliving its runtime, and
+cgroups leaked by concurrent start and close, which a sweep must still find by name with no state
+dir left (defect 7). The attacks every backend shares are in test_backends.py.
 """
 
 from __future__ import annotations
@@ -17,25 +17,18 @@ from pathlib import Path
 
 import pytest
 
-from burstrl.sandbox.backends import make_backend
 from burstrl.sandbox.backends.base import SandboxSpec, read_owner, remove_tree
-from burstrl.sandbox.backends.namespace import HOST_SECRETS
-from burstrl.sandbox.backends.oci import OciBackend, cgroup_dirs, cgroup_name, runtime_works
+from burstrl.sandbox.backends.oci import OciBackend, cgroup_dirs, cgroup_name
 from burstrl.sandbox.pool import sweep_stale
 
-RUNTIME = os.environ.get("BURSTRL_OCI_RUNTIME", "runc")
+from .conftest import open_backend
 
-
-@pytest.fixture(scope="module")
-def backend() -> Iterator[OciBackend]:
+@pytest.fixture(scope="module", params=["oci-runc", "oci-runsc"])
+def backend(request: pytest.FixtureRequest) -> Iterator[OciBackend]:
     """Short state dir under /tmp (the socket path must fit in 107 bytes); skips where the
     runtime cannot run a trivial bundle here, with the runtime's own error."""
-    state = Path(tempfile.mkdtemp(prefix="sbx", dir="/tmp"))
-    ok, reason = runtime_works(RUNTIME, state)
-    if not ok:
-        shutil.rmtree(state, ignore_errors=True)
-        pytest.skip(reason)
-    yield make_backend("oci", state_dir=state, runtime=RUNTIME)
+    backend, state = open_backend(request.param)
+    yield backend
     shutil.rmtree(state, ignore_errors=True)
 
 
@@ -54,17 +47,6 @@ def _pids_current(backend: OciBackend, sid: str) -> int | None:
     return None
 
 
-def test_host_secrets_masked(backend: OciBackend) -> None:
-    """Every entry of the one host-secrets list reads empty (files) or lists empty (dirs)."""
-    present = [s for s in HOST_SECRETS if os.path.lexists(s)]
-    assert "/etc/shadow" in present and Path("/etc/shadow").stat().st_size > 0  # the attack has a target
-    with backend.create(SandboxSpec()) as sb:
-        for secret in present:
-            cmd = f"ls -A {secret}" if os.path.isdir(secret) else f"cat {secret}"
-            res = sb.exec(cmd)
-            assert res.stdout == "", f"{secret} readable inside: {res.stdout[:80]!r}"
-
-
 @pytest.mark.slow
 def test_orphans_reaped(backend: OciBackend) -> None:
     """200 commands that each orphan a child: with a reaping pid 1 the pids in use stay flat and
@@ -73,11 +55,12 @@ def test_orphans_reaped(backend: OciBackend) -> None:
         for i in range(200):
             res = sb.exec("sleep 0 & true" if i % 2 else "(sleep 0.05 &) ; true")
             assert res.exit_code == 0, f"exec {i}: {res.stderr[-200:]}"
-        assert sb.exec("sleep 0.3; echo ok").stdout == "ok\n"  # the last orphans are gone by now
-        zombies = sb.exec("grep -l '^State:.*Z' /proc/[0-9]*/status | wc -l").stdout.strip()
-        assert zombies == "0"
-        current = _pids_current(backend, sb.id)
-        assert current is None or current < 20, f"pids.current={current}"
+        deadline = time.monotonic() + 30  # the daemon reaps orphans every 0.5 s
+        while (zombies := sb.exec("grep -l '^State:.*Z' /proc/[0-9]*/status | wc -l").stdout.strip()) != "0":
+            assert time.monotonic() < deadline, f"{zombies} zombies left"
+            time.sleep(0.2)
+        current = _pids_current(backend, sb.id)  # gVisor: the sentry's host threads, not the sandbox's
+        assert backend.gvisor or current is None or current < 20, f"pids.current={current}"
 
 
 @pytest.mark.slow
@@ -111,8 +94,8 @@ def test_sweep_finds_orphaned_cgroups(backend: OciBackend) -> None:
 
 
 def test_container_dies_with_runtime(backend: OciBackend) -> None:
-    """With tini as pid 1 the daemon's death signal points at tini, so tini must die with
-    `runc run` itself (`-p SIGKILL`), or a killed harness leaves containers running."""
+    """The daemon (pid 1) dies with `runc run` (its parent-death signal), so a killed harness
+    leaves no container running."""
     sb = backend.create(SandboxSpec())
     try:
         procs = [Path(d) / "cgroup.procs" for d in cgroup_dirs(cgroup_name(backend.state_dir, sb.id))]

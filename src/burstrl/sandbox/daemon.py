@@ -9,9 +9,11 @@ Why a small HTTP/1.1 server of its own on `socketserver` rather than `http.serve
 start is most of a sandbox's start, and `http.server` drags in the email package; this parser
 needs only what the clients send (Content-Length bodies, keep-alive). Standard library only.
 
-Listens on a unix socket (created 0600) or on TCP (`--host/--port`, port 0 = any free port).
-When listening it prints one JSON line to stdout, `{"event": "ready", "socket"|"url", "pid"}`.
-SIGTERM and SIGINT stop it cleanly (exit 0, socket file removed).
+Listens on a unix socket (created 0600), on one handed over already listening (`--listen-fd`,
+so the socket's path need not exist inside the sandbox at all), or on TCP (`--host/--port`, port
+0 = any free port). When listening it prints one JSON line to stdout,
+`{"event": "ready", "socket"|"fd"|"url", "pid"}`. SIGTERM and SIGINT stop it cleanly (exit 0,
+socket file removed), except when it is pid 1 (see `guard_signals`).
 
 Base environment: `--env-file FILE` (a JSON object of strings) or the env var SANDBOXD_ENV (the same
 JSON, removed from this process's env) is given to every command, under the request's `env`; that
@@ -321,9 +323,14 @@ class _TCPServer(_Bounded, socketserver.ThreadingMixIn, socketserver.TCPServer):
 
 
 def make_server(daemon: Daemon, socket_path: Optional[str] = None, host: str = "127.0.0.1",
-                port: Optional[int] = None) -> socketserver.BaseServer:
-    """Bind (unix socket, mode 0600, or TCP) and listen; the caller runs `serve_forever`."""
-    if socket_path is not None:
+                port: Optional[int] = None, listen_fd: Optional[int] = None) -> socketserver.BaseServer:
+    """Bind (unix socket, mode 0600, or TCP) and listen, or serve a listening unix socket handed
+    over as `listen_fd`; the caller runs `serve_forever`."""
+    if listen_fd is not None:
+        server = _UnixServer(None, _Handler, bind_and_activate=False)  # type: ignore[arg-type]
+        server.socket.close()
+        server.socket = socket.socket(fileno=listen_fd)
+    elif socket_path is not None:
         if os.path.exists(socket_path):
             os.unlink(socket_path)  # a stale socket from a crashed daemon
         old_umask = os.umask(0o177)  # never a moment where another user may connect
@@ -331,7 +338,8 @@ def make_server(daemon: Daemon, socket_path: Optional[str] = None, host: str = "
             server: socketserver.BaseServer = _UnixServer(socket_path, _Handler)
         finally:
             os.umask(old_umask)
-        os.chmod(socket_path, 0o600)
+        with contextlib.suppress(PermissionError):  # made 0600 by the umask; gVisor refuses chmod of a host socket
+            os.chmod(socket_path, 0o600)
     else:
         server = _TCPServer((host, port or 0), _Handler)
     server.init_bounds()  # type: ignore[attr-defined]
@@ -340,9 +348,13 @@ def make_server(daemon: Daemon, socket_path: Optional[str] = None, host: str = "
     return server
 
 
-def read_token(token_file: Optional[str]) -> str:
-    """The token from the file, else from SANDBOX_TOKEN (then removed from this process's env)."""
-    if token_file:
+def read_token(token_file: Optional[str], token_fd: Optional[int] = None) -> str:
+    """The token from the fd (read to EOF, then closed), the file, else from SANDBOX_TOKEN (then
+    removed from this process's env)."""
+    if token_fd is not None:
+        with os.fdopen(token_fd, encoding="utf-8") as f:
+            token = f.read().strip()
+    elif token_file:
         with open(token_file, encoding="utf-8") as f:
             token = f.read().strip()
     else:
@@ -383,6 +395,18 @@ def protect_self() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE = 4
 
 
+def guard_signals() -> None:
+    """Stop on SIGTERM/SIGINT, except as pid 1: there a handler would let any command stop the
+    daemon with `kill 1` (the kernel drops signals to a namespace's init only where it has none),
+    so those signals are ignored and the harness ends the sandbox with /close or SIGKILL from outside.
+    """
+    if os.getpid() != 1:
+        return
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
+                signal.SIGALRM, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU):
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def _reap_forever(runtime: Runtime) -> None:
     while True:
         time.sleep(REAP_INTERVAL_S)
@@ -391,21 +415,25 @@ def _reap_forever(runtime: Runtime) -> None:
 
 def run(socket_path: Optional[str] = None, host: str = "127.0.0.1", port: Optional[int] = None,
         token_file: Optional[str] = None, root: str = "/", work_dir: Optional[str] = None,
-        env_file: Optional[str] = None, inherit_env: bool = False) -> int:
-    """Serve until /close, SIGTERM or SIGINT; print the ready line once listening; return 0."""
-    if socket_path is None and port is None:
-        raise ValueError("give --socket PATH (or --port N for TCP)")
-    token = read_token(token_file)  # first: it removes the token from the env a command may inherit
+        env_file: Optional[str] = None, inherit_env: bool = False, listen_fd: Optional[int] = None,
+        token_fd: Optional[int] = None) -> int:
+    """Serve until /close (or SIGTERM/SIGINT, unless pid 1); print the ready line once listening."""
+    if socket_path is None and port is None and listen_fd is None:
+        raise ValueError("give --socket PATH, --listen-fd N or --port N for TCP")
+    token = read_token(token_file, token_fd)  # first: it removes the token from the env a command may inherit
     runtime = Runtime(root=root, work_dir=work_dir or os.getcwd(), base_env=read_base_env(env_file, inherit_env))
     daemon = Daemon(runtime, token)
     protect_self()
-    server = make_server(daemon, socket_path, host, port)
+    server = make_server(daemon, socket_path, host, port, listen_fd)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: daemon.stop_soon())
+    guard_signals()
     if os.getpid() == 1:
         threading.Thread(target=_reap_forever, args=(runtime,), name="reaper", daemon=True).start()
     ready: Dict[str, Any] = {"event": "ready", "pid": os.getpid()}
-    if socket_path is not None:
+    if listen_fd is not None:
+        ready["fd"] = listen_fd
+    elif socket_path is not None:
         ready["socket"] = os.path.abspath(socket_path)
     else:
         bound_host, bound_port = server.server_address[:2]  # type: ignore[misc]
@@ -427,7 +455,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--socket", help="Unix socket path to listen on (created with mode 0600).")
     parser.add_argument("--host", default="127.0.0.1", help="TCP bind address (with --port).")
     parser.add_argument("--port", type=int, help="TCP port instead of a unix socket (0 = any free port).")
+    parser.add_argument("--listen-fd", type=int, help="Serve this inherited, listening unix socket (fd).")
     parser.add_argument("--token-file", help="File holding the token (default: env SANDBOX_TOKEN).")
+    parser.add_argument("--token-fd", type=int, help="Read the token from this inherited fd (e.g. a pipe).")
     parser.add_argument("--root", default="/", help="File requests must resolve inside this directory.")
     parser.add_argument("--work-dir", help="Default cwd and base of relative paths (default: the cwd).")
     parser.add_argument("--env-file", help=f"JSON object: every command's base env (default: env {ENV_VAR}).")
@@ -436,7 +466,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     try:
         return run(args.socket, args.host, args.port, args.token_file, args.root, args.work_dir, args.env_file,
-                   args.inherit_env)
+                   args.inherit_env, args.listen_fd, args.token_fd)
     except (ValueError, OSError) as exc:
         sys.stderr.write(f"sandboxd: error: {exc}\n")
         return 2

@@ -8,11 +8,14 @@ plus a way to tear everything down; only how it was started differs, so a backen
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import queue
 import selectors
 import shutil
+import socket
 import subprocess
 import threading
 import time
@@ -166,21 +169,61 @@ def src_dir() -> Path:
     return Path(burstrl.__file__).resolve().parent.parent
 
 
-def daemon_argv(python: str = "python3") -> list[str]:
+def daemon_argv(python: str = "python3", fds: tuple[int, int] | None = None) -> list[str]:
     """The daemon's command line; `--inherit-env`: the env the backend gave the daemon
-    (`SandboxSpec.env`, an image's `Env`) is the base env of every command."""
-    return [python, "-I", "-c", _BOOTSTRAP, "--socket", f"{RUN_MOUNT}/{SOCKET_NAME}",
-            "--token-file", f"{RUN_MOUNT}/{TOKEN_NAME}", "--inherit-env"]
+    (`SandboxSpec.env`, an image's `Env`) is the base env of every command.
+
+    `fds` (listening socket, token pipe) as inherited by the daemon: the socket then exists only
+    on the host and nothing of it is mounted inside; without them the daemon makes its socket in
+    the bound socket dir and reads the token file there (runtimes that cannot pass fds: runsc).
+    """
+    if fds is not None:
+        where = ["--listen-fd", str(fds[0]), "--token-fd", str(fds[1])]
+    else:
+        where = ["--socket", f"{RUN_MOUNT}/{SOCKET_NAME}", "--token-file", f"{RUN_MOUNT}/{TOKEN_NAME}"]
+    return [python, "-I", "-c", _BOOTSTRAP, *where, "--inherit-env"]
 
 
-def trusted_client(socket: Path, token: str) -> Any:
-    """A client bound to the daemon that just reported ready: the listener's pid is recorded now,
-    before any command runs, and every later connection checks it (SO_PEERCRED), so a socket
-    swapped in from inside the sandbox is refused instead of believed."""
+class Handover:
+    """The daemon's listening socket, made on the host, and a pipe holding its token: inherited
+    by the sandbox's entry process (fds >= 10, so a runtime can move them to 3 and 4 without a
+    clash), closed here once the daemon has them.
+
+    Why: a socket the daemon made in a dir mounted inside is a file its commands (same uid) can
+    unlink and replace with their own server; a socket made here is not in the sandbox at all.
+    """
+
+    def __init__(self, run: Path, token: str) -> None:
+        path = run / SOCKET_NAME
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(str(path))  # in `run` (0700): no one else reaches it before the chmod
+        os.chmod(path, 0o600)  # never os.umask: it is process-wide, and other threads make sandboxes
+        listener.listen(128)
+        read, write = os.pipe()
+        os.write(write, token.encode())
+        os.close(write)
+        self.fds = (fcntl.fcntl(listener.fileno(), fcntl.F_DUPFD, 10), fcntl.fcntl(read, fcntl.F_DUPFD, 10))
+        listener.close()
+        os.close(read)
+        for fd in self.fds:
+            os.set_inheritable(fd, True)
+
+    def close(self) -> None:
+        for fd in self.fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.fds = (-1, -1)
+
+
+def trusted_client(path: Path, token: str) -> Any:
+    """A client bound to the listener at `path` as it is now, before any command runs: every
+    later connection checks its pid (SO_PEERCRED), so a socket swapped in is refused instead of
+    believed. (With a `Handover` the listener is ours and the socket never inside; where the
+    daemon made it, it is the daemon.)"""
     from burstrl.sandbox.client import SandboxClient, socket_peer
 
-    pid, uid, _ = socket_peer(str(socket))
-    return SandboxClient(socket_path=str(socket), token=token, expected_pid=pid, expected_uid=uid)
+    pid, uid, _ = socket_peer(str(path))
+    return SandboxClient(socket_path=str(path), token=token, expected_pid=pid, expected_uid=uid)
 
 
 def process_start_time(pid: int) -> int | None:
@@ -213,14 +256,16 @@ def read_owner(path: Path) -> dict[str, Any] | None:
         return None
 
 
-def make_run_dir(path: Path) -> tuple[Path, str]:
-    """The per-sandbox socket dir (bound at /run/sandbox) with a fresh 0600 token in it."""
+def make_run_dir(path: Path, token_file: bool = True) -> tuple[Path, str]:
+    """The per-sandbox socket dir and a fresh token, written there (0600) if `token_file`: for
+    a runtime whose daemon makes its socket in this dir, bound at /run/sandbox."""
     run = path / "run"
     run.mkdir(mode=0o700)
     token = os.urandom(24).hex()
-    fd = os.open(run / TOKEN_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token)
+    if token_file:
+        fd = os.open(run / TOKEN_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(token)
     sock = run / SOCKET_NAME
     if len(str(sock)) > MAX_SOCKET_PATH:
         raise ValueError(f"socket path {sock} is longer than {MAX_SOCKET_PATH} bytes; "
@@ -282,12 +327,12 @@ class _Spawner:
 spawner = _Spawner()
 
 
-def spawn(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+def spawn(argv: list[str], env: dict[str, str], log: Path, pass_fds: Sequence[int] = ()) -> subprocess.Popen[bytes]:
     """Popen from the long-lived spawner thread, in a new process group; stderr to `log`."""
     def start() -> subprocess.Popen[bytes]:
         with open(log, "ab") as err:
             return subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                    stderr=err, start_new_session=True)
+                                    stderr=err, start_new_session=True, pass_fds=tuple(pass_fds))
     return spawner.call(start)
 
 

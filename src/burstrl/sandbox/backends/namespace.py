@@ -24,11 +24,11 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from burstrl.sandbox.backends import cgroups
+from burstrl.sandbox.backends import cgroups, seccomp
 from burstrl.sandbox.backends.base import (
     CODE_MOUNT,
-    RUN_MOUNT,
     SOCKET_NAME,
+    Handover,
     LimitsReport,
     Sandbox,
     SandboxSpec,
@@ -148,21 +148,27 @@ class NamespaceBackend:
 
     def _start(self, sid: str, spec: SandboxSpec, state: dict[str, Any]) -> Sandbox:
         path: Path = state["path"]
-        run, token = make_run_dir(path)
+        run, token = make_run_dir(path, token_file=False)
         code = self._reachable(src_dir(), path / "code", state)
         (path / "work").mkdir()
         base = self._base_args(spec, path / "work", state)
         if self.uid is not None:
-            hand_over([run, path / "work"], self.uid, self.gid)
+            hand_over([path / "work"], self.uid, self.gid)
         cg = cgroups.create(sid, spec)
         state["cgroups"] = cg
         report = _report(cg.report)
         env = {"PATH": PATH, "BURSTRL_CGROUP_PROCS": " ".join(map(str, cg.procs_files))}
+        handover, filter_fd = Handover(run, token), seccomp.write_program_fd()
         argv = ["/bin/sh", "-c", _ENTER, "sh", *self._prefix(spec, report), self.bwrap, *base,
-                *self._common_args(run, code, spec), *daemon_argv()]
+                *self._common_args(run, code, spec), "--seccomp", str(filter_fd),
+                *daemon_argv(fds=handover.fds)]
         write_owner(path, cgroups=[str(d) for d in cg.dirs])
         log = path / "daemon.log"
-        proc = spawn(argv, env, log)
+        try:
+            proc = spawn(argv, env, log, pass_fds=(*handover.fds, filter_fd))
+        finally:
+            handover.close()  # the daemon holds them now; our copies would keep a dead daemon's socket open
+            os.close(filter_fd)
         state["proc"] = proc
         write_owner(path, cgroups=[str(d) for d in cg.dirs], pid=proc.pid,
                     pid_start=process_start_time(proc.pid))
@@ -211,7 +217,7 @@ class NamespaceBackend:
                 "--hostname", "sandbox", "--clearenv", *env,
                 "--proc", "/proc", *_proc_ro(), "--dev", "/dev", "--size", tmpfs, "--tmpfs", "/dev/shm",
                 "--size", tmpfs, "--tmpfs", "/tmp",
-                "--bind", str(run.parent / "work"), "/work", "--bind", str(run), RUN_MOUNT,
+                "--bind", str(run.parent / "work"), "/work",
                 "--ro-bind", str(code), CODE_MOUNT, "--remount-ro", "/", "--chdir", "/work"]
 
 

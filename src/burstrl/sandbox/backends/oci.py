@@ -1,13 +1,20 @@
 """The `oci` backend: an OCI runtime bundle (config.json + rootfs) run by a runtime named at
-construction: runc (the default), crun, or runsc (gVisor) and Kata's runtime, which take the
-same bundle and command line.
+construction: runc (the default), crun, or runsc (gVisor, with `--network=none
+--platform=ptrace`), which take the same bundle and command line.
 
 The bundle's rootfs is a per-sandbox dir of empty mount points: each top-level entry of the base
 (the host's system dirs, or an image's merged root) is bind-mounted read-only onto it, so the
 runtime never writes into the shared image cache. Limits are the runtime's own (config.json
 `linux.resources`, in a cgroup relative to ours, named `burstrl/oci-<state dir tag>-<id>` so a
-sweep finds it even when its state dir is gone). The container's init is Debian's static `tini`,
-bound read-only from the host, which reaps orphans (`cmd &`) in front of the daemon.
+sweep finds it even when its state dir is gone).
+
+Who runs as whom: run as root (CI, GPU pods), the daemon and its commands run as `sandbox_uid`
+(nobody), never host uid 0. The daemon is the container's pid 1: it reaps orphans, and no signal
+from a command reaches it. runc and crun get the daemon's socket already listening (made on the
+host, passed as fd 3 with the token pipe as fd 4: `--preserve-fds 2`), so no socket dir exists
+inside. runsc cannot pass fds: its daemon makes the socket in a bound dir (`--host-uds=create`),
+and once it is ready the harness takes that dir back (root-owned, 0700: commands can neither
+replace the socket nor read the token, which is deleted).
 """
 
 from __future__ import annotations
@@ -21,19 +28,25 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from burstrl.sandbox.backends.base import (CODE_MOUNT, RUN_MOUNT, SOCKET_NAME, LimitsReport, Sandbox,
-                                           SandboxSpec, daemon_argv, kill_group, make_run_dir,
-                                           process_start_time, remove_tree, spawn, src_dir,
+from burstrl.sandbox.backends import seccomp
+from burstrl.sandbox.backends.base import (CODE_MOUNT, RUN_MOUNT, SOCKET_NAME, TOKEN_NAME, Handover,
+                                           LimitsReport, Sandbox, SandboxSpec, daemon_argv, kill_group,
+                                           make_run_dir, process_start_time, remove_tree, spawn, src_dir,
                                            trusted_client, wait_ready, write_owner)
 from burstrl.sandbox.backends.cgroups import CPU_PERIOD_US, _mounts, _own_paths, _under, kill_and_remove
 from burstrl.sandbox.backends.namespace import (HOST_SECRETS, HOST_SYSTEM_DIRS, PATH, REPLACED,
-                                                default_state_dir, prepare_root, tmpfs_bytes)
+                                                default_state_dir, hand_over, prepare_root, sandbox_ids,
+                                                tmpfs_bytes)
 
 RUNTIMES = ("runc", "crun", "runsc")
 RO = ["rbind", "ro", "nosuid", "nodev"]
-# The reaping init (Debian `tini`): static, so it runs in any image; bound at INIT_MOUNT inside.
-TINI = "/usr/bin/tini-static"
-INIT_MOUNT = "/run/init"
+# gVisor: no network stack at all, the ptrace platform (KVM is not available everywhere), and
+# the right to create the daemon's unix socket on the host through the bound socket dir.
+# --oci-seccomp: the sentry applies config.json's seccomp filter to the sandbox's own processes.
+RUNSC_FLAGS = ("--network=none", "--platform=ptrace", "--host-uds=create", "--oci-seccomp")
+# Moves the handed-over fds to 3 and 4 for `--preserve-fds 2` (bash: dash takes single-digit fds only).
+_MOVE_FDS = 'exec 3<&"$1" 4<&"$2"; shift 2; exec "$@"'
+FDS_INSIDE = (3, 4)
 
 
 class OciBackend:
@@ -42,16 +55,17 @@ class OciBackend:
     name = "oci"
 
     def __init__(self, state_dir: Path | None = None, layer_cache: Any = None,
-                 runtime: str = "runc") -> None:
+                 runtime: str = "runc", sandbox_uid: int | None = None, sandbox_gid: int | None = None) -> None:
         self.state_dir = Path(state_dir or default_state_dir())
         self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.layer_cache = layer_cache
         self.runtime = shutil.which(runtime) or runtime
+        self.gvisor = Path(runtime).name == "runsc"
         # The runtime's own state (container records) stays with ours, so a sweep finds it.
         self.runtime_root = self.state_dir / f".{Path(runtime).name}-state"
+        self.uid, self.gid = sandbox_ids(sandbox_uid, sandbox_gid)
 
     def create(self, spec: SandboxSpec) -> Sandbox:
-        init_binary()  # before anything is made: a clear error, not a daemon that leaks zombies
         sid = secrets.token_hex(4)
         path = self.state_dir / sid
         path.mkdir(mode=0o700)
@@ -65,28 +79,46 @@ class OciBackend:
 
     def _start(self, sid: str, spec: SandboxSpec, state: dict[str, Any]) -> Sandbox:
         path: Path = state["path"]
-        run, token = make_run_dir(path)
+        run, token = make_run_dir(path, token_file=self.gvisor)
         (path / "work").mkdir()
         base = prepare_root(self, spec, path / "work", state)
+        if self.uid is not None:
+            hand_over([path / "work", *([run] if self.gvisor else [])], self.uid, self.gid)
         cid = f"burstrl-{sid}"
-        config = bundle_config(path, base, spec, cgroup_name(self.state_dir, sid))
+        config = bundle_config(path, base, spec, cgroup_name(self.state_dir, sid), self.uid, self.gid,
+                               socket_dir=self.gvisor)
+        if self.gvisor:  # the sentry answers clone3 with EPERM, not the rule's ENOSYS: no thread could start
+            rules = config["linux"]["seccomp"]["syscalls"]
+            config["linux"]["seccomp"]["syscalls"] = [r for r in rules if r["names"] not in (["clone"], ["clone3"])]
         (path / "config.json").write_text(json.dumps(config, indent=1))
         delete = self._cmd("delete", "--force", cid)
         write_owner(path, cleanup_argv=delete, cgroups=state["cgroups"])
         log = path / "daemon.log"
-        # setpriv: the runtime dies with the harness; tini with the runtime (`-p`), the daemon with tini.
-        argv = ["setpriv", "--pdeathsig", "KILL", *self._cmd("run", "--bundle", str(path), cid)]
-        proc = spawn(argv, {"PATH": PATH}, log)
+        # setpriv: the runtime dies with the harness, the daemon (pid 1) with the runtime.
+        argv = ["setpriv", "--pdeathsig", "KILL"]
+        handover = None if self.gvisor else Handover(run, token)
+        try:
+            if handover is None:
+                argv += self._cmd("run", "--bundle", str(path), cid)
+            else:
+                argv += ["bash", "-c", _MOVE_FDS, "bash", *map(str, handover.fds),
+                         *self._cmd("run", "--preserve-fds", "2", "--bundle", str(path), cid)]
+            proc = spawn(argv, {"PATH": PATH}, log, pass_fds=handover.fds if handover else ())
+        finally:
+            if handover is not None:
+                handover.close()
         state.update(proc=proc, cid=cid)
         write_owner(path, cleanup_argv=delete, cgroups=state["cgroups"], pid=proc.pid,
                     pid_start=process_start_time(proc.pid))
         wait_ready(proc, spec.start_timeout_s, log)
+        if self.gvisor:
+            take_back(run)
         client = trusted_client(run / SOCKET_NAME, token)
         limits = LimitsReport(cpu="runtime", memory="runtime", pids="runtime")
         return Sandbox(sid, client, limits, path, lambda: self._close(state, client))
 
     def _cmd(self, *args: str) -> list[str]:
-        return [self.runtime, "--root", str(self.runtime_root), *args]
+        return [self.runtime, "--root", str(self.runtime_root), *(RUNSC_FLAGS if self.gvisor else ()), *args]
 
     def _close(self, state: dict[str, Any], client: Any) -> None:
         try:
@@ -125,13 +157,15 @@ def _wait_then_kill(proc: subprocess.Popen[bytes], grace_s: float = 2.0) -> None
     kill_group(proc)
 
 
-def init_binary() -> str:
-    """The host's static tini; without a reaping pid 1 every `cmd &` leaves a zombie until the
-    pids limit makes every command fail, so its absence is an error, not a fallback."""
-    if not os.access(TINI, os.X_OK):
-        raise RuntimeError(f"the oci backend needs {TINI} as the container's init (it reaps orphaned "
-                           "processes); install Debian's `tini` package (`make system-deps` as root)")
-    return TINI
+def take_back(run: Path) -> None:
+    """After the daemon made its socket in `run` (runsc): the token file goes and the dir becomes
+    root's again, 0700, so commands of the daemon's uid can neither replace the socket nor read
+    the token. As root only (runsc needs root here anyway)."""
+    (run / TOKEN_NAME).unlink(missing_ok=True)
+    if os.geteuid() == 0:
+        os.chown(run, 0, 0)
+        os.chmod(run, 0o700)
+        os.chown(run / SOCKET_NAME, 0, 0)  # the sentry answers as root: socket owner = listener uid
 
 
 def state_tag(state_dir: Path) -> str:
@@ -173,10 +207,13 @@ def sweep_orphan_cgroups(state_dir: Path) -> list[str]:
     return sorted(orphans)
 
 
-def bundle_config(path: Path, base: Path | None, spec: SandboxSpec, cgroup: str) -> dict[str, Any]:
+def bundle_config(path: Path, base: Path | None, spec: SandboxSpec, cgroup: str, uid: int | None = None,
+                  gid: int | None = None, socket_dir: bool = False) -> dict[str, Any]:
     """config.json per the OCI runtime spec 1.0: root read-only, no capabilities, new pid, net,
     ipc, uts, mount and cgroup namespaces, the base bound read-only onto empty mount points, the
-    host's secrets masked, tini as pid 1."""
+    host's secrets masked, the seccomp deny list, the daemon as pid 1 as `uid` (0 only where we
+    are not root). With
+    `socket_dir` the daemon makes its socket in the bound socket dir; else it gets fds 3 and 4."""
     rootfs = path / "rootfs"
     rootfs.mkdir()
     mounts = _base_mounts(rootfs, base)
@@ -192,17 +229,17 @@ def bundle_config(path: Path, base: Path | None, spec: SandboxSpec, cgroup: str)
          "options": ["nosuid", "nodev", "mode=1777", f"size={tmpfs_bytes(spec) >> 10}k"]},
         {"destination": "/work", "type": "bind", "source": str(path / "work"),
          "options": ["rbind", "rw", "nosuid", "nodev"]},
-        {"destination": RUN_MOUNT, "type": "bind", "source": str(path / "run"),
-         "options": ["rbind", "rw", "nosuid", "nodev"]},
         {"destination": CODE_MOUNT, "type": "bind", "source": str(src_dir()), "options": RO},
-        {"destination": INIT_MOUNT, "type": "bind", "source": init_binary(), "options": RO},
     ]
+    if socket_dir:
+        mounts.append({"destination": RUN_MOUNT, "type": "bind", "source": str(path / "run"),
+                       "options": ["rbind", "rw", "nosuid", "nodev", "noexec"]})
     env = [f"{k}={v}" for k, v in {"PATH": PATH, "HOME": "/work", "LANG": "C.UTF-8", **spec.env}.items()]
     return {
         "ociVersion": "1.0.2",
-        # tini reaps orphans as pid 1; `-p SIGKILL`: it dies with `runc run`, as the daemon did.
-        "process": {"terminal": False, "user": {"uid": 0, "gid": 0},
-                    "args": [INIT_MOUNT, "-p", "SIGKILL", "--", *daemon_argv()],
+        # The daemon is pid 1: it reaps orphans, and signals from its commands do not reach it.
+        "process": {"terminal": False, "user": {"uid": uid or 0, "gid": gid or 0},
+                    "args": daemon_argv(fds=None if socket_dir else FDS_INSIDE),
                     "env": env, "cwd": "/work", "noNewPrivileges": True,
                     "capabilities": {k: [] for k in ("bounding", "effective", "inheritable", "permitted", "ambient")},
                     "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 1024, "soft": 1024}]},
@@ -213,6 +250,7 @@ def bundle_config(path: Path, base: Path | None, spec: SandboxSpec, cgroup: str)
             "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount", "cgroup")],
             # Relative: nested under the runtime's own cgroup (ours), so a container's limits hold.
             "cgroupsPath": f"burstrl/{cgroup}",
+            "seccomp": seccomp.oci_profile(),
             "resources": _resources(spec),
             "maskedPaths": ["/proc/acpi", "/proc/asound", "/proc/kcore", "/proc/keys", "/proc/latency_stats",
                             "/proc/timer_list", "/proc/timer_stats", "/proc/sched_debug", "/sys/firmware",
@@ -247,20 +285,30 @@ def _base_mounts(rootfs: Path, base: Path | None) -> list[dict[str, Any]]:
         mounts.append({"destination": f"/{entry.name}", "type": "bind", "source": str(entry), "options": RO})
     for name in ("proc", "dev", "tmp", "work", "run", "opt"):
         (rootfs / name).mkdir(exist_ok=True)
+    os.chmod(rootfs / "tmp", 0o1777)  # runc gives a tmpfs its mount point's mode, whatever `mode=` says
     (rootfs / RUN_MOUNT.lstrip("/")).mkdir(parents=True, exist_ok=True)
     (rootfs / CODE_MOUNT.lstrip("/")).mkdir(parents=True, exist_ok=True)
-    (rootfs / INIT_MOUNT.lstrip("/")).touch()
     return mounts
 
 
-def runtime_works(runtime: str, state_dir: Path) -> tuple[bool, str]:
+def runtime_works(runtime: str, state_dir: Path, tries: int = 3) -> tuple[bool, str]:
     """Whether `runtime run` of a trivial bundle (host dirs, `true`) succeeds here, and if not,
-    the runtime's own error: tests skip on this, measured at test time, not assumed."""
+    the runtime's own error: tests skip on this, measured at test time, not assumed. Tried up to
+    `tries` times: under heavy load runsc's first start now and then loses its sentry ("urpc
+    method containerManager.StartRoot failed: EOF"), which says nothing about the machine."""
     exe = shutil.which(runtime)
     if exe is None:
         return False, f"{runtime} is not installed"
-    if not os.access(TINI, os.X_OK):
-        return False, f"{TINI} is missing (Debian's `tini`): the oci backend's init"
+    reason = ""
+    for _ in range(tries):
+        ok, reason = _probe(exe, runtime, state_dir)
+        if ok:
+            return True, ""
+    return False, reason
+
+
+def _probe(exe: str, runtime: str, state_dir: Path) -> tuple[bool, str]:
+    flags = list(RUNSC_FLAGS) if Path(runtime).name == "runsc" else []
     path = Path(state_dir) / f"probe-{secrets.token_hex(4)}"
     path.mkdir(parents=True)
     try:
@@ -270,9 +318,10 @@ def runtime_works(runtime: str, state_dir: Path) -> tuple[bool, str]:
         config["process"]["args"] = ["/bin/true"]
         (path / "config.json").write_text(json.dumps(config))
         root = str(path / "state")
-        proc = subprocess.run([exe, "--root", root, "run", "--bundle", str(path), f"probe-{path.name}"],
+        proc = subprocess.run([exe, "--root", root, *flags, "run", "--bundle", str(path), f"probe-{path.name}"],
                               capture_output=True, text=True, timeout=30)
-        subprocess.run([exe, "--root", root, "delete", "--force", f"probe-{path.name}"], capture_output=True)
+        subprocess.run([exe, "--root", root, *flags, "delete", "--force", f"probe-{path.name}"],
+                       capture_output=True)
         kill_and_remove(cgroup_dirs(cgroup_name(state_dir, path.name)))
         if proc.returncode != 0:
             return False, f"{runtime} run failed (rc={proc.returncode}): {(proc.stderr or proc.stdout).strip()[-500:]}"
