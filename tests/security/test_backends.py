@@ -15,6 +15,7 @@ import socket
 import tarfile
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -108,6 +109,42 @@ def test_filling_tmp_is_enospc_not_an_oom_of_the_daemon(sandbox: Any) -> None:
     assert "rc=1" in r.stdout and "No space left" in r.stderr, (r.stdout, r.stderr)
     _serving(sandbox)
     assert sandbox.exec("rm -f /tmp/fill && echo ok").stdout == "ok\n"
+
+
+@pytest.mark.parametrize("seeded", [False, True], ids=["plain", "image"])
+def test_filling_work_is_enospc_and_the_host_disk_is_untouched(backend: Any, seeded: bool,
+                                                               tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Defect 5: /work is its own filesystem of `workdir_mb` (as root; an ordinary user gets a
+    plain dir, reported as disk "none"), also when an image seeds it through an overlay."""
+    import shutil
+
+    if not ROOT:
+        pytest.skip("a /work quota needs mounts (root)")
+    spec = SandboxSpec(memory_limit_mb=256, workdir_mb=64)
+    if seeded:
+        from burstrl.sandbox.images import build_image
+        from burstrl.sandbox.layercache import LayerCache
+
+        tmp = tmp_path_factory.mktemp("img")
+        (tmp / "repo").mkdir()
+        (tmp / "repo" / "README").write_text("task repo\n")
+        build_image(tmp / "repo", tmp / "image")
+        backend.layer_cache = backend.layer_cache or LayerCache(tmp / "cache", max_bytes=1 << 30)
+        spec.image = tmp / "image"
+    free = shutil.disk_usage(backend.state_dir).free
+    with backend.create(spec) as sb:
+        assert sb.limits.disk in ("ext4-loop", "tmpfs"), sb.limits
+        if seeded:
+            assert sb.exec("cat /work/README").stdout == "task repo\n"
+        r = sb.exec("head -c 300M /dev/zero > /work/fill; echo rc=$?", timeout=120)
+        assert "rc=1" in r.stdout and "No space left" in r.stderr, (r.stdout, r.stderr)
+        assert free - shutil.disk_usage(backend.state_dir).free < 100 << 20  # at most the quota, give or take
+        _serving(sb)
+        assert sb.exec("rm /work/fill && echo x > /work/y && cat /work/y").stdout == "x\n"
+        path = sb.path
+    assert not path.exists()
+    mounts = Path("/proc/self/mountinfo").read_text()
+    assert str(path) not in mounts
 
 
 def test_memory_hog_is_killed_not_the_daemon(sandbox: Any, backend: Any) -> None:

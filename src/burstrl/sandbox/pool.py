@@ -21,6 +21,7 @@ from typing import Any
 
 from burstrl.sandbox.backends import SandboxBackend, make_backend
 from burstrl.sandbox.backends.base import (Sandbox, SandboxSpec, pid_alive, read_owner, remove_tree)
+from burstrl.sandbox.backends.quota import sweep_sized_dirs
 from burstrl.sandbox.backends.cgroups import kill_and_remove
 from burstrl.sandbox.backends.oci import sweep_orphan_cgroups
 
@@ -124,6 +125,7 @@ def sweep_stale(state_dir: Path, min_age_s: float = 60.0) -> list[str]:
         elif pid_alive(owner["owner_pid"], owner.get("owner_start")):
             continue
         _kill_leftovers(owner or {})
+        sweep_sized_dirs(path)  # /work's overlay and sized filesystems: rmtree must not walk them
         remove_tree(path)
         removed.append(path.name)
     return removed + [sid for sid in sweep_orphan_cgroups(state_dir) if sid not in removed]

@@ -66,6 +66,7 @@ class SandboxSpec:
     cpu_request: float | None = None
     memory_request_mb: int | None = None
     pids_limit: int = 256
+    workdir_mb: int = 4096  # /work's size: sparse, so the host disk fills only as it is written
     env: dict[str, str] = field(default_factory=dict)
     start_timeout_s: float = 30.0
 
@@ -78,13 +79,14 @@ class SandboxSpec:
 
 @dataclass(frozen=True)
 class LimitsReport:
-    """How each limit was enforced ("cgroup-v1", "cgroup-v2", "rlimit", "runtime", or "none"),
-    and why not where it was not."""
+    """How each limit was enforced ("cgroup-v1", "cgroup-v2", "rlimit", "runtime", or "none";
+    for /work's size "ext4-loop", "tmpfs" or "none"), and why not where it was not."""
 
     cpu: str = "none"
     memory: str = "none"
     pids: str = "none"
     reasons: tuple[str, ...] = ()
+    disk: str = "none"
 
     @property
     def enforced(self) -> bool:

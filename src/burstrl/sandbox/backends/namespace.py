@@ -17,6 +17,7 @@ root field; with /proc/sys read-only and no host uid 0 the path is not a way out
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import secrets
 import shutil
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from burstrl.sandbox.backends import cgroups, seccomp
+from burstrl.sandbox.backends.workdir import disk_report, prepare_root, release_work
 from burstrl.sandbox.backends.base import (
     CODE_MOUNT,
     SOCKET_NAME,
@@ -64,61 +66,6 @@ def default_state_dir() -> Path:
     return Path("/tmp") / f"burstrl-sbx-{os.getuid()}"
 
 
-def default_layer_cache() -> Any:
-    """The node's layer cache when none was given: $BURSTRL_CACHE/sandbox-layers, 20 GiB."""
-    from burstrl.sandbox.layercache import LayerCache
-
-    root = Path(os.environ.get("BURSTRL_CACHE") or Path.home() / ".cache" / "burstrl")
-    return LayerCache(root / "sandbox-layers", max_bytes=20 << 30)
-
-
-def prepare_root(backend: Any, spec: SandboxSpec, work: Path, state: dict[str, Any]) -> Path | None:
-    """The image's merged root if it can run the daemon (has /usr/bin/python3), else None (the
-    host's system dirs); either way the image's /work is copied into the writable `work` dir.
-    The image stays pinned in the cache (`state["image"]`) until teardown."""
-    if spec.image is None:
-        return None
-    from burstrl.sandbox.images import read_image
-    from burstrl.sandbox.layercache import writable_copy
-
-    if backend.layer_cache is None:
-        backend.layer_cache = default_layer_cache()
-    image = read_image(Path(spec.image))
-    backend.layer_cache.pin(image)
-    state["image"] = image
-    root = backend.layer_cache.rootfs(image)
-    if not overlay_work(root / "work", work):
-        writable_copy(root, "/work", work)
-    return root if os.path.lexists(root / "usr/bin/python3") else None
-
-
-def overlay_work(lower: Path, work: Path) -> bool:
-    """Mount the image's /work read-only below the sandbox's own upper dir, at `work`.
-
-    Why: a copy of a task repo costs its size at every sandbox start (~0.3 s for 17 MB here), an
-    overlay costs one mount (~5 ms) and keeps the cached layer shared and untouched. Needs the
-    right to mount (root, as in CI); False means "copy instead", warned about once. metacopy=on
-    where the kernel has it: handing /work to the sandbox uid (a chown of every file) then copies
-    up metadata only, not the data.
-    """
-    if not lower.is_dir():
-        return True  # nothing to bring in: the empty writable dir is the whole /work
-    upper, scratch = work.parent / "upper", work.parent / "ovwork"
-    upper.mkdir()
-    scratch.mkdir()
-    opts = f"lowerdir={lower},upperdir={upper},workdir={scratch}"
-    for extra in (",metacopy=on", ""):
-        r = subprocess.run(["mount", "-t", "overlay", "overlay", "-o", opts + extra, str(work)],
-                           capture_output=True, text=True, check=False)
-        if r.returncode == 0:
-            break
-    if r.returncode != 0:
-        warn_once(f"cannot mount an overlay for /work ({r.stderr.strip() or r.returncode}); "
-                  "each sandbox copies its image's /work instead")
-        return False
-    return True
-
-
 class NamespaceBackend:
     """Creates bubblewrap sandboxes under `state_dir/<id>/` (work, run, log, owner.json)."""
 
@@ -156,7 +103,7 @@ class NamespaceBackend:
             hand_over([path / "work"], self.uid, self.gid)
         cg = cgroups.create(sid, spec)
         state["cgroups"] = cg
-        report = _report(cg.report)
+        report = dataclasses.replace(_report(cg.report), disk=disk_report(state)[0])
         env = {"PATH": PATH, "BURSTRL_CGROUP_PROCS": " ".join(map(str, cg.procs_files))}
         handover, filter_fd = Handover(run, token), seccomp.write_program_fd()
         argv = ["/bin/sh", "-c", _ENTER, "sh", *self._prefix(spec, report), self.bwrap, *base,
@@ -339,6 +286,7 @@ def _teardown(state: dict[str, Any], layer_cache: Any) -> None:
         subprocess.run(["umount", "-l", str(mount_point)], capture_output=True, check=False)
         with contextlib.suppress(OSError):  # still mounted: its bind is read-only, rmtree fails on it
             mount_point.rmdir()
+    release_work(state)
     if state["image"] is not None:
         layer_cache.unpin(state["image"])
         state["image"] = None

@@ -35,8 +35,8 @@ from burstrl.sandbox.backends.base import (CODE_MOUNT, RUN_MOUNT, SOCKET_NAME, T
                                            trusted_client, wait_ready, write_owner)
 from burstrl.sandbox.backends.cgroups import CPU_PERIOD_US, _mounts, _own_paths, _under, kill_and_remove
 from burstrl.sandbox.backends.namespace import (HOST_SECRETS, HOST_SYSTEM_DIRS, PATH, REPLACED,
-                                                default_state_dir, hand_over, prepare_root, sandbox_ids,
-                                                tmpfs_bytes)
+                                                default_state_dir, hand_over, sandbox_ids, tmpfs_bytes)
+from burstrl.sandbox.backends.workdir import disk_report, prepare_root, release_work
 
 RUNTIMES = ("runc", "crun", "runsc")
 RO = ["rbind", "ro", "nosuid", "nodev"]
@@ -114,7 +114,8 @@ class OciBackend:
         if self.gvisor:
             take_back(run)
         client = trusted_client(run / SOCKET_NAME, token)
-        limits = LimitsReport(cpu="runtime", memory="runtime", pids="runtime")
+        disk, why = disk_report(state)
+        limits = LimitsReport(cpu="runtime", memory="runtime", pids="runtime", disk=disk, reasons=why)
         return Sandbox(sid, client, limits, path, lambda: self._close(state, client))
 
     def _cmd(self, *args: str) -> list[str]:
@@ -141,6 +142,7 @@ class OciBackend:
         if state["cid"] is not None:
             subprocess.run(self._cmd("delete", "--force", state["cid"]), capture_output=True)
         kill_and_remove(state["cgroups"])
+        release_work(state)
         if state["image"] is not None:
             self.layer_cache.unpin(state["image"])
             state["image"] = None
