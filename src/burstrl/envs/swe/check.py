@@ -23,6 +23,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from burstrl.envs.swe.grade import base_tar, grade, graded_test_files, patch_paths
 from burstrl.envs.swe.integrity import harness_files, runner_error
@@ -124,7 +125,7 @@ def _patch_texts(task: SweTask) -> dict[str, str]:
 
 
 def check_task(task: SweTask, workdir: Path, sandbox: bool = True, timeout: float = 300,
-               backend: str = "namespace") -> CheckResult:
+               backend: Any = "namespace") -> CheckResult:
     """Check one task (in sandboxes: by grading it; on the host: in a fresh export under `workdir`);
     a repository that will not export is a problem of the task, reported like the others."""
     start = time.monotonic()
@@ -155,7 +156,7 @@ def check_task(task: SweTask, workdir: Path, sandbox: bool = True, timeout: floa
     return result
 
 
-def _check_by_grading(task: SweTask, result: CheckResult, timeout: float, backend: str) -> None:
+def _check_by_grading(task: SweTask, result: CheckResult, timeout: float, backend: Any) -> None:
     """The base (empty patch) and the gold patch, each graded exactly as an attempt is."""
     at_base = grade(task, "", backend, timeout_s=timeout)
     if at_base.infra_error:
@@ -177,10 +178,17 @@ def _check_by_grading(task: SweTask, result: CheckResult, timeout: float, backen
 def check_tasks(tasks: list[SweTask], workdir: Path | str, sandbox: bool = True, jobs: int = 1,
                 timeout: float = 300, backend: str = "namespace") -> list[CheckResult]:
     """Check every task (up to `jobs` at once); results in the order of `tasks`."""
+    from burstrl.sandbox.pool import SandboxPool
+
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        return list(pool.map(lambda t: check_task(t, workdir, sandbox, timeout, backend), tasks))
+    sandboxes = SandboxPool(backend, max_concurrent=None) if sandbox else None
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+            return list(pool.map(lambda t: check_task(t, workdir, sandbox, timeout, sandboxes), tasks))
+    finally:
+        if sandboxes is not None:
+            sandboxes.close_all()
 
 
 def format_results(results: list[CheckResult]) -> str:
