@@ -368,7 +368,12 @@ class SweEnvConfig(Section):
         "binary", description="Training reward: resolved (0/1), share of target tests passed, or that share "
         "if no existing test broke."
     )
-    backend: Literal["namespace", "oci"] = Field("namespace", description="Sandbox backend.")
+    backend: Literal["auto", "namespace", "oci", "runsc"] = Field(
+        "auto", description="Sandbox backend: auto = the safest that works here (runsc as root where gVisor "
+        "runs, else namespace); namespace = bubblewrap; oci = runc; runsc = gVisor."
+    )
+    workdir_mb: int = Field(4096, ge=16, description="Size limit of each sandbox's /work (a filesystem of its "
+                            "own as root; ENOSPC past it).")
     max_sandboxes: int = Field(8, ge=1, description="Sandboxes alive at once (attempts plus grading).")
     max_turns: int = Field(6, ge=1, description="Agent turns (model calls) per attempt.")
     max_tokens_per_call: int = Field(128, ge=1, description="max_tokens of each agent call.")

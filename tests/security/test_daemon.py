@@ -234,7 +234,7 @@ def test_namespace_sandbox_survives_memory_hog_and_kill_all() -> None:
     `kill -9 -1` leaves the daemon serving where the backend makes it pid 1 of its namespace."""
     from burstrl.sandbox import open_sandbox
 
-    sb = open_sandbox(memory_limit_mb=256)
+    sb = open_sandbox(memory_limit_mb=256, backend="namespace")
     try:
         if sb.limits.memory != "none":
             hog = sb.exec("python3 -c \"a = []\nwhile True: a.append(b'x' * (1 << 24))\"", timeout=30)

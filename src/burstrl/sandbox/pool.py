@@ -34,7 +34,7 @@ class SandboxPool:
     A slot is held from `create` until the sandbox is closed, so `create` waits for a free one.
     """
 
-    def __init__(self, backend: SandboxBackend | str = "namespace", max_concurrent: int | None = 8) -> None:
+    def __init__(self, backend: SandboxBackend | str = "auto", max_concurrent: int | None = 8) -> None:
         self.backend = make_backend(backend) if isinstance(backend, str) else backend
         self.max_concurrent = max_concurrent
         self._slots = threading.BoundedSemaphore(max_concurrent) if max_concurrent else None
@@ -143,18 +143,19 @@ def _kill_leftovers(owner: dict[str, Any]) -> None:
         subprocess.run(owner["cleanup_argv"], capture_output=True)
 
 
-_default: SandboxPool | None = None
+_default: tuple[str, SandboxPool] | None = None
 _default_lock = threading.Lock()
 
 
-def open_sandbox(image: Path | str | None = None, backend: str = "namespace", **spec_fields: Any) -> Sandbox:
+def open_sandbox(image: Path | str | None = None, backend: str = "auto", **spec_fields: Any) -> Sandbox:
     """The three-line use: `sb = open_sandbox(); print(sb.exec("ls").stdout); sb.close()`.
 
-    Sandboxes from here belong to one unbounded process-wide pool, closed at interpreter exit.
+    Sandboxes from here belong to one unbounded process-wide pool per backend name, closed at
+    interpreter exit.
     """
     global _default
     with _default_lock:
-        if _default is None or _default.backend.name != backend:
-            _default = SandboxPool(backend, max_concurrent=None)
-        pool = _default
+        if _default is None or _default[0] != backend:
+            _default = (backend, SandboxPool(backend, max_concurrent=None))
+        pool = _default[1]
     return pool.create(SandboxSpec(image=Path(image) if image is not None else None, **spec_fields))

@@ -9,9 +9,12 @@ Run as root (CI, GPU pods), the harness never hands root to sandboxed code: bwra
 and every command run as an unprivileged host uid (`sandbox_uid`, default 65534 nobody), so the
 user namespace maps the inside uid to it; /proc/sys (and /proc/sysrq-trigger where the kernel
 has it) are read-only inside. What stays visible in /proc/self/mountinfo: the host path of each
-bind source within its filesystem (`state_dir/<id>/work` and `.../run`, or for an overlay /work
-its lowerdir/upperdir options, the host's /usr, /etc, ...). bwrap has no way to hide a bind's
-root field; with /proc/sys read-only and no host uid 0 the path is not a way out.
+bind source within its filesystem (the host's /usr, /etc, ..., the daemon's code; /work is a
+filesystem of its own or an overlay whose options name its dirs). bwrap has no way to hide a
+bind's root field; with /proc/sys read-only and no host uid 0 the path is not a way out.
+
+The daemon's socket is made here and inherited (`Handover`), the token through a pipe: no
+socket dir is mounted inside. A seccomp filter (`seccomp.py`) goes in through `--seccomp`.
 """
 
 from __future__ import annotations
