@@ -322,3 +322,21 @@ def test_concurrent_attackers_do_not_reach_the_harness(backend: Any) -> None:
     for t in threads:
         t.join(timeout=300)
     assert not errors, errors
+
+
+def test_auto_is_the_safest_backend_that_works() -> None:
+    """The default backend: gVisor where it runs (as root), else namespace, never runc."""
+    import shutil
+    import tempfile
+
+    from burstrl.sandbox.backends import make_backend, safest_backend
+    from burstrl.sandbox.backends.oci import runtime_works
+
+    state = Path(tempfile.mkdtemp(prefix="sbx", dir="/tmp"))
+    try:
+        gvisor = ROOT and runtime_works("runsc", state)[0]
+        chosen = make_backend(state_dir=state)
+        assert safest_backend() == ("runsc" if gvisor else "namespace")
+        assert getattr(chosen, "gvisor", False) == gvisor and chosen.name == ("oci" if gvisor else "namespace")
+    finally:
+        shutil.rmtree(state, ignore_errors=True)
