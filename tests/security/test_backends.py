@@ -340,3 +340,26 @@ def test_auto_is_the_safest_backend_that_works() -> None:
         assert getattr(chosen, "gvisor", False) == gvisor and chosen.name == ("oci" if gvisor else "namespace")
     finally:
         shutil.rmtree(state, ignore_errors=True)
+
+
+def test_image_env_reaches_commands_under_the_spec_env(backend: Any, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """An image's config `Env` is every command's base env (its PATH first), under the spec's."""
+    from burstrl.sandbox import images
+    from burstrl.sandbox.layercache import LayerCache
+
+    made = images._new_config
+
+    def with_env(*args: Any) -> dict[str, Any]:
+        config = made(*args)
+        config["config"]["Env"] = ["PATH=/opt/img/bin:/usr/bin:/bin", "IMG_ONLY=from-image", "BOTH=image"]
+        return config
+
+    monkeypatch.setattr(images, "_new_config", with_env)
+    (tmp_path / "repo").mkdir()
+    (tmp_path / "repo" / "f").write_text("x")
+    images.build_image(tmp_path / "repo", tmp_path / "image")
+    backend.layer_cache = backend.layer_cache or LayerCache(tmp_path / "cache", max_bytes=1 << 30)
+    with backend.create(SandboxSpec(image=tmp_path / "image", env={"BOTH": "spec"})) as sb:
+        out = sb.exec("echo $PATH $IMG_ONLY $BOTH").stdout.split()
+    assert out == ["/opt/img/bin:/usr/bin:/bin", "from-image", "spec"], out

@@ -110,7 +110,7 @@ class NamespaceBackend:
         env = {"PATH": PATH, "BURSTRL_CGROUP_PROCS": " ".join(map(str, cg.procs_files))}
         handover, filter_fd = Handover(run, token), seccomp.write_program_fd()
         argv = ["/bin/sh", "-c", _ENTER, "sh", *self._prefix(spec, report), self.bwrap, *base,
-                *self._common_args(run, code, spec), "--seccomp", str(filter_fd),
+                *self._common_args(run, code, spec, state.get("image_env", {})), "--seccomp", str(filter_fd),
                 *daemon_argv(fds=handover.fds)]
         write_owner(path, cgroups=[str(d) for d in cg.dirs])
         log = path / "daemon.log"
@@ -155,9 +155,9 @@ class NamespaceBackend:
                                    f"failed: {r.stderr.strip()}")
         return mount_point
 
-    def _common_args(self, run: Path, code: Path, spec: SandboxSpec) -> list[str]:
+    def _common_args(self, run: Path, code: Path, spec: SandboxSpec, image_env: dict[str, str]) -> list[str]:
         env: list[str] = []
-        for key, value in {"PATH": PATH, "HOME": "/work", "LANG": "C.UTF-8", **spec.env}.items():
+        for key, value in sandbox_env(spec, image_env).items():
             env += ["--setenv", key, value]
         tmpfs = str(tmpfs_bytes(spec))
         # --as-pid-1: the daemon is init of the pid namespace, so `kill -9 -1` from a command
@@ -169,6 +169,12 @@ class NamespaceBackend:
                 "--size", tmpfs, "--tmpfs", "/tmp",
                 "--bind", str(run.parent / "work"), "/work",
                 "--ro-bind", str(code), CODE_MOUNT, "--remount-ro", "/", "--chdir", "/work"]
+
+
+def sandbox_env(spec: SandboxSpec, image_env: dict[str, str]) -> dict[str, str]:
+    """Every command's base env: ours, under the image's `Env` (its PATH to its own Python),
+    under the spec's."""
+    return {"PATH": PATH, "HOME": "/work", "LANG": "C.UTF-8", **image_env, **spec.env}
 
 
 def tmpfs_bytes(spec: SandboxSpec) -> int:

@@ -35,7 +35,8 @@ from burstrl.sandbox.backends.base import (CODE_MOUNT, RUN_MOUNT, SOCKET_NAME, T
                                            trusted_client, wait_ready, write_owner)
 from burstrl.sandbox.backends.cgroups import CPU_PERIOD_US, _mounts, _own_paths, _under, kill_and_remove
 from burstrl.sandbox.backends.namespace import (HOST_SECRETS, HOST_SYSTEM_DIRS, PATH, REPLACED,
-                                                default_state_dir, hand_over, sandbox_ids, tmpfs_bytes)
+                                                default_state_dir, hand_over, sandbox_env, sandbox_ids,
+                                                tmpfs_bytes)
 from burstrl.sandbox.backends.workdir import disk_report, prepare_root, release_work
 
 RUNTIMES = ("runc", "crun", "runsc")
@@ -86,7 +87,7 @@ class OciBackend:
             hand_over([path / "work", *([run] if self.gvisor else [])], self.uid, self.gid)
         cid = f"burstrl-{sid}"
         config = bundle_config(path, base, spec, cgroup_name(self.state_dir, sid), self.uid, self.gid,
-                               socket_dir=self.gvisor)
+                               socket_dir=self.gvisor, image_env=state.get("image_env", {}))
         if self.gvisor:  # the sentry answers clone3 with EPERM, not the rule's ENOSYS: no thread could start
             rules = config["linux"]["seccomp"]["syscalls"]
             config["linux"]["seccomp"]["syscalls"] = [r for r in rules if r["names"] not in (["clone"], ["clone3"])]
@@ -210,7 +211,8 @@ def sweep_orphan_cgroups(state_dir: Path) -> list[str]:
 
 
 def bundle_config(path: Path, base: Path | None, spec: SandboxSpec, cgroup: str, uid: int | None = None,
-                  gid: int | None = None, socket_dir: bool = False) -> dict[str, Any]:
+                  gid: int | None = None, socket_dir: bool = False,
+                  image_env: dict[str, str] | None = None) -> dict[str, Any]:
     """config.json per the OCI runtime spec 1.0: root read-only, no capabilities, new pid, net,
     ipc, uts, mount and cgroup namespaces, the base bound read-only onto empty mount points, the
     host's secrets masked, the seccomp deny list, the daemon as pid 1 as `uid` (0 only where we
@@ -236,7 +238,7 @@ def bundle_config(path: Path, base: Path | None, spec: SandboxSpec, cgroup: str,
     if socket_dir:
         mounts.append({"destination": RUN_MOUNT, "type": "bind", "source": str(path / "run"),
                        "options": ["rbind", "rw", "nosuid", "nodev", "noexec"]})
-    env = [f"{k}={v}" for k, v in {"PATH": PATH, "HOME": "/work", "LANG": "C.UTF-8", **spec.env}.items()]
+    env = [f"{k}={v}" for k, v in sandbox_env(spec, image_env or {}).items()]
     return {
         "ociVersion": "1.0.2",
         # The daemon is pid 1: it reaps orphans, and signals from its commands do not reach it.

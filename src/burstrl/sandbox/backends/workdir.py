@@ -35,7 +35,8 @@ def prepare_root(backend: Any, spec: SandboxSpec, work: Path, state: dict[str, A
     """Make `work` (an empty dir) the sandbox's sized /work, seeded from the image's /work; return
     the image's merged root if it can run the daemon (has /usr/bin/python3), else None (the
     host's system dirs). The image stays pinned in the cache (`state["image"]`) until teardown;
-    the sized dirs are in `state["sized"]` for `release_work`."""
+    the sized dirs are in `state["sized"]` for `release_work`, the image's `Env` in
+    `state["image_env"]`."""
     if spec.image is None:
         _sized(state, work, spec)
         return None
@@ -47,6 +48,7 @@ def prepare_root(backend: Any, spec: SandboxSpec, work: Path, state: dict[str, A
     image = read_image(Path(spec.image))
     backend.layer_cache.pin(image)
     state["image"] = image
+    state["image_env"] = dict(e.split("=", 1) for e in image.env if "=" in e)
     root = backend.layer_cache.rootfs(image)
     if not (root / "work").is_dir():
         _sized(state, work, spec)
