@@ -429,3 +429,32 @@ def test_run_report_lists_failed_attempts_by_reason(tmp_path: Path) -> None:
     assert figures["failure_reasons"]["kinds"] == {"tampered": 2, "tests_timeout": 1}
     md = render_markdown(figures, "dashboard.png")
     assert "## Failed attempts by reason" in md and "| tampered | 2 |" in md and "- tests_timeout: z" in md
+
+
+def test_a_patch_that_blocks_the_test_patch_or_the_reset_is_the_models_failure(ut: SweTask, pool: SandboxPool,
+                                                                              tmp_path: Path) -> None:
+    """Neither may become an infra error (re-run): the test patch applies at the base, and a fresh
+    repository always resets, so only the patch can stop them."""
+    repo = Path(ut.repo)
+    data_test = "import unittest\n\n\nclass TestData(unittest.TestCase):\n    def test_data(self):\n" \
+                "        self.assertTrue(True)\n"
+    test_patch = patch_of(repo, {"tests/data/__init__.py": "", "tests/data/test_data.py": data_test})
+    task = SweTask(**{**ut.to_json(), "instance_id": "ut-test-patch", "test_patch": test_patch})
+    assert grade(task, task.patch, pool, timeout_s=60).resolved
+    blocked = grade(task, patch_of(repo, {"calc.py": GOLD_CALC, "tests/data": "a file, not a directory\n"}), pool,
+                    timeout_s=60)
+    assert blocked.infra_error == "" and blocked.reason.startswith("test_patch_blocked"), blocked
+    assert reward_of(blocked) == 0.0
+    for fixed in (True, False):  # the tests directory swapped for a symlink: reset back, or tampered
+        clone = tmp_path / f"symlink-{fixed}"
+        subprocess.run(["git", "clone", "-q", ut.repo, str(clone)], check=True)
+        shutil.rmtree(clone / "tests")
+        (clone / "tests").symlink_to("/tmp")
+        if fixed:
+            (clone / "calc.py").write_text(GOLD_CALC)
+        subprocess.run(["git", "-C", str(clone), "add", "-A"], check=True)
+        swap = subprocess.run(["git", "-C", str(clone), "diff", "--cached", "--binary"], capture_output=True,
+                              text=True, check=True).stdout
+        r = grade(ut, swap, pool, timeout_s=60)
+        assert r.infra_error == "" and r.apply_ok and r.resolved == fixed and not r.reason, r
+        assert "tests/test_calc.py" in r.reset_files

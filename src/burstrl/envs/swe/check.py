@@ -31,7 +31,6 @@ from burstrl.envs.swe.repo import export_base
 from burstrl.envs.swe.task import SweTask
 from burstrl.envs.swe.testlog import parse_test_log, status_of
 
-SANDBOX_ROOT = "/work"
 MAX_PROBLEMS = 12
 
 

@@ -27,6 +27,11 @@ the base run finishes within half the limit, infra otherwise (the task is too sl
 or the machine is). A runner error is the task's (`infra_error` = `task error: ...`) when the base
 run errors too, a plain failure (reward 0) otherwise. A patch cannot make the base run slow or
 broken: it runs in its own sandbox, without the patch.
+The same rule for the test patch: when it does not apply after the model's patch (whose files
+it touches were reset, so only a patch that puts a file where the test patch needs a directory
+can do that), the base decides: `test_patch_blocked` (reward 0) if it applies there, a task error
+if not. Test files that cannot be reset after the patch (a directory swapped for a symlink) are
+`tampered`: a fresh repository always resets.
 A sandbox that dies or stops answering while the tests run the model's patch (which can kill the
 daemon or fill its memory) is the model's doing, not infra: `model_error` says so, the result
 scores 0, and a trainer must not re-run it (a policy would learn to erase its failures that way).
@@ -51,12 +56,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from burstrl.envs.swe.integrity import (WRAPPER, check_log, cross_check, end_marker, harness_files,
-                                        new_report_dir, runner_error, runner_kind, suspicious_lines,
-                                        wrapped_command)
+from burstrl.envs.swe.integrity import (WRAPPER, harness_files, new_report_dir, runner_error, runner_kind,
+                                        suspicious_lines, verdict, wrapped_command)
 from burstrl.envs.swe.repo import BASE_TAG, export_base
 from burstrl.envs.swe.task import SweTask
-from burstrl.envs.swe.testlog import dotted_id, parse_junit_xml, parse_test_log, status_of
+from burstrl.envs.swe.testlog import dotted_id, parse_junit_xml, status_of
 from burstrl.sandbox.backends import SandboxSpec, make_backend
 from burstrl.sandbox.client import SandboxError
 
@@ -93,6 +97,7 @@ class GradeResult:
     reset_files: list[str] = field(default_factory=list)  # paths the patch touched that were reset to the base
     suspicious: list[str] = field(default_factory=list)  # patch lines that reach for harness internals
     runner_error: str = ""  # the runner ran no graded test; its own error
+    test_patch_blocked: bool = False  # the test patch did not apply after the model's patch
     timed_out: bool = False
     test_seconds: float = 0.0  # the test command alone
     statuses: dict[str, str] = field(default_factory=dict)  # test id -> status, target + existing only
@@ -188,7 +193,10 @@ def grade(task: SweTask, patch: str, pool_or_backend: Any, *, timeout_s: float =
         result.infra_error = f"sandbox failed while grading: {exc!r}"
     finally:
         sandbox.close()  # before any base run: a grader never holds two sandboxes of a bounded pool
-    if not (result.infra_error or result.model_error) and (result.timed_out or result.runner_error):
+    if result.test_patch_blocked and not base_run(task, creator, timeout_s).infra_error:  # applies without it
+        result.infra_error = ""
+        result.fail("test_patch_blocked: the patch keeps the task's test patch from applying")
+    elif not (result.infra_error or result.model_error) and (result.timed_out or result.runner_error):
         _judge_against_base(task, patch, creator, timeout_s, result)
     return _done(result, start)
 
@@ -245,11 +253,17 @@ def _grade_in(sandbox: Any, task: SweTask, patch: str, base: tuple[str, bytes, f
     protected = tests + patch_paths(task.test_patch) + harness
     result.reset_files = [p for p in touched if p in protected]
     result.suspicious = suspicious_lines(patch, tests)
-    reset_paths(sandbox, protected, base_id)
+    try:
+        reset_paths(sandbox, protected, base_id)
+    except GradeInfraError as exc:  # a fresh repo resets; only the patch (symlinks, dirs) can stop it
+        result.tampered = f"the test files could not be reset after the patch: {exc}"
+        result.fail(f"tampered: {result.tampered}")
+        return
     if task.test_patch.strip():
         ok, msg = apply_in(sandbox, task.test_patch, "test.patch")
-        if not ok:
+        if not ok:  # the task's fault only if it fails without the patch too (`_judge_against_base`)
             result.infra_error = f"task error: test_patch does not apply on the base: {msg}"
+            result.test_patch_blocked = bool(patch.strip())
             return
     try:
         run = run_tests(sandbox, task, timeout_s)
@@ -261,27 +275,14 @@ def _grade_in(sandbox: Any, task: SweTask, patch: str, base: tuple[str, bytes, f
 
 
 def judge_run(task: SweTask, run: dict[str, Any], report: dict[str, str] | None, result: GradeResult) -> None:
-    """Scores from one run's log and report, with the integrity checks of `integrity`."""
+    """Scores from one run's log and report, with the integrity checks of `integrity.verdict`."""
     graded = _unique(task.FAIL_TO_PASS + task.PASS_TO_PASS)
-    kind = runner_kind(task.test_cmd)
-    log = parse_test_log(run["text"])
-    strict = kind == "pytest" and report is not None  # the grader's own report, and -rA in the log
-    statuses, tampered = cross_check(log, report, graded, strict)
-    finished = summary = True
-    if not tampered:
-        tampered, summary = check_log(run["text"], kind, graded)
-        finished = summary and (kind != "pytest" or report is not None)
-    if run.get("nonce") and end_marker(run["text"], run["nonce"]) is None:
-        finished = False  # the runner never returned (the wrapper's end marker is missing)
-        if summary and not tampered and not run["timed_out"] and "passed" in statuses.values():
-            tampered = ("the runner's final summary is in the log but the grader's end marker is not: "
-                        "the process ended before the runner returned")
+    statuses, tampered, finished = verdict(task.test_cmd, run, report, graded)
     score(result, task, statuses)
     if run["timed_out"]:
         result.timed_out = True  # partial statuses kept; the base run decides (`_judge_against_base`)
         result.fail("")
-        return
-    if tampered:
+    elif tampered:
         result.tampered = tampered
         result.fail(f"tampered: {tampered}")
     elif not finished and any(s == "passed" for s in result.statuses.values()):

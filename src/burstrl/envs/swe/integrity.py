@@ -61,6 +61,7 @@ import secrets
 import shlex
 import sys
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from burstrl.envs.swe.testlog import SEVERITY, parse_test_log, status_of
 
@@ -228,6 +229,28 @@ def cross_check(log: dict[str, str], report: dict[str, str] | None, graded: Sequ
     if bad:
         return out, f"the log and the report disagree: {'; '.join(bad[:5])}"
     return out, ""
+
+
+def verdict(test_cmd: str, run: dict[str, Any], report: dict[str, str] | None,
+            graded: Sequence[str]) -> tuple[dict[str, str], str, bool]:
+    """(statuses of the graded tests, "" or why the run is tampered, whether the run finished).
+
+    Finished: the runner's final summary is in the log, and its report (pytest) and the wrapper's
+    end marker (`run["nonce"]`) are there. A summary without the marker while a graded test
+    "passed" is tampering: the process ended before the runner returned."""
+    kind = runner_kind(test_cmd)
+    strict = kind == "pytest" and report is not None  # the grader's own report, and -rA in the log
+    statuses, tampered = cross_check(parse_test_log(run["text"]), report, graded, strict)
+    summary = finished = True
+    if not tampered:
+        tampered, summary = check_log(run["text"], kind, graded)
+        finished = summary and (kind != "pytest" or report is not None)
+    if run.get("nonce") and end_marker(run["text"], run["nonce"]) is None:
+        finished = False
+        if summary and not tampered and not run["timed_out"] and "passed" in statuses.values():
+            tampered = ("the runner's final summary is in the log but the grader's end marker is not: "
+                        "the process ended before the runner returned")
+    return statuses, tampered, finished
 
 
 def runner_error(text: str, exit_code: int, statuses: dict[str, str], graded: Sequence[str]) -> str:
