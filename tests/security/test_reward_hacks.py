@@ -458,3 +458,12 @@ def test_a_patch_that_blocks_the_test_patch_or_the_reset_is_the_models_failure(u
         r = grade(ut, swap, pool, timeout_s=60)
         assert r.infra_error == "" and r.apply_ok and r.resolved == fixed and not r.reason, r
         assert "tests/test_calc.py" in r.reset_files
+
+
+def test_a_patch_too_large_for_the_sandbox_is_an_apply_failure_not_infra(ut: SweTask, pool: SandboxPool) -> None:
+    """Over the daemon's 16 MiB request limit once encoded: refused, and the model's (reward 0), or
+    a policy could ask for re-runs by committing a big file."""
+    big = "\n".join(f"{i:08d} " + "x" * 70 for i in range(170_000)) + "\n"  # ~13 MiB of text
+    r = grade(ut, patch_of(Path(ut.repo), {"calc.py": GOLD_CALC, "big.txt": big}), pool, timeout_s=60)
+    assert not r.apply_ok and r.infra_error == "" and "could not be written" in r.apply_error, r.apply_error[:300]
+    assert reward_of(r) == 0.0

@@ -299,7 +299,12 @@ def apply_in(sandbox: Any, patch: str, name: str) -> tuple[bool, str]:
     path = f"{SCRATCH}/{name}"
     if not patch.endswith("\n"):  # a diff cut at its last newline still applies
         patch += "\n"
-    sandbox.write_file(path, patch.encode("utf-8", "surrogateescape"))
+    try:
+        sandbox.write_file(path, patch.encode("utf-8", "surrogateescape"))
+    except SandboxError as exc:  # refused (over the daemon's body limit), the daemon alive: the patch's size
+        if not 400 <= exc.status < 500:
+            raise
+        return False, f"the patch could not be written into the grading sandbox: {exc}"
     res = sandbox.exec(f"git apply --binary --whitespace=nowarn {path}", cwd=REPO_DIR, timeout=120)
     if res.exit_code == 0:
         return True, ""
