@@ -45,6 +45,7 @@ def test_more_attempts_than_sandboxes_all_finish_and_are_graded(tmp_path: Path) 
     for o in outcomes:  # submitted without a commit: an empty patch, graded, not resolved
         assert o.parts["submitted"] == 1.0 and o.parts["resolved"] == 0.0 and o.reward == 0.0
         assert o.info["patch_bytes"] == 0
+        assert o.parts["tampered"] == 0.0 and o.parts["reset_files"] == 0.0 and o.parts["tests_timeout"] == 0.0
 
 
 # ---- issue 15, item 3: what the model does to its own sandbox ends only its attempt, with reward 0 ----

@@ -195,27 +195,29 @@ class SweEnv:
         return Outcome(reward=0.0, parts=parts, passed=False, info={**info, "reason": reason})
 
     def _open(self, swe: SweTask) -> Any:
-        """A sandbox with the task's base in /work/repo (InfraError if it cannot be made)."""
-        from burstrl.envs.swe.repo import export_base
+        """A sandbox with the task's base in /work/repo (InfraError if it cannot be made).
+
+        The base is the grader's export (`base_tar`, cached per task): one export per task, and the
+        commit id the patch is later taken against is the one in the sandbox by construction."""
+        from burstrl.envs.swe.grade import base_tar
         from burstrl.sandbox.backends import SandboxSpec
 
         spec = SandboxSpec(image=Path(swe.image) if swe.image else None, cpu_limit=swe.cpu,
                            memory_limit_mb=swe.memory)
+        repo_tar = base_tar(swe)[1]  # a repository that cannot be exported is bad task input: raises
         try:
             sandbox = self.pool().create(spec, timeout=600)
         except Exception as exc:  # sandbox infrastructure, not the model: the attempt is re-run
             raise InfraError(f"sandbox for {swe.instance_id}: {type(exc).__name__}: {exc}") from None
         try:
-            with tempfile.TemporaryDirectory(prefix="swe-base-") as tmp:
-                export_base(swe, Path(tmp) / "repo")
-                self._upload(sandbox, Path(tmp) / "repo", swe)
+            self._upload(sandbox, repo_tar, swe)
         except BaseException:
             sandbox.close()
             raise
         return sandbox
 
     @staticmethod
-    def _upload(sandbox: Any, repo: Path, swe: SweTask) -> None:
+    def _upload(sandbox: Any, repo: bytes, swe: SweTask) -> None:
         """Upload the base; a sandbox failing here failed before the model acted: infra, re-run."""
         from burstrl.sandbox.client import SandboxError
 
