@@ -224,6 +224,32 @@ def tasks_check(
         raise typer.Exit(1)
 
 
+@tasks_app.command("import")
+def tasks_import(
+    src: Path = typer.Argument(..., help="SWE-bench-format task file (JSONL, fields as published)."),
+    repos: Path = typer.Option(..., "--repos", help="Mirror dir: clones, bare mirrors or bundles named "
+                               "owner__name, owner/name or name (with .git / .bundle)."),
+    out: Path = typer.Option(..., "--out", help="Task file to write (JSONL): only tasks that can run."),
+    images: Path | None = typer.Option(None, "--images", help="Dir of OCI layouts named after the instance "
+                                       "(sweb.eval.x86_64.<id>, or the id)."),
+    test_cmd: str | None = typer.Option(None, "--test-cmd", help="Test command for every task (default: pytest)."),
+    strict: bool = typer.Option(True, "--strict/--keep-going", help="Exit 1 if any task was refused."),
+) -> None:
+    """Import SWE-bench tasks: resolve each repo in the mirror, check its base commit, find its image,
+    and refuse (with the reason) every task whose tests have nowhere to run."""
+    from burstrl.envs.swe.swebench import import_tasks
+    from burstrl.envs.swe.task import TaskError
+
+    try:
+        report = import_tasks(src, out, repos, images, test_cmd)
+    except (OSError, TaskError) as exc:
+        _fail(str(exc))
+    typer.echo(report.summary())
+    typer.echo(f"-> {out}")
+    if report.refused and strict:
+        raise typer.Exit(1)
+
+
 @app.command("sft")
 def sft_command(
     model: Path = typer.Option(..., "--model", help="Base model directory (HF format)."),
