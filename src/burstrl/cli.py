@@ -175,6 +175,52 @@ def image_inspect(
     typer.echo(json.dumps(describe(image), indent=2))
 
 
+@image_app.command("pull")
+def image_pull(
+    ref: str = typer.Argument(..., help="Image reference: [REGISTRY/]NAME[:TAG][@sha256:DIGEST]."),
+    out: Path = typer.Option(..., "--out", help="OCI layout directory to write (must be missing or empty)."),
+    insecure: bool = typer.Option(False, "--insecure", help="Plain HTTP (a registry without TLS, e.g. on loopback)."),
+    platform: str = typer.Option("linux/amd64", "--platform", help="os/arch[/variant] picked from a manifest list."),
+    force: bool = typer.Option(False, "--force", help="Replace a non-empty OUT."),
+) -> None:
+    """Pull an image from a registry into OUT, layers recompressed to zstd; print the manifest digest.
+
+    Credentials, where the registry wants them: BURSTRL_REGISTRY_USER and BURSTRL_REGISTRY_PASSWORD."""
+    import os
+
+    from burstrl.sandbox.archive import stderr_progress
+    from burstrl.sandbox.images import ImageError
+    from burstrl.sandbox.registry import pull
+
+    user, password = os.environ.get("BURSTRL_REGISTRY_USER"), os.environ.get("BURSTRL_REGISTRY_PASSWORD")
+    try:
+        ref_out = pull(ref, out, insecure=insecure, platform=platform, force=force,
+                       auth=(user, password or "") if user else None, progress=stderr_progress())
+    except (ImageError, OSError) as exc:
+        _fail(str(exc))
+    typer.echo(ref_out.manifest_digest)
+
+
+@image_app.command("import")
+def image_import(
+    archive: Path = typer.Argument(..., help="A `docker save` tarball or an OCI archive (tar, or tar.gz)."),
+    out: Path = typer.Option(..., "--out", help="OCI layout directory to write (must be missing or empty)."),
+    tag: str | None = typer.Option(None, "--tag", help="Which image of a multi-image archive (NAME:TAG)."),
+    platform: str = typer.Option("linux/amd64", "--platform", help="os/arch[/variant] picked from an index."),
+    force: bool = typer.Option(False, "--force", help="Replace a non-empty OUT."),
+) -> None:
+    """Import an image archive into OUT, layers recompressed to zstd; print the manifest digest."""
+    from burstrl.sandbox.archive import import_archive, stderr_progress
+    from burstrl.sandbox.images import ImageError
+
+    try:
+        ref_out = import_archive(archive, out, tag=tag, platform=platform, force=force,
+                                 progress=stderr_progress())
+    except (ImageError, OSError) as exc:
+        _fail(str(exc))
+    typer.echo(ref_out.manifest_digest)
+
+
 @tasks_app.command("make-toy")
 def tasks_make_toy(
     out: Path = typer.Argument(..., help="Directory to write: OUT/tasks.jsonl and OUT/repos/ID (missing or empty)."),
