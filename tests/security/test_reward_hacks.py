@@ -259,6 +259,10 @@ HARNESS = {  # name -> (task fixture, files the patch commits, the file(s) that 
     "test_package_init": ("ut", {"tests/__init__.py": "import unittest\n"
                                  "unittest.TestCase.assertEqual = lambda self, a, b, msg=None: None\n"},
                           ["tests/__init__.py"]),
+    "test_helper": ("ut", {"tests/__init__.py": "from . import helpers\n",
+                           "tests/helpers.py": "import unittest\n"
+                           "unittest.TestCase.assertEqual = lambda self, a, b, msg=None: None\n"},
+                    ["tests/__init__.py", "tests/helpers.py"]),
     "edited_vendored_runner": ("py", {"_pytest/runner.py": "raise SystemExit(0)\n"}, ["_pytest/runner.py"]),
 }
 
@@ -438,10 +442,10 @@ def test_a_patch_that_blocks_the_test_patch_or_the_reset_is_the_models_failure(u
     repo = Path(ut.repo)
     data_test = "import unittest\n\n\nclass TestData(unittest.TestCase):\n    def test_data(self):\n" \
                 "        self.assertTrue(True)\n"
-    test_patch = patch_of(repo, {"tests/data/__init__.py": "", "tests/data/test_data.py": data_test})
+    test_patch = patch_of(repo, {"fixtures/expected.txt": "5\n", "tests/test_data.py": data_test})
     task = SweTask(**{**ut.to_json(), "instance_id": "ut-test-patch", "test_patch": test_patch})
     assert grade(task, task.patch, pool, timeout_s=60).resolved
-    blocked = grade(task, patch_of(repo, {"calc.py": GOLD_CALC, "tests/data": "a file, not a directory\n"}), pool,
+    blocked = grade(task, patch_of(repo, {"calc.py": GOLD_CALC, "fixtures": "a file, not a directory\n"}), pool,
                     timeout_s=60)
     assert blocked.infra_error == "" and blocked.reason.startswith("test_patch_blocked"), blocked
     assert reward_of(blocked) == 0.0

@@ -24,9 +24,11 @@ Threat model and the rule for each channel:
 3. **The harness**. Files that configure the run are the task's, not the model's: a committed
    `conftest.py` (any depth), `pytest.ini`, `tox.ini`, `setup.cfg`, `pyproject.toml`,
    `sitecustomize.py`, `usercustomize.py`, `*.pth`, the `__init__.py` of a graded test's
-   directory, and a new module at the repository root or beside a graded test that shadows the
-   runner or the standard library (`unittest/`, `pytest.py`, `traceback.py`: `python -m` puts the
-   working directory first on `sys.path`). Each such path the patch touches is reset to the base
+   directory, every file under a graded test's test directory (the nearest ancestor named
+   `tests`, `test` or `testing`: helpers and data the tests import; SWE-bench keeps test changes
+   out of gold patches, so a fix never needs them), and a new module at the repository root or
+   beside a graded test that shadows the runner or the standard library (`unittest/`,
+   `pytest.py`, `traceback.py`: `python -m` puts the working directory first on `sys.path`). Each such path the patch touches is reset to the base
    (removed if new) before the tests run and listed in `reset_files`. Not a tamper verdict: a real
    fix may touch `setup.cfg`; the list is reported so a user sees a policy reaching for them.
 4. **The end marker**. When the test command is `[VAR=value ...] python3 -m pytest|unittest ...`
@@ -43,11 +45,14 @@ Threat model and the rule for each channel:
 
 What this does NOT stop, said plainly: code running inside the test process can do anything the
 runner can. It can read `sys.argv` (or /proc/self/cmdline) and find the report path, monkeypatch
-pytest's or unittest's result objects so the runner itself prints and writes "passed", or print a
-complete fake run (statuses, summary, report) and `os._exit(0)` before the real tests start. No
-nonce hides a path from the process that must write to it. Those attacks need deliberate code
-aimed at the harness's internals, so `suspicious` lists the lines of the patch that reach for
-them (`atexit`, `sys.argv`, `_pytest`, `junit`, `os._exit`, result classes): a reader of
+pytest's or unittest's result objects so the runner itself prints and writes "passed" (log,
+report and marker then all agree), or dig the end-marker nonce out of the wrapper's frame
+(`sys._getframe`, `gc`) and print a complete fake run with it. No nonce hides a path from the
+process that must write to it, nor a value from code in the same interpreter. A command the
+wrapper does not reproduce (`cd sub && pytest`, `tox`, a custom runner) gets no end marker, and a
+runner other than pytest gets no report cross-check. Those attacks need deliberate code aimed at
+the harness's internals, so `suspicious` lists the lines of the patch that reach for them
+(`atexit`, `sys.argv`, `_pytest`, `junit`, `os._exit`, result classes): a reader of
 `burstrl eval` sees a policy that starts down that road. An out-of-process channel (a runner in a
 separate process reporting over a pipe, tests isolated from the code's interpreter) would close
 it; that changes how tests run and is not done here.
@@ -67,6 +72,7 @@ from burstrl.envs.swe.testlog import SEVERITY, parse_test_log, status_of
 
 CONFIG_NAMES = frozenset({"conftest.py", "pytest.ini", ".pytest.ini", "tox.ini", "setup.cfg", "pyproject.toml",
                           "sitecustomize.py", "usercustomize.py"})
+TEST_DIR_NAMES = frozenset({"tests", "test", "testing"})
 RUNNER_MODULES = frozenset({"unittest", "pytest", "_pytest", "pluggy", "iniconfig", "py", "xdist", "nose",
                             "nose2", "coverage", "site", "sitecustomize", "usercustomize"})
 # pytest's last line: "==== 1 failed, 2 passed in 0.12s ====", bare with -q ("2 passed in 0.02s"),
@@ -155,12 +161,14 @@ def harness_files(paths: Iterable[str], test_files: Sequence[str], new_paths: It
     them are harness); `new_paths` are the touched paths the base lacks (only new files can
     shadow a module: the base's own top-level modules are the task's)."""
     test_dirs = {p.rsplit("/", 1)[0] if "/" in p else "" for p in test_files}
+    test_roots = {root for p in test_files if (root := _test_root(p))}
     new = set(new_paths)
     out: list[str] = []
     for path in paths:
         parent, _, name = path.rpartition("/")
         top = _module_name(path.split("/", 1)[0])  # the module a root-level file or package would be
         hit = (name in CONFIG_NAMES or name.endswith(".pth")
+               or any(path.startswith(root + "/") for root in test_roots)
                or (name == "__init__.py" and parent in test_dirs and parent != "")
                or top in RUNNER_MODULES
                or (parent in test_dirs and _module_name(name) in RUNNER_MODULES))
@@ -169,6 +177,15 @@ def harness_files(paths: Iterable[str], test_files: Sequence[str], new_paths: It
         if hit and path not in out:
             out.append(path)
     return out
+
+
+def _test_root(test_file: str) -> str:
+    """The nearest ancestor directory of `test_file` named like a test directory, "" if none."""
+    parts = test_file.split("/")[:-1]
+    for i in range(len(parts), 0, -1):
+        if parts[i - 1] in TEST_DIR_NAMES:
+            return "/".join(parts[:i])
+    return ""
 
 
 def _module_name(name: str) -> str:
