@@ -471,3 +471,12 @@ def test_a_patch_too_large_for_the_sandbox_is_an_apply_failure_not_infra(ut: Swe
     r = grade(ut, patch_of(Path(ut.repo), {"calc.py": GOLD_CALC, "big.txt": big}), pool, timeout_s=60)
     assert not r.apply_ok and r.infra_error == "" and "could not be written" in r.apply_error, r.apply_error[:300]
     assert reward_of(r) == 0.0
+
+
+def test_check_reports_a_gold_patch_that_stops_the_runner_once(py: SweTask, tmp_path: Path) -> None:
+    from burstrl.envs.swe.check import check_tasks
+
+    task = SweTask(**{**py.to_json(), "instance_id": "gold-breaks-import",
+                      "patch": patch_of(Path(py.repo), {"calc.py": "def add(:\n"})})
+    [r] = check_tasks([task], tmp_path)
+    assert not r.ok and len(r.problems) == 1 and "SyntaxError" in r.problems[0], r.problems

@@ -169,6 +169,9 @@ def _check_by_grading(task: SweTask, result: CheckResult, timeout: float, backen
     if gold.infra_error or gold.model_error or gold.reason:
         result.problems.append(f"with the gold patch: {gold.infra_error or gold.model_error or gold.reason}")
         return
+    if gold.runner_error:  # one line with the runner's own words, not one "not run" per test
+        result.problems.append(f"the test runner runs no graded test with the gold patch: {gold.runner_error}")
+        return
     result.problems += _judge(task, result.at_base, result.at_gold)
     if gold.reset_files and not gold.resolved:
         result.problems.append(f"the gold patch edits files grading resets: {', '.join(gold.reset_files[:8])}")
