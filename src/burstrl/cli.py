@@ -221,6 +221,25 @@ def image_import(
     typer.echo(ref_out.manifest_digest)
 
 
+@image_app.command("base")
+def image_base(
+    out: Path = typer.Option(..., "--out", help="OCI layout directory to write (must be missing or empty)."),
+    package: list[str] = typer.Option(["pytest"], "--package",
+                                      help="Pure-Python distribution installed here to copy in, with its "
+                                           "requirements (repeatable)."),
+    force: bool = typer.Option(False, "--force", help="Replace a non-empty OUT."),
+) -> None:
+    """Build, offline, a base image with Python + pytest + git from this host's files; print its digest."""
+    from burstrl.sandbox.baseimage import build_base_image
+    from burstrl.sandbox.images import ImageError
+
+    try:
+        ref_out = build_base_image(out, tuple(package), force=force)
+    except (ImageError, OSError, RuntimeError) as exc:
+        _fail(str(exc))
+    typer.echo(ref_out.manifest_digest)
+
+
 @tasks_app.command("make-toy")
 def tasks_make_toy(
     out: Path = typer.Argument(..., help="Directory to write: OUT/tasks.jsonl and OUT/repos/ID (missing or empty)."),
