@@ -4,8 +4,10 @@ tar+zstd, and run in a sandbox with the image's Env. Nothing is mocked."""
 
 from __future__ import annotations
 
+import base64
 import gzip
 import hashlib
+import http.server
 import io
 import json
 import os
@@ -13,7 +15,9 @@ import shutil
 import socket
 import subprocess
 import tarfile
+import threading
 import time
+import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -366,3 +370,90 @@ def test_cli_import_prints_the_digest(tmp_path: Path) -> None:
     assert read_image(tmp_path / "out").manifest_digest in result.output
     bad = CliRunner().invoke(app, ["image", "import", str(tmp_path / "missing.tar"), "--out", str(tmp_path / "o2")])
     assert bad.exit_code != 0 and "not a tar archive" in bad.output
+
+
+# ------------------------------------------------------------------------------ token auth
+
+
+def _b64url(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+class TokenServer:
+    """A token service as Docker Hub runs one: GET realm?service=&scope= answers a JWT (RS256,
+    the signing cert in `x5c`) that the registry checks against its `rootcertbundle`."""
+
+    def __init__(self, tmp: Path, issuer: str, service: str) -> None:
+        if shutil.which("openssl") is None:
+            pytest.skip("openssl is needed to sign registry tokens")
+        self.key, self.cert = tmp / "key.pem", tmp / "cert.pem"
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(self.key),
+                        "-out", str(self.cert), "-days", "1", "-subj", "/CN=burstrl-test-token"],
+                       check=True, capture_output=True)
+        der = subprocess.run(["openssl", "x509", "-in", str(self.cert), "-outform", "DER"], check=True,
+                             capture_output=True).stdout
+        self.x5c, self.issuer, self.service = base64.b64encode(der).decode(), issuer, service
+        self.requests: list[dict[str, str]] = []
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                query = dict(urllib.parse.parse_qsl(urllib.parse.urlsplit(self.path).query))
+                server.requests.append(query)
+                body = json.dumps({"token": server.token(query.get("scope", ""))}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.realm = f"http://127.0.0.1:{self.httpd.server_address[1]}/token"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def token(self, scope: str) -> str:
+        """A JWT granting what `scope` (`repository:NAME:ACTIONS`, space-separated) asks for."""
+        access = []
+        for item in scope.split():
+            kind, name, actions = item.split(":")
+            access.append({"type": kind, "name": name, "actions": actions.split(",")})
+        now = int(time.time())
+        header = {"typ": "JWT", "alg": "RS256", "x5c": [self.x5c]}
+        claims = {"iss": self.issuer, "sub": "", "aud": self.service, "exp": now + 300, "nbf": now - 10,
+                  "iat": now, "jti": os.urandom(8).hex(), "access": access}
+        signing_input = f"{_b64url(json.dumps(header).encode())}.{_b64url(json.dumps(claims).encode())}"
+        sig = subprocess.run(["openssl", "dgst", "-sha256", "-sign", str(self.key)], input=signing_input.encode(),
+                             check=True, capture_output=True).stdout
+        return f"{signing_input}.{_b64url(sig)}"
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.mark.slow
+def test_pull_answers_a_bearer_token_challenge(tmp_path: Path) -> None:
+    """A registry that wants a token: the pull follows the WWW-Authenticate challenge to the
+    token service (anonymously, with the service and scope it names) and then succeeds."""
+    tokens = TokenServer(tmp_path, "burstrl-test-issuer", "burstrl-test-registry")
+    reg = start_registry(tmp_path / "registry", auth={"token": {
+        "realm": tokens.realm, "service": tokens.service, "issuer": tokens.issuer,
+        "rootcertbundle": str(tokens.cert)}})
+    try:
+        assert httpx.get(reg.url + "/v2/").status_code == 401
+        src = source_image()
+        token = tokens.token("repository:tasks/private:pull,push")
+        with httpx.Client(timeout=30, headers={"Authorization": f"Bearer {token}"}) as http:
+            push_image(http, reg.url, "tasks/private", src, "v1")
+        tokens.requests.clear()
+        out = tmp_path / "pulled"
+        pull(f"{reg.host}/tasks/private:v1", out, insecure=True)
+        check_imported(out, src)
+        assert tokens.requests[0] == {"service": "burstrl-test-registry", "scope": "repository:tasks/private:pull"}
+    finally:
+        reg.proc.kill()
+        reg.proc.wait()
+        tokens.close()
