@@ -241,6 +241,14 @@ def test_pull_from_registry_recompresses_to_zstd_and_runs(registry: Registry, tm
     assert read_image(again.layout).layers == read_image(out).layers  # same content, same zstd bytes
     arm = pull(f"{registry.host}/tasks/demo:v1", tmp_path / "arm", insecure=True, platform="linux/arm64")
     assert read_image(arm.layout).config["architecture"] == "arm64"
+    from typer.testing import CliRunner
+
+    from burstrl.cli import app
+
+    cli = CliRunner().invoke(app, ["image", "pull", f"{registry.host}/tasks/demo:v1", "--out", str(tmp_path / "cli"),
+                                   "--insecure"])
+    assert cli.exit_code == 0, cli.output
+    assert read_image(tmp_path / "cli").manifest_digest in cli.output and "layer 1/2" in cli.output
 
 
 @pytest.mark.slow
@@ -286,11 +294,15 @@ def docker_save_tar(path: Path, src: Source, oci_style: bool) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("oci_style", [False, True], ids=["legacy", "docker25"])
-def test_docker_save_tarball_imports_and_runs(tmp_path: Path, oci_style: bool) -> None:
+@pytest.mark.parametrize(("oci_style", "gzipped"), [(False, False), (True, False), (False, True)],
+                         ids=["legacy", "docker25", "legacy-gzipped"])
+def test_docker_save_tarball_imports_and_runs(tmp_path: Path, oci_style: bool, gzipped: bool) -> None:
+    """`docker save` (and `docker save | gzip`): one gzip and one plain layer, both become zstd."""
     src = source_image()
     archive = tmp_path / "demo.tar"
     docker_save_tar(archive, src, oci_style)
+    if gzipped:
+        archive.write_bytes(gzip.compress(archive.read_bytes()))
     out = tmp_path / "imported"
     import_archive(archive, out)
     check_imported(out, src)

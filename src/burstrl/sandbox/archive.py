@@ -292,19 +292,40 @@ def import_archive(path: Path, out_dir: Path, *, tag: str | None = None, platfor
     `tag` picks an image of a multi-image archive (a docker RepoTag `name:tag` or an OCI ref
     name); one image needs none. Every layer's diff_id is checked against the config."""
     path = Path(path)
+    with LayoutWriter(out_dir, force, progress) as writer:
+        tar = _open_tar(path, writer)
+        with tar:
+            return _import(tar, path, writer, tag, platform)
+
+
+def _open_tar(path: Path, writer: LayoutWriter) -> tarfile.TarFile:
+    """The archive as a seekable plain tar: a compressed one (`docker save | gzip`) is unpacked
+    into the staging dir first, since reading its members out of order would decompress it
+    from the start for every layer."""
     try:
-        tar = tarfile.open(path, "r:*")  # noqa: SIM115 - closed by the `with` below; open errors reworded
-    except (OSError, tarfile.TarError) as exc:
+        with open(path, "rb") as fh:
+            kind = LAYER_TYPES[next((t for m, t in _MAGIC.items() if fh.read(4).startswith(m)), LAYER_TAR)]
+            if kind != "tar":
+                fh.seek(0)
+                plain = writer.scratch("archive.tar")
+                with open(plain, "wb") as out:
+                    shutil.copyfileobj(_decoded(kind, fh), out, _CHUNK)
+                path = plain
+        return tarfile.open(path, "r:")
+    except (OSError, EOFError, tarfile.TarError) as exc:
         raise ImageError(f"{path} is not a tar archive: {exc}") from exc
-    with tar, LayoutWriter(out_dir, force, progress) as writer:
-        names = _names(tar)
-        if "manifest.json" in names:
-            config = _docker_save(tar, writer, tag, str(path))
-        elif "index.json" in names:
-            config = _oci_archive(tar, writer, tag, platform, str(path))
-        else:
-            raise ImageError(f"{path}: neither manifest.json (docker save) nor index.json (OCI archive) inside")
-        return writer.finish(config, annotations={SOURCE: f"archive:{path.name}"})
+
+
+def _import(tar: tarfile.TarFile, path: Path, writer: LayoutWriter, tag: str | None, platform: str) -> ImageRef:
+    """Dispatch on what the archive holds: manifest.json (docker save) or index.json (OCI)."""
+    names = _names(tar)
+    if "manifest.json" in names:
+        config = _docker_save(tar, writer, tag, str(path))
+    elif "index.json" in names:
+        config = _oci_archive(tar, writer, tag, platform, str(path))
+    else:
+        raise ImageError(f"{path}: neither manifest.json (docker save) nor index.json (OCI archive) inside")
+    return writer.finish(config, annotations={SOURCE: f"archive:{path.name}"})
 
 
 def _docker_save(tar: tarfile.TarFile, writer: LayoutWriter, tag: str | None, where: str) -> dict[str, Any]:
