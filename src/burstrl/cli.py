@@ -245,8 +245,9 @@ def tasks_make_toy(
     out: Path = typer.Argument(..., help="Directory to write: OUT/tasks.jsonl and OUT/repos/ID (missing or empty)."),
     n: int = typer.Option(50, "--n", min=1, help="Number of tasks."),
     seed: int = typer.Option(0, "--seed", help="Seed; with index, difficulty and split it fixes each task."),
-    difficulty: int = typer.Option(1, "--difficulty", min=1, max=4,
-                                   help="1: one bug; 2: one bug behind a wrapper; 3: two; 4: three, two calls deep."),
+    difficulty: int = typer.Option(1, "--difficulty", min=0, max=4,
+                                   help="0: one bug, the fix stated; 1: one bug; 2: one bug behind a wrapper; "
+                                   "3: two; 4: three, two calls deep."),
     split: str = typer.Option("train", "--split", help="train or test (held out: other templates and names)."),
     force: bool = typer.Option(False, "--force", help="Write into a non-empty OUT."),
 ) -> None:

@@ -348,7 +348,7 @@ class RouteConfig(Section):
 
 
 class CurriculumConfig(Section):
-    start_difficulty: int = Field(1, ge=1, description="Difficulty sampled first.")
+    start_difficulty: int = Field(1, ge=0, description="Difficulty sampled first.")
     max_difficulty: int = Field(0, ge=0, description="Hardest difficulty; 0 = the environment's maximum.")
     advance_pass_rate: float = Field(
         0.5, ge=0, le=1, description="Move one difficulty up once this share of the last `window` groups' "
@@ -363,6 +363,10 @@ class SweEnvConfig(Section):
     tasks: str = Field("", description="SWE tasks (JSONL); empty = generate toy tasks into RUN_DIR/swe-tasks.")
     toy_tasks: int = Field(64, ge=1, description="Toy tasks generated per difficulty when `tasks` is empty.")
     toy_seed: int = Field(0, description="Seed of the generated toy tasks.")
+    toy_difficulties: list[int] = Field(
+        default_factory=lambda: [1, 2], description="Difficulties of the generated toy tasks (0: the statement "
+        "says what to replace; 1: a symptom only; 2: the bug one call away; 3, 4: more bugs, deeper)."
+    )
     split: str = Field("train", description="Task split trained on (tasks whose extra.split differs are skipped).")
     reward: Literal["binary", "f2p", "strict"] = Field(
         "binary", description="Training reward: resolved (0/1), share of target tests passed, or that share "
@@ -372,8 +376,8 @@ class SweEnvConfig(Section):
         "auto", description="Sandbox backend: auto = the safest that works here (runsc as root where gVisor "
         "runs, else namespace); namespace = bubblewrap; oci = runc; runsc = gVisor."
     )
-    workdir_mb: int = Field(4096, ge=16, description="Size limit of each sandbox's /work (a filesystem of its "
-                            "own as root; ENOSPC past it).")
+    workdir_mb: int = Field(0, ge=0, description="Size limit of each sandbox's /work in MB (a filesystem of "
+                            "its own as root; ENOSPC past it); 0 = each task's `disk` (default 4096).")
     max_sandboxes: int = Field(8, ge=1, description="Sandboxes alive at once (attempts plus grading).")
     max_turns: int = Field(6, ge=1, description="Agent turns (model calls) per attempt.")
     max_tokens_per_call: int = Field(128, ge=1, description="max_tokens of each agent call.")

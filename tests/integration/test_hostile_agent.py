@@ -149,8 +149,8 @@ def test_a_hostile_agent_scores_0_and_the_run_finishes_with_nothing_lost(cluster
             stop.set()
         return await taken
 
-    for task in env.tasks:  # memory limit low enough that the fills meet it fast
-        task.memory = 256
+    for task in env.tasks:  # memory and /work limits low enough that the fills meet them fast
+        task.memory, task.disk = 256, 128
     try:
         groups = asyncio.run(go())
     finally:

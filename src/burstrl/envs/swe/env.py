@@ -59,14 +59,28 @@ class SweEnv:
             self._tasks = [t for t in load_tasks(path) if t.extra.get("split", split) == split]
             if not self._tasks:
                 raise ValueError(f"{path}: no task of split {split!r}")
+            for t in self._tasks:
+                t.disk = self.cfg.workdir_mb or t.disk
+            self._check_runtimes(path)
         return self._tasks
+
+    def _check_runtimes(self, path: Path) -> None:
+        """Before any attempt: a task whose tests have nowhere to run would score 0 on every
+        attempt and read as a model that fixes nothing, so the run does not start."""
+        from burstrl.envs.swe.swebench import check_runtimes
+
+        missing = check_runtimes(self._tasks or [])
+        if missing:
+            listed = "; ".join(f"{tid}: {why}" for tid, why in sorted(missing.items())[:5])
+            raise ValueError(f"{path}: {len(missing)} task(s) have no runtime ({listed}); "
+                             "see `burstrl tasks import --images`")
 
     @property
     def max_difficulty(self) -> int:
         return max(t.difficulty for t in self.tasks)
 
     def _toy_tasks(self) -> Path:
-        """Generate the toy tasks once per run directory (difficulties 1 and 2, the configured split).
+        """Generate the toy tasks once per run directory (`toy_difficulties`, the configured split).
 
         Made in a temp dir and renamed into place, so a crash mid-way leaves no half set behind.
         """
@@ -78,7 +92,7 @@ class SweEnv:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(prefix=".swe-tasks-", dir=self.run_dir))
             tasks = [make_task(tmp, i, self.cfg.toy_seed, difficulty, self.cfg.split)
-                     for difficulty in (1, 2) for i in range(self.cfg.toy_tasks)]
+                     for difficulty in self.cfg.toy_difficulties for i in range(self.cfg.toy_tasks)]
             for t in tasks:  # the repos move with the directory
                 t.repo = str(out.absolute() / Path(t.repo).relative_to(tmp.absolute()))
             dump_tasks(tasks, tmp / "tasks.jsonl")
@@ -203,7 +217,7 @@ class SweEnv:
         from burstrl.sandbox.backends import SandboxSpec
 
         spec = SandboxSpec(image=Path(swe.image) if swe.image else None, cpu_limit=swe.cpu,
-                           memory_limit_mb=swe.memory)
+                           memory_limit_mb=swe.memory, workdir_mb=swe.disk)
         repo_tar = base_tar(swe)[1]  # a repository that cannot be exported is bad task input: raises
         try:
             sandbox = self.pool().create(spec, timeout=600)

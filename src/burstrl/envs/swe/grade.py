@@ -474,7 +474,7 @@ def _creator(pool_or_backend: Any) -> Any:
 
 def _spec(task: SweTask) -> SandboxSpec:
     return SandboxSpec(image=Path(task.image) if task.image else None, cpu_limit=task.cpu,
-                       memory_limit_mb=task.memory)
+                       memory_limit_mb=task.memory, workdir_mb=task.disk)
 
 
 class GradeInfraError(RuntimeError):

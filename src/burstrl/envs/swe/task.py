@@ -34,6 +34,7 @@ class SweTask:
     difficulty: int = 1
     cpu: float = 1.0
     memory: int = 2048  # MB
+    disk: int = 4096  # MB: the size of the sandbox's /work (ENOSPC past it)
     test_cmd: str = DEFAULT_TEST_CMD  # run from the repo root; test ids are appended
     extra: dict[str, Any] = field(default_factory=dict)  # generator details (bug kinds, split, ...)
 
