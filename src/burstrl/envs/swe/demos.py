@@ -54,7 +54,8 @@ def demonstration_chat(task: SweTask, max_output_chars: int = 2000) -> list[dict
                                env={"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": tmp, **GIT_ENV})
             messages.append({"role": "user", "content": format_observation(
                 _Result(r.stdout, r.stderr, r.returncode), max_output_chars)})
-        messages.append({"role": "assistant", "content": f"```bash\n{SUBMIT_COMMAND}\n```"})
+        if not messages[-2]["content"].rstrip("`\n").endswith(SUBMIT_COMMAND):  # not submitted by its last command
+            messages.append({"role": "assistant", "content": f"```bash\n{SUBMIT_COMMAND}\n```"})
     return messages
 
 

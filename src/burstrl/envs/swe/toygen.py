@@ -9,7 +9,9 @@ are computed by running the tests with and without the bugs; a bug that fails no
 kept. The task's repository has two commits: `base` (buggy) and `fix`; `patch` is their diff,
 `test_patch` is "" (the failing tests are in the repo, as in SWE-smith).
 
-Difficulty: level 1 = one bug in a tested function; 2 = one bug in a private helper reached only
+Difficulty: level 0 = one bug in a tested function, and the problem statement says where and what
+to replace (the fix is one copied edit and a commit: a task family a tiny model can learn, the
+start of a curriculum); 1 = the same bug with only its symptom; 2 = one bug in a private helper reached only
 through a wrapper (the failing test names the wrapper, the bug is one call away, in another
 module); 3 = two bugs at that distance; 4 = three bugs two calls away. Splits: "train" and "test"
 use different seed streams, word lists and function templates (`toytemplates`).
@@ -33,7 +35,7 @@ from burstrl.envs.swe.toybugs import apply_bug, bug_sites, run_cases
 from burstrl.envs.swe.toytemplates import Func, make_module
 
 TEST_CMD = "python3 -m unittest -v"
-LEVELS = {1: (1, 1), 2: (1, 2), 3: (2, 2), 4: (3, 3)}  # difficulty -> (bugs, call depth)
+LEVELS = {0: (1, 1), 1: (1, 1), 2: (1, 2), 3: (2, 2), 4: (3, 3)}  # difficulty -> (bugs, call depth)
 MAX_ATTEMPTS = 30
 
 
@@ -50,7 +52,7 @@ class Candidate:
 
 def level(difficulty: int) -> tuple[int, int]:
     """(number of bugs, call depth) for a difficulty; above 4 is 4."""
-    return LEVELS[min(max(difficulty, 1), max(LEVELS))]
+    return LEVELS[min(max(difficulty, 0), max(LEVELS))]
 
 
 def _rng(split: str, seed: int, difficulty: int, index: int) -> random.Random:
@@ -126,8 +128,9 @@ def fix_edits(buggy: str, fixed: str) -> list[tuple[str, str]]:
     return edits
 
 
-def _problem_statement(cand: Candidate) -> str:
-    """One symptom per bug: the public function, an input, expected vs actual; never the fix."""
+def _problem_statement(cand: Candidate, located: list[dict[str, str]] | None = None) -> str:
+    """One symptom per bug: the public function, an input, expected vs actual; never the fix,
+    except at difficulty 0, where `located` (the fix's edits) is spelled out as Python literals."""
     lines = []
     for bug in cand.bugs:
         case = bug["failing"][0]
@@ -136,8 +139,11 @@ def _problem_statement(cand: Candidate) -> str:
                      f"but it should return `{case['expected']}`.")
     head = "A function of this package gives a wrong result:" if len(lines) == 1 else \
         "Several functions of this package give wrong results:"
-    return (f"{head}\n\n" + "\n".join(lines) + "\n\nThe library code is wrong, not the tests. "
+    text = (f"{head}\n\n" + "\n".join(lines) + "\n\nThe library code is wrong, not the tests. "
             f"Run `{TEST_CMD}` to see the failures.\n")
+    for edit in located or []:
+        text += f"\nThe fix: in {edit['file']!r}, replace {edit['before']!r} with {edit['after']!r}.\n"
+    return text
 
 
 def _commit_candidate(repo: Path, cand: Candidate) -> dict[str, Any]:
@@ -180,11 +186,12 @@ def make_task(out_dir: Path, index: int, seed: int = 0, difficulty: int = 1, spl
         raise RuntimeError(f"toygen: no usable candidate for {iid} in {MAX_ATTEMPTS} attempts")
     edits = [{"file": p, "before": b, "after": a} for p in sorted(cand.buggy)
              for b, a in fix_edits(cand.buggy[p], cand.files[p])]
+    statement = _problem_statement(cand, edits if difficulty == 0 else None)
     n_bugs, depth = level(difficulty)
     bugs = [{k: v for k, v in b.items() if k not in ("node", "failing")} for b in cand.bugs]
     return SweTask(
         instance_id=iid, repo=str(repo), base_commit=fields["base_commit"],
-        problem_statement=_problem_statement(cand), FAIL_TO_PASS=fields["FAIL_TO_PASS"],
+        problem_statement=statement, FAIL_TO_PASS=fields["FAIL_TO_PASS"],
         PASS_TO_PASS=fields["PASS_TO_PASS"], patch=fields["patch"], test_patch="", version="toy-1",
         difficulty=difficulty, test_cmd=TEST_CMD,
         extra={"split": split, "seed": seed, "index": index, "bugs": bugs, "depth": depth,
@@ -209,12 +216,25 @@ def _edit_command(edit: dict[str, str]) -> str:
             f"p.write_text(s.replace(old, new))\nEOF")
 
 
+def located_fix_command(task: SweTask) -> str:
+    """Difficulty 0's whole answer in one command: the stated edits (copied from the problem
+    statement's literals), the commit and the submit sentinel."""
+    from burstrl.envs.swe.agent import SUBMIT_COMMAND
+
+    edits = "".join(f"p = Path({e['file']!r})\np.write_text(p.read_text().replace({e['before']!r}, {e['after']!r}))\n"
+                    for e in task.extra["fix"])
+    return f"python3 - <<'EOF'\nfrom pathlib import Path\n{edits}EOF\ngit commit -q -am fix && {SUBMIT_COMMAND}"
+
+
 def demonstration_commands(task: SweTask, explore: bool = True) -> list[str]:
     """The bash commands an ideal agent runs to fix a toy task, one per turn, ending in a commit.
 
     With `explore`, it first looks at the buggy functions and runs the failing tests, as an agent
-    should; the warm-start trajectories are made from these.
+    should; the warm-start trajectories are made from these. Difficulty 0: one command that
+    also submits.
     """
+    if task.difficulty == 0:
+        return [located_fix_command(task)]
     cmds = []
     if explore:
         for bug in task.extra["bugs"]:
