@@ -126,3 +126,28 @@ def test_task_file_round_trips(tmp_path: Path) -> None:
     tasks = make_toy_tasks(tmp_path, 2, seed=9)
     assert [t.to_json() for t in load_tasks(tmp_path / "tasks.jsonl")] == [t.to_json() for t in tasks]
     assert sorted(p.name for p in (tmp_path / "repos").iterdir()) == [t.instance_id for t in tasks]
+
+
+def test_difficulty_0_states_the_fix_and_one_command_submits_it(tmp_path: Path) -> None:
+    """Level 0 (a curriculum's start): the statement carries the edit as Python literals, and the
+    demonstration's single command, copied from them, fixes, commits and prints the sentinel."""
+    import ast
+
+    from burstrl.envs.swe.agent import SUBMIT_SENTINEL
+    from burstrl.envs.swe.demos import demonstration_chat
+
+    task = make_task(tmp_path / "gen", 0, seed=3, difficulty=0, split="test")
+    [edit] = task.extra["fix"]
+    line = next(x for x in task.problem_statement.splitlines() if x.startswith("The fix: in "))
+    file_lit, rest = line.removeprefix("The fix: in ").split(", replace ", 1)
+    before_lit, after_lit = rest.removesuffix(".").split(" with ", 1)
+    assert [ast.literal_eval(x) for x in (file_lit, before_lit, after_lit)] == [edit["file"], edit["before"], edit["after"]]
+    [cmd] = demonstration_commands(task)
+    assert before_lit in cmd and after_lit in cmd
+    repo = tmp_path / "repo"
+    export_base(task, repo)
+    proc = _bash(cmd, repo)
+    assert proc.stdout.splitlines()[0] == SUBMIT_SENTINEL, proc.stderr
+    assert _bash(f"{task.test_cmd} {' '.join(task.FAIL_TO_PASS + task.PASS_TO_PASS)}", repo).returncode == 0
+    chat = demonstration_chat(task)
+    assert [m["role"] for m in chat] == ["system", "user", "assistant", "user"]  # no second submit turn
