@@ -372,6 +372,11 @@ class SweEnvConfig(Section):
         "binary", description="Training reward: resolved (0/1), share of target tests passed, or that share "
         "if no existing test broke."
     )
+    format_reward: float = Field(
+        0.0, ge=0, le=1, description="Shaping: added to the reward of an attempt that submitted with no format "
+        "error (every reply exactly one bash block), tampered or not graded ones excluded. Helps a tiny model "
+        "learn the agent's format; keep 0 (off) for real tasks, where it rewards submitting anything."
+    )
     backend: Literal["auto", "namespace", "oci", "runsc"] = Field(
         "auto", description="Sandbox backend: auto = the safest that works here (runsc as root where gVisor "
         "runs, else namespace); namespace = bubblewrap; oci = runc; runsc = gVisor."

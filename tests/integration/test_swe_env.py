@@ -167,3 +167,35 @@ def test_a_sandbox_that_cannot_be_created_is_still_infra(tmp_path: Path) -> None
     with pytest.raises(InfraError, match="no cgroup for you"):
         asyncio.run(env.rollout(client, task))
     assert client.calls == 0  # before the model acted
+
+
+def test_difficulty_0_fix_scores_1_and_format_shaping_is_named_and_bounded(tmp_path: Path) -> None:
+    """A difficulty-0 task solved by its stated one-command fix scores 1 (+ the format bonus when
+    configured, never for a format error); an empty submission gets only the bonus, and with the
+    default config (bonus 0) exactly 0."""
+    from burstrl.envs.swe.task import SweTask
+    from burstrl.envs.swe.toygen import located_fix_command
+
+    cfg = SweEnvConfig(toy_tasks=1, toy_difficulties=[0], max_sandboxes=3, max_turns=2, format_reward=0.1)
+    env = SweEnv(cfg, tmp_path)
+    [task] = env.make_tasks(1, seed=0, difficulty=0)
+    fix = located_fix_command(SweTask.from_json(task.data))
+
+    class Garbled:
+        calls = 0
+
+        async def chat(self, messages, max_tokens=None) -> str:
+            self.calls += 1
+            return "no block" if self.calls == 1 else f"```bash\n{fix}\n```"
+
+    async def go():
+        return await asyncio.gather(env.rollout(Script([fix]), task), env.rollout(SubmitAtOnce(), task),
+                                    env.rollout(Garbled(), task))
+    try:
+        solved, empty, garbled = asyncio.run(go())
+    finally:
+        env.close()
+    assert solved.passed and solved.reward == pytest.approx(1.1) and solved.parts["format_ok"] == 1.0
+    assert not empty.passed and empty.reward == pytest.approx(0.1)
+    assert garbled.passed and garbled.reward == pytest.approx(1.0) and garbled.parts["format_ok"] == 0.0
+    assert SweEnvConfig().format_reward == 0.0

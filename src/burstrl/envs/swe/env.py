@@ -35,7 +35,8 @@ from burstrl.envs.base import ChatClient, InfraError, Outcome, Task
 from burstrl.envs.swe.task import SweTask, load_tasks
 
 REPO_DIR = "/work/repo"
-PARTS = ("resolved", "f2p", "strict", "apply_ok", "submitted", "tampered", "reset_files", "tests_timeout")
+PARTS = ("resolved", "f2p", "strict", "apply_ok", "submitted", "tampered", "reset_files", "tests_timeout",
+         "format_ok")
 log = logging.getLogger("burstrl.envs.swe")
 
 
@@ -178,8 +179,10 @@ class SweEnv:
         if graded.reason:
             log.info("attempt at %s scores 0: %s", swe.instance_id, graded.reason)
             info["reason"] = graded.reason
-        return Outcome(reward=reward_of(graded, self.cfg.reward), parts=parts, passed=bool(graded.resolved),
-                       info=info)
+        parts["format_ok"] = float(result.submitted and result.format_errors == 0)
+        shaped = self.cfg.format_reward * parts["format_ok"] * (not graded.tampered)
+        return Outcome(reward=reward_of(graded, self.cfg.reward) + shaped, parts=parts,
+                       passed=bool(graded.resolved), info=info)
 
     @staticmethod
     async def _patch(sandbox: Any, result: Any, base_id: str) -> tuple[str, str]:
