@@ -484,7 +484,14 @@ def sandboxd(
 @app.command("eval")
 def eval_command(
     model: Path = typer.Option(..., "--model", help="Base model directory (HF format)."),
-    tasks: Path = typer.Option(..., "--tasks", help="SWE tasks (JSONL)."),
+    env: str = typer.Option("swe", "--env", help="Environment: swe, toy, toy_multi (any registered one)."),
+    tasks: Path | None = typer.Option(None, "--tasks", help="SWE tasks (JSONL); required for --env swe."),
+    n: int = typer.Option(16, "--n", min=1, help="Other envs: tasks the environment makes."),
+    split: str = typer.Option("test", "--split", help="Other envs: task split (held-out test by default)."),
+    difficulty: int = typer.Option(1, "--difficulty", min=0, help="Other envs: difficulty of the tasks."),
+    task_seed: int = typer.Option(0, "--task-seed", help="Other envs: seed of the tasks."),
+    env_option: list[str] = typer.Option([], "--env-option", help="KEY=VALUE of the env's section of the "
+                                         "orchestrator config, e.g. reward=f2p for swe (repeatable)."),
     attempts: int = typer.Option(4, "--attempts", min=1, help="Attempts per task (K)."),
     adapter: str | None = typer.Option(None, "--adapter", help="A PEFT adapter dir, or a version name of --run."),
     run_dir: Path | None = typer.Option(None, "--run", help="A run directory: evaluate its checkpoints."),
@@ -493,19 +500,35 @@ def eval_command(
     compare: Path | None = typer.Option(None, "--compare", help="Results of another evaluation of the same tasks."),
     out: Path = typer.Option(Path("eval"), "--out", help="Output directory (results.json, report.md, report.png)."),
     temperature: float = typer.Option(1.0, "--temperature", min=0.0, help="Sampling temperature."),
-    max_sandboxes: int = typer.Option(4, "--max-sandboxes", min=1, help="Attempts running at once."),
-    max_turns: int = typer.Option(6, "--max-turns", min=1, help="Agent turns per attempt."),
+    max_tokens: int = typer.Option(0, "--max-tokens", min=0, help="max_tokens of a call; 0 = the env's default."),
+    max_sandboxes: int = typer.Option(4, "--max-sandboxes", "--concurrency", min=1, help="Attempts running at once."),
+    max_turns: int = typer.Option(6, "--max-turns", min=1, help="SWE: agent turns per attempt."),
     seed: int = typer.Option(0, "--seed", help="Seed of the sampling seeds."),
 ) -> None:
-    """Pass@k, target-test and strict scores of a model (or adapter, or a run's checkpoints) on tasks."""
-    from burstrl.config import SweEnvConfig
+    """Pass@k (and for SWE target-test and strict scores) of a model, adapter or a run's checkpoints."""
+    from burstrl.config import ConfigError, OrchestratorConfig, load_config
+    from burstrl.envs import ENV_NAMES
     from burstrl.eval.passk import read_exclude_file
-    from burstrl.eval.swe_eval import EvalSpec, checkpoint_adapters, evaluate
+    from burstrl.eval.run import EvalSpec, checkpoint_adapters, evaluate, load_eval_tasks
 
     if not (model / "config.json").is_file():
         _fail(f"{model}: not a model directory")
-    if not tasks.is_file():
+    if env not in ENV_NAMES:
+        _fail(f"unknown environment {env!r}; choose from {', '.join(ENV_NAMES)}")
+    if env == "swe" and tasks is None:
+        _fail("--env swe needs --tasks FILE (see `burstrl tasks`)")
+    if tasks is not None and not tasks.is_file():
         _fail(f"{tasks}: no such task file")
+    overrides = ["--swe.max_sandboxes", str(max_sandboxes), "--swe.max_turns", str(max_turns)]
+    for item in env_option:
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            _fail(f"--env-option {item!r}: expected KEY=VALUE")
+        overrides.append(f"--{env}.{key.strip()}={value}")
+    try:
+        options = load_config(OrchestratorConfig, [], overrides)
+    except ConfigError as exc:
+        _fail(f"--env-option: {exc}" if env_option else str(exc))
     adapters: dict[str, Path] = {}
     if run_dir is not None and every:
         try:
@@ -519,7 +542,12 @@ def eval_command(
         adapters = {"policy-eval": path}
     excluded = set().union(*(read_exclude_file(str(p)) for p in exclude)) if exclude else set()
     spec = EvalSpec(model=model, tasks=tasks, attempts=attempts, adapters=adapters, temperature=temperature,
-                    seed=seed, env=SweEnvConfig(max_sandboxes=max_sandboxes, max_turns=max_turns), out=out)
+                    seed=seed, env=env, options=options, n=n, split=split, difficulty=difficulty,
+                    task_seed=task_seed, max_tokens=max_tokens, concurrency=max_sandboxes, out=out)
+    try:
+        load_eval_tasks(spec)  # bad task arguments fail here, before a replica starts
+    except ValueError as exc:
+        _fail(str(exc))
     for path in evaluate(spec, excluded, compare):
         typer.echo(str(path))
 

@@ -62,11 +62,15 @@ def _kept_tasks(summary: dict[str, Any], dropped: set[str]) -> dict[str, dict[st
 
 
 def default_metrics(tasks_a: dict[str, dict[str, Any]], tasks_b: dict[str, dict[str, Any]]) -> list[str]:
-    """pass@1, f2p, strict, then every pass@k (k >= 2) that every task of both sides has."""
+    """pass@1, f2p, strict, then every pass@k (k >= 2) that every task of both sides has.
+
+    Without test grading (no task has f2p: toy environments) the mean reward replaces f2p and strict.
+    """
+    tests = any(t.get("f2p") is not None for t in list(tasks_a.values()) + list(tasks_b.values()))
     sets = [set(pass_keys(t)) for t in list(tasks_a.values()) + list(tasks_b.values())]
     common = set.intersection(*sets) if sets else set()
     extra = [k for k in sorted(common, key=lambda s: int(s[5:])) if k != "pass@1"]
-    return list(BASE_METRICS) + extra
+    return (list(BASE_METRICS) if tests else ["pass@1", "reward"]) + extra
 
 
 def compare_results(

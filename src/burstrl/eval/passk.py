@@ -9,6 +9,9 @@ model's fault and are retried by the runner, so they are counted apart and EXCLU
 with 8 good attempts and 2 infra failures has n = 8. Apply failures (the agent's patch does not
 apply) ARE the model's fault: they count in n as unresolved attempts with score 0.
 
+Records of environments not graded by tests (toy, toy_multi) have no f2p / strict: those
+metrics are None in the summary, and `parts` holds the mean of each named part of the reward.
+
 Reward hacking is counted, not hidden: `tampered` (the grader caught forged test results),
 `reset_files` (attempts whose patch touched tests or test configuration, reset before grading)
 and `reasons` (named model failures by kind: `tampered`, `tests_timeout`, `sandbox_lost`, ...).
@@ -49,14 +52,15 @@ class AttemptRecord:
     task_id: str
     attempt: int
     resolved: bool = False
-    f2p: float = 0.0
-    strict: float = 0.0
+    f2p: float | None = None  # share of target tests passed: environments graded by tests only (swe)
+    strict: float | None = None
     apply_ok: bool = True
     infra_error: str | None = None
     reason: str = ""  # "kind: why" of a named model failure (tampered, tests_timeout, sandbox_lost, ...)
     reward: float = 0.0
     log_path: str = ""
     duration_s: float = 0.0
+    parts: dict[str, float] = field(default_factory=dict)  # the reward's named parts (Outcome.parts)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -91,9 +95,11 @@ def summarize_task(records: list[AttemptRecord], ks: Iterable[int] | None = None
         task[f"pass@{k}"] = pass_at_k(n, c, k)
     if n and "pass@1" not in task:
         task["pass@1"] = c / n  # pass@1 is always reported: it is the headline
-    task["f2p"] = _mean([float(r.f2p) for r in good])
-    task["strict"] = _mean([float(r.strict) for r in good])
+    task["f2p"] = _mean([float(r.f2p) for r in good if r.f2p is not None])  # None: not graded by tests
+    task["strict"] = _mean([float(r.strict) for r in good if r.strict is not None])
     task["reward"] = _mean([float(r.reward) for r in good])
+    names = sorted({name for r in good for name in r.parts})
+    task["parts"] = {name: _mean([float(r.parts[name]) for r in good if name in r.parts]) for name in names}
     task["apply_failures"] = sum(1 for r in good if not r.apply_ok)
     task["infra_failures"] = len(records) - n
     kinds = [reason_kind(r) for r in good]
@@ -133,7 +139,10 @@ def summarize_overall(tasks: dict[str, dict[str, Any]]) -> dict[str, Any]:
     for key in sorted(common, key=lambda s: int(s[5:])):
         overall[key] = _mean([t[key] for t in scored.values()])
     for key in ("f2p", "strict", "reward"):
-        overall[key] = _mean([t[key] for t in scored.values()])
+        overall[key] = _mean([t[key] for t in scored.values() if t.get(key) is not None])
+    names = sorted({name for t in scored.values() for name in t.get("parts", {})})
+    overall["parts"] = {name: _mean([t["parts"][name] for t in scored.values() if name in t.get("parts", {})])
+                        for name in names}
     overall["apply_failures"] = sum(t["apply_failures"] for t in tasks.values())
     overall["infra_failures"] = sum(t["infra_failures"] for t in tasks.values())
     overall["tampered"] = sum(t.get("tampered", 0) for t in tasks.values())

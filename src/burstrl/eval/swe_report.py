@@ -6,7 +6,7 @@ reads or pastes into docs/benchmarks.md; the PNG shows the pass@k curve and, acr
 the training curve.
 
 A results dict holds: "records" (AttemptRecord dicts), "summary" (from `passk.summarize`),
-"config" (free-form: model, tasks file, attempts, ...), optionally "comparison" (from
+"config" (free-form: env, model, tasks, attempts, ...), optionally "comparison" (from
 `compare.compare_results`, this run as A), "compare_label" (what B was) and "curve" (a list of
 {"step", "pass@1", "f2p", "strict"}, one per evaluated checkpoint).
 """
@@ -24,7 +24,8 @@ from burstrl.eval.report import _cell, _fmt
 RESULTS_FILE = "results.json"
 MARKDOWN_FILE = "report.md"
 PNG_FILE = "report.png"
-CURVE_METRICS = ("pass@1", "f2p", "strict")
+CURVE_METRICS = ("pass@1", "f2p", "strict", "reward")
+TEST_KEYS = ("f2p", "strict", "apply_failures")  # only for environments graded by tests (swe)
 
 
 def make_results(
@@ -70,10 +71,16 @@ def load_records(path: Path | str) -> list[AttemptRecord]:
 # ----- markdown ----------------------------------------------------------------------------
 
 
-def _overall_keys(overall: dict[str, Any]) -> list[str]:
-    return pass_keys(overall) + ["f2p", "strict", "reward", "n_tasks", "attempts", "resolved",
+def graded_by_tests(summary: dict[str, Any]) -> bool:
+    """Whether the records carry test scores (f2p, strict): swe's do, toy environments' do not."""
+    return any(t.get("f2p") is not None for t in summary["tasks"].values())
+
+
+def _overall_keys(overall: dict[str, Any], tests: bool = True) -> list[str]:
+    keys = pass_keys(overall) + ["f2p", "strict", "reward", "n_tasks", "attempts", "resolved",
                                  "apply_failures", "infra_failures", "tampered", "reset_files",
                                  "tasks_without_attempts"]
+    return keys if tests else [k for k in keys if k not in TEST_KEYS]
 
 
 def _overall_markdown(summary: dict[str, Any]) -> list[str]:
@@ -82,9 +89,12 @@ def _overall_markdown(summary: dict[str, Any]) -> list[str]:
     both = bool(summary.get("excluded"))
     header = "| metric | without excluded | all tasks |" if both else "| metric | value |"
     rows = [header, "|---|---|---|" if both else "|---|---|"]
-    for key in _overall_keys(full if both else kept):
+    for key in _overall_keys(full if both else kept, graded_by_tests(summary)):
         cells = [_fmt(kept.get(key))] + ([_fmt(full.get(key))] if both else [])
         rows.append(f"| {key} | " + " | ".join(cells) + " |")
+    for name in (full if both else kept).get("parts") or {}:  # the reward's named parts, mean over tasks
+        cells = [_fmt((kept.get("parts") or {}).get(name))] + ([_fmt(full["parts"].get(name))] if both else [])
+        rows.append(f"| part: {_cell(name)} | " + " | ".join(cells) + " |")
     return rows
 
 
@@ -93,13 +103,15 @@ def _task_markdown(summary: dict[str, Any]) -> list[str]:
     if not tasks:
         return ["No tasks."]
     keys = sorted({k for t in tasks.values() for k in pass_keys(t)}, key=lambda s: int(s[5:]))
-    cols = ["n", "c"] + keys + ["f2p", "strict", "apply fail", "infra fail", "tampered", "reset files"]
+    tests = graded_by_tests(summary)
+    cols = ["n", "c"] + keys + (["f2p", "strict", "apply fail"] if tests else ["reward"])
+    cols += ["infra fail", "tampered", "reset files"]
     rows = ["| task | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for tid, t in tasks.items():
         name = f"{_cell(tid)} (excluded)" if t.get("excluded") else _cell(tid)
         cells = [t["n"], t["c"]] + [t.get(k) for k in keys]
-        cells += [t.get("f2p"), t.get("strict"), t["apply_failures"], t["infra_failures"], t.get("tampered", 0),
-                  t.get("reset_files", 0)]
+        cells += [t.get("f2p"), t.get("strict"), t["apply_failures"]] if tests else [t.get("reward")]
+        cells += [t["infra_failures"], t.get("tampered", 0), t.get("reset_files", 0)]
         rows.append(f"| {name} | " + " | ".join(_fmt(c) for c in cells) + " |")
     return rows
 
@@ -130,22 +142,30 @@ def _comparison_markdown(comparison: dict[str, Any], label: str) -> list[str]:
     return rows
 
 
+def _curve_metrics(curve: list[dict[str, Any]]) -> list[str]:
+    """The curve's metrics that some point has (no f2p / strict without test grading)."""
+    return [k for k in CURVE_METRICS if any(p.get(k) is not None for p in curve)]
+
+
 def _curve_markdown(curve: list[dict[str, Any]]) -> list[str]:
-    rows = ["| step | " + " | ".join(CURVE_METRICS) + " |", "|---" * (len(CURVE_METRICS) + 1) + "|"]
+    metrics = _curve_metrics(curve)
+    rows = ["| step | " + " | ".join(metrics) + " |", "|---" * (len(metrics) + 1) + "|"]
     for point in curve:
-        rows.append(f"| {point.get('step')} | " + " | ".join(_fmt(point.get(k)) for k in CURVE_METRICS) + " |")
+        rows.append(f"| {point.get('step')} | " + " | ".join(_fmt(point.get(k)) for k in metrics) + " |")
     return rows
 
 
 def render_eval_markdown(results: dict[str, Any], png_name: str) -> str:
     """The report: config, overall scores, comparison, checkpoint curve, per-task scores, plot."""
     summary = results["summary"]
-    lines = ["# Evaluation report", ""]
+    env = (results.get("config") or {}).get("env")
+    lines = [f"# Evaluation report: {_cell(env)}" if env else "# Evaluation report", ""]
     for key, value in (results.get("config") or {}).items():
         lines.append(f"- {_cell(key)}: `{_cell(value)}`")
     lines += ["", "## Overall", "",
-              "Means over tasks. Infra failures are retried and not counted in n; "
-              "apply failures count as unresolved.", ""]
+              "Means over tasks. Infra failures are retried and not counted in n"
+              + ("; apply failures count as unresolved." if graded_by_tests(summary) else
+                 "; resolved = the environment's pass (Outcome.passed); `part:` rows are the reward's parts."), ""]
     if summary.get("excluded"):
         lines += [f"Excluded (flawed) tasks: {', '.join(_cell(t) for t in summary['excluded'])}", ""]
     lines += _overall_markdown(summary)
@@ -191,7 +211,7 @@ def _plot_passk(ax, results: dict[str, Any]) -> None:
 
 
 def _plot_curve(ax, curve: list[dict[str, Any]]) -> None:
-    for key in CURVE_METRICS:
+    for key in _curve_metrics(curve):
         pts = [(float(p["step"]), float(p[key])) for p in curve if p.get(key) is not None and "step" in p]
         ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", ms=3, label=key)
     ax.set_xlabel("checkpoint step")
@@ -216,7 +236,8 @@ def render_eval_plot(results: dict[str, Any], path: Path) -> None:
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(loc="lower right", fontsize=8)
-    fig.suptitle("burstrl eval")
+    env = (results.get("config") or {}).get("env")
+    fig.suptitle(f"burstrl eval: {env}" if env else "burstrl eval")
     fig.savefig(path, dpi=100)
 
 
