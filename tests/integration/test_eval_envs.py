@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 
 def burstrl(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", "from burstrl.cli import main; main()", *args],
-                          capture_output=True, text=True, timeout=300)
+                          check=False, capture_output=True, text=True, timeout=300)
 
 
 def eval_env(model: Path, env: str, out: Path, *extra: str) -> dict:

@@ -80,7 +80,7 @@ def test_compare_of_toy_evaluations_pairs_pass_and_reward() -> None:
 
 def burstrl(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", "from burstrl.cli import main; main()", *args],
-                          capture_output=True, text=True, timeout=120)
+                          check=False, capture_output=True, text=True, timeout=120)
 
 
 @pytest.mark.parametrize(("args", "message"), [
