@@ -62,3 +62,15 @@ def test_eval_toy_multi(tiny_model_dir: Path, tmp_path: Path) -> None:
     results = eval_env(tiny_model_dir, "toy_multi", tmp_path / "m", "--difficulty", "2")
     check_results(results, "toy_multi", "toymt-test-d2-")
     assert "# Evaluation report: toy_multi" in (tmp_path / "m" / "report.md").read_text()
+
+
+def test_eval_toy_curve_over_a_runs_checkpoints(tiny_model_dir: Path, adapters: dict[str, Path],
+                                                tmp_path: Path) -> None:
+    for step, name in ((5, "policy-v1"), (10, "policy-v2")):
+        (tmp_path / "run" / "checkpoints" / f"step-{step}").mkdir(parents=True)
+        (tmp_path / "run" / "checkpoints" / f"step-{step}" / "adapter").symlink_to(adapters[name])
+    results = eval_env(tiny_model_dir, "toy", tmp_path / "c", "--run", str(tmp_path / "run"), "--every", "5")
+    assert [p["step"] for p in results["curve"]] == [5, 10] and results["config"]["version"] == "step-10"
+    assert all(p["pass@1"] is not None and p["reward"] is not None and p["f2p"] is None for p in results["curve"])
+    md = (tmp_path / "c" / "report.md").read_text()
+    assert "## Checkpoints" in md and "| step | pass@1 | reward |" in md
