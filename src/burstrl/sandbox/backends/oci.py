@@ -87,10 +87,7 @@ class OciBackend:
             hand_over([path / "work", *([run] if self.gvisor else [])], self.uid, self.gid)
         cid = f"burstrl-{sid}"
         config = bundle_config(path, base, spec, cgroup_name(self.state_dir, sid), self.uid, self.gid,
-                               socket_dir=self.gvisor, image_env=state.get("image_env", {}))
-        if self.gvisor:  # the sentry answers clone3 with EPERM, not the rule's ENOSYS: no thread could start
-            rules = config["linux"]["seccomp"]["syscalls"]
-            config["linux"]["seccomp"]["syscalls"] = [r for r in rules if r["names"] not in (["clone"], ["clone3"])]
+                               gvisor=self.gvisor, image_env=state.get("image_env", {}))
         (path / "config.json").write_text(json.dumps(config, indent=1))
         delete = self._cmd("delete", "--force", cid)
         write_owner(path, cleanup_argv=delete, cgroups=state["cgroups"])
@@ -211,13 +208,13 @@ def sweep_orphan_cgroups(state_dir: Path) -> list[str]:
 
 
 def bundle_config(path: Path, base: Path | None, spec: SandboxSpec, cgroup: str, uid: int | None = None,
-                  gid: int | None = None, socket_dir: bool = False,
+                  gid: int | None = None, gvisor: bool = False,
                   image_env: dict[str, str] | None = None) -> dict[str, Any]:
     """config.json per the OCI runtime spec 1.0: root read-only, no capabilities, new pid, net,
     ipc, uts, mount and cgroup namespaces, the base bound read-only onto empty mount points, the
     host's secrets masked, the seccomp deny list, the daemon as pid 1 as `uid` (0 only where we
-    are not root). With
-    `socket_dir` the daemon makes its socket in the bound socket dir; else it gets fds 3 and 4."""
+    are not root). For `gvisor` (runsc cannot pass fds) the daemon makes its socket in the bound
+    socket dir, else it gets fds 3 and 4; and runsc gets the seccomp list without clone rules."""
     rootfs = path / "rootfs"
     rootfs.mkdir()
     mounts = _base_mounts(rootfs, base)
@@ -235,7 +232,7 @@ def bundle_config(path: Path, base: Path | None, spec: SandboxSpec, cgroup: str,
          "options": ["rbind", "rw", "nosuid", "nodev"]},
         {"destination": CODE_MOUNT, "type": "bind", "source": str(src_dir()), "options": RO},
     ]
-    if socket_dir:
+    if gvisor:
         mounts.append({"destination": RUN_MOUNT, "type": "bind", "source": str(path / "run"),
                        "options": ["rbind", "rw", "nosuid", "nodev", "noexec"]})
     env = [f"{k}={v}" for k, v in sandbox_env(spec, image_env or {}).items()]
@@ -243,7 +240,7 @@ def bundle_config(path: Path, base: Path | None, spec: SandboxSpec, cgroup: str,
         "ociVersion": "1.0.2",
         # The daemon is pid 1: it reaps orphans, and signals from its commands do not reach it.
         "process": {"terminal": False, "user": {"uid": uid or 0, "gid": gid or 0},
-                    "args": daemon_argv(fds=None if socket_dir else FDS_INSIDE),
+                    "args": daemon_argv(fds=None if gvisor else FDS_INSIDE),
                     "env": env, "cwd": "/work", "noNewPrivileges": True,
                     "capabilities": {k: [] for k in ("bounding", "effective", "inheritable", "permitted", "ambient")},
                     "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 1024, "soft": 1024}]},
@@ -254,7 +251,7 @@ def bundle_config(path: Path, base: Path | None, spec: SandboxSpec, cgroup: str,
             "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount", "cgroup")],
             # Relative: nested under the runtime's own cgroup (ours), so a container's limits hold.
             "cgroupsPath": f"burstrl/{cgroup}",
-            "seccomp": seccomp.oci_profile(),
+            "seccomp": seccomp.oci_profile(clone_rules=not gvisor),
             "resources": _resources(spec),
             "maskedPaths": ["/proc/acpi", "/proc/asound", "/proc/kcore", "/proc/keys", "/proc/latency_stats",
                             "/proc/timer_list", "/proc/timer_stats", "/proc/sched_debug", "/sys/firmware",

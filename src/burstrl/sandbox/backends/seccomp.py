@@ -25,6 +25,7 @@ include/uapi/asm-generic/unistd.h) and are checked against the installed headers
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import platform
 import struct
@@ -131,6 +132,7 @@ def syscall_numbers(arch: str | None = None) -> dict[str, int]:
     return {n: table[n] for n in DENIED if n in table}
 
 
+@functools.cache  # bytes, made once per arch: every namespace sandbox start hands it to bwrap
 def bpf_program(arch: str | None = None) -> bytes:
     """The filter as a raw `struct sock_filter` array (8 bytes per instruction, little-endian).
 
@@ -166,11 +168,13 @@ def bpf_program(arch: str | None = None) -> bytes:
     return bytes(out)
 
 
-def oci_profile(arch: str | None = None) -> dict:
+def oci_profile(arch: str | None = None, clone_rules: bool = True) -> dict:
     """The OCI runtime-spec `linux.seccomp` object for the same policy (for runc/libseccomp).
 
     syscalls[0] is the EPERM deny list; later entries refuse clone3 (ENOSYS) and clone with a
-    CLONE_NEW* flag (one rule per flag: libseccomp has no "masked != 0" operator).
+    CLONE_NEW* flag (one rule per flag: libseccomp has no "masked != 0" operator). Without
+    `clone_rules` (runsc: its sentry answers the clone3 rule with EPERM, not ENOSYS, so no thread
+    could start) only the deny list; a namespace made inside gVisor is gVisor's, not the host's.
     """
     _, (table, _, _, oci_arches) = _resolve(arch)
     ns_bits = [1 << b for b in range(32) if CLONE_NS_FLAGS >> b & 1]
@@ -180,11 +184,11 @@ def oci_profile(arch: str | None = None) -> dict:
         "syscalls": [
             {"names": [n for n in DENIED if n in table], "action": "SCMP_ACT_ERRNO",
              "errnoRet": errno.EPERM},
-            {"names": [n for n in ENOSYS_DENIED if n in table], "action": "SCMP_ACT_ERRNO",
-             "errnoRet": errno.ENOSYS},
+            *([{"names": [n for n in ENOSYS_DENIED if n in table], "action": "SCMP_ACT_ERRNO",
+                "errnoRet": errno.ENOSYS}] if clone_rules else []),
             *({"names": ["clone"], "action": "SCMP_ACT_ERRNO", "errnoRet": errno.EPERM,
                "args": [{"index": 0, "value": bit, "valueTwo": bit, "op": "SCMP_CMP_MASKED_EQ"}]}
-              for bit in ns_bits),
+              for bit in (ns_bits if clone_rules else [])),
         ],
     }
 
