@@ -31,7 +31,7 @@ def test_toy_swe_config_runs_through_sandboxes_and_grading(tmp_path: Path, tiny_
                       "--orchestrator.swe.max_turns", "2", "--fleet.on_demand", "0")
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert len((run_dir / "swe-tasks" / "tasks.jsonl").read_text().splitlines()) == 6
+    assert len((run_dir / "swe-tasks" / "tasks.jsonl").read_text().splitlines()) == 3  # difficulty 0 only
     audit(run_dir, 2, batch_groups=2, group_size=2)
     with sqlite3.connect(run_dir / "store.sqlite") as c:
         rows = c.execute("SELECT r.turns, r.reward_parts, g.task_id FROM rollouts r "

@@ -129,21 +129,20 @@ def test_task_file_round_trips(tmp_path: Path) -> None:
 
 
 def test_difficulty_0_states_the_fix_and_one_command_submits_it(tmp_path: Path) -> None:
-    """Level 0 (a curriculum's start): the statement carries the edit as Python literals, and the
-    demonstration's single command, copied from them, fixes, commits and prints the sentinel."""
-    import ast
+    """Level 0 (a curriculum's start): the statement names the line, file and fragments, and the
+    demonstration's single command, a sed copied from them, fixes, commits and prints the sentinel."""
+    import re
 
     from burstrl.envs.swe.agent import SUBMIT_SENTINEL
     from burstrl.envs.swe.demos import demonstration_chat
 
     task = make_task(tmp_path / "gen", 0, seed=3, difficulty=0, split="test")
-    [edit] = task.extra["fix"]
-    line = next(x for x in task.problem_statement.splitlines() if x.startswith("The fix: in "))
-    file_lit, rest = line.removeprefix("The fix: in ").split(", replace ", 1)
-    before_lit, after_lit = rest.removesuffix(".").split(" with ", 1)
-    assert [ast.literal_eval(x) for x in (file_lit, before_lit, after_lit)] == [edit["file"], edit["before"], edit["after"]]
+    edit = task.extra["line_edit"]
+    line = next(x for x in task.problem_statement.splitlines() if x.startswith("The fix: "))
+    m = re.fullmatch(r"The fix: on line (\d+) of (\S+), replace `(.+)` with `(.+)`\.", line)
+    assert m and m.groups() == (str(edit["line"]), edit["file"], edit["before"], edit["after"])
     [cmd] = demonstration_commands(task)
-    assert before_lit in cmd and after_lit in cmd
+    assert cmd.startswith(f"sed -i '{edit['line']}s/{edit['before']}/{edit['after']}/' {edit['file']} && ")
     repo = tmp_path / "repo"
     export_base(task, repo)
     proc = _bash(cmd, repo)
@@ -151,3 +150,18 @@ def test_difficulty_0_states_the_fix_and_one_command_submits_it(tmp_path: Path) 
     assert _bash(f"{task.test_cmd} {' '.join(task.FAIL_TO_PASS + task.PASS_TO_PASS)}", repo).returncode == 0
     chat = demonstration_chat(task)
     assert [m["role"] for m in chat] == ["system", "user", "assistant", "user"]  # no second submit turn
+
+
+def test_line_edit_finds_a_unique_sed_safe_fragment() -> None:
+    """The stated fragment is whole words, widened until it occurs once in the line; sed-unsafe
+    characters or a change over several lines give no level-0 edit."""
+    from burstrl.envs.swe.toygen import line_edit
+
+    buggy = "def f(a, b):\n    if a < b and b < 9:\n        return a\n"
+    fixed = "def f(a, b):\n    if a <= b and b < 9:\n        return a\n"
+    assert line_edit(buggy, fixed) == {"line": 2, "before": "a < b", "after": "a <= b"}
+    assert line_edit("x = y + 1\n", "x = y - 1\n") == {"line": 1, "before": "+", "after": "-"}
+    assert line_edit("x = s.a + 1\n", "x = s.a - 1\n") == {"line": 1, "before": "+", "after": "-"}
+    assert line_edit("x = s.a\n", "x = s.b\n") is None  # '.' is a regex character
+    assert line_edit("a\nb\n", "c\nd\n") is None
+    assert line_edit("a\n", "a\nb\n") is None

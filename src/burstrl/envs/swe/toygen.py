@@ -9,9 +9,9 @@ are computed by running the tests with and without the bugs; a bug that fails no
 kept. The task's repository has two commits: `base` (buggy) and `fix`; `patch` is their diff,
 `test_patch` is "" (the failing tests are in the repo, as in SWE-smith).
 
-Difficulty: level 0 = one bug in a tested function, and the problem statement says where and what
-to replace (the fix is one copied edit and a commit: a task family a tiny model can learn, the
-start of a curriculum); 1 = the same bug with only its symptom; 2 = one bug in a private helper reached only
+Difficulty: level 0 = one single-line bug in a tested function, and the problem statement gives
+the line, the file and the short fragment to replace (the fix is one `sed` edit copied from it and
+a commit: a task family a tiny model can learn, the start of a curriculum); 1 = the same bug with only its symptom; 2 = one bug in a private helper reached only
 through a wrapper (the failing test names the wrapper, the bug is one call away, in another
 module); 3 = two bugs at that distance; 4 = three bugs two calls away. Splits: "train" and "test"
 use different seed streams, word lists and function templates (`toytemplates`).
@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import copy
 import difflib
+import os
 import random
+import re
 import shutil
 import subprocess
 from dataclasses import dataclass, field
@@ -35,6 +37,9 @@ from burstrl.envs.swe.toybugs import apply_bug, bug_sites, run_cases
 from burstrl.envs.swe.toytemplates import Func, make_module
 
 TEST_CMD = "python3 -m unittest -v"
+# Characters a level-0 fragment may not hold, so that `sed -i 'Ns/BEFORE/AFTER/' FILE` copied
+# verbatim from the statement is exact: regex and replacement specials, the delimiter, the quote.
+SED_UNSAFE = set("/\\&.*[]^$'\n")
 LEVELS = {0: (1, 1), 1: (1, 1), 2: (1, 2), 3: (2, 2), 4: (3, 3)}  # difficulty -> (bugs, call depth)
 MAX_ATTEMPTS = 30
 
@@ -128,9 +133,45 @@ def fix_edits(buggy: str, fixed: str) -> list[tuple[str, str]]:
     return edits
 
 
-def _problem_statement(cand: Candidate, located: list[dict[str, str]] | None = None) -> str:
+def line_edit(buggy: str, fixed: str) -> dict[str, Any] | None:
+    """The fix as one sed substitution on one line: {"line", "before", "after"}, or None.
+
+    None when the texts differ in more than one line or no sed-safe fragment is unique in the line.
+    The fragment is the changed span widened to whole space-separated words, then by one word at a
+    time until it occurs once in the line (sed replaces the first match).
+    """
+    a, b = buggy.splitlines(), fixed.splitlines()
+    if len(a) != len(b):
+        return None
+    diff = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
+    if len(diff) != 1:
+        return None
+    old, new = a[diff[0]], b[diff[0]]
+    pre = len(os.path.commonprefix([old, new]))
+    hi = len(old) - len(os.path.commonprefix([old[pre:][::-1], new[pre:][::-1]]))
+    words = [m.span() for m in re.finditer(r"\S+", old)]
+    i = min(k for k, (_, e) in enumerate(words) if e >= pre)
+    j = max(k for k, (s, _) in enumerate(words) if s <= max(hi, pre))
+    while True:
+        lo, up = words[i][0], words[j][1]
+        before, after = old[lo:up], new[lo:up + len(new) - len(old)]
+        if old.count(before) == 1:
+            break
+        if i == 0 and j == len(words) - 1:
+            return None
+        i, j = max(i - 1, 0), min(j + 1, len(words) - 1)
+    if SED_UNSAFE & set(before + after):
+        return None
+    return {"line": diff[0] + 1, "before": before, "after": after}
+
+
+def sed_command(file: str, edit: dict[str, Any]) -> str:
+    return f"sed -i '{edit['line']}s/{edit['before']}/{edit['after']}/' {file}"
+
+
+def _problem_statement(cand: Candidate, located: dict[str, Any] | None = None) -> str:
     """One symptom per bug: the public function, an input, expected vs actual; never the fix,
-    except at difficulty 0, where `located` (the fix's edits) is spelled out as Python literals."""
+    except at difficulty 0, where `located` (the line edit) names the line, file and fragments."""
     lines = []
     for bug in cand.bugs:
         case = bug["failing"][0]
@@ -141,8 +182,9 @@ def _problem_statement(cand: Candidate, located: list[dict[str, str]] | None = N
         "Several functions of this package give wrong results:"
     text = (f"{head}\n\n" + "\n".join(lines) + "\n\nThe library code is wrong, not the tests. "
             f"Run `{TEST_CMD}` to see the failures.\n")
-    for edit in located or []:
-        text += f"\nThe fix: in {edit['file']!r}, replace {edit['before']!r} with {edit['after']!r}.\n"
+    if located:
+        text += (f"\nThe fix: on line {located['line']} of {located['file']}, replace `{located['before']}` "
+                 f"with `{located['after']}`.\n")
     return text
 
 
@@ -168,6 +210,13 @@ def _commit_candidate(repo: Path, cand: Candidate) -> dict[str, Any]:
     }
 
 
+def _located(cand: Candidate) -> dict[str, Any] | None:
+    """Level 0's stated fix: the one buggy file's line edit with its path, if sed can express it."""
+    [path] = cand.buggy
+    edit = line_edit(cand.buggy[path], cand.files[path])
+    return {"file": path, **edit} if edit else None
+
+
 def make_task(out_dir: Path, index: int, seed: int = 0, difficulty: int = 1, split: str = "train") -> SweTask:
     """The `index`-th toy task of (seed, difficulty, split); its repo goes to OUT/repos/ID."""
     if split not in ("train", "test"):
@@ -177,7 +226,8 @@ def make_task(out_dir: Path, index: int, seed: int = 0, difficulty: int = 1, spl
     repo = (Path(out_dir) / "repos" / iid).resolve()
     for _ in range(MAX_ATTEMPTS):
         cand = _candidate(rng, split, difficulty)
-        if cand is None:
+        located = _located(cand) if cand is not None and difficulty == 0 else None
+        if cand is None or (difficulty == 0 and located is None):
             continue
         fields = _commit_candidate(repo, cand)
         if fields["FAIL_TO_PASS"]:
@@ -186,7 +236,7 @@ def make_task(out_dir: Path, index: int, seed: int = 0, difficulty: int = 1, spl
         raise RuntimeError(f"toygen: no usable candidate for {iid} in {MAX_ATTEMPTS} attempts")
     edits = [{"file": p, "before": b, "after": a} for p in sorted(cand.buggy)
              for b, a in fix_edits(cand.buggy[p], cand.files[p])]
-    statement = _problem_statement(cand, edits if difficulty == 0 else None)
+    statement = _problem_statement(cand, located)
     n_bugs, depth = level(difficulty)
     bugs = [{k: v for k, v in b.items() if k not in ("node", "failing")} for b in cand.bugs]
     return SweTask(
@@ -195,7 +245,8 @@ def make_task(out_dir: Path, index: int, seed: int = 0, difficulty: int = 1, spl
         PASS_TO_PASS=fields["PASS_TO_PASS"], patch=fields["patch"], test_patch="", version="toy-1",
         difficulty=difficulty, test_cmd=TEST_CMD,
         extra={"split": split, "seed": seed, "index": index, "bugs": bugs, "depth": depth,
-               "n_bugs": n_bugs, "fix": edits, "fix_commit": fields["fix_commit"], "package": cand.pkg},
+               "n_bugs": n_bugs, "fix": edits, "fix_commit": fields["fix_commit"], "package": cand.pkg,
+               **({"line_edit": located} if located else {})},
     )
 
 
@@ -217,13 +268,12 @@ def _edit_command(edit: dict[str, str]) -> str:
 
 
 def located_fix_command(task: SweTask) -> str:
-    """Difficulty 0's whole answer in one command: the stated edits (copied from the problem
-    statement's literals), the commit and the submit sentinel."""
+    """Difficulty 0's whole answer in one command: the stated sed edit (copied from the problem
+    statement), the commit and the submit sentinel."""
     from burstrl.envs.swe.agent import SUBMIT_COMMAND
 
-    edits = "".join(f"p = Path({e['file']!r})\np.write_text(p.read_text().replace({e['before']!r}, {e['after']!r}))\n"
-                    for e in task.extra["fix"])
-    return f"python3 - <<'EOF'\nfrom pathlib import Path\n{edits}EOF\ngit commit -q -am fix && {SUBMIT_COMMAND}"
+    edit = task.extra["line_edit"]
+    return f"{sed_command(edit['file'], edit)} && git commit -qam fix && {SUBMIT_COMMAND}"
 
 
 def demonstration_commands(task: SweTask, explore: bool = True) -> list[str]:
