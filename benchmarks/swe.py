@@ -1,17 +1,19 @@
 """Agentic coding on toy tasks: held-out scores before and after RL, and grading throughput.
 
 In one invocation on this machine:
-1. held-out tasks: `burstrl tasks make-toy` on the test split (templates and words the training
-   split never uses), checked with `burstrl tasks check`;
+1. held-out tasks: `burstrl tasks make-toy` of difficulty 0 (the statement gives the line, file
+   and fragment; the fix is one copied `sed` and a commit) from a seed no training task uses
+   (`--seed`), checked with `burstrl tasks check`; with `--split test` also templates and words
+   the training split never uses;
 2. before: `burstrl eval` of the warm-started tiny model (SFT on the generator's demonstration
-   trajectories), K attempts per task;
+   trajectories), K attempts per task at the RL sampling temperature;
 3. RL: `burstrl run examples/toy-swe.toml` from that model;
 4. after: `burstrl eval` of the run's last adapter with `--compare` against (2): the paired
-   bootstrap interval of the lift per metric;
+   bootstrap interval of the lift per metric (resampling tasks);
 5. grading throughput: attempts graded per minute with N = 1, 4, 8 sandboxes at once, gold and
    empty patches alternating.
 
-    .venv/bin/python benchmarks/swe.py                 # 24 tasks x 4 attempts, 20 RL steps; ~20 min
+    .venv/bin/python benchmarks/swe.py                 # 40 tasks x 4 attempts, 20 RL steps
     .venv/bin/python benchmarks/swe.py --quick         # 6 tasks x 2 attempts, 3 RL steps
 """
 
@@ -62,9 +64,17 @@ def throughput(root: Path, n_tasks: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tasks", type=int, default=24)
+    parser.add_argument("--tasks", type=int, default=40)
     parser.add_argument("--attempts", type=int, default=4)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--seed", type=int, default=7, help="Seed of the held-out tasks (training uses 0, the "
+                        "warm start 1000 and 2000).")
+    parser.add_argument("--split", default="train", help="train: unseen tasks of the training templates and "
+                        "words; test: other templates and words too.")
+    parser.add_argument("--difficulty", type=int, default=0)
+    parser.add_argument("--temperature", type=float, default=0.7, help="Sampling temperature of both evals "
+                        "(the RL run's, examples/toy-swe.toml).")
+    parser.add_argument("--no-throughput", action="store_true")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     if args.quick:
@@ -74,10 +84,12 @@ def main() -> None:
     t0 = time.monotonic()
     model = quickstart_swe_model()
     result: dict = {"model": str(model), "warm_start_s": round(time.monotonic() - t0, 1), "tasks": args.tasks,
-                    "attempts": args.attempts, "rl_steps": args.steps}
+                    "attempts": args.attempts, "rl_steps": args.steps, "seed": args.seed, "split": args.split,
+                    "difficulty": args.difficulty, "temperature": args.temperature}
     with tempfile.TemporaryDirectory(prefix="bench-swe-") as tmp:
         root = Path(tmp)
-        burstrl("tasks", "make-toy", str(root / "test"), "--n", str(args.tasks), "--split", "test")
+        burstrl("tasks", "make-toy", str(root / "test"), "--n", str(args.tasks), "--split", args.split, "--seed",
+                str(args.seed), "--difficulty", str(args.difficulty))
         tasks = root / "test" / "tasks.jsonl"
         # exit 1 just means some task is flawed: those ids are excluded below
         subprocess.run([sys.executable, "-c", "from burstrl.cli import main; main()", "tasks", "check", str(tasks),
@@ -85,7 +97,8 @@ def main() -> None:
         flawed = root / "flawed.txt"
         result["flawed_tasks"] = len(flawed.read_text().split()) if flawed.exists() else 0
         exclude = ["--exclude", str(flawed)] if result["flawed_tasks"] else []
-        evals = ["--model", str(model), "--tasks", str(tasks), "--attempts", str(args.attempts), *exclude]
+        evals = ["--model", str(model), "--tasks", str(tasks), "--attempts", str(args.attempts), "--temperature",
+                 str(args.temperature), *exclude]
         burstrl("eval", *evals, "--out", str(root / "before"))
         result["before"] = overall(root / "before")
         t1 = time.monotonic()
@@ -98,7 +111,9 @@ def main() -> None:
         adapter = root / "run" / "adapters" / f"policy-v{args.steps}"
         burstrl("eval", *evals, "--adapter", str(adapter), "--out", str(root / "after"), "--compare", str(root / "before"))
         result["after"] = overall(root / "after")
-        result["grading_per_minute"] = throughput(root, 16 if args.quick else 48)
+        result["rl_reward_by_step"] = [round(m["reward_mean"], 3) for m in metrics]
+        if not args.no_throughput:
+            result["grading_per_minute"] = throughput(root, 16 if args.quick else 48)
     print(json.dumps(result))
 
 
