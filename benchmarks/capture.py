@@ -42,8 +42,8 @@ from urllib.parse import urlparse
 
 import httpx
 
-from burstrl.inference.process import start_replica
 from burstrl.model.tiny import ensure_tiny_model
+from burstrl.protocol.process import start_replica
 
 sys.path.insert(0, str(Path(__file__).parent))
 from netdelay import DelayRelay

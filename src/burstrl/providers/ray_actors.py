@@ -26,7 +26,7 @@ from pathlib import Path
 
 import ray
 
-from burstrl.inference.process import die_with_parent_signal
+from burstrl.protocol.process import die_with_parent_signal
 
 
 @dataclass
