@@ -1,9 +1,10 @@
 """How a role's process is started, says where it listens, and is stopped (its whole process group).
 
 Both sides of one hand-off live here: the child binds its own socket (`bind_socket`, so `--port 0`
-works) and prints one JSON ready line with its URL (`print_ready`); the parent (`start_role`: tests,
-examples, the local provider) waits for that line to learn where the child listens. Providers and
-the trainer launcher also use `die_with_parent_signal`, so children die with a launcher killed -9.
+works) and prints one JSON ready line with its URL (`print_ready`); the parent (`start_role` for
+tests, examples and the local provider; the Ray actors) reads it (`ready_url`) to learn where the
+child listens. Providers and the trainer launcher also use `die_with_parent_signal`, so children
+die with a launcher killed -9.
 """
 
 from __future__ import annotations
@@ -112,11 +113,9 @@ def _wait_ready(proc: subprocess.Popen, log: Path, timeout: float) -> str:
         if proc.poll() is not None:
             raise RuntimeError(f"{proc.args[3:5]} exited with {proc.returncode}; log {log}:\n{log.read_text()[-3000:]}")
         if sel.select(timeout=0.5):
-            line = proc.stdout.readline()
-            if line.startswith("{"):
-                event = json.loads(line)
-                if event.get("event") == "ready":
-                    return event["url"]
+            url = ready_url(proc.stdout.readline())
+            if url is not None:
+                return url
     raise RuntimeError(f"{proc.args[3:5]} not ready after {timeout:.0f}s; log {log}:\n{log.read_text()[-3000:]}")
 
 
@@ -142,6 +141,14 @@ def socket_url(sock: socket.socket, tls: bool = False) -> str:
 def print_ready(url: str) -> None:
     """The ready line `start_role` waits for: one JSON object on stdout, once the server listens."""
     print(json.dumps({"event": "ready", "url": url, "pid": os.getpid()}), flush=True)
+
+
+def ready_url(line: str) -> str | None:
+    """The URL a ready line announces; None for any other line of a child's stdout."""
+    if not line.startswith("{"):
+        return None
+    event = json.loads(line)
+    return event["url"] if event.get("event") == "ready" else None
 
 
 def die_with_parent_signal() -> None:
