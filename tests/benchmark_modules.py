@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -20,5 +21,6 @@ def load_benchmark(name: str) -> ModuleType:
     spec = importlib.util.spec_from_file_location(f"benchmark_{name}", BENCHMARKS / f"{name}.py")
     assert spec is not None and spec.loader is not None, name
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there while it runs
     spec.loader.exec_module(module)
     return module
