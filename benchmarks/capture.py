@@ -42,8 +42,8 @@ from urllib.parse import urlparse
 
 import httpx
 
-from burstrl.inference.process import start_replica
 from burstrl.model.tiny import ensure_tiny_model
+from burstrl.protocol.process import ready_url, start_replica
 
 sys.path.insert(0, str(Path(__file__).parent))
 from netdelay import DelayRelay
@@ -101,8 +101,9 @@ def start_child(cmd: list[str], log: Path) -> Child:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
     child = Child("", proc)
     for line in proc.stdout:  # ends ("") if the child dies; its log says why
-        if line.startswith("{") and json.loads(line).get("event") == "ready":
-            child.url = json.loads(line)["url"]
+        url = ready_url(line)
+        if url is not None:
+            child.url = url
             return child
     child.stop()
     raise RuntimeError(f"{cmd[1:3]} did not start; log {log}:\n{log.read_text()[-2000:]}")

@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -34,7 +32,9 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-SESSION_HEADERS = ("x-session-id", "x-smg-routing-key", "x-dynamo-session-id")
+from burstrl.protocol.http import SESSION_HEADERS
+from burstrl.protocol.process import bind_socket, print_ready, socket_url
+
 FORWARD_HEADERS = (*SESSION_HEADERS, "authorization")
 
 
@@ -124,16 +124,9 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
     args = parser.parse_args()
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((args.host, args.port))
-    sock.listen(1024)
-    url = f"http://{args.host}:{sock.getsockname()[1]}"
-
-    def ready() -> None:
-        print(json.dumps({"event": "ready", "url": url, "pid": os.getpid()}), flush=True)
-
-    config = uvicorn.Config(build_app(args.upstream.rstrip("/"), ready), log_level="warning")
+    sock = bind_socket(args.host, args.port)
+    url = socket_url(sock)
+    config = uvicorn.Config(build_app(args.upstream.rstrip("/"), lambda: print_ready(url)), log_level="warning")
     uvicorn.Server(config).run(sockets=[sock])
 
 

@@ -47,7 +47,7 @@ import torch
 
 from burstrl.config import EngineConfig, ModelConfig, ServeConfig, ServerConfig
 from burstrl.inference.engine import Request, default_threads
-from burstrl.inference.kvcache import DecodeBatch, PrefillAttention, SessionKV
+from burstrl.inference.kvcache import DecodeBatch, PackedPrefillAttention, SessionKV
 from burstrl.inference.replica import Replica, build_replica
 from burstrl.inference.runner import ModelRunner
 from burstrl.inference.sampling import SamplingParams
@@ -288,7 +288,7 @@ def bare_runner(runner: ModelRunner, prompts: list[list[int]], new_tokens: int) 
     first = []
     for p in prompts:
         kv = SessionKV(r.num_layers, r.num_kv_heads, r.head_dim, r.dtype, r.device, len(p) + new_tokens + 1)
-        attention = PrefillAttention(kv, len(p), r.scaling)
+        attention = PackedPrefillAttention([kv], [len(p)], r.scaling)
         positions = torch.arange(len(p), device=r.device)[None]
         logits = r.forward(torch.tensor([p], device=r.device), positions, attention)
         attention.commit()

@@ -35,8 +35,8 @@ from pathlib import Path
 
 import httpx
 
-from burstrl.inference import process
-from burstrl.inference.process import RoleProcess, start_replica
+from burstrl.protocol import process
+from burstrl.protocol.process import RoleProcess, start_replica
 from burstrl.router.sim import (
     PoolSpec,
     Simulator,

@@ -26,6 +26,7 @@ Prints one JSON object, then the comparison as a markdown table.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -37,6 +38,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
@@ -44,8 +46,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from burstrl.sandbox.backends import SandboxSpec, make_backend  # noqa: E402
 from burstrl.sandbox.backends.oci import runtime_works  # noqa: E402
-from burstrl.sandbox.images import build_image  # noqa: E402
-from burstrl.sandbox.layercache import LayerCache, unpack_benchmark  # noqa: E402
+from burstrl.sandbox.images import (  # noqa: E402
+    GZIP_LEVEL, LAYER_GZIP, LAYER_ZSTD, ZSTD_LEVEL, Descriptor, build_image, compressor, write_tree_tar,
+)
+from burstrl.sandbox.layercache import LayerCache, force_rmtree, unpack_blob  # noqa: E402
 from sandbox_client import BenchClient, burstrl_client, burstrl_exec_true  # noqa: E402
 from swerex_side import SwerexServer, execute_true, session_true  # noqa: E402
 
@@ -289,6 +293,44 @@ def concurrency(root: Path, sizes: list[int]) -> dict:
         out[str(n)] = {"start_ms": percentiles(ok) if ok else None, "failures": len(failures),
                        "first_failure": failures[0][:300] if failures else None, "wall_s": round(wall, 2)}
     return out
+
+
+def unpack_benchmark(src_dir: Path, repeats: int = 5, work: Path | None = None) -> dict[str, Any]:
+    """Time unpacking the same tar of `src_dir` as tar+zstd (level 3) vs tar+gzip (level 6).
+
+    End to end, as a node does on a cache miss: read the blob, decompress, verify the digest,
+    extract. Reports compressed bytes and the median of `repeats` runs for each.
+    """
+    work_dir = Path(tempfile.mkdtemp(prefix="unpack-bench-", dir=work))
+    try:
+        out: dict[str, Any] = {"src": str(src_dir), "repeats": repeats}
+        for kind, media_type, level in (("zstd", LAYER_ZSTD, ZSTD_LEVEL), ("gzip", LAYER_GZIP, GZIP_LEVEL)):
+            desc = _compress_tree(src_dir, work_dir / f"layer.{kind}", kind, media_type)
+            times = [_time_unpack(desc, work_dir / f"layer.{kind}", work_dir) for _ in range(repeats)]
+            out[kind] = {"level": level, "bytes": desc.size, "seconds": times,
+                         "median_s": statistics.median(times)}
+        out["zstd_vs_gzip_time_ratio"] = out["zstd"]["median_s"] / out["gzip"]["median_s"]
+        return out
+    finally:
+        force_rmtree(work_dir)
+
+
+def _compress_tree(src_dir: Path, blob: Path, kind: str, media_type: str) -> Descriptor:
+    with open(blob, "wb") as fh:
+        comp = compressor(kind, fh)
+        write_tree_tar(src_dir, "/", comp)
+        comp.close()
+    sha = hashlib.sha256(blob.read_bytes()).hexdigest()
+    return Descriptor(media_type, f"sha256:{sha}", blob.stat().st_size)
+
+
+def _time_unpack(desc: Descriptor, blob: Path, work_dir: Path) -> float:
+    target = Path(tempfile.mkdtemp(dir=work_dir))
+    start = time.perf_counter()
+    unpack_blob(desc, blob, target)
+    seconds = time.perf_counter() - start
+    force_rmtree(target)
+    return seconds
 
 
 def main() -> None:

@@ -42,8 +42,8 @@ from pathlib import Path
 
 import httpx
 
-from burstrl.inference.adapters import pack_adapter
-from burstrl.inference.process import RoleProcess, start_replica
+from burstrl.protocol.adapters import pack_adapter
+from burstrl.protocol.process import RoleProcess, start_replica
 from burstrl.weights.gc import unload_old
 from burstrl.weights.push import SEND_CHUNK, PushReport, ReplicaTarget, in_parallel, push_commit, send_shards
 from burstrl.weights.volume import gc, publish

@@ -14,9 +14,9 @@ from pathlib import Path
 import httpx
 from openai import OpenAI
 
-from burstrl.inference.process import start_replica
 from burstrl.model.lora import make_random_adapter
 from burstrl.model.tiny import ensure_tiny_model
+from burstrl.protocol.process import start_replica
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "demo-admin-token"

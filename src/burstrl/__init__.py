@@ -1,6 +1,6 @@
 """burstrl: asynchronous, elastic, fault-tolerant RL post-training for LLM agents.
 
-See DESIGN.md in the shared folder for the process roles and the contracts between them.
+See docs/architecture.md for the processes, the contracts between them and the package map.
 """
 
 __version__ = "0.1.0"

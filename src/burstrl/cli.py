@@ -358,7 +358,7 @@ def serve(
     cfg = _config(ServeConfig, ctx, [f"{key}={value}" for key, value in sugar.items() if value is not None])
     if dry_run:
         return _print_config(cfg)
-    from burstrl.inference.replica import serve as run_server
+    from burstrl.inference.server import serve as run_server
 
     run_server(cfg)
 

@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from burstrl.config import RouteConfig
-from burstrl.inference.process import RoleProcess
+from burstrl.protocol.process import RoleProcess
 from burstrl.router.server import Router, build_app
 
 from ..conftest import TINY_MODEL_DIR

@@ -8,7 +8,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from burstrl.inference.process import RoleProcess, start_replica
+from burstrl.protocol.process import RoleProcess, start_replica
 
 ADMIN_TOKEN = "test-admin-token"
 

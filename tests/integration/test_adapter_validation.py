@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from burstrl.inference.adapters import Manifest
+from burstrl.protocol.adapters import Manifest
 
 from .conftest import Server
 

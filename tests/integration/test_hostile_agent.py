@@ -26,8 +26,8 @@ from burstrl.envs.base import ChatClient, Outcome, Task
 from burstrl.envs.swe.agent import SUBMIT_COMMAND
 from burstrl.envs.swe.env import SweEnv
 from burstrl.envs.swe.task import SweTask
-from burstrl.inference import process
 from burstrl.orchestrator.loop import Orchestrator
+from burstrl.protocol import process
 from burstrl.sandbox.client import SandboxError
 from burstrl.store import RolloutStore
 

@@ -18,9 +18,9 @@ import pytest
 
 from burstrl.envs.base import ChatClient, Outcome, Task
 from burstrl.envs.toy_multi import MultiToyEnv
-from burstrl.inference import process
 from burstrl.orchestrator.attempt import run_attempt
 from burstrl.orchestrator.client import ReplicaFailure, VersionGone, assign
+from burstrl.protocol import process
 
 from .conftest import ADMIN_TOKEN, start_server, stop_server
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from burstrl.inference.adapters import pack_adapter
+from burstrl.protocol.adapters import pack_adapter
 
 from .conftest import Server
 

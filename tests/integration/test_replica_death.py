@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from burstrl.inference import process
+from burstrl.protocol import process
 
 from .conftest import ADMIN_TOKEN, start_server, stop_server
 

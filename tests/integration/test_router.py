@@ -22,8 +22,8 @@ import httpx
 import pytest
 from openai import APIError, OpenAI
 
-from burstrl.inference import process
-from burstrl.inference.process import RoleProcess
+from burstrl.protocol import process
+from burstrl.protocol.process import RoleProcess
 
 from .conftest import Server, start_server, stop_server
 

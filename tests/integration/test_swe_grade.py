@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from burstrl.envs.swe.grade import extract_patch, grade, grading_throughput, reward_of
+from burstrl.envs.swe.grade import extract_patch, grade, reward_of
 from burstrl.envs.swe.repo import BASE_TAG, commit_all, export_base, init_repo
 from burstrl.envs.swe.task import SweTask
 from burstrl.sandbox.pool import SandboxPool
+from tests.benchmark_modules import load_benchmark
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None,
                                 reason="bubblewrap (bwrap) is not installed: `make system-deps` as root")
@@ -242,6 +243,7 @@ def test_generated_toy_task_gold_resolves_and_empty_does_not(toy_tasks: list[Swe
 def test_grading_throughput_runs_in_parallel(toy_tasks: list[SweTask], pool: SandboxPool,
                                               task: SweTask, patches: dict[str, str]) -> None:
     tasks = [*toy_tasks, task, task]
-    stats = grading_throughput(tasks, [tasks[0].patch, "", task.patch, patches["breaks_mul"]], pool, n=4, timeout_s=60)
+    graded = [tasks[0].patch, "", task.patch, patches["breaks_mul"]]
+    stats = load_benchmark("swe").grading_throughput(tasks, graded, pool, n=4, timeout_s=60)
     assert stats["attempts"] == 4 and stats["resolved"] == 2 and stats["infra_errors"] == 0, stats
     assert stats["per_minute"] > 0

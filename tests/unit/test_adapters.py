@@ -10,8 +10,9 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from burstrl.inference.adapters import AdapterRegistry, Manifest, UploadError, pack_adapter
+from burstrl.inference.adapters import AdapterRegistry
 from burstrl.inference.lora import MLP_PROJ, AdapterError, load_adapter, module_shapes
+from burstrl.protocol.adapters import Manifest, UploadError, pack_adapter
 
 CPU = torch.device("cpu")
 LAYERS = 2

@@ -19,7 +19,7 @@ from burstrl.cli import app
 from burstrl.sandbox.images import (
     LAYER_GZIP, Descriptor, ImageError, blob_path, build_image, read_image, verify_image,
 )
-from burstrl.sandbox.layercache import LayerCache, unpack_benchmark
+from burstrl.sandbox.layercache import LayerCache
 
 
 def _tree(root: Path) -> Path:
@@ -222,8 +222,3 @@ def test_cli_build_and_inspect(tmp_path: Path) -> None:
     bad = runner.invoke(app, ["image", "inspect", str(tmp_path / "nope")])
     assert bad.exit_code == 2 and "OCI image layout" in bad.output
 
-
-def test_unpack_benchmark_reports_both_codecs(tmp_path: Path) -> None:
-    result = unpack_benchmark(_tree(tmp_path / "src"), repeats=2, work=tmp_path)
-    assert result["zstd"]["bytes"] > 0 and result["gzip"]["bytes"] > 0
-    assert len(result["zstd"]["seconds"]) == 2 and result["zstd_vs_gzip_time_ratio"] > 0

@@ -8,7 +8,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from burstrl.inference.kvcache import DecodeBatch, PrefillAttention, SessionKV
+from burstrl.inference.kvcache import DecodeBatch, PackedPrefillAttention, SessionKV
 from burstrl.inference.lora import AdapterError, LoraBatch, load_adapter
 from burstrl.inference.runner import ModelRunner, UnsupportedModel, causal_attention
 
@@ -55,7 +55,7 @@ def _new_kv(runner: ModelRunner) -> SessionKV:
 
 def _prefill(runner: ModelRunner, kv: SessionKV, ids: list[int], lora: LoraBatch | None = None,
              all_logits: bool = True) -> torch.Tensor:
-    att = PrefillAttention(kv, len(ids), runner.scaling)
+    att = PackedPrefillAttention([kv], [len(ids)], runner.scaling)
     positions = torch.arange(kv.length, kv.length + len(ids))[None]
     logits = runner.forward(torch.tensor([ids]), positions, att, lora, all_logits=all_logits)
     att.commit()
@@ -254,8 +254,6 @@ def test_mixed_lora_decode_batch_equals_rows_alone(qwen3, adapters):
 
 def test_packed_prefill_of_mixed_sessions_equals_each_alone(qwen3, adapters):
     """Three requests (different cached prefixes and versions) in one packed forward."""
-    from burstrl.inference.kvcache import PackedPrefillAttention
-
     runner = ModelRunner(qwen3)
     a, b = adapters["a"][2], adapters["b"][2]
     which = [a, None, b]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from burstrl.inference.adapters import ADAPTER_FILES as REPLICA_FILES
+from burstrl.protocol.adapters import ADAPTER_FILES as UPLOAD_FILES
 from burstrl.weights.volume import (ADAPTER_FILES, VersionCorrupt, VersionExists, gc, latest, publish,
                                     verify, versions)
 
@@ -25,8 +25,8 @@ def fake_adapter(path: Path, seed: int) -> Path:
     return path
 
 
-def test_file_names_match_the_replicas() -> None:
-    assert ADAPTER_FILES == REPLICA_FILES
+def test_file_names_match_the_uploads() -> None:
+    assert ADAPTER_FILES is UPLOAD_FILES
 
 
 def test_publish_is_atomic_with_a_manifest(tmp_path: Path) -> None:

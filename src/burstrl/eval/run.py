@@ -150,7 +150,7 @@ async def evaluate_version(url: str, version: str, tasks: list[Task], spec: Eval
 
 def run_eval(spec: EvalSpec, versions: list[str] | None = None) -> dict[str, list[dict[str, Any]]]:
     """Start a replica serving the base and `spec.adapters`, evaluate each version; records by version."""
-    from burstrl.inference.process import start_replica
+    from burstrl.protocol.process import start_replica
 
     spec.out.mkdir(parents=True, exist_ok=True)
     tasks = load_eval_tasks(spec)

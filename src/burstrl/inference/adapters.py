@@ -4,12 +4,13 @@ Why retire instead of unload: a rollout is pinned to the version it started on. 
 `policy-v3` while a session still uses it would strand that rollout, so an unloaded version stops
 taking new sessions at once and is freed when its last session is released.
 
-Sharded upload: the trainer ranks each `PUT` a byte range of the adapter directory packed as a tar
-(`/v1/adapters/{name}/shards/{i}?of={n}`), rank 0 `PUT`s a manifest with the sha256 of every shard
-and of the whole, and `POST .../commit` verifies everything and loads it. Nothing is served until
-all checks pass; a corrupt or incomplete upload is refused and its staging area deleted. An upload
-that is never committed (a trainer that died mid-push) is deleted once idle for `upload_ttl_s`, so
-abandoned shards cannot fill the replica's disk.
+Sharded upload (packing and manifest in `burstrl.protocol.adapters`): the trainer ranks each `PUT`
+a byte range of the adapter directory packed as a tar (`/v1/adapters/{name}/shards/{i}?of={n}`),
+rank 0 `PUT`s a manifest with the sha256 of every shard and of the whole, and `POST .../commit`
+verifies everything and loads it. Nothing is served until all checks pass; a corrupt or incomplete
+upload is refused and its staging area deleted. An upload that is never committed (a trainer that
+died mid-push) is deleted once idle for `upload_ttl_s`, so abandoned shards cannot fill the
+replica's disk.
 """
 
 from __future__ import annotations
@@ -23,75 +24,15 @@ import shutil
 import tarfile
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from burstrl.inference.lora import AdapterError, LoraAdapter, Shapes, load_adapter, module_shapes
+from burstrl.protocol.adapters import ADAPTER_FILES, MAX_SHARDS, Manifest, UploadError
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # used with fullmatch: no "..", no "\n"
-ADAPTER_FILES = {"adapter_config.json", "adapter_model.safetensors"}
-
-
-class UploadError(ValueError):
-    """A sharded upload is incomplete or does not match its manifest."""
-
-
-@dataclass
-class Manifest:
-    """What a sharded upload must add up to (sha256 hex digests)."""
-
-    name: str
-    num_shards: int
-    total_bytes: int
-    sha256: str
-    shard_sha256: list[str]
-
-    @classmethod
-    def parse(cls, data: Any) -> Manifest:
-        try:
-            m = cls(name=str(data["name"]), num_shards=int(data["num_shards"]),
-                    total_bytes=int(data["total_bytes"]), sha256=str(data["sha256"]),
-                    shard_sha256=[str(s) for s in data["shard_sha256"]])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise UploadError(f"bad manifest: {exc!r}") from None
-        if not 1 <= m.num_shards <= 4096 or len(m.shard_sha256) != m.num_shards:
-            raise UploadError("manifest: num_shards must be 1..4096 and match shard_sha256")
-        return m
-
-    def to_json(self) -> dict[str, Any]:
-        return self.__dict__.copy()
-
-
-def pack_adapter(directory: str | Path, num_shards: int, name: str) -> tuple[Manifest, list[bytes]]:
-    """Tar a PEFT adapter directory and split it into `num_shards` byte ranges (the sender side).
-
-    The tar depends only on the files' contents: every trainer rank packs the same version on its
-    own and sends its own shard, so the ranks' bytes (and the manifest rank 0 sends) must agree
-    even when their copies differ in mtime, owner or permissions.
-    """
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for fname in sorted(ADAPTER_FILES):
-            tar.add(Path(directory) / fname, arcname=fname, recursive=False, filter=_plain_member)
-    blob = buf.getvalue()
-    step = -(-len(blob) // num_shards)
-    shards = [blob[i * step:(i + 1) * step] for i in range(num_shards)]
-    manifest = Manifest(name=name, num_shards=num_shards, total_bytes=len(blob),
-                        sha256=hashlib.sha256(blob).hexdigest(),
-                        shard_sha256=[hashlib.sha256(s).hexdigest() for s in shards])
-    return manifest, shards
-
-
-def _plain_member(info: tarfile.TarInfo) -> tarfile.TarInfo:
-    """Drop what differs between copies of the same file: times, owners, mode."""
-    info.mtime = 0
-    info.uid = info.gid = 0
-    info.uname = info.gname = ""
-    info.mode = 0o644
-    return info
 
 
 class AdapterRegistry:
@@ -201,8 +142,8 @@ class AdapterRegistry:
         return removed
 
     def put_shard(self, name: str, index: int, of: int, data: bytes, sha256: str | None) -> None:
-        if not 0 <= index < of <= 4096:
-            raise UploadError("shard index must satisfy 0 <= i < of <= 4096")
+        if not 0 <= index < of <= MAX_SHARDS:
+            raise UploadError(f"shard index must satisfy 0 <= i < of <= {MAX_SHARDS}")
         digest = hashlib.sha256(data).hexdigest()  # once, on arrival: commit compares, never rehashes
         if sha256 is not None and digest != sha256.lower():
             raise UploadError(f"shard {index}: sha256 mismatch")

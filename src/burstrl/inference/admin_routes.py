@@ -8,88 +8,98 @@ sessions; an adapter or upload that fails any check returns 4xx and is never ser
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Request
 
-from burstrl.inference.adapters import UploadError
+from burstrl.inference.api_common import ApiError, read_json, read_limited, replica_of, require_admin
 from burstrl.inference.lora import AdapterError
 from burstrl.inference.replica import Replica
+from burstrl.protocol.adapters import UploadError
+
+router = APIRouter()
 
 
-def add_admin_routes(app: FastAPI, rep: Replica, api_error: type[Exception],
-                     read_json: Callable, read_body: Callable, require_admin: Callable) -> None:
-    """Register the adapter routes on `app` (kept apart so server.py stays about generation)."""
+def _refused(rep: Replica, status: int, exc: Exception) -> ApiError:
+    """An adapter or upload that failed a check: counted, and answered with `status`."""
+    rep.counters.uploads_refused += 1
+    return ApiError(status, str(exc))
 
-    def fail(status: int, exc: Exception) -> Exception:
-        rep.counters.uploads_refused += 1
-        return api_error(status, str(exc))
 
-    async def field(request: Request, name: str) -> str:
-        data = await read_json(request, rep.cfg.server.max_body_bytes)
-        value = data.get(name) if isinstance(data, dict) else None
-        if not isinstance(value, str) or not value:
-            raise api_error(400, f"'{name}' (a non-empty string) is required")
-        return value
+async def _field(rep: Replica, request: Request, name: str) -> str:
+    data = await read_json(request, rep.cfg.server.max_body_bytes)
+    value = data.get(name) if isinstance(data, dict) else None
+    if not isinstance(value, str) or not value:
+        raise ApiError(400, f"'{name}' (a non-empty string) is required")
+    return value
 
-    @app.post("/v1/load_lora_adapter")
-    async def load_lora_adapter(request: Request) -> dict[str, Any]:
-        require_admin(rep, request)
-        data = await read_json(request, rep.cfg.server.max_body_bytes)
-        if not isinstance(data, dict) or not all(isinstance(data.get(k), str) for k in ("lora_name", "lora_path")):
-            raise api_error(400, "'lora_name' and 'lora_path' (strings) are required")
-        if not _is_dir(data["lora_path"]):
-            raise fail(400, ValueError(f"lora_path {data['lora_path']!r} is not a directory"))
-        try:
-            await asyncio.to_thread(rep.registry.load, data["lora_name"], data["lora_path"])
-        except AdapterError as exc:
-            raise fail(400, exc) from None
-        rep.counters.adapters_loaded += 1
-        return {"status": "loaded", "lora_name": data["lora_name"]}
 
-    @app.post("/v1/unload_lora_adapter")
-    async def unload_lora_adapter(request: Request) -> dict[str, Any]:
-        require_admin(rep, request)
-        name = await field(request, "lora_name")
-        try:
-            state = rep.registry.unload(name, rep.sessions.versions_in_use())
-        except KeyError:
-            raise api_error(404, f"adapter {name!r} is not loaded") from None
-        return {"status": state, "lora_name": name}
+@router.post("/v1/load_lora_adapter")
+async def load_lora_adapter(request: Request) -> dict[str, Any]:
+    rep = replica_of(request)
+    require_admin(rep, request)
+    data = await read_json(request, rep.cfg.server.max_body_bytes)
+    if not isinstance(data, dict) or not all(isinstance(data.get(k), str) for k in ("lora_name", "lora_path")):
+        raise ApiError(400, "'lora_name' and 'lora_path' (strings) are required")
+    if not _is_dir(data["lora_path"]):
+        raise _refused(rep, 400, ValueError(f"lora_path {data['lora_path']!r} is not a directory"))
+    try:
+        await asyncio.to_thread(rep.registry.load, data["lora_name"], data["lora_path"])
+    except AdapterError as exc:
+        raise _refused(rep, 400, exc) from None
+    rep.counters.adapters_loaded += 1
+    return {"status": "loaded", "lora_name": data["lora_name"]}
 
-    @app.put("/v1/adapters/{name}/shards/{index}")
-    async def put_shard(name: str, index: int, request: Request, of: int) -> dict[str, Any]:
-        require_admin(rep, request)
-        data = await read_body(request, rep.cfg.server.max_shard_bytes)
-        try:
-            # off the event loop: hashing and writing a large shard must not stall generation
-            await asyncio.to_thread(rep.registry.put_shard, name, index, of, data,
-                                    request.headers.get("x-shard-sha256"))
-        except UploadError as exc:
-            raise fail(400, exc) from None
-        return {"name": name, "shard": index, "of": of, "bytes": len(data)}
 
-    @app.put("/v1/adapters/{name}/manifest")
-    async def put_manifest(name: str, request: Request) -> dict[str, Any]:
-        require_admin(rep, request)
-        data = await read_json(request, rep.cfg.server.max_body_bytes)
-        try:
-            manifest = await asyncio.to_thread(rep.registry.put_manifest, name, data)
-        except UploadError as exc:
-            raise fail(400, exc) from None
-        return {"name": name, "num_shards": manifest.num_shards}
+@router.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(request: Request) -> dict[str, Any]:
+    rep = replica_of(request)
+    require_admin(rep, request)
+    name = await _field(rep, request, "lora_name")
+    try:
+        state = rep.registry.unload(name, rep.sessions.versions_in_use())
+    except KeyError:
+        raise ApiError(404, f"adapter {name!r} is not loaded") from None
+    return {"status": state, "lora_name": name}
 
-    @app.post("/v1/adapters/{name}/commit")
-    async def commit(name: str, request: Request) -> dict[str, Any]:
-        require_admin(rep, request)
-        try:
-            await asyncio.to_thread(rep.registry.commit, name)
-        except (UploadError, AdapterError) as exc:
-            raise fail(422, exc) from None
-        rep.counters.adapters_loaded += 1
-        return {"status": "loaded", "lora_name": name}
+
+@router.put("/v1/adapters/{name}/shards/{index}")
+async def put_shard(name: str, index: int, request: Request, of: int) -> dict[str, Any]:
+    rep = replica_of(request)
+    require_admin(rep, request)
+    data = await read_limited(request, rep.cfg.server.max_shard_bytes)
+    try:
+        # off the event loop: hashing and writing a large shard must not stall generation
+        await asyncio.to_thread(rep.registry.put_shard, name, index, of, data,
+                                request.headers.get("x-shard-sha256"))
+    except UploadError as exc:
+        raise _refused(rep, 400, exc) from None
+    return {"name": name, "shard": index, "of": of, "bytes": len(data)}
+
+
+@router.put("/v1/adapters/{name}/manifest")
+async def put_manifest(name: str, request: Request) -> dict[str, Any]:
+    rep = replica_of(request)
+    require_admin(rep, request)
+    data = await read_json(request, rep.cfg.server.max_body_bytes)
+    try:
+        manifest = await asyncio.to_thread(rep.registry.put_manifest, name, data)
+    except UploadError as exc:
+        raise _refused(rep, 400, exc) from None
+    return {"name": name, "num_shards": manifest.num_shards}
+
+
+@router.post("/v1/adapters/{name}/commit")
+async def commit(name: str, request: Request) -> dict[str, Any]:
+    rep = replica_of(request)
+    require_admin(rep, request)
+    try:
+        await asyncio.to_thread(rep.registry.commit, name)
+    except (UploadError, AdapterError) as exc:
+        raise _refused(rep, 422, exc) from None
+    rep.counters.adapters_loaded += 1
+    return {"status": "loaded", "lora_name": name}
 
 
 def _is_dir(path: str) -> bool:

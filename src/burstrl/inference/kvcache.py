@@ -90,13 +90,6 @@ class PackedPrefillAttention:
             kv.length = past + n
 
 
-class PrefillAttention(PackedPrefillAttention):
-    """A single sequence's new tokens against its session cache."""
-
-    def __init__(self, kv: SessionKV, new_tokens: int, scale: float) -> None:
-        super().__init__([kv], [new_tokens], scale)
-
-
 class DecodeBatch:
     """Keys/values of the running sequences, one row each: per layer [rows, KVH, L, D].
 

@@ -19,11 +19,10 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict
 
-if TYPE_CHECKING:  # the router imports this module and must not pull in torch
+if TYPE_CHECKING:  # parsing and shapes need no torch; only the replica's engine does
     from burstrl.inference.engine import Request
     from burstrl.inference.sampling import SamplingParams
 
-SESSION_HEADERS = ("x-session-id", "x-smg-routing-key", "x-dynamo-session-id")
 MAX_JSON_DEPTH = 64
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 
@@ -119,23 +118,6 @@ def _check_text(text: str) -> None:
         raise ValueError("strings must be valid Unicode (lone surrogate found)") from None
 
 
-class BodyTooLarge(ValueError):
-    """A request body over the server's limit (answered with a 413)."""
-
-
-async def read_body(request: Any, limit: int) -> bytes:
-    """The request body, refused as soon as it (or its declared length) passes `limit` bytes."""
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > limit:
-        raise BodyTooLarge(f"request body over {limit} bytes")
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise BodyTooLarge(f"request body over {limit} bytes")
-    return bytes(body)
-
-
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
@@ -163,10 +145,6 @@ def sampling_params(req: _Common, max_tokens: int, top_logprobs: int, vocab_size
 
 def _or(value: Any, default: Any) -> Any:
     return default if value is None else value
-
-
-def error_body(status: int, message: str, kind: str = "invalid_request_error") -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
 
 
 def json_logprob(logprob: float) -> float:
@@ -248,13 +226,3 @@ def completion_response(req: Request, model: str, want_ids: bool, want_logprobs:
         choice["prompt_token_ids"] = list(req.prompt_ids)
         body["prompt_token_ids"] = list(req.prompt_ids)
     return body
-
-
-def models_list(names: list[str], root: str, base: str = "base",
-                roots: dict[str, str] | None = None) -> dict[str, Any]:
-    """`/v1/models` as vLLM answers it: adapters name the served base model as `parent` and
-    their own path as `root`; the base model has no parent and its path as root."""
-    now = int(time.time())
-    data = [{"id": n, "object": "model", "created": now, "owned_by": "burstrl",
-             "root": (roots or {}).get(n, root), "parent": None if n == base else base} for n in names]
-    return {"object": "list", "data": data}

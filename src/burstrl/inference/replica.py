@@ -1,22 +1,18 @@
-"""A replica process: load the model, start the engine, serve HTTP until stopped.
+"""A replica's parts, wired: model, tokenizer, engine, adapter registry, sessions.
 
-`build_replica` wires the parts (model, tokenizer, engine, adapter registry, sessions) and is what
-tests and benchmarks use in-process; `serve` adds the HTTP server on a socket it binds itself, so
-that `--server.port 0` works and the bound URL is printed as one JSON line (`{"event": "ready"}`)
-for whoever launched it.
+`build_replica` is what tests and benchmarks use in-process; `server.serve` adds the HTTP server.
+`Replica` is everything a route handler needs (found on `request.app.state.replica`); this module
+imports no HTTP code, so the route modules can import it without a cycle.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import secrets
 import shutil
-import socket
 import sys
 import tempfile
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +23,8 @@ from burstrl.inference.chat import ChatError, ChatTokenizer
 from burstrl.inference.engine import Engine
 from burstrl.inference.openai_api import TokenText
 from burstrl.inference.sessions import SessionTable
-from burstrl.weights.volume import latest, version_name
+from burstrl.protocol.versions import version_name
+from burstrl.weights.volume import latest
 
 log = logging.getLogger(__name__)
 
@@ -130,50 +127,3 @@ def _admin_token(cfg: ServeConfig, state_dir: Path) -> str:
         f.write(token)
     print(f"admin token written to {path}", file=sys.stderr)
     return token
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # IPPROTO_TCP, not 0: asyncio disables Nagle only on sockets whose protocol says TCP; with 0, every
-    # request after the first on a kept-alive connection waited ~40 ms for a delayed ACK.
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock
-
-
-def serve(cfg: ServeConfig) -> None:
-    """Run a replica until SIGINT/SIGTERM; prints a ready line with the URL once listening."""
-    import uvicorn
-
-    from burstrl.inference.server import build_app
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    replica = build_replica(cfg)
-    sock = bind_socket(cfg.server.host, cfg.server.port)
-    tls = bool(cfg.server.ssl_certfile)
-    host, port = sock.getsockname()[:2]
-    url = f"{'https' if tls else 'http'}://{host if ':' not in host else f'[{host}]'}:{port}"
-    def ready() -> None:
-        print(json.dumps({"event": "ready", "url": url, "pid": os.getpid()}), flush=True)
-
-    app = build_app(replica, on_ready=ready)
-    config = uvicorn.Config(app, log_level="warning", ssl_certfile=cfg.server.ssl_certfile or None,
-                            ssl_keyfile=cfg.server.ssl_keyfile or None, timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
-
-    def engine_died(error: str) -> None:  # 503 for a while, then exit so the fleet replaces us
-        log.error("engine died (%s): answering 503, exiting in %.1f s", error, cfg.server.dead_engine_exit_s)
-        timer = threading.Timer(cfg.server.dead_engine_exit_s, lambda: setattr(server, "should_exit", True))
-        timer.daemon = True  # owned by the process, which ends when it fires
-        timer.start()
-
-    replica.engine.on_fatal = engine_died
-    try:
-        server.run(sockets=[sock])
-    finally:
-        replica.close()
-    if replica.engine.error is not None:
-        raise SystemExit(f"replica stopped: engine died: {replica.engine.error}")

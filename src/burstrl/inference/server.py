@@ -9,41 +9,57 @@ request aborted at the next token boundary, freeing its batch slot.
 
 Traces hold prompts and completions: reading them, and the per-session part of `/v1/loads`,
 needs the admin token or the cluster token (the router's scrapes).
+
+The routes are FastAPI `APIRouter`s (generation, traces and loads here, adapters in `admin_routes`)
+that find the replica on `request.app.state.replica`; `build_app` puts it there and adds the error
+handlers, and `serve` runs the whole process.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
-import json
 import logging
+import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
+from burstrl.config import ServeConfig
+from burstrl.inference import admin_routes
 from burstrl.inference import openai_api as api
+from burstrl.inference.api_common import (
+    ApiError,
+    first_error,
+    is_reader,
+    parse,
+    read_json,
+    replica_of,
+    require_admin,
+    require_engine,
+    require_reader,
+)
 from burstrl.inference.chat import ChatError, normalize_messages
 from burstrl.inference.engine import Request as EngineRequest
 from burstrl.inference.metrics import prometheus_text
-from burstrl.inference.replica import Replica
+from burstrl.inference.replica import Replica, build_replica
 from burstrl.inference.sessions import SessionError
+from burstrl.inference.streaming import stream_response
+from burstrl.protocol.http import error_body, models_list, session_id_from
+from burstrl.protocol.process import bind_socket, print_ready, socket_url
 
 log = logging.getLogger(__name__)
 
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.status, self.message, self.kind = status, message, kind
+router = APIRouter()
 
 
 def build_app(rep: Replica, on_ready: Callable[[], None] | None = None) -> FastAPI:
+    """The replica's app: its routes, OpenAI-shaped errors, and `rep` on `app.state.replica`."""
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if on_ready is not None:
@@ -51,169 +67,116 @@ def build_app(rep: Replica, on_ready: Callable[[], None] | None = None) -> FastA
         yield
 
     app = FastAPI(title="burstrl replica", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.replica = rep
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
         if exc.status < 500:
             rep.counters.bad_requests += 1
-        return JSONResponse(api.error_body(exc.status, exc.message, exc.kind), status_code=exc.status)
+        return JSONResponse(error_body(exc.status, exc.message, exc.kind), status_code=exc.status)
 
     @app.exception_handler(HTTPException)
     async def _http_error(_: Request, exc: HTTPException) -> JSONResponse:  # unknown route, bad method
         rep.counters.bad_requests += 1
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(api.error_body(exc.status_code, str(exc.detail), kind), status_code=exc.status_code)
+        return JSONResponse(error_body(exc.status_code, str(exc.detail), kind), status_code=exc.status_code)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         rep.counters.bad_requests += 1
-        return JSONResponse(api.error_body(400, _first_error(exc.errors())), status_code=400)
+        return JSONResponse(error_body(400, first_error(exc.errors())), status_code=400)
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> JSONResponse:
         log.exception("internal error")
-        return JSONResponse(api.error_body(500, f"internal error: {type(exc).__name__}", "server_error"),
+        return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}", "server_error"),
                             status_code=500)
 
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        _require_engine(rep)
-        return JSONResponse({"status": "ok"})
-
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        _require_engine(rep)
-        names = [rep.cfg.served_model_name, *rep.registry.names()]
-        return api.models_list(names, rep.cfg.model.path, rep.cfg.served_model_name, rep.registry.paths())
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        if rep.chat is None:
-            raise ApiError(400, "this model has no chat template; use /v1/completions")
-        body = _parse(api.ChatRequest, await _read_json(request, rep.cfg.server.max_body_bytes))
-        try:
-            messages = normalize_messages(body.messages)
-        except ChatError as exc:
-            raise ApiError(400, str(exc)) from None
-        top = (body.top_logprobs or 0) if body.logprobs else 0
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        return await _generate(rep, request, body, "chat", messages=messages, top_logprobs=top,
-                               max_tokens=max_tokens, want_logprobs=bool(body.logprobs))
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        body = _parse(api.CompletionRequest, await _read_json(request, rep.cfg.server.max_body_bytes))
-        prompt = _completion_prompt(rep, body)
-        top = body.logprobs or 0
-        max_tokens = body.max_tokens if body.max_tokens is not None else api.COMPLETIONS_DEFAULT_MAX_TOKENS
-        return await _generate(rep, request, body, "text", prompt_ids=prompt, top_logprobs=top,
-                               max_tokens=max_tokens, want_logprobs=body.logprobs is not None)
-
-    @app.get("/v1/traces/{session_id:path}")
-    async def get_trace(session_id: str, request: Request) -> dict[str, Any]:
-        _require_reader(rep, request)
-        session = rep.sessions.get(session_id)
-        if session is None:
-            raise ApiError(404, f"unknown session {session_id!r}", "not_found_error")
-        return {"session_id": session.id, "version": session.version, "busy": session.busy,
-                "calls": [c.to_json() for c in list(session.calls)]}
-
-    @app.delete("/v1/traces/{session_id:path}")
-    async def delete_trace(session_id: str, request: Request) -> dict[str, Any]:
-        _require_admin(rep, request)
-        try:
-            session = rep.sessions.release(session_id)
-        except SessionError as exc:
-            raise ApiError(exc.status, str(exc)) from None
-        rep.engine.drop_session(session_id)
-        rep.collect_retired()
-        return {"session_id": session_id, "released": True, "calls": len(session.calls)}
-
-    from burstrl.inference.admin_routes import add_admin_routes  # adapters: load/unload/upload
-
-    add_admin_routes(app, rep, ApiError, _read_json, _read_body, _require_admin)
-
-    @app.get("/v1/loads")
-    async def loads(request: Request) -> dict[str, Any]:
-        _require_engine(rep)
-        out = rep.engine.loads()
-        if not _is_reader(rep, request):  # session ids and sizes are for the fleet, not for anyone
-            out.pop("sessions")
-        out["versions"] = [rep.cfg.served_model_name, *rep.registry.names()]
-        out["retiring_versions"] = list(rep.registry.retiring)
-        return out
-
-    @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(prometheus_text(rep), media_type="text/plain; version=0.0.4")
-
+    app.include_router(router)
+    app.include_router(admin_routes.router)
     return app
 
 
-def _bearer(request: Request, *tokens: str) -> bool:
-    scheme, _, given = request.headers.get("authorization", "").partition(" ")
-    return scheme.lower() == "bearer" and any(
-        t and hmac.compare_digest(given.encode(), t.encode()) for t in tokens)
+@router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    require_engine(replica_of(request))
+    return JSONResponse({"status": "ok"})
 
 
-def _require_admin(rep: Replica, request: Request) -> None:
-    if not _bearer(request, rep.admin_token):
-        raise ApiError(401, "admin endpoint: missing or wrong bearer token", "authentication_error")
+@router.get("/v1/models")
+async def models(request: Request) -> dict[str, Any]:
+    rep = replica_of(request)
+    require_engine(rep)
+    names = [rep.cfg.served_model_name, *rep.registry.names()]
+    return models_list(names, rep.cfg.model.path, rep.cfg.served_model_name, rep.registry.paths())
 
 
-def _is_reader(rep: Replica, request: Request) -> bool:
-    return _bearer(request, rep.admin_token, rep.cluster_token)
-
-
-def _require_reader(rep: Replica, request: Request) -> None:
-    if not _is_reader(rep, request):
-        raise ApiError(401, "traces need the admin or cluster bearer token", "authentication_error")
-
-
-def _require_engine(rep: Replica) -> None:
-    """A replica whose engine died must leave rotation: its health and load endpoints fail."""
-    if not rep.engine.alive:
-        raise ApiError(503, f"engine is not running: {rep.engine.error or 'stopped'}", "server_error")
-
-
-async def _read_json(request: Request, limit: int) -> Any:
-    body = await _read_body(request, limit)
+@router.post("/v1/chat/completions")
+async def chat(request: Request) -> Response:
+    rep = replica_of(request)
+    if rep.chat is None:
+        raise ApiError(400, "this model has no chat template; use /v1/completions")
+    body = parse(api.ChatRequest, await read_json(request, rep.cfg.server.max_body_bytes))
     try:
-        data = json.loads(body)
-        api.check_json(data)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"malformed JSON body: {exc}") from None
-    except RecursionError:
-        raise ApiError(400, f"JSON nested deeper than {api.MAX_JSON_DEPTH} levels") from None
-    except ValueError as exc:
+        messages = normalize_messages(body.messages)
+    except ChatError as exc:
         raise ApiError(400, str(exc)) from None
-    return data
+    top = (body.top_logprobs or 0) if body.logprobs else 0
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    return await _generate(rep, request, body, "chat", messages=messages, top_logprobs=top,
+                           max_tokens=max_tokens, want_logprobs=bool(body.logprobs))
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    rep = replica_of(request)
+    body = parse(api.CompletionRequest, await read_json(request, rep.cfg.server.max_body_bytes))
+    prompt = _completion_prompt(rep, body)
+    top = body.logprobs or 0
+    max_tokens = body.max_tokens if body.max_tokens is not None else api.COMPLETIONS_DEFAULT_MAX_TOKENS
+    return await _generate(rep, request, body, "text", prompt_ids=prompt, top_logprobs=top,
+                           max_tokens=max_tokens, want_logprobs=body.logprobs is not None)
+
+
+@router.get("/v1/traces/{session_id:path}")
+async def get_trace(session_id: str, request: Request) -> dict[str, Any]:
+    rep = replica_of(request)
+    require_reader(rep, request)
+    session = rep.sessions.get(session_id)
+    if session is None:
+        raise ApiError(404, f"unknown session {session_id!r}", "not_found_error")
+    return {"session_id": session.id, "version": session.version, "busy": session.busy,
+            "calls": [c.to_json() for c in list(session.calls)]}
+
+
+@router.delete("/v1/traces/{session_id:path}")
+async def delete_trace(session_id: str, request: Request) -> dict[str, Any]:
+    rep = replica_of(request)
+    require_admin(rep, request)
     try:
-        return await api.read_body(request, limit)
-    except api.BodyTooLarge as exc:
-        raise ApiError(413, str(exc)) from None
+        session = rep.sessions.release(session_id)
+    except SessionError as exc:
+        raise ApiError(exc.status, str(exc)) from None
+    rep.engine.drop_session(session_id)
+    rep.collect_retired()
+    return {"session_id": session_id, "released": True, "calls": len(session.calls)}
 
 
-def _parse(cls: type[BaseModel], data: Any) -> Any:
-    if not isinstance(data, dict):
-        raise ApiError(400, "request body must be a JSON object")
-    bad = api.unsupported_fields(data)
-    if bad:
-        raise ApiError(400, f"not supported by this server: {', '.join(bad)} (see the README's "
-                            "vLLM compatibility table)")
-    try:
-        return cls.model_validate(data)
-    except ValidationError as exc:
-        raise ApiError(400, _first_error(exc.errors())) from None
+@router.get("/v1/loads")
+async def loads(request: Request) -> dict[str, Any]:
+    rep = replica_of(request)
+    require_engine(rep)
+    out = rep.engine.loads()
+    if not is_reader(rep, request):  # session ids and sizes are for the fleet, not for anyone
+        out.pop("sessions")
+    out["versions"] = [rep.cfg.served_model_name, *rep.registry.names()]
+    out["retiring_versions"] = list(rep.registry.retiring)
+    return out
 
 
-def _first_error(errors: Any) -> str:
-    err = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-    key = ".".join(str(p) for p in err.get("loc", ()))
-    return f"{key}: {err.get('msg', 'invalid')}"
+@router.get("/metrics")
+async def metrics(request: Request) -> PlainTextResponse:
+    return PlainTextResponse(prometheus_text(replica_of(request)), media_type="text/plain; version=0.0.4")
 
 
 def _completion_prompt(rep: Replica, body: Any) -> list[int]:
@@ -232,22 +195,13 @@ def _completion_prompt(rep: Replica, body: Any) -> list[int]:
     return ids
 
 
-def _session_id(body: Any, request: Request) -> str | None:
-    if body.session_id:
-        return body.session_id
-    for name in api.SESSION_HEADERS:
-        if request.headers.get(name):
-            return request.headers[name]
-    return None
-
-
 async def _generate(rep: Replica, request: Request, body: Any, kind: str, *, top_logprobs: int,
                     max_tokens: int | None, want_logprobs: bool, messages: list | None = None,
                     prompt_ids: list[int] | None = None) -> Response:
     if body.n not in (None, 1):
         raise ApiError(400, "n must be 1: start one session per sample")
     rid = api.new_id("chatcmpl" if kind == "chat" else "cmpl")
-    sid = _session_id(body, request)
+    sid = session_id_from(body.session_id, request.headers)
     existing = rep.sessions.get(sid) if sid else None
     adapter = _resolve_adapter(rep, body.model, existing is not None)
     try:
@@ -274,8 +228,6 @@ async def _generate(rep: Replica, request: Request, body: Any, kind: str, *, top
         rep.sessions.end(session)
         raise
     if body.stream:
-        from burstrl.inference.streaming import stream_response
-
         return StreamingResponse(stream_response(rep, req, events, body, kind, want_logprobs),
                                  media_type="text/event-stream")
     await _wait_done(rep, request, req, events)
@@ -334,3 +286,30 @@ async def _wait_done(rep: Replica, request: Request, req: EngineRequest, events:
                 await events.get()
                 return
 
+
+def serve(cfg: ServeConfig) -> None:
+    """Run a replica until SIGINT/SIGTERM; prints a ready line with the URL once listening."""
+    import uvicorn
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    replica = build_replica(cfg)
+    sock = bind_socket(cfg.server.host, cfg.server.port)
+    url = socket_url(sock, tls=bool(cfg.server.ssl_certfile))
+    app = build_app(replica, on_ready=lambda: print_ready(url))
+    config = uvicorn.Config(app, log_level="warning", ssl_certfile=cfg.server.ssl_certfile or None,
+                            ssl_keyfile=cfg.server.ssl_keyfile or None, timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+
+    def engine_died(error: str) -> None:  # 503 for a while, then exit so the fleet replaces us
+        log.error("engine died (%s): answering 503, exiting in %.1f s", error, cfg.server.dead_engine_exit_s)
+        timer = threading.Timer(cfg.server.dead_engine_exit_s, lambda: setattr(server, "should_exit", True))
+        timer.daemon = True  # owned by the process, which ends when it fires
+        timer.start()
+
+    replica.engine.on_fatal = engine_died
+    try:
+        server.run(sockets=[sock])
+    finally:
+        replica.close()
+    if replica.engine.error is not None:
+        raise SystemExit(f"replica stopped: engine died: {replica.engine.error}")

@@ -11,13 +11,12 @@ last conversation so the next chat call can reuse the sampled ids verbatim (toke
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-SESSION_ID = re.compile(r"[A-Za-z0-9._:@/-]{1,128}")  # used with fullmatch
+from burstrl.protocol.http import SESSION_ID
 
 
 class SessionError(Exception):

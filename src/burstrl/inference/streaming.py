@@ -19,6 +19,7 @@ from typing import Any
 from burstrl.inference import openai_api as api
 from burstrl.inference.engine import Request
 from burstrl.inference.replica import Replica
+from burstrl.protocol.http import error_body
 
 
 async def stream_response(rep: Replica, req: Request, events: asyncio.Queue[str], body: Any,
@@ -36,7 +37,7 @@ async def stream_response(rep: Replica, req: Request, events: asyncio.Queue[str]
             finished = event == "done"
             if req.error is not None:
                 finished = True  # the engine is done with it: nothing to abort
-                yield _sse(api.error_body(500, f"engine error: {req.error}", "server_error"))
+                yield _sse(error_body(500, f"engine error: {req.error}", "server_error"))
                 return
             n = len(req.completion_ids)
             if finished:

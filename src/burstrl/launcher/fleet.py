@@ -126,7 +126,8 @@ class Fleet:
         pushes only to replicas listed in replicas.txt, so a version published in between would
         otherwise reach it one step late. A failure here is harmless: the next push brings it.
         """
-        from burstrl.weights.volume import latest, version_name
+        from burstrl.protocol.versions import version_name
+        from burstrl.weights.volume import latest
 
         found = latest(self.volume)
         if found is None:

@@ -19,7 +19,8 @@ import time
 import httpx
 
 from burstrl.envs.base import Environment, Task
-from burstrl.orchestrator.client import ReplicaFailure, SessionClient, fetch_trace, release, version_number
+from burstrl.orchestrator.client import ReplicaFailure, SessionClient, fetch_trace, release
+from burstrl.protocol.versions import version_number
 from burstrl.store.types import Rollout, Turn
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 
-SESSION_HEADER = "X-Session-ID"
+from burstrl.protocol.http import SESSION_HEADER
 
 
 class ReplicaFailure(RuntimeError):
@@ -21,15 +21,6 @@ class ReplicaFailure(RuntimeError):
 
 class VersionGone(ReplicaFailure):
     """No replica serves the group's version any more: the whole group restarts on a newer one."""
-
-
-def version_number(name: str) -> int:
-    """`base` -> 0, `policy-vN` -> N."""
-    if name == "base":
-        return 0
-    if name.startswith("policy-v") and name[8:].isdigit():
-        return int(name[8:])
-    raise ValueError(f"not a policy version name: {name!r}")
 
 
 def _raise_for(r: httpx.Response, what: str) -> None:

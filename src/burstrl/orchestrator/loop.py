@@ -34,8 +34,9 @@ from burstrl.atomic import write_text
 from burstrl.config import OrchestrateConfig
 from burstrl.envs import Environment, InfraError, Outcome, Task, get_env
 from burstrl.orchestrator.attempt import run_attempt
-from burstrl.orchestrator.client import ReplicaFailure, VersionGone, assign, version_number
+from burstrl.orchestrator.client import ReplicaFailure, VersionGone, assign
 from burstrl.orchestrator.curriculum import Curriculum
+from burstrl.protocol.versions import version_number
 from burstrl.store import RolloutStore
 from burstrl.store.types import Rollout
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from burstrl.inference.process import RoleProcess, start_role
+from burstrl.protocol.process import RoleProcess, start_role
 from burstrl.providers import Placement
 
 

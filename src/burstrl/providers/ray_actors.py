@@ -14,7 +14,6 @@ import this module to build the actor.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import socket
@@ -26,7 +25,7 @@ from pathlib import Path
 
 import ray
 
-from burstrl.inference.process import die_with_parent_signal
+from burstrl.protocol.process import die_with_parent_signal, ready_url
 
 
 @dataclass
@@ -89,12 +88,11 @@ class RoleActor:
                 break
             if not line and self.proc.poll() is not None:
                 raise RuntimeError(f"exited with {self.proc.returncode}; log {self.spec.log}:\n{_tail(self.spec.log)}")
-            if line.startswith("{"):
-                event = json.loads(line)
-                if event.get("event") == "ready":
-                    self.url = event["url"]
-                    loop.run_in_executor(None, _drain, self.proc.stdout)  # keep the pipe from filling
-                    return self.url
+            url = ready_url(line)
+            if url is not None:
+                self.url = url
+                loop.run_in_executor(None, _drain, self.proc.stdout)  # keep the pipe from filling
+                return self.url
         raise RuntimeError(f"not ready after {timeout:.0f} s; log {self.spec.log}:\n{_tail(self.spec.log)}")
 
     async def wait(self, exit_with_child: bool = False) -> int:

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import bisect
 import random
-import re
 import statistics
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Protocol
+
+from burstrl.protocol.versions import version_key
 
 POOLS = ("reserved", "on_demand")
 
@@ -60,12 +61,6 @@ class ReplicaView:
 def record_assignment(replica: ReplicaView, session: Session) -> None:
     """Remember a placement until the next scrape, so later choices see its projected size."""
     replica.recent_assignments.append(session)
-
-
-def version_key(version: str) -> tuple[int, str]:
-    """Order versions by their trailing number (`policy-v12` > `policy-v9`), then by name."""
-    match = re.search(r"(\d+)$", version)
-    return (int(match.group(1)) if match else -1, version)
 
 
 def newest_routable_version(replicas: list[ReplicaView], pools: tuple[str, ...] | None = None) -> str | None:

@@ -13,7 +13,6 @@ no `[DONE]`) that is safe to retry, because the session's next call goes to anot
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import os
@@ -36,8 +35,17 @@ from fastapi.responses import (
 from starlette.exceptions import HTTPException
 
 from burstrl.config import RouteConfig
-from burstrl.inference.openai_api import SESSION_HEADERS, BodyTooLarge, error_body, models_list, read_body
-from burstrl.inference.sessions import SESSION_ID
+from burstrl.protocol.http import (
+    SESSION_HEADERS,
+    SESSION_ID,
+    BodyTooLarge,
+    bearer_matches,
+    error_body,
+    models_list,
+    read_body,
+    session_id_from,
+)
+from burstrl.protocol.process import bind_socket, print_ready, socket_url
 from burstrl.router.registry import LATEST, Registry, RouteError, prometheus_text, validate_url
 
 log = logging.getLogger(__name__)
@@ -70,9 +78,7 @@ def session_id_of(body: dict[str, Any], headers: Any) -> str | None:
 
     An id the replicas would refuse is refused here, before it takes a place in the router's maps.
     """
-    sid = body.get("session_id")
-    if not (isinstance(sid, str) and sid):
-        sid = next((headers[name] for name in SESSION_HEADERS if headers.get(name)), None)
+    sid = session_id_from(body.get("session_id"), headers)
     if sid is not None and not SESSION_ID.fullmatch(sid):
         raise RouteError(400, "session_id must be 1-128 characters of [A-Za-z0-9._:@/-]")
     return sid
@@ -176,8 +182,7 @@ class Router:
             await asyncio.sleep(self.cfg.scrape_s)
 
     def require_token(self, request: Request) -> None:
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), self.token.encode()):
+        if not bearer_matches(request.headers, self.token):
             raise RouteError(401, "missing or wrong cluster bearer token", "authentication_error")
 
 
@@ -485,19 +490,13 @@ def serve(cfg: RouteConfig) -> None:
     """Run the router until SIGINT/SIGTERM; prints a ready line with the URL once listening."""
     import uvicorn
 
-    from burstrl.inference.replica import bind_socket
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per scrape would drown the log
     for url in cfg.replicas:
         validate_url(url)  # a bad static URL fails the start (RouteError), not the first scrape
     router = Router(cfg, cluster_token(cfg))
     sock = bind_socket(cfg.host, cfg.port)
-    host, port = sock.getsockname()[:2]
-    url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
-
-    def ready() -> None:
-        print(json.dumps({"event": "ready", "url": url, "pid": os.getpid()}), flush=True)
-
-    config = uvicorn.Config(build_app(router, on_ready=ready), log_level="warning", timeout_graceful_shutdown=5)
+    url = socket_url(sock)
+    config = uvicorn.Config(build_app(router, on_ready=lambda: print_ready(url)), log_level="warning",
+                            timeout_graceful_shutdown=5)
     uvicorn.Server(config).run(sockets=[sock])

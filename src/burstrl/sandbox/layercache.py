@@ -25,7 +25,6 @@ import fcntl
 import json
 import os
 import shutil
-import statistics
 import stat
 import tarfile
 import tempfile
@@ -35,10 +34,7 @@ from collections.abc import Collection, Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
 
-from burstrl.sandbox.images import (
-    GZIP_LEVEL, LAYER_GZIP, LAYER_ZSTD, ZSTD_LEVEL, Descriptor, Image, ImageError,
-    compressor, decompressor, write_tree_tar,
-)
+from burstrl.sandbox.images import Descriptor, Image, ImageError, decompressor
 
 WHITEOUT = ".wh."
 OPAQUE = ".wh..wh..opq"
@@ -318,7 +314,7 @@ class LayerCache:
                 os.chmod(tmp, 0o755)
                 _install(tmp, final)
             except BaseException:
-                _force_rmtree(tmp)
+                force_rmtree(tmp)
                 raise
             seconds = time.perf_counter() - start
             meta.write_text(json.dumps({"digest": desc.digest, "bytes": size, "unpack_seconds": seconds}))
@@ -360,7 +356,7 @@ class LayerCache:
             merge_layers(layers, tmp)
             _install(tmp, final)
         except BaseException:
-            _force_rmtree(tmp)
+            force_rmtree(tmp)
             raise
 
     def pin(self, image: Image) -> None:
@@ -421,9 +417,9 @@ class LayerCache:
                     return False
             for user in users:
                 (self.root / "rootfs" / f"{user}.json").unlink(missing_ok=True)
-                _force_rmtree(self.root / "rootfs" / user)
+                force_rmtree(self.root / "rootfs" / user)
             (self.root / "layers" / f"{key}.json").unlink(missing_ok=True)
-            _force_rmtree(self.root / "layers" / key)
+            force_rmtree(self.root / "layers" / key)
         return True
 
 
@@ -434,10 +430,10 @@ def _install(tmp: Path, final: Path) -> None:
     except OSError:
         if not final.is_dir():
             raise
-        _force_rmtree(tmp)
+        force_rmtree(tmp)
 
 
-def _force_rmtree(path: Path) -> None:
+def force_rmtree(path: Path) -> None:
     """rmtree that also removes trees holding read-only (0555) dirs, as unpacked layers may."""
     if not path.exists():
         return
@@ -449,45 +445,3 @@ def _force_rmtree(path: Path) -> None:
     os.chmod(path, 0o755)
     shutil.rmtree(path, ignore_errors=True)
 
-
-# ------------------------------------------------------------------------------------- benchmark
-
-
-def unpack_benchmark(src_dir: Path, repeats: int = 5, work: Path | None = None) -> dict[str, Any]:
-    """Time unpacking the same tar of `src_dir` as tar+zstd (level 3) vs tar+gzip (level 6).
-
-    End to end, as a node does on a cache miss: read the blob, decompress, verify the digest,
-    extract. Reports compressed bytes and the median of `repeats` runs for each.
-    """
-    work_dir = Path(tempfile.mkdtemp(prefix="unpack-bench-", dir=work))
-    try:
-        out: dict[str, Any] = {"src": str(src_dir), "repeats": repeats}
-        for kind, media_type, level in (("zstd", LAYER_ZSTD, ZSTD_LEVEL), ("gzip", LAYER_GZIP, GZIP_LEVEL)):
-            desc = _compress_tree(src_dir, work_dir / f"layer.{kind}", kind, media_type)
-            times = [_time_unpack(desc, work_dir / f"layer.{kind}", work_dir) for _ in range(repeats)]
-            out[kind] = {"level": level, "bytes": desc.size, "seconds": times,
-                         "median_s": statistics.median(times)}
-        out["zstd_vs_gzip_time_ratio"] = out["zstd"]["median_s"] / out["gzip"]["median_s"]
-        return out
-    finally:
-        _force_rmtree(work_dir)
-
-
-def _compress_tree(src_dir: Path, blob: Path, kind: str, media_type: str) -> Descriptor:
-    import hashlib
-
-    with open(blob, "wb") as fh:
-        comp = compressor(kind, fh)
-        write_tree_tar(src_dir, "/", comp)
-        comp.close()
-    sha = hashlib.sha256(blob.read_bytes()).hexdigest()
-    return Descriptor(media_type, f"sha256:{sha}", blob.stat().st_size)
-
-
-def _time_unpack(desc: Descriptor, blob: Path, work_dir: Path) -> float:
-    target = Path(tempfile.mkdtemp(dir=work_dir))
-    start = time.perf_counter()
-    unpack_blob(desc, blob, target)
-    seconds = time.perf_counter() - start
-    _force_rmtree(target)
-    return seconds

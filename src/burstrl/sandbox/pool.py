@@ -7,7 +7,6 @@ Also the three-line entry point: `sb = open_sandbox(); sb.exec("ls"); sb.close()
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import os
 import subprocess
@@ -55,9 +54,6 @@ class SandboxPool:
             self._live[sandbox.id] = sandbox
         sandbox.on_close(lambda: self._forget(sandbox.id))
         return sandbox
-
-    async def acreate(self, spec: SandboxSpec | None = None, timeout: float | None = None) -> Sandbox:
-        return await asyncio.to_thread(self.create, spec, timeout)
 
     def create_many(self, specs: Sequence[SandboxSpec]) -> list[Sandbox]:
         """Start all at once (one thread each); if any fails, close the others and raise."""

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from burstrl.config import TrainConfig, dump_toml
-from burstrl.inference.process import die_with_parent_signal
+from burstrl.protocol.process import die_with_parent_signal
 
 
 def launch(cfg: TrainConfig, resume: bool) -> int:

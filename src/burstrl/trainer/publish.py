@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from burstrl.config import TrainConfig
+from burstrl.protocol.versions import version_name
 from burstrl.trainer.dist import Dist
 
 
@@ -46,7 +47,7 @@ def refuse_non_finite(step: int, adapter_dir: Path, dist: Dist) -> None:
     """
     bad = dist.broadcast(first_non_finite(adapter_dir) if dist.is_main else None)
     if bad is not None:
-        raise NonFiniteAdapter(f"policy-v{step}: tensor {bad!r} of {adapter_dir} holds NaN or inf; "
+        raise NonFiniteAdapter(f"{version_name(step)}: tensor {bad!r} of {adapter_dir} holds NaN or inf; "
                                "refusing to publish it (nothing written to the volume or pushed)")
 
 
@@ -74,7 +75,7 @@ def write_to_volume(cfg: TrainConfig, step: int, adapter_dir: Path) -> None:
 def push_version(cfg: TrainConfig, step: int, dist: Dist) -> dict[str, Any]:
     """Push the published version to every replica: shards split across ranks, rank 0 commits."""
     w = cfg.weights
-    volume, name = volume_dir(cfg), f"policy-v{step}"
+    volume, name = volume_dir(cfg), version_name(step)
     targets = dist.broadcast(_targets(cfg) if dist.is_main else None)
     dist.barrier()
     if not targets:
@@ -89,7 +90,7 @@ def push_version(cfg: TrainConfig, step: int, dist: Dist) -> dict[str, Any]:
     report = PushReport.merge([sent, final])
     from burstrl.weights.gc import unload_old
 
-    keep = {f"policy-v{n}" for n in range(max(1, step - w.keep_versions + 1), step + 1)}
+    keep = {version_name(n) for n in range(max(1, step - w.keep_versions + 1), step + 1)}
     unload_old(targets, keep)  # a replica keeps a version alive while sessions still use it
     return {"push_ok": len(report.ok), "push_failed": len(report.failed),
             "push_failures": report.failed, "push_bytes": sent.bytes_sent}

@@ -1,6 +1,6 @@
 """Supervised fine-tuning on chat demonstrations, and the cached warm start of the tiny model.
 
-Why: LoRA-GRPO on a random-init base stays at chance (see DESIGN.md, measured facts); it needs a
+Why: LoRA-GRPO on a random-init base stays at chance (docs/architecture.md, measured facts); it needs a
 base that is weak but above chance. `sft` teaches a model from chat-formatted JSONL
 (`{"messages": [...]}` per line) through the normal HF loading path, so its output is an ordinary
 HF model directory (or a PEFT adapter with `lora=True`) that `load_model`, the replica and the

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import httpx
 
+from burstrl.protocol.versions import VERSION_NAME
 from burstrl.weights.push import TRANSIENT, PushReport, ReplicaTarget, call_with_retries, for_each_target
-from burstrl.weights.volume import VERSION_DIR
 
 
 def unload_old(targets: list[ReplicaTarget], keep_names: set[str], retries: int = 3, backoff_s: float = 0.2,
@@ -22,7 +22,7 @@ def unload_old(targets: list[ReplicaTarget], keep_names: set[str], retries: int 
     """
     def unload(target: ReplicaTarget, client: httpx.Client, report: PushReport) -> None:
         r = call_with_retries(client, "GET", "/v1/models", report, retries, backoff_s, TRANSIENT)
-        names = [m["id"] for m in r.json().get("data", []) if VERSION_DIR.fullmatch(str(m.get("id")))]
+        names = [m["id"] for m in r.json().get("data", []) if VERSION_NAME.fullmatch(str(m.get("id")))]
         states = report.unloaded.setdefault(target.url, {})
         for name in names:
             if name not in keep_names:

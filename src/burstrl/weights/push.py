@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from burstrl.inference.adapters import Manifest, pack_adapter
+from burstrl.protocol.adapters import Manifest, pack_adapter
 
 T = TypeVar("T")
 R = TypeVar("R")

@@ -20,21 +20,19 @@ import hashlib
 import json
 import logging
 import os
-import re
 import secrets
 import shutil
 import time
 from pathlib import Path
 from typing import Any
+
 from burstrl.atomic import fsync_dir
+from burstrl.protocol.adapters import ADAPTER_FILES
+from burstrl.protocol.versions import VERSION_NAME, version_name
 
 log = logging.getLogger(__name__)
 
-# PEFT's two files, as `burstrl.inference.adapters.ADAPTER_FILES` (not imported: that pulls torch,
-# and this module must stay cheap for the launcher and late-joiner checks).
-ADAPTER_FILES = frozenset({"adapter_config.json", "adapter_model.safetensors"})
 MANIFEST = "manifest.json"
-VERSION_DIR = re.compile(r"policy-v(0|[1-9][0-9]*)")  # canonical numbers only: v7, not v007
 TMP_PREFIX = ".tmp-"
 TMP_MAX_AGE_S = 60.0  # a publish takes seconds; an older temp dir is a crashed writer's leftover
 CHUNK = 1 << 20
@@ -46,10 +44,6 @@ class VersionExists(FileExistsError):
 
 class VersionCorrupt(ValueError):
     """A version directory does not match its manifest (missing, truncated or altered files)."""
-
-
-def version_name(version: int) -> str:
-    return f"policy-v{version}"
 
 
 def publish(volume: Path, version: int, adapter_dir: Path) -> Path:
@@ -122,7 +116,7 @@ def versions(volume: Path) -> list[int]:
     volume = Path(volume)
     if not volume.is_dir():
         return []
-    found = (VERSION_DIR.fullmatch(p.name) for p in volume.iterdir() if p.is_dir())
+    found = (VERSION_NAME.fullmatch(p.name) for p in volume.iterdir() if p.is_dir())
     return sorted(int(m.group(1)) for m in found if m)
 
 

@@ -43,7 +43,7 @@ from burstrl.envs.swe.agent import (
     cap_output,
 )
 from burstrl.envs.swe.task import SweTask
-from burstrl.orchestrator.client import SESSION_HEADER
+from burstrl.protocol.http import SESSION_HEADER
 
 ACTION_REGEX = r"```bash[ \t]*\n(.*?)```"
 OBSERVATION_TEMPLATE = ("{% if output.exception_info %}{{output.exception_info}}\n{% endif %}"

@@ -51,7 +51,6 @@ import time
 import xml.etree.ElementTree as ET
 from collections import OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,7 +64,7 @@ from burstrl.sandbox.backends import SandboxSpec, make_backend
 from burstrl.sandbox.client import SandboxError
 
 __all__ = ["GradeResult", "reward_of", "score", "grade", "extract_patch", "dotted_id", "parse_junit_xml",
-           "status_of", "patch_paths", "graded_test_files", "grading_command", "grading_throughput"]
+           "status_of", "patch_paths", "graded_test_files", "grading_command"]
 
 REPO_DIR = "/work/repo"
 SCRATCH = "/tmp/burstrl-grade"  # outside the repo: patches and logs never enter `git status`
@@ -445,26 +444,6 @@ def base_tar(task: SweTask) -> tuple[str, bytes, frozenset[str]]:
         while len(_BASE_CACHE) > _BASE_CACHE_SIZE:
             _BASE_CACHE.popitem(last=False)
         return _BASE_CACHE[key]
-
-
-def grading_throughput(tasks: Sequence[SweTask], patches: Sequence[str], pool: Any, n: int,
-                       timeout_s: float = 300) -> dict[str, Any]:
-    """Grade `patches[i]` for `tasks[i]` with `n` graders at once; attempts graded per minute.
-
-    The base exports are made (and cached) before the clock starts: the figure is the grading
-    itself, which is what scales with sandboxes.
-    """
-    for task in {t.instance_id: t for t in tasks}.values():
-        base_tar(task)
-    start = time.monotonic()
-    with ThreadPoolExecutor(max_workers=n, thread_name_prefix="grader") as ex:
-        results = list(ex.map(lambda tp: grade(tp[0], tp[1], pool, timeout_s=timeout_s), zip(tasks, patches)))
-    seconds = time.monotonic() - start
-    return {"n": n, "attempts": len(results), "seconds": round(seconds, 3),
-            "per_minute": round(60 * len(results) / seconds, 1) if seconds > 0 else 0.0,
-            "resolved": sum(r.resolved for r in results),
-            "infra_errors": sum(bool(r.infra_error) for r in results),
-            "failures": [r.reason or r.infra_error or r.model_error for r in results if not r.resolved]}
 
 
 def _creator(pool_or_backend: Any) -> Any:

@@ -1,7 +1,10 @@
-"""Start a role (replica, router) as a child process and stop it (its whole process group).
+"""How a role's process is started, says where it listens, and is stopped (its whole process group).
 
-Used by tests, examples and the local provider: the child binds its own port (`--port 0` works)
-and prints one JSON ready line with its URL, which is how the parent learns where it listens.
+Both sides of one hand-off live here: the child binds its own socket (`bind_socket`, so `--port 0`
+works) and prints one JSON ready line with its URL (`print_ready`); the parent (`start_role` for
+tests, examples and the local provider; the Ray actors) reads it (`ready_url`) to learn where the
+child listens. Providers and the trainer launcher also use `die_with_parent_signal`, so children
+die with a launcher killed -9.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import json
 import os
 import selectors
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -109,12 +113,42 @@ def _wait_ready(proc: subprocess.Popen, log: Path, timeout: float) -> str:
         if proc.poll() is not None:
             raise RuntimeError(f"{proc.args[3:5]} exited with {proc.returncode}; log {log}:\n{log.read_text()[-3000:]}")
         if sel.select(timeout=0.5):
-            line = proc.stdout.readline()
-            if line.startswith("{"):
-                event = json.loads(line)
-                if event.get("event") == "ready":
-                    return event["url"]
+            url = ready_url(proc.stdout.readline())
+            if url is not None:
+                return url
     raise RuntimeError(f"{proc.args[3:5]} not ready after {timeout:.0f}s; log {log}:\n{log.read_text()[-3000:]}")
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on (host, port), inheritable, for uvicorn's `sockets=`; port 0 picks one."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # IPPROTO_TCP, not 0: asyncio disables Nagle only on sockets whose protocol says TCP; with 0, every
+    # request after the first on a kept-alive connection waited ~40 ms for a delayed ACK.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def socket_url(sock: socket.socket, tls: bool = False) -> str:
+    """The URL clients reach a bound socket at (IPv6 hosts in brackets)."""
+    host, port = sock.getsockname()[:2]
+    return f"{'https' if tls else 'http'}://{host if ':' not in host else f'[{host}]'}:{port}"
+
+
+def print_ready(url: str) -> None:
+    """The ready line `start_role` waits for: one JSON object on stdout, once the server listens."""
+    print(json.dumps({"event": "ready", "url": url, "pid": os.getpid()}), flush=True)
+
+
+def ready_url(line: str) -> str | None:
+    """The URL a ready line announces; None for any other line of a child's stdout."""
+    if not line.startswith("{"):
+        return None
+    event = json.loads(line)
+    return event["url"] if event.get("event") == "ready" else None
 
 
 def die_with_parent_signal() -> None:
