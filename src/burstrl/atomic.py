@@ -3,15 +3,25 @@
 Models, checkpoints and adapter versions are read by other processes (replicas, resumed trainers,
 racing test sessions) and must never be seen half-written, even after a crash; so are the small
 files roles share while a run goes on (replicas.txt, control requests, resume state).
+
+`build_dir` is the one way to make such a directory: build in a sibling temp dir (same filesystem,
+so the rename is atomic), publish with one rename, remove the temp dir whatever happens. Caches
+that several processes may build at once (the warm-started models) pass `accept`, so the loser of
+the race uses the winner's directory instead of deleting or swapping it. `sha256_file` and
+`sha256_files` are the content digests the caches and the versions volume are keyed by.
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import shutil
 import tempfile
+from collections.abc import Callable, Iterable
 from pathlib import Path
+
+CHUNK = 1 << 20  # digests read files in 1 MiB pieces: adapters and models can be large
 
 
 def check_target(out: Path, force: bool) -> None:
@@ -20,6 +30,65 @@ def check_target(out: Path, force: bool) -> None:
         raise FileExistsError(f"{out} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not force:
         raise FileExistsError(f"{out} exists and is not empty (use --force to replace it)")
+
+
+def build_dir(
+    out: str | Path,
+    build: Callable[[Path], object],
+    *,
+    force: bool = False,
+    accept: Callable[[Path], bool] | None = None,
+    durable: bool = False,
+    prefix: str | None = None,
+) -> Path:
+    """Make directory `out` by `build(tmp)` in a sibling temp dir, then publish it in one rename.
+
+    `out` never holds a partial result and the temp dir is removed on every path (a failed build,
+    a lost race, success). A non-empty `out` is refused unless `force` (it is then swapped out).
+    `accept(out)` is asked whenever `out` holds another writer's directory (before building and
+    when one appears meanwhile): True means use it, so ours is discarded and racing builders of a
+    cache all end with one complete directory. `durable` fsyncs the tree's entry and its parent
+    (for volumes other machines read). `prefix` names the temp dir (default `.NAME.tmp-`).
+    Returns `out` (absolute).
+    """
+    out = Path(out).absolute()
+    if accept is not None and _published(out) and accept(out):
+        return out
+    check_target(out, force)
+    tmp = sibling_tmp(out, prefix)
+    try:
+        build(tmp)
+        if accept is not None and _published(out) and accept(out):
+            return out  # a racing writer finished first with a result as good as ours
+        try:
+            publish_tmp(tmp, out, force=force, durable=durable)
+        except FileExistsError:
+            if accept is None or not accept(out):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already after a successful rename
+    return out
+
+
+def sibling_tmp(out: Path, prefix: str | None = None) -> Path:
+    """A new private temp dir beside `out` (same filesystem: renaming it to `out` is atomic)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=prefix or f".{out.name}.tmp-", dir=out.parent))
+
+
+def publish_tmp(tmp: Path, out: Path, *, force: bool, durable: bool) -> None:
+    """Publish a finished temp dir made by `sibling_tmp` (for writers that fill it step by step,
+    like an image import; `build_dir` does this for the rest): readable by all, renamed to `out`."""
+    make_readable(tmp)
+    if durable:
+        fsync_dir(tmp)
+    publish_dir(tmp, out, force)
+    if durable:
+        fsync_dir(out.parent)
+
+
+def _published(out: Path) -> bool:
+    return out.is_dir() and any(out.iterdir())
 
 
 def publish_dir(tmp: Path, out: Path, force: bool) -> None:
@@ -75,3 +144,22 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def sha256_file(path: str | Path) -> str:
+    """Hex sha256 of one file's content, read in chunks (model weights need not fit in memory twice)."""
+    return sha256_files([path])
+
+
+def sha256_files(paths: Iterable[str | Path]) -> str:
+    """Hex sha256 of the files' contents in the given order, as if concatenated.
+
+    The fingerprint a cache is keyed by, e.g. a base model's weights and config.json: the order
+    is the caller's (sort a glob) so the same files always give the same digest.
+    """
+    digest = hashlib.sha256()
+    for path in paths:
+        with open(path, "rb") as f:
+            while chunk := f.read(CHUNK):
+                digest.update(chunk)
+    return digest.hexdigest()

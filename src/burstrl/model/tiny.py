@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 import string
 import sys
 import sysconfig
-import tempfile
 import time
 from importlib import resources
 from pathlib import Path
@@ -26,7 +24,7 @@ from pathlib import Path
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
-from burstrl.atomic import check_target, make_readable, publish_dir
+from burstrl.atomic import build_dir, check_target
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
@@ -78,20 +76,16 @@ def make_tiny_model(
         raise ValueError(f"hidden must be a positive multiple of 8 (4 heads, even head_dim), got {hidden}")
     recipe = _recipe(layers, hidden, vocab, seed)
     start = time.perf_counter()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+
+    def build(tmp: Path) -> None:
         tokenizer = train_tokenizer(vocab)
         _log(f"tokenizer: {len(tokenizer)} tokens ({time.perf_counter() - start:.1f}s)")
         tokenizer.save_pretrained(tmp)
         n_params = _write_weights(tmp, tokenizer, layers=layers, hidden=hidden, seed=seed)
         _log(f"model: {n_params / 1e6:.2f}M parameters ({time.perf_counter() - start:.1f}s)")
         (tmp / RECIPE_FILE).write_text(json.dumps(recipe, indent=2) + "\n")
-        make_readable(tmp)
-        publish_dir(tmp, out, force)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    build_dir(out, build, force=force)
     _log(f"wrote {out} ({time.perf_counter() - start:.1f}s)")
     return out
 

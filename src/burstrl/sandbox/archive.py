@@ -19,12 +19,11 @@ import os
 import shutil
 import sys
 import tarfile
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from burstrl.atomic import check_target, fsync_dir, publish_dir
+from burstrl.atomic import check_target, publish_tmp, sibling_tmp
 from burstrl.sandbox.images import (
     CONFIG_TYPE,
     INDEX_TYPE,
@@ -135,8 +134,7 @@ class LayoutWriter:
     def __init__(self, out_dir: Path, force: bool = False, progress: Progress | None = None) -> None:
         self.out_dir, self.force, self.progress = Path(out_dir), force, progress
         check_target(self.out_dir, force)
-        self.out_dir.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out_dir.name}.tmp-", dir=self.out_dir.parent))
+        self.tmp = sibling_tmp(self.out_dir)
         (self.tmp / "blobs" / "sha256").mkdir(parents=True)
         self.layers: list[Descriptor] = []
         self.diff_ids: list[str] = []
@@ -215,10 +213,7 @@ class LayoutWriter:
             scratch.unlink()
         (self.tmp / "oci-layout").write_text(json.dumps({"imageLayoutVersion": "1.0.0"}))
         (self.tmp / "index.json").write_text(json.dumps(_index(mdesc, tag), sort_keys=True))
-        os.chmod(self.tmp, 0o755)
-        fsync_dir(self.tmp)
-        publish_dir(self.tmp, self.out_dir, self.force)
-        fsync_dir(self.out_dir.parent)
+        publish_tmp(self.tmp, self.out_dir, force=self.force, durable=True)
         return ImageRef(self.out_dir, tag, mdesc.digest)
 
 

@@ -18,12 +18,11 @@ import os
 import platform
 import shutil
 import tarfile
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, BinaryIO
 
-from burstrl.atomic import check_target, fsync_dir, publish_dir
+from burstrl.atomic import build_dir, check_target
 
 MANIFEST_TYPE = "application/vnd.oci.image.manifest.v1+json"
 CONFIG_TYPE = "application/vnd.oci.image.config.v1+json"
@@ -307,23 +306,15 @@ def build_image(src_dir: Path, out_dir: Path, base: Path | None = None, dest: st
     if compression not in COMPRESSION_TYPES:
         raise ImageError(f"unknown compression {compression!r}; choose zstd, gzip or tar")
     base_image = read_image(base, base_tag) if base is not None else None
-    check_target(out_dir, force)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
-        _fill_layout(tmp, src_dir, base_image, dest, compression, tag)
-        os.chmod(tmp, 0o755)
-        fsync_dir(tmp)
-        manifest_digest = _read_json(tmp / "index.json")["manifests"][0]["digest"]
-        publish_dir(tmp, out_dir, force)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    fsync_dir(out_dir.parent)
-    return ImageRef(out_dir, tag, manifest_digest)
+    check_target(out_dir, force)  # before the layer is written: fail fast
+    made: list[str] = []  # the manifest digest, read from our own layout before it is published
+    build_dir(out_dir, lambda tmp: made.append(_fill_layout(tmp, src_dir, base_image, dest, compression, tag)),
+              force=force, durable=True)
+    return ImageRef(out_dir, tag, made[0])
 
 
-def _fill_layout(tmp: Path, src_dir: Path, base: Image | None, dest: str, kind: str, tag: str) -> None:
+def _fill_layout(tmp: Path, src_dir: Path, base: Image | None, dest: str, kind: str, tag: str) -> str:
+    """Write the layout's blobs, oci-layout and index.json into `tmp`; returns the manifest digest."""
     (tmp / "blobs" / "sha256").mkdir(parents=True)
     layers = list(base.layers) if base else []
     for desc in layers:
@@ -335,6 +326,7 @@ def _fill_layout(tmp: Path, src_dir: Path, base: Image | None, dest: str, kind: 
     manifest_desc = _write_json_blob(tmp, manifest, MANIFEST_TYPE)
     (tmp / "oci-layout").write_text(json.dumps({"imageLayoutVersion": "1.0.0"}))
     (tmp / "index.json").write_text(json.dumps(_index(manifest_desc, tag), sort_keys=True))
+    return manifest_desc.digest
 
 
 # ---------------------------------------------------------------------------------------- reading

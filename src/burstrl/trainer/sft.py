@@ -14,12 +14,9 @@ Only assistant tokens are trained on: each assistant turn's content and its end 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
-import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -33,7 +30,7 @@ from burstrl.envs import toy
 from burstrl.envs.toy_multi import MultiToyEnv
 from burstrl.model.hf import load_model, load_tokenizer
 from burstrl.trainer.toy_eval import ToyScore, greedy_score, multi_turn_score, sampled_score
-from burstrl.atomic import check_target, make_readable, publish_dir
+from burstrl.atomic import build_dir, check_target, sha256_files
 
 IGNORE = -100  # label of tokens the loss skips (HF's convention)
 SFT_MARKER = "burstrl_sft.json"
@@ -123,19 +120,15 @@ def sft(
 def _write_output(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: Path,
                   recipe: dict, force: bool) -> None:
     """A PEFT model saves only its adapter; a plain model saves a whole HF model dir."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+
+    def build(tmp: Path) -> None:
         if recipe["lora"]:
             model.save_pretrained(str(tmp))
         else:
             save_model_dir(model, tokenizer, tmp)
         (tmp / SFT_MARKER).write_text(json.dumps(recipe, indent=2) + "\n")
-        make_readable(tmp)
-        publish_dir(tmp, out, force)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    build_dir(out, build, force=force)
 
 
 def load_conversations(path: str | Path) -> list[list[dict]]:
@@ -416,10 +409,8 @@ def _letter_tasks(seed: int) -> list[toy.ToyTask]:
 
 def _warm_recipe(base_dir: Path, target: tuple[float, float], seed: int) -> dict:
     """Everything the warm model depends on, the base weights' fingerprint included."""
-    digest = hashlib.sha256()
-    for path in sorted(base_dir.glob("*.safetensors")) + [base_dir / "config.json"]:
-        digest.update(path.read_bytes())
-    return {"version": WARM_RECIPE_VERSION, "base_sha256": digest.hexdigest(),
+    base_sha256 = sha256_files(sorted(base_dir.glob("*.safetensors")) + [base_dir / "config.json"])
+    return {"version": WARM_RECIPE_VERSION, "base_sha256": base_sha256,
             "target": list(target), "seed": seed, "train_tasks": WARM_TRAIN_TASKS,
             "multi_tasks": WARM_MULTI_TASKS, "multi_difficulties": list(WARM_MULTI_DIFFICULTIES),
             "rl_temperature": WARM_RL_TEMPERATURE, "lr": WARM_LR,
@@ -429,23 +420,16 @@ def _warm_recipe(base_dir: Path, target: tuple[float, float], seed: int) -> dict
 def _publish_warm(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out: Path,
                   marker: dict, stale: bool) -> Path:
     """Write beside `out` and rename; losing the race to an identical build is success."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+
+    def build(tmp: Path) -> None:
         save_model_dir(model, tokenizer, tmp)
         (tmp / WARM_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
-        make_readable(tmp)
-        publish_dir(tmp, out, force=stale)
-    except FileExistsError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        winner = _read_marker(out, WARM_MARKER)
-        if winner is not None and winner.get("recipe") == marker["recipe"]:
-            return out
-        raise
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+
+    def same_recipe(winner: Path) -> bool:
+        found = _read_marker(winner, WARM_MARKER)
+        return found is not None and found.get("recipe") == marker["recipe"]
+
+    return build_dir(out, build, force=stale, accept=same_recipe)
 
 
 def _read_marker(out: Path, name: str) -> dict | None:

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from burstrl.atomic import fsync_dir
+from burstrl.atomic import build_dir, sha256_file
 from burstrl.protocol.adapters import ADAPTER_FILES
 from burstrl.protocol.versions import VERSION_NAME, version_name
 
@@ -59,22 +59,19 @@ def publish(volume: Path, version: int, adapter_dir: Path) -> Path:
     final = volume / version_name(version)
     if final.exists():
         return _same_or_refuse(final, _hash_files(adapter_dir))
-    tmp = volume / f"{TMP_PREFIX}{final.name}-{secrets.token_hex(6)}"
-    tmp.mkdir()
-    try:
-        files = {name: _copy_hashed(adapter_dir / name, tmp / name) for name in sorted(ADAPTER_FILES)}
+    files: dict[str, dict[str, Any]] = {}
+
+    def write(tmp: Path) -> None:
+        files.update({name: _copy_hashed(adapter_dir / name, tmp / name) for name in sorted(ADAPTER_FILES)})
         manifest = {"version": version, "name": final.name, "files": files}
         _write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
-        fsync_dir(tmp)
-        try:
-            tmp.rename(final)
-        except OSError:
-            if not final.exists():
-                raise
-            return _same_or_refuse(final, files)  # another publisher won the race
-        fsync_dir(volume)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    try:
+        build_dir(final, write, durable=True, prefix=f"{TMP_PREFIX}{final.name}-")
+    except FileExistsError:
+        if not final.exists():
+            raise
+        return _same_or_refuse(final, files or _hash_files(adapter_dir))  # another publisher won the race
     log.info("published %s (%d bytes)", final, sum(f["bytes"] for f in files.values()))
     return final
 
@@ -89,7 +86,7 @@ def verify(path: Path) -> None:
             raise VersionCorrupt(f"{path}: {name} is missing")
         if file.stat().st_size != want["bytes"]:
             raise VersionCorrupt(f"{path}: {name} has {file.stat().st_size} bytes, not {want['bytes']}")
-        if _sha256(file) != want["sha256"]:
+        if sha256_file(file) != want["sha256"]:
             raise VersionCorrupt(f"{path}: {name} sha256 does not match the manifest")
 
 
@@ -182,7 +179,7 @@ def _hash_files(adapter_dir: Path) -> dict[str, dict[str, Any]]:
     out = {}
     for name in sorted(ADAPTER_FILES):
         path = adapter_dir / name
-        out[name] = {"sha256": _sha256(path), "bytes": path.stat().st_size}
+        out[name] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
     return out
 
 
@@ -204,11 +201,3 @@ def _write_synced(path: Path, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()

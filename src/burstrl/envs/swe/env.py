@@ -25,11 +25,10 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from burstrl.atomic import build_dir
 from burstrl.config import SweEnvConfig
 from burstrl.envs.base import ChatClient, InfraError, Outcome, Task
 from burstrl.envs.swe.task import SweTask, load_tasks
@@ -89,18 +88,16 @@ class SweEnv:
         from burstrl.envs.swe.toygen import make_task
 
         out = self.run_dir / "swe-tasks"
-        if not (out / "tasks.jsonl").exists():
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(prefix=".swe-tasks-", dir=self.run_dir))
+
+        def make(tmp: Path) -> None:
             tasks = [make_task(tmp, i, self.cfg.toy_seed, difficulty, self.cfg.split)
                      for difficulty in self.cfg.toy_difficulties for i in range(self.cfg.toy_tasks)]
             for t in tasks:  # the repos move with the directory
                 t.repo = str(out.absolute() / Path(t.repo).relative_to(tmp.absolute()))
             dump_tasks(tasks, tmp / "tasks.jsonl")
-            try:
-                tmp.rename(out)
-            except OSError:  # another process made it first
-                shutil.rmtree(tmp, ignore_errors=True)
+
+        if not (out / "tasks.jsonl").exists():  # else made already (by another process: it won the race)
+            build_dir(out, make, accept=lambda made: (made / "tasks.jsonl").exists(), prefix=".swe-tasks-")
         return out / "tasks.jsonl"
 
     def make_tasks(self, n: int, seed: int, difficulty: int = 1, split: str = "train") -> list[Task]:

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 import sys
 import tempfile
 from pathlib import Path
+
+from burstrl.atomic import build_dir
 
 MARKER = "burstrl_swe_warm.json"
 RECIPE_VERSION = 1
@@ -39,18 +40,25 @@ def ensure_swe_warm_model(base_dir: str | Path, out_dir: str | Path) -> Path:
 
     base, out = Path(base_dir), Path(out_dir).absolute()
     want = recipe(base)
-    marker = out / MARKER
-    if marker.is_file() and json.loads(marker.read_text()).get("recipe") == want:
+    if _has_recipe(out, want):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="swe-warm-", dir=out.parent) as tmp:
         print(f"[swe-warm] generating {TASKS} toy tasks and their demonstrations", file=sys.stderr, flush=True)
         tasks = [make_task(Path(tmp) / "tasks", i, seed=1000, difficulty=1, split="train") for i in range(TASKS)]
         demos = write_demonstrations(tasks, Path(tmp) / "demos.jsonl")
-        model = sft(base, demos, Path(tmp) / "model", steps=STEPS, lr=LR, batch_size=BATCH_SIZE, log_every=50,
-                    device="cpu")
-        (model / MARKER).write_text(json.dumps({"recipe": want}, indent=2) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        model.rename(out)
+
+        def train(model: Path) -> None:  # into the temp dir that build_dir renames to `out`
+            sft(base, demos, model, steps=STEPS, lr=LR, batch_size=BATCH_SIZE, log_every=50,
+                device="cpu")
+            (model / MARKER).write_text(json.dumps({"recipe": want}, indent=2) + "\n")
+
+        # A racing first build (two runs, or a run and an eval) that published first wins; an
+        # older recipe's cache is swapped out, never deleted under a reader.
+        build_dir(out, train, force=out.exists(), accept=lambda winner: _has_recipe(winner, want))
     return out
+
+
+def _has_recipe(out: Path, want: dict) -> bool:
+    marker = out / MARKER
+    return marker.is_file() and json.loads(marker.read_text()).get("recipe") == want
