@@ -132,8 +132,9 @@ def trainer(store_path: Path, env: ScriptedSwe, stop: threading.Event) -> list:
 def test_a_hostile_agent_scores_0_and_the_run_finishes_with_nothing_lost(cluster, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     swe = SweEnvConfig(toy_tasks=1, max_sandboxes=4, max_turns=12, command_timeout_s=20)
-    cfg = OrchestrateConfig(run_dir=str(run_dir), router=cluster.url, batch_groups=4, steps=1,
-                            orchestrator=OrchestratorConfig(envs={"swe": 1.0}, group_size=2, swe=swe, max_tokens=1))
+    cfg = OrchestrateConfig(run_dir=str(run_dir), router=cluster.url, steps=1,
+                            orchestrator=OrchestratorConfig(envs={"swe": 1.0}, group_size=2, swe=swe, max_tokens=1,
+                                                            max_in_flight_groups=4, max_buffered_groups=4))
     run_dir.mkdir(parents=True)
     orch = Orchestrator(cfg, ADMIN_TOKEN)
     env = orch.envs["swe"] = ScriptedSwe(swe, run_dir)  # the curriculum shares this dict

@@ -70,7 +70,7 @@ def test_grpo_raises_the_reward_of_a_warm_started_model(tiny_model_dir: Path, tm
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-c", "from burstrl.cli import main; main()", "train", "--model.path", str(warm),
            "--run_dir", str(run_dir), "--trainer.steps", str(STEPS), "--trainer.batch_groups", str(GROUPS),
-           "--trainer.lr", "2e-3", "--trainer.temperature", str(TEMPERATURE), "--trainer.max_staleness", "0", "--trainer.num_threads", "1",
+           "--trainer.lr", "2e-3", "--temperature", str(TEMPERATURE), "--trainer.max_staleness", "0", "--trainer.num_threads", "1",
            "--weights.replicas", json.dumps([server.url])]
     env = {**os.environ, "BURSTRL_ADMIN_TOKEN": ADMIN_TOKEN}
     trainer = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "train.log", "w"))

@@ -27,13 +27,19 @@ def cache_dir() -> Path:
     return Path(os.environ.get("BURSTRL_CACHE") or Path.home() / ".cache" / "burstrl")
 
 
+def quickstart_model_dir(swe: bool) -> Path:
+    """Where the warm-started tiny model of `quickstart_model` (or, for swe, `quickstart_swe_model`)
+    is cached: what `burstrl run --dry-run` shows as model.path without building it."""
+    return (cache_dir() / ("tiny-qwen3-swe-warm" if swe else "tiny-qwen3-warm")).absolute()
+
+
 def quickstart_model() -> Path:
     """The warm-started tiny model (made and cached on first use: about a minute on two cores)."""
     from burstrl.model.tiny import ensure_tiny_model
     from burstrl.trainer.sft import ensure_warm_model
 
     base = ensure_tiny_model(cache_dir() / "tiny-qwen3")
-    return ensure_warm_model(base, cache_dir() / "tiny-qwen3-warm")
+    return ensure_warm_model(base, quickstart_model_dir(swe=False))
 
 
 def quickstart_swe_model() -> Path:
@@ -41,7 +47,7 @@ def quickstart_swe_model() -> Path:
     from burstrl.envs.swe.warm import ensure_swe_warm_model
     from burstrl.model.tiny import ensure_tiny_model
 
-    return ensure_swe_warm_model(ensure_tiny_model(cache_dir() / "tiny-qwen3"), cache_dir() / "tiny-qwen3-swe-warm")
+    return ensure_swe_warm_model(ensure_tiny_model(cache_dir() / "tiny-qwen3"), quickstart_model_dir(swe=True))
 
 
 def check(cfg: RunConfig) -> None:

@@ -25,7 +25,7 @@ from typing import Any
 
 import httpx
 
-from burstrl.config import OrchestrateConfig, RunConfig, ServeConfig, ServerConfig, TrainConfig, dump_toml
+from burstrl.config import RunConfig, Section, dump_toml
 from burstrl.launcher import control
 from burstrl.launcher.display import Display, snapshot_eta
 from burstrl.launcher.fleet import Fleet
@@ -135,7 +135,8 @@ class Launcher:
         self.event("run_started", detail=f"resume from step {last}" if self.resume else "")
         return False
 
-    def role_config(self, name: str, cfg: Any) -> str:
+    def role_config(self, name: str, cfg: Section) -> str:
+        """Write a role's config (derived by RunConfig, not assembled here) to RUN_DIR/roles/NAME.toml."""
         path = self.run_dir / "roles" / f"{name}.toml"
         path.parent.mkdir(exist_ok=True)
         path.write_text(dump_toml(cfg))
@@ -143,30 +144,25 @@ class Launcher:
 
     def start_roles(self) -> None:
         c = self.cfg
-        router_cfg = c.router.model_copy(update={"port": 0, "replicas": []})
-        self.router = self._start("router", ["route", "serve", self.role_config("router", router_cfg)], ready=True,
-                                  placement=Placement(listen=("host", "port"), restartable=True, on_driver=True))
-        volume = c.weights.volume or str(self.run_dir / "adapters")
-        serve = ServeConfig(model=c.model, engine=c.engine, server=ServerConfig(host=c.router.host, port=0),
-                            adapter_volume=volume)
+        self.router = self._start("router", ["route", "serve", self.role_config("router", c.router_config())],
+                                  ready=True, placement=Placement(listen=("host", "port"), restartable=True,
+                                                                  on_driver=True))
+        serve = c.serve_config()
         self.fleet = Fleet(self.provider, ["serve", self.role_config("serve", serve)], self.router.url,
                            self.cluster_token, self.admin_token, self.run_dir,
                            {"reserved": c.fleet.reserved_weight, "on_demand": c.fleet.on_demand_weight},
-                           self.event, c.fleet.start_timeout_s, Path(volume))
+                           self.event, c.fleet.start_timeout_s, Path(serve.adapter_volume))
         for pool, n in (("reserved", c.fleet.reserved), ("on_demand", c.fleet.on_demand)):
             for _ in range(n):
                 self.fleet.start(pool)
-        weights = c.weights.model_copy(update={"volume": volume, "replicas": [],
-                                               "replicas_file": str(self.run_dir / "replicas.txt")})
-        train = TrainConfig(run_dir=str(self.run_dir), model=c.model, lora=c.lora, trainer=c.trainer, weights=weights)
+        train = c.train_config()
         try:
-            self.trainer = self.provider.start_trainer(Path(self.role_config("train", train)), c.trainer.world_size,
-                                                       self.resume, append=self.resume)
+            self.trainer = self.provider.start_trainer(Path(self.role_config("train", train)),
+                                                       train.trainer.world_size, self.resume, append=self.resume)
         except RuntimeError as exc:
             raise LaunchError(f"the trainer failed to start: {exc}") from None
         self.wait_for_first_replica()
-        orch = OrchestrateConfig(run_dir=str(self.run_dir), router=self.router.url, batch_groups=c.trainer.batch_groups,
-                                 steps=c.trainer.steps, orchestrator=c.orchestrator)
+        orch = c.orchestrate_config(self.router.url)
         self.orchestrator = self._start("orchestrator", ["orchestrate", self.role_config("orchestrate", orch)],
                                         ready=False, placement=Placement(on_driver=True))
         control.write_launcher_info(self.run_dir, self.router.url)

@@ -73,8 +73,8 @@ class Orchestrator:
         if self.state_path.exists():
             self.curriculum.load_state(json.loads(self.state_path.read_text())["curriculum"])
         self.rng = random.Random(f"{o.seed}:{time.time_ns()}")
-        self.max_in_flight = o.max_in_flight_groups or cfg.batch_groups
-        self.max_buffered = o.max_buffered_groups or cfg.batch_groups
+        self.max_in_flight = o.max_in_flight_groups
+        self.max_buffered = o.max_buffered_groups
         self.counters = Counters()
         self.recent: deque[Outcome] = deque(maxlen=64)
         self.version = 0

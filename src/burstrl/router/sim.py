@@ -22,9 +22,13 @@ import math
 import random
 import statistics
 from collections import OrderedDict, deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
+from pydantic import ConfigDict, Field
+from pydantic.dataclasses import dataclass as pydantic_dataclass
+
+from burstrl.config.loading import Section, read_config_file, validate
 from burstrl.router.policies import (
     ReplicaView,
     Session,
@@ -33,13 +37,8 @@ from burstrl.router.policies import (
     record_assignment,
 )
 
-try:
-    import tomllib
-except ImportError:  # Python 3.10
-    import tomli as tomllib
 
-
-@dataclass
+@pydantic_dataclass(config=ConfigDict(extra="forbid"))
 class TaskKind:
     """One kind of rollout; token counts are means of exponential draws (heterogeneous lengths)."""
 
@@ -53,7 +52,7 @@ class TaskKind:
     tool_time_s: float = 3.0  # mean gap between calls
 
 
-@dataclass
+@pydantic_dataclass(config=ConfigDict(extra="forbid"))
 class PoolSpec:
     pool: str = "on_demand"
     count: int = 1
@@ -61,46 +60,35 @@ class PoolSpec:
     capacity_tokens: int = 200_000
 
 
-@dataclass
-class SimConfig:
-    """Trace generator, fleet and cost model; every field can be set from a TOML/JSON file."""
+class SimConfig(Section):
+    """`burstrl route sim`: trace generator, fleet and cost model; set from TOML/JSON files and
+    `--key value` overrides like every burstrl config (lists of tables as JSON, e.g. `--pools '[...]'`)."""
 
-    seed: int = 0
-    sessions: int = 400
-    arrival_rate: float = 4.0  # new sessions per second (Poisson)
-    block_size: int = 256
-    kinds: list[TaskKind] = field(default_factory=lambda: [
+    seed: int = Field(0, description="Seed of the generated trace and of the policies' sampling.")
+    sessions: int = Field(400, ge=0, description="Sessions in the generated trace.")
+    arrival_rate: float = Field(4.0, gt=0, description="New sessions per second (Poisson).")
+    block_size: int = Field(256, ge=1, description="Tokens per KV block (hash per block, as a prefix cache).")
+    kinds: list[TaskKind] = Field(default_factory=lambda: [
         TaskKind(),
         TaskKind(name="math", share=0.5, calls_min=1, calls_max=4, prompt_tokens=800, tool_tokens=200,
-                 output_tokens=600, tool_time_s=1.0)])
-    pools: list[PoolSpec] = field(default_factory=lambda: [
+                 output_tokens=600, tool_time_s=1.0)], description="Kinds of rollout and their shares.")
+    pools: list[PoolSpec] = Field(default_factory=lambda: [
         PoolSpec(pool="reserved", count=2, weight=8, capacity_tokens=1_600_000),
-        PoolSpec(pool="on_demand", count=8, weight=1, capacity_tokens=200_000)])
-    prefill_s_per_token: float = 1 / 20000
-    decode_base_s: float = 0.02
-    decode_per_seq_s: float = 0.0005
-    max_seqs: int = 32  # concurrent sequences per unit of weight
-    scrape_interval_s: float = 2.0
-    thrash_window_s: float = 60.0
-    size_prior_tokens: int = 8192
+        PoolSpec(pool="on_demand", count=8, weight=1, capacity_tokens=200_000)],
+        description="The fleet: replicas per pool, their weight and KV capacity in tokens.")
+    prefill_s_per_token: float = Field(1 / 20000, ge=0, description="Prefill seconds per uncached token.")
+    decode_base_s: float = Field(0.02, ge=0, description="Seconds of one decode step of a batch.")
+    decode_per_seq_s: float = Field(0.0005, ge=0, description="Extra seconds per sequence in the batch.")
+    max_seqs: int = Field(32, ge=1, description="Concurrent sequences per unit of weight.")
+    scrape_interval_s: float = Field(2.0, gt=0, description="Seconds between the router's load scrapes.")
+    thrash_window_s: float = Field(60.0, gt=0, description="An eviction re-filled within this window thrashes.")
+    size_prior_tokens: int = Field(8192, ge=1, description="Projected session size before any has finished.")
 
 
 def load_config(path: str | Path | None = None, **overrides: object) -> SimConfig:
-    """Defaults, then a TOML or JSON file (by suffix), then keyword overrides."""
-    data: dict = {}
-    if path is not None:
-        text = Path(path).read_text()
-        data = json.loads(text) if str(path).endswith(".json") else tomllib.loads(text)
-    data.update(overrides)
-    known = set(SimConfig.__dataclass_fields__)
-    unknown = set(data) - known
-    if unknown:
-        raise ValueError(f"unknown sim config keys: {', '.join(sorted(unknown))}")
-    if "kinds" in data:
-        data["kinds"] = [k if isinstance(k, TaskKind) else TaskKind(**k) for k in data["kinds"]]
-    if "pools" in data:
-        data["pools"] = [p if isinstance(p, PoolSpec) else PoolSpec(**p) for p in data["pools"]]
-    return SimConfig(**data)
+    """Defaults, then a TOML or JSON file (by suffix), then keyword overrides; unknown keys are errors."""
+    data = read_config_file(path) if path is not None else {}
+    return validate(SimConfig, {**data, **overrides})
 
 
 @dataclass
@@ -394,4 +382,4 @@ def format_table(results: dict[str, dict]) -> str:
 
 def config_dict(cfg: SimConfig) -> dict:
     """The config as plain data (for the benchmark's JSON line)."""
-    return asdict(cfg)
+    return cfg.model_dump()

@@ -38,6 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
+from burstrl.config import TrainerConfig
+
 
 def group_advantages(rewards: list[float], std_norm: bool, eps: float = 1e-6) -> list[float] | None:
     """Advantages of one group, or None when all rewards are equal (no signal)."""
@@ -51,14 +53,6 @@ def group_advantages(rewards: list[float], std_norm: bool, eps: float = 1e-6) ->
 
 
 @dataclass
-class LossConfig:
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    tis_cap: float = 2.0
-    kl_coef: float = 0.0
-
-
-@dataclass
 class TokenLoss:
     """Per-token loss and the statistics a step reports (all [N] over sampled tokens)."""
 
@@ -69,9 +63,12 @@ class TokenLoss:
     kl: torch.Tensor | None
 
 
-def token_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, cfg: LossConfig,
+def token_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, cfg: TrainerConfig,
                ref_logp: torch.Tensor | None = None) -> TokenLoss:
-    """logp, old_logp, adv (, ref_logp): [N] over sampled tokens -> per-token loss l_t."""
+    """logp, old_logp, adv (, ref_logp): [N] over sampled tokens -> per-token loss l_t.
+
+    `cfg` is the trainer's config (clip_low, clip_high, tis_cap, kl_coef are read): their
+    defaults live there only."""
     ratio = torch.exp(logp - old_logp)
     weight = torch.clamp(ratio, max=cfg.tis_cap) if cfg.tis_cap > 0 else ratio
     unclipped = weight * adv

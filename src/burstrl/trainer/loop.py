@@ -26,7 +26,7 @@ from burstrl.store import Group, RolloutStore
 from burstrl.trainer import checkpoint, recompute
 from burstrl.trainer.dist import Dist
 from burstrl.trainer.faults import maybe_crash
-from burstrl.trainer.grpo import LossConfig, aggregate, group_advantages, token_loss
+from burstrl.trainer.grpo import aggregate, group_advantages, token_loss
 from burstrl.trainer.publish import Publisher, publish_version
 from burstrl.trainer.sequences import Sequence, micro_batches, pack, rollout_sequences, shard
 
@@ -79,7 +79,7 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, weight_decay=t.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min(1.0, (s + 1) / t.warmup_steps) if t.warmup_steps else 1.0)
-        self.loss_cfg = LossConfig(clip_low=t.clip_low, clip_high=t.clip_high, tis_cap=t.tis_cap, kl_coef=t.kl_coef)
+        self.loss_cfg = t  # clip_low, clip_high, tis_cap, kl_coef
         self.store = RolloutStore(cfg.store or self.run_dir / "store.sqlite") if dist.is_main else None
         self.step = 0
         self.publisher = Publisher(cfg, dist)
@@ -244,8 +244,8 @@ class Trainer:
     def _token_logprobs(self, ids: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
         """log pi(token_j | tokens_<j) for j = 1..L-1: [B, L-1], float32."""
         logits = self.model(input_ids=ids, attention_mask=attention, use_cache=False).logits[:, :-1].float()
-        if self.cfg.trainer.temperature != 1.0:  # the behaviour logprobs are of logits / T
-            logits = logits / self.cfg.trainer.temperature
+        if self.cfg.temperature != 1.0:  # the behaviour logprobs are of logits / T
+            logits = logits / self.cfg.temperature
         targets = ids[:, 1:]
         return logits.gather(-1, targets[..., None])[..., 0] - torch.logsumexp(logits, dim=-1)
 

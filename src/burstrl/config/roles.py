@@ -1,37 +1,17 @@
-"""Configuration for every burstrl role: pydantic models, TOML files, dotted CLI overrides.
+"""The config of each role process: what `burstrl serve`, `route serve`, `train` and `orchestrate` read.
 
-Why one module: every process reads its slice of the same tree, so a run's resolved config is one
-file that can be saved in the run directory and replayed. It must not import torch: the CLI loads
-it to answer `--help` and `--dry-run` fast.
-
-Layering: defaults < TOML files (in order) < `--a.b value` overrides. Unknown keys anywhere are
-errors that name the key (`unknown config key 'engine.max_tokens_total'`).
+Why pydantic models with a docstring per field: the same model validates a TOML file, the
+`--a.b value` overrides and what `RunConfig` (config/run.py) derives for each role of a run, and
+it rejects unknown keys by name. No torch import: the CLI loads these to answer `--dry-run` fast.
 """
 
 from __future__ import annotations
 
-import json
-import re
-import sys
-from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # Python 3.10: the same parser, packaged as tomli
-    import tomli as tomllib
-
-
-class ConfigError(ValueError):
-    """A config file or override is wrong; the message names the key."""
-
-
-class Section(BaseModel):
-    """Base for config sections: unknown keys are rejected, defaults are validated."""
-
-    model_config = ConfigDict(extra="forbid", validate_default=True)
+from burstrl.config.loading import Section
 
 
 class ModelConfig(Section):
@@ -119,129 +99,6 @@ class ServeConfig(Section):
     )
 
 
-C = TypeVar("C", bound=BaseModel)
-
-
-def parse_overrides(args: list[str]) -> dict[str, Any]:
-    """Turn `--a.b value` / `--a.b=value` pairs into a nested dict, keys as typed.
-
-    Hyphens become underscores later, in `validate`, and only in keys that name a field: the keys
-    of free-form tables (an adapter named `policy-v1`) must keep their hyphens.
-    """
-    out: dict[str, Any] = {}
-    i = 0
-    while i < len(args):
-        arg = args[i]
-        if not arg.startswith("--") or len(arg) <= 2:
-            raise ConfigError(f"expected an override like --section.key value, got {arg!r}")
-        key, eq, value = arg[2:].partition("=")
-        if not eq:
-            if i + 1 >= len(args):
-                raise ConfigError(f"override --{key} has no value")
-            value = args[i + 1]
-            i += 1
-        i += 1
-        _set_path(out, key.split("."), _parse_value(value))
-    return out
-
-
-def _parse_value(text: str) -> Any:
-    """TOML/JSON literal when it parses (numbers, bools, lists), else the raw string."""
-    for candidate in (text, text.lower()):
-        try:
-            return json.loads(candidate)
-        except json.JSONDecodeError:
-            continue
-    return text
-
-
-def _set_path(tree: dict[str, Any], path: list[str], value: Any) -> None:
-    for part in path[:-1]:
-        node = tree.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"override {'.'.join(path)} conflicts with a value at {part}")
-        tree = node
-    tree[path[-1]] = value
-
-
-def merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
-    """Deep-merge `top` over `base` (dicts merge, anything else replaces)."""
-    out = dict(base)
-    for key, value in top.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = merge(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
-def load_config(cls: type[C], files: list[str | Path] = (), overrides: list[str] = ()) -> C:
-    """Build `cls` from TOML files then dotted overrides; errors name the offending key."""
-    data: dict[str, Any] = {}
-    for path in files:
-        try:
-            data = merge(data, tomllib.loads(Path(path).read_text()))
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{path}: {exc}") from None
-    data = merge(data, parse_overrides(list(overrides)))
-    return validate(cls, data)
-
-
-def validate(cls: type[C], data: dict[str, Any]) -> C:
-    """`cls.model_validate(data)` with errors rewritten to name keys the way a user typed them."""
-    try:
-        return cls.model_validate(_field_keys(cls, data))
-    except ValidationError as exc:
-        lines = []
-        for err in exc.errors():
-            key = ".".join(str(p) for p in err["loc"])
-            if err["type"] == "extra_forbidden":
-                lines.append(f"unknown config key '{key}'")
-            elif key:
-                lines.append(f"config key '{key}': {err['msg']}")
-            else:  # a check across sections (model_post_init): the message names the keys
-                lines.append(err["msg"].removeprefix("Value error, "))
-        raise ConfigError("; ".join(lines)) from None
-
-
-def _field_keys(cls: type[BaseModel], data: dict[str, Any]) -> dict[str, Any]:
-    """Read `max-running-requests` as the field `max_running_requests`, in nested sections too."""
-    out: dict[str, Any] = {}
-    for key, value in data.items():
-        name = key.replace("-", "_")
-        field = cls.model_fields.get(name)
-        if field is None:
-            out[key] = value  # not a field: left as typed, so the unknown-key error shows it
-            continue
-        section = field.annotation
-        if isinstance(value, dict) and isinstance(section, type) and issubclass(section, BaseModel):
-            value = _field_keys(section, value)
-        out[name] = value
-    return out
-
-
-def dump_toml(cfg: BaseModel) -> str:
-    """Render a config as TOML (for the run directory and `--dry-run`)."""
-    return _toml_table(cfg.model_dump(mode="json"), prefix="")
-
-
-def _toml_table(data: dict[str, Any], prefix: str) -> str:
-    scalars = [f"{_toml_key(k)} = {json.dumps(v)}" for k, v in data.items() if not isinstance(v, dict)]
-    text = ""
-    if scalars:
-        text = (f"[{prefix}]\n" if prefix else "") + "\n".join(scalars) + "\n\n"
-    for key, value in data.items():
-        if isinstance(value, dict):
-            name = f"{prefix}.{_toml_key(key)}" if prefix else _toml_key(key)
-            text += _toml_table(value, name) if value else f"[{name}]\n\n"
-    return text
-
-
-def _toml_key(key: str) -> str:
-    """Bare keys as is; anything else (an adapter named `policy.v1`) quoted so it stays one key."""
-    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else json.dumps(key)
-
-
 class LoraConfigSection(Section):
     rank: int = Field(8, ge=1, description="LoRA rank r.")
     alpha: int = Field(16, ge=1, description="LoRA alpha; the update is scaled by alpha / r.")
@@ -274,10 +131,6 @@ class TrainerConfig(Section):
     clip_high: float = Field(0.28, ge=0, description="PPO ratio clip: upper bound 1 + clip_high.")
     tis_cap: float = Field(2.0, ge=0, description="Truncated importance sampling cap on the ratio; 0 = off.")
     kl_coef: float = Field(0.0, ge=0, description="Coefficient of the KL penalty to the base model; 0 = off.")
-    temperature: float = Field(
-        1.0, gt=0, description="Sampling temperature of the rollouts: the trainer scores tokens with logits / T, "
-        "the distribution the replica sampled from and reported logprobs for."
-    )
     loss_agg: Literal["token-mean", "sequence-mean"] = Field("token-mean", description="Loss aggregation.")
     std_norm: bool = Field(True, description="Divide group advantages by the group's reward std.")
     max_staleness: int = Field(4, ge=0, description="Drop groups sampled more than this many versions ago.")
@@ -307,6 +160,11 @@ class TrainConfig(Section):
 
     run_dir: str = Field("runs/default", description="Run directory: store, checkpoints, adapters, metrics.")
     store: str = Field("", description="Rollout store path; empty = RUN_DIR/store.sqlite.")
+    temperature: float = Field(
+        1.0, gt=0, description="Sampling temperature of the rollouts: the trainer scores tokens with logits / T, "
+        "the distribution the replica sampled from and reported logprobs for (`burstrl run`: "
+        "orchestrator.temperature)."
+    )
     model: ModelConfig = Field(default_factory=ModelConfig)
     lora: LoraConfigSection = Field(default_factory=LoraConfigSection)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
@@ -396,11 +254,11 @@ class OrchestratorConfig(Section):
     )
     group_size: int = Field(8, ge=2, description="Attempts per task (G); GRPO normalises within a group.")
     max_in_flight_groups: int = Field(
-        0, ge=0, description="Groups being generated at once; 0 = trainer.batch_groups."
+        8, ge=1, description="Groups being generated at once (`burstrl run`: trainer.batch_groups unless set)."
     )
     max_buffered_groups: int = Field(
-        0, ge=0, description="Stop starting groups while this many wait in the store (bounds staleness); "
-        "0 = trainer.batch_groups (one batch ready while the next is generated)."
+        8, ge=1, description="Stop starting groups while this many wait in the store (bounds staleness; "
+        "`burstrl run`: trainer.batch_groups unless set, one batch ready while the next is generated)."
     )
     temperature: float = Field(1.0, gt=0, description="Sampling temperature of every call.")
     max_tokens: int = Field(16, ge=1, description="max_tokens of a call unless the environment sets it.")
@@ -420,91 +278,7 @@ class OrchestrateConfig(Section):
     run_dir: str = Field("runs/default", description="Run directory (store, orchestrator.jsonl).")
     store: str = Field("", description="Rollout store path; empty = RUN_DIR/store.sqlite.")
     router: str = Field("http://127.0.0.1:8080", description="Router URL (OpenAI API).")
-    batch_groups: int = Field(8, ge=1, description="Groups the trainer takes per step (sizes the defaults).")
     steps: int = Field(0, ge=0, description="Stop once the store has this many committed steps; 0 = never.")
     orchestrator: OrchestratorConfig = Field(default_factory=OrchestratorConfig)
 
 
-class FleetConfig(Section):
-    reserved: int = Field(1, ge=0, description="Replicas in the reserved pool (never scaled down).")
-    on_demand: int = Field(1, ge=0, description="Replicas in the on-demand pool at start (elastic).")
-    reserved_weight: float = Field(1.0, gt=0, description="Router weight of a reserved replica.")
-    on_demand_weight: float = Field(1.0, gt=0, description="Router weight of an on-demand replica.")
-    replace_dead: bool = Field(True, description="Start a replacement when a replica dies.")
-    start_timeout_s: float = Field(180.0, gt=0, description="A replica not ready in this time has failed.")
-
-
-class AutoscaleConfig(Section):
-    enabled: bool = Field(False, description="Scale the on-demand pool from the trainer's wait and the buffer.")
-    min_on_demand: int = Field(0, ge=0, description="Fewest on-demand replicas.")
-    max_on_demand: int = Field(4, ge=0, description="Most on-demand replicas.")
-    interval_s: float = Field(10.0, gt=0, description="Seconds between decisions (and the cool-down after one).")
-    wait_fraction: float = Field(
-        0.3, ge=0, le=1, description="Add a replica when the trainer spent more than this share of its recent "
-        "steps waiting for data."
-    )
-    overflow_batches: float = Field(
-        2.0, gt=0, description="Remove a replica when more than this many batches wait in the store."
-    )
-
-
-class ChaosConfig(Section):
-    kill_fraction: float = Field(0.0, ge=0, le=1, description="Share of replicas SIGKILLed once; 0 = off.")
-    at_step: int = Field(0, ge=0, description="Kill while this step is being generated/trained (1-based).")
-
-
-class RayConfig(Section):
-    """`provider = "ray"`: where each role runs on a Ray cluster (providers/ray_provider.py)."""
-
-    address: str = Field("", description="Ray cluster address (ray://host:10001 or host:6379); empty = "
-                         "$RAY_ADDRESS, else a Ray instance started for this run on this machine.")
-    auth_token_file: str = Field("", description="File holding the cluster's auth token; empty = $RAY_AUTH_TOKEN "
-                                 "or Ray's default token file. (Never the token itself: configs are saved.)")
-    replica_gpus: float = Field(0.0, ge=0, description="GPUs per replica (0 on CPU).")
-    replica_cpus: float = Field(0.0, ge=0, description="Logical CPUs a replica holds (its actor is async).")
-    reserved_resources: dict[str, float] = Field(
-        default_factory=dict, description="Custom resources a reserved replica needs, e.g. {reserved = 1}.")
-    on_demand_resources: dict[str, float] = Field(
-        default_factory=dict, description="Custom resources an on-demand replica needs, e.g. {spot = 1}.")
-    trainer_gpus: float = Field(0.0, ge=0, description="GPUs per trainer rank (0 on CPU).")
-    trainer_cpus: float = Field(1.0, ge=0, description="Logical CPUs per trainer rank.")
-    trainer_restarts: int = Field(3, ge=0, description="Relaunches of the trainer group (from its last "
-                                  "checkpoint) after a rank dies, before the run fails.")
-    router_restarts: int = Field(5, ge=0, description="Restarts of the router actor before the run fails.")
-    placement_timeout_s: float = Field(
-        120.0, gt=0, description="An actor or placement group not placed in this time fails with the resources "
-        "it asked for (Ray would leave it pending forever).")
-    request_resources: bool = Field(True, description="Ask Ray's cluster autoscaler for the replicas' resources "
-                                    "when the fleet grows (a no-op on a fixed cluster).")
-
-
-class RunConfig(Section):
-    """`burstrl run`: every role of one RL run, started and supervised by the launcher."""
-
-    run_dir: str = Field("runs/quickstart", description="Run directory: config, store, adapters, logs, metrics.")
-    provider: Literal["local", "ray"] = Field(
-        "local", description="Where roles run: local subprocesses, or actors on a Ray cluster (see [ray]).")
-    ray: RayConfig = Field(default_factory=RayConfig)
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    engine: EngineConfig = Field(default_factory=EngineConfig)
-    router: RouteConfig = Field(default_factory=lambda: RouteConfig(port=0))
-    lora: LoraConfigSection = Field(default_factory=LoraConfigSection)
-    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
-    weights: WeightsConfig = Field(default_factory=WeightsConfig)
-    orchestrator: OrchestratorConfig = Field(default_factory=OrchestratorConfig)
-    fleet: FleetConfig = Field(default_factory=FleetConfig)
-    autoscale: AutoscaleConfig = Field(default_factory=AutoscaleConfig)
-    chaos: ChaosConfig = Field(default_factory=ChaosConfig)
-
-    def model_post_init(self, _: Any) -> None:
-        """The trainer scores tokens at the temperature they were sampled at: one value for both."""
-        if "temperature" not in self.trainer.model_fields_set:
-            self.trainer.temperature = self.orchestrator.temperature
-        elif self.trainer.temperature != self.orchestrator.temperature:
-            raise ValueError(f"trainer.temperature ({self.trainer.temperature}) must equal "
-                             f"orchestrator.temperature ({self.orchestrator.temperature})")
-        if self.fleet.reserved + self.fleet.on_demand < 1:
-            raise ValueError("fleet: at least one replica is needed (fleet.reserved + fleet.on_demand >= 1)")
-        a = self.autoscale
-        if a.min_on_demand > a.max_on_demand:
-            raise ValueError(f"autoscale.min_on_demand ({a.min_on_demand}) > autoscale.max_on_demand ({a.max_on_demand})")

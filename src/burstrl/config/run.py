@@ -1,0 +1,148 @@
+"""`burstrl run`'s config: every role of one RL run, and what each role receives.
+
+Why the roles' configs are derived here and not in the launcher: the shared settings (the model,
+the run directory, the sampling temperature, the batch size) then have one home, `burstrl run
+--dry-run` prints exactly what each role will read, and the launcher only writes these files
+(as prime-rl's `RLConfig` derives its trainer, orchestrator and inference configs).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field
+
+from burstrl.config.loading import Section
+from burstrl.config.roles import (
+    EngineConfig,
+    LoraConfigSection,
+    ModelConfig,
+    OrchestrateConfig,
+    OrchestratorConfig,
+    RouteConfig,
+    ServeConfig,
+    ServerConfig,
+    TrainConfig,
+    TrainerConfig,
+    WeightsConfig,
+)
+
+
+class FleetConfig(Section):
+    reserved: int = Field(1, ge=0, description="Replicas in the reserved pool (never scaled down).")
+    on_demand: int = Field(1, ge=0, description="Replicas in the on-demand pool at start (elastic).")
+    reserved_weight: float = Field(1.0, gt=0, description="Router weight of a reserved replica.")
+    on_demand_weight: float = Field(1.0, gt=0, description="Router weight of an on-demand replica.")
+    replace_dead: bool = Field(True, description="Start a replacement when a replica dies.")
+    start_timeout_s: float = Field(180.0, gt=0, description="A replica not ready in this time has failed.")
+
+
+class AutoscaleConfig(Section):
+    enabled: bool = Field(False, description="Scale the on-demand pool from the trainer's wait and the buffer.")
+    min_on_demand: int = Field(0, ge=0, description="Fewest on-demand replicas.")
+    max_on_demand: int = Field(4, ge=0, description="Most on-demand replicas.")
+    interval_s: float = Field(10.0, gt=0, description="Seconds between decisions (and the cool-down after one).")
+    wait_fraction: float = Field(
+        0.3, ge=0, le=1, description="Add a replica when the trainer spent more than this share of its recent "
+        "steps waiting for data."
+    )
+    overflow_batches: float = Field(
+        2.0, gt=0, description="Remove a replica when more than this many batches wait in the store."
+    )
+
+
+class ChaosConfig(Section):
+    kill_fraction: float = Field(0.0, ge=0, le=1, description="Share of replicas SIGKILLed once; 0 = off.")
+    at_step: int = Field(0, ge=0, description="Kill while this step is being generated/trained (1-based).")
+
+
+class RayConfig(Section):
+    """`provider = "ray"`: where each role runs on a Ray cluster (providers/ray_provider.py)."""
+
+    address: str = Field("", description="Ray cluster address (ray://host:10001 or host:6379); empty = "
+                         "$RAY_ADDRESS, else a Ray instance started for this run on this machine.")
+    auth_token_file: str = Field("", description="File holding the cluster's auth token; empty = $RAY_AUTH_TOKEN "
+                                 "or Ray's default token file. (Never the token itself: configs are saved.)")
+    replica_gpus: float = Field(0.0, ge=0, description="GPUs per replica (0 on CPU).")
+    replica_cpus: float = Field(0.0, ge=0, description="Logical CPUs a replica holds (its actor is async).")
+    reserved_resources: dict[str, float] = Field(
+        default_factory=dict, description="Custom resources a reserved replica needs, e.g. {reserved = 1}.")
+    on_demand_resources: dict[str, float] = Field(
+        default_factory=dict, description="Custom resources an on-demand replica needs, e.g. {spot = 1}.")
+    trainer_gpus: float = Field(0.0, ge=0, description="GPUs per trainer rank (0 on CPU).")
+    trainer_cpus: float = Field(1.0, ge=0, description="Logical CPUs per trainer rank.")
+    trainer_restarts: int = Field(3, ge=0, description="Relaunches of the trainer group (from its last "
+                                  "checkpoint) after a rank dies, before the run fails.")
+    router_restarts: int = Field(5, ge=0, description="Restarts of the router actor before the run fails.")
+    placement_timeout_s: float = Field(
+        120.0, gt=0, description="An actor or placement group not placed in this time fails with the resources "
+        "it asked for (Ray would leave it pending forever).")
+    request_resources: bool = Field(True, description="Ask Ray's cluster autoscaler for the replicas' resources "
+                                    "when the fleet grows (a no-op on a fixed cluster).")
+
+
+class RunConfig(Section):
+    """`burstrl run`: every role of one RL run, started and supervised by the launcher."""
+
+    run_dir: str = Field("runs/quickstart", description="Run directory: config, store, adapters, logs, metrics.")
+    provider: Literal["local", "ray"] = Field(
+        "local", description="Where roles run: local subprocesses, or actors on a Ray cluster (see [ray]).")
+    ray: RayConfig = Field(default_factory=RayConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    router: RouteConfig = Field(default_factory=lambda: RouteConfig(port=0))
+    lora: LoraConfigSection = Field(default_factory=LoraConfigSection)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    weights: WeightsConfig = Field(default_factory=WeightsConfig)
+    orchestrator: OrchestratorConfig = Field(default_factory=OrchestratorConfig)
+    fleet: FleetConfig = Field(default_factory=FleetConfig)
+    autoscale: AutoscaleConfig = Field(default_factory=AutoscaleConfig)
+    chaos: ChaosConfig = Field(default_factory=ChaosConfig)
+
+    def model_post_init(self, _: Any) -> None:
+        """Checks across sections, and the orchestrator's group bounds sized by the trainer's batch."""
+        if self.fleet.reserved + self.fleet.on_demand < 1:
+            raise ValueError("fleet: at least one replica is needed (fleet.reserved + fleet.on_demand >= 1)")
+        a = self.autoscale
+        if a.min_on_demand > a.max_on_demand:
+            raise ValueError(f"autoscale.min_on_demand ({a.min_on_demand}) > autoscale.max_on_demand ({a.max_on_demand})")
+        unset = {"max_in_flight_groups", "max_buffered_groups"} - self.orchestrator.model_fields_set
+        if unset:  # one batch in flight and one ready while the next is generated
+            self.orchestrator = self.orchestrator.model_copy(update=dict.fromkeys(unset, self.trainer.batch_groups))
+
+    # ---- what each role receives: the launcher writes these, `burstrl run --dry-run` prints them ----
+    def abs_run_dir(self) -> Path:
+        return Path(self.run_dir).absolute()
+
+    def volume(self) -> str:
+        """Where versions are published and late-joining replicas load the newest from."""
+        return self.weights.volume or str(self.abs_run_dir() / "adapters")
+
+    def router_config(self) -> RouteConfig:
+        """Any free port (the launcher reads it from the ready line); replicas register as they start."""
+        return self.router.model_copy(update={"port": 0, "replicas": []})
+
+    def serve_config(self) -> ServeConfig:
+        """Every replica's config: the run's model and engine, any free port, the run's volume."""
+        return ServeConfig(model=self.model, engine=self.engine, server=ServerConfig(host=self.router.host, port=0),
+                           adapter_volume=self.volume())
+
+    def train_config(self) -> TrainConfig:
+        """The trainer scores tokens at the temperature the orchestrator samples at, and pushes each
+        version to the replicas the launcher lists in RUN_DIR/replicas.txt."""
+        weights = self.weights.model_copy(update={"volume": self.volume(), "replicas": [],
+                                                  "replicas_file": str(self.abs_run_dir() / "replicas.txt")})
+        return TrainConfig(run_dir=str(self.abs_run_dir()), temperature=self.orchestrator.temperature,
+                           model=self.model, lora=self.lora, trainer=self.trainer, weights=weights)
+
+    def orchestrate_config(self, router_url: str) -> OrchestrateConfig:
+        """The orchestrator stops once the trainer's last step is committed."""
+        return OrchestrateConfig(run_dir=str(self.abs_run_dir()), router=router_url, steps=self.trainer.steps,
+                                 orchestrator=self.orchestrator)
+
+    def role_configs(self, router_url: str) -> dict[str, Section]:
+        """Each role's config by the name of its file in RUN_DIR/roles (`router_url`: the router's,
+        known once it listens)."""
+        return {"router": self.router_config(), "serve": self.serve_config(), "train": self.train_config(),
+                "orchestrate": self.orchestrate_config(router_url)}
