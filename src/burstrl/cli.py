@@ -82,27 +82,32 @@ def make_tiny(
         _fail(str(exc))
 
 
-@route_app.command("sim")
+@route_app.command("sim", **CONFIG_COMMAND)
 def route_sim(
-    config: Path | None = typer.Option(None, "--config", help="Sim parameters, TOML or JSON (defaults otherwise)."),
+    ctx: typer.Context,
+    config: Path | None = typer.Option(None, "--config", help="Sim parameters, TOML or JSON (= a CONFIG file)."),
     policies: str = typer.Option("headroom,random,round_robin,least_loaded,cache_aware", "--policies",
                                  help="Comma-separated policies, all run on the same trace."),
     k: int = typer.Option(2, "--k", min=1, help="Replicas sampled per new session (headroom)."),
     trace: Path | None = typer.Option(None, "--trace", help="Replay a Mooncake JSONL trace instead of generating one."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the resolved sim config and exit."),
 ) -> None:
-    """Compare placement policies in the discrete-event simulator (one trace, every policy)."""
+    """Compare placement policies in the discrete-event simulator (one trace, every policy):
+    [CONFIG.toml|json ...] then --key value overrides of the sim's parameters."""
     import json
 
     from burstrl.router.policies import POLICY_NAMES
-    from burstrl.router.sim import format_table, load_config, load_mooncake, simulate
+    from burstrl.router.sim import SimConfig, format_table, load_mooncake, simulate
 
     names = [p.strip() for p in policies.split(",") if p.strip()]
     unknown = [p for p in names if p not in POLICY_NAMES]
     if unknown or not names:
         _fail(f"unknown policy {', '.join(unknown) or '(none given)'}; choose from {', '.join(POLICY_NAMES)}")
+    cfg = _config(SimConfig, ctx, [], files=[str(config)] if config is not None else [])
+    if dry_run:
+        return _print_config(cfg)
     try:
-        cfg = load_config(config)
         replay = load_mooncake(trace) if trace is not None else None
     except (OSError, ValueError, TypeError, KeyError) as exc:
         _fail(f"{exc}")
@@ -316,29 +321,29 @@ def tasks_import(
         raise typer.Exit(1)
 
 
-@app.command("sft")
+@app.command("sft", **CONFIG_COMMAND)
 def sft_command(
-    model: Path = typer.Option(..., "--model", help="Base model directory (HF format)."),
-    data: Path = typer.Option(..., "--data", help='JSONL demonstrations, one {"messages": [...]} per line.'),
-    out: Path = typer.Option(..., "--out", help="Directory to write (must be missing or empty)."),
-    steps: int = typer.Option(200, min=1, help="Optimizer steps."),
-    epochs: int | None = typer.Option(None, min=1, help="Passes over the data (overrides --steps)."),
-    lr: float = typer.Option(1e-4, min=0.0, help="AdamW learning rate."),
-    batch_size: int = typer.Option(8, "--batch-size", min=1, help="Conversations per step."),
-    lora: bool = typer.Option(False, "--lora", help="Train a LoRA adapter; OUT is a PEFT adapter dir."),
-    seed: int = typer.Option(0, help="Seed of data order and initialisation."),
-    log_every: int = typer.Option(10, "--log-every", min=0, help="Print the loss every N steps (0 = never)."),
-    device: str = typer.Option("auto", help="torch device; auto = cuda if available else cpu."),
-    force: bool = typer.Option(False, "--force", help="Replace a non-empty OUT."),
+    ctx: typer.Context,
+    lora: bool = typer.Option(False, "--lora", help="Train a LoRA adapter (= --lora true)."),
+    force: bool = typer.Option(False, "--force", help="Replace a non-empty OUT (= --force true)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the resolved config and exit."),
 ) -> None:
-    """Supervised fine-tuning on chat demonstrations (loss on assistant replies only)."""
-    if not model.is_dir():
-        _fail(f"{model}: no such model directory")
+    """Supervised fine-tuning on chat demonstrations (loss on assistant replies only):
+    [CONFIG.toml ...] then --model DIR --data FILE --out DIR [--steps N --lr X --batch-size N ...]."""
+    from burstrl.config import SftConfig
+
+    flags = {"--lora": lora, "--force": force}
+    cfg = _config(SftConfig, ctx, [f"{key}=true" for key, on in flags.items() if on])
+    if dry_run:
+        return _print_config(cfg)
+    if not Path(cfg.model).is_dir():
+        _fail(f"{cfg.model}: no such model directory")
     from burstrl.trainer.sft import SFTDataError, sft
 
     try:
-        sft(model, data, out, steps=steps, epochs=epochs, lr=lr, batch_size=batch_size, lora=lora,
-            seed=seed, log_every=log_every, device=device, force=force)
+        sft(cfg.model, cfg.data, cfg.out, steps=cfg.steps, epochs=cfg.epochs or None, lr=cfg.lr,
+            batch_size=cfg.batch_size, lora=cfg.lora, seed=cfg.seed, log_every=cfg.log_every, device=cfg.device,
+            force=cfg.force)
     except (SFTDataError, FileExistsError) as exc:
         _fail(str(exc))
 
@@ -399,19 +404,23 @@ def run_command(
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the resolved config and exit."),
 ) -> None:
     """Run RL end to end (router, replicas, trainer, orchestrator); no CONFIG = the bundled quickstart."""
-    from burstrl.config import ConfigError, RunConfig, load_config
-    from burstrl.launcher.preflight import QUICKSTART, PreflightError, check, quickstart_model, quickstart_swe_model
+    from burstrl.config import RunConfig
+    from burstrl.launcher.preflight import (
+        QUICKSTART,
+        PreflightError,
+        check,
+        quickstart_model,
+        quickstart_model_dir,
+        quickstart_swe_model,
+    )
 
-    files, overrides = split_args(list(ctx.args))
-    try:
-        cfg = load_config(RunConfig, files or [QUICKSTART], overrides)
-    except (ConfigError, OSError) as exc:
-        _fail(str(exc))
-    if dry_run:
-        return _print_config(cfg)
+    cfg = _config(RunConfig, ctx, [], default_files=[str(QUICKSTART)])
     if not cfg.model.path:
         typer.echo("model.path is empty: using the warm-started tiny model (made and cached on first use)", err=True)
-        cfg.model.path = str(quickstart_swe_model() if "swe" in cfg.orchestrator.envs else quickstart_model())
+        swe = "swe" in cfg.orchestrator.envs
+        cfg.model.path = str(quickstart_model_dir(swe) if dry_run else quickstart_swe_model() if swe else quickstart_model())
+    if dry_run:
+        return _print_run_config(cfg)
     try:
         check(cfg)
     except PreflightError as exc:
@@ -481,86 +490,87 @@ def sandboxd(
     raise typer.Exit(code)
 
 
-@app.command("eval")
+@app.command("eval", **CONFIG_COMMAND)
 def eval_command(
-    model: Path = typer.Option(..., "--model", help="Base model directory (HF format)."),
-    env: str = typer.Option("swe", "--env", help="Environment: swe, toy, toy_multi (any registered one)."),
-    tasks: Path | None = typer.Option(None, "--tasks", help="SWE tasks (JSONL); required for --env swe."),
-    n: int = typer.Option(16, "--n", min=1, help="Other envs: tasks the environment makes."),
-    split: str = typer.Option("test", "--split", help="Other envs: task split (held-out test by default)."),
-    difficulty: int = typer.Option(1, "--difficulty", min=0, help="Other envs: difficulty of the tasks."),
-    task_seed: int = typer.Option(0, "--task-seed", help="Other envs: seed of the tasks."),
-    env_option: list[str] = typer.Option([], "--env-option", help="KEY=VALUE of the env's section of the "
-                                         "orchestrator config, e.g. reward=f2p for swe (repeatable)."),
-    attempts: int = typer.Option(4, "--attempts", min=1, help="Attempts per task (K)."),
-    adapter: str | None = typer.Option(None, "--adapter", help="A PEFT adapter dir, or a version name of --run."),
-    run_dir: Path | None = typer.Option(None, "--run", help="A run directory: evaluate its checkpoints."),
-    every: int = typer.Option(0, "--every", min=0, help="With --run: every N-th checkpoint, as a curve."),
-    exclude: list[Path] = typer.Option([], "--exclude", help="File of flawed task ids to drop (repeatable)."),
-    compare: Path | None = typer.Option(None, "--compare", help="Results of another evaluation of the same tasks."),
-    out: Path = typer.Option(Path("eval"), "--out", help="Output directory (results.json, report.md, report.png)."),
-    temperature: float = typer.Option(1.0, "--temperature", min=0.0, help="Sampling temperature."),
-    max_tokens: int = typer.Option(0, "--max-tokens", min=0, help="max_tokens of a call; 0 = the env's default."),
-    max_sandboxes: int = typer.Option(4, "--max-sandboxes", "--concurrency", min=1, help="Attempts running at once."),
-    max_turns: int = typer.Option(6, "--max-turns", min=1, help="SWE: agent turns per attempt."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the sampling seeds."),
+    ctx: typer.Context,
+    env_option: list[str] = typer.Option([], "--env-option", help="KEY=VALUE of the env's section (= --ENV.KEY "
+                                         "VALUE), e.g. reward=f2p for swe (repeatable)."),
+    exclude: list[str] = typer.Option([], "--exclude", help="File of flawed task ids to drop (repeatable)."),
+    concurrency: int | None = typer.Option(None, "--concurrency", help="= --max-sandboxes."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the resolved config and exit."),
 ) -> None:
-    """Pass@k (and for SWE target-test and strict scores) of a model, adapter or a run's checkpoints."""
-    from burstrl.config import ConfigError, OrchestratorConfig, load_config
+    """Pass@k (and for SWE target-test and strict scores) of a model, adapter or a run's checkpoints:
+    [CONFIG.toml ...] then --model DIR [--env swe --tasks FILE | --env toy --n N] [--attempts K ...]."""
+    import json
+
+    from burstrl.config import EvalConfig
+
+    sugar = [f"--exclude={json.dumps(exclude)}"] if exclude else []
+    sugar += [f"--max_sandboxes={concurrency}"] if concurrency is not None else []
+    options = [item.partition("=") for item in env_option]
+    for item, (key, eq, _) in zip(env_option, options):
+        if not eq or not key.strip():
+            _fail(f"--env-option {item!r}: expected KEY=VALUE")
+    cfg = _config(EvalConfig, ctx, sugar)
+    if options:  # the env's section is known once the config names the env
+        sections = [f"--{cfg.env}.{key.strip()}={value}" for key, _, value in options]
+        cfg = _config(EvalConfig, ctx, sugar + sections, prefix="--env-option: ")
+    if dry_run:
+        return _print_config(cfg)
+    _evaluate(cfg)
+
+
+def _evaluate(cfg) -> None:
+    """`burstrl eval` once its config is resolved: argument checks first, then the replica."""
     from burstrl.envs import ENV_NAMES
     from burstrl.eval.passk import read_exclude_file
     from burstrl.eval.run import EvalSpec, checkpoint_adapters, evaluate, load_eval_tasks
 
+    model, tasks = Path(cfg.model), Path(cfg.tasks) if cfg.tasks else None
+    run_dir = Path(cfg.run) if cfg.run else None
     if not (model / "config.json").is_file():
         _fail(f"{model}: not a model directory")
-    if env not in ENV_NAMES:
-        _fail(f"unknown environment {env!r}; choose from {', '.join(ENV_NAMES)}")
-    if env == "swe" and tasks is None:
+    if cfg.env not in ENV_NAMES:
+        _fail(f"unknown environment {cfg.env!r}; choose from {', '.join(ENV_NAMES)}")
+    if cfg.env == "swe" and tasks is None:
         _fail("--env swe needs --tasks FILE (see `burstrl tasks`)")
     if tasks is not None and not tasks.is_file():
         _fail(f"{tasks}: no such task file")
-    overrides = ["--swe.max_sandboxes", str(max_sandboxes), "--swe.max_turns", str(max_turns)]
-    for item in env_option:
-        key, eq, value = item.partition("=")
-        if not eq or not key.strip():
-            _fail(f"--env-option {item!r}: expected KEY=VALUE")
-        overrides.append(f"--{env}.{key.strip()}={value}")
-    try:
-        options = load_config(OrchestratorConfig, [], overrides)
-    except ConfigError as exc:
-        _fail(f"--env-option: {exc}" if env_option else str(exc))
     adapters: dict[str, Path] = {}
-    if run_dir is not None and every:
+    if run_dir is not None and cfg.every:
         try:
-            adapters = checkpoint_adapters(run_dir, every)
+            adapters = checkpoint_adapters(run_dir, cfg.every)
         except ValueError as exc:
             _fail(str(exc))
-    elif adapter is not None:
-        path = run_dir / "adapters" / adapter if run_dir is not None else Path(adapter)
+    elif cfg.adapter:
+        path = run_dir / "adapters" / cfg.adapter if run_dir is not None else Path(cfg.adapter)
         if not (path / "adapter_config.json").is_file():
             _fail(f"{path}: not a PEFT adapter directory")
         adapters = {"policy-eval": path}
-    excluded = set().union(*(read_exclude_file(str(p)) for p in exclude)) if exclude else set()
-    spec = EvalSpec(model=model, tasks=tasks, attempts=attempts, adapters=adapters, temperature=temperature,
-                    seed=seed, env=env, options=options, n=n, split=split, difficulty=difficulty,
-                    task_seed=task_seed, max_tokens=max_tokens, concurrency=max_sandboxes, out=out)
+    excluded = set().union(*(read_exclude_file(p) for p in cfg.exclude)) if cfg.exclude else set()
+    spec = EvalSpec(model=model, tasks=tasks, attempts=cfg.attempts, adapters=adapters, temperature=cfg.temperature,
+                    seed=cfg.seed, env=cfg.env, options=cfg.env_options(), n=cfg.n, split=cfg.split,
+                    difficulty=cfg.difficulty, task_seed=cfg.task_seed, max_tokens=cfg.max_tokens,
+                    concurrency=cfg.max_sandboxes, out=Path(cfg.out))
     try:
         load_eval_tasks(spec)  # bad task arguments fail here, before a replica starts
     except ValueError as exc:
         _fail(str(exc))
-    for path in evaluate(spec, excluded, compare):
+    for path in evaluate(spec, excluded, Path(cfg.compare) if cfg.compare else None):
         typer.echo(str(path))
 
 
-def _config(cls: type, ctx: typer.Context, extra_overrides: list[str]):
-    """Config files and overrides from the command line (then `extra_overrides`); errors exit 2."""
-    from burstrl.config import ConfigError, load_config
+def _config(cls: type, ctx: typer.Context, extra_overrides: list[str], files: list[str] = (),
+            default_files: list[str] = (), prefix: str = ""):
+    """The command's config: `files`, then the config files and overrides on the command line (no
+    file there: `default_files`), then `extra_overrides` (flags that are sugar for keys); errors exit 2."""
+    from burstrl.config import ConfigError, load_tree, parse_command_line
 
-    files, overrides = split_args(list(ctx.args))
     try:
-        return load_config(cls, files, overrides + extra_overrides)
+        given, tree = parse_command_line(list(ctx.args) + list(extra_overrides))
+        return load_tree(cls, [*files, *(given or default_files)], tree)
     except (ConfigError, OSError) as exc:
-        _fail(str(exc))
+        _fail(f"{prefix}{exc}")
 
 
 def _print_config(cfg) -> None:
@@ -569,24 +579,19 @@ def _print_config(cfg) -> None:
     typer.echo(dump_toml(cfg), nl=False)
 
 
-def split_args(args: list[str]) -> tuple[list[str], list[str]]:
-    """Split leftover command-line words into config files and `--key value` overrides.
+ROUTER_URL_AT_START = "(the router's URL, known once it listens)"
 
-    Click cannot do this itself: a variadic CONFIG argument would swallow the values of the
-    unknown `--a.b value` options. An override takes the next word unless written `--a.b=value`.
-    """
-    files: list[str] = []
-    overrides: list[str] = []
-    i = 0
-    while i < len(args):
-        arg = args[i]
-        if arg.startswith("--") and "=" not in arg and i + 1 < len(args):
-            overrides += [arg, args[i + 1]]
-            i += 2
-            continue
-        (overrides if arg.startswith("--") else files).append(arg)
-        i += 1
-    return files, overrides
+
+def _print_run_config(cfg) -> None:
+    """The run's resolved config, then each role's: exactly the files the launcher writes."""
+    from burstrl.config import dump_toml
+
+    run_dir = cfg.abs_run_dir()
+    typer.echo(f"# {run_dir / 'run_config.toml'}: the resolved run config\n")
+    typer.echo(dump_toml(cfg), nl=False)
+    for name, role in cfg.role_configs(ROUTER_URL_AT_START).items():
+        typer.echo(f"# {run_dir / 'roles' / (name + '.toml')}: what the {name} role receives\n")
+        typer.echo(dump_toml(role), nl=False)
 
 
 def _fail(message: str) -> NoReturn:
