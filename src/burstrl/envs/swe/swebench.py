@@ -14,12 +14,12 @@ output file (a bundle is re-cloned on every export otherwise).
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from burstrl.atomic import build_dir
 from burstrl.envs.swe.repo import git
 from burstrl.envs.swe.task import SweTask, TaskError, dump_tasks
 
@@ -60,16 +60,13 @@ def find_mirror(repo: str, repos_dir: Path) -> Path:
 
 
 def bare_from_bundle(bundle: Path, cache_dir: Path) -> Path:
-    """A bare clone of `bundle` under `cache_dir` (made once; a stale half-made one is redone)."""
+    """A bare clone of `bundle` under `cache_dir` (made once; a stale half-made one is redone;
+    concurrent imports of one bundle each clone, the first published clone is used)."""
     dest = cache_dir / (bundle.name.removesuffix(".bundle") + ".git")
     if (dest / "HEAD").is_file():
         return dest
-    shutil.rmtree(dest, ignore_errors=True)
-    tmp = dest.with_name(dest.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    git(cache_dir, "clone", "-q", "--bare", "--mirror", str(bundle), tmp.name)
-    tmp.rename(dest)
+    build_dir(dest, lambda tmp: git(cache_dir, "clone", "-q", "--bare", "--mirror", str(bundle), str(tmp)),
+              force=dest.exists(), accept=lambda made: (made / "HEAD").is_file())
     return dest
 
 
