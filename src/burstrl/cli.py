@@ -40,6 +40,12 @@ CONFIG_COMMAND = {  # commands that take config files then dotted overrides
 }
 
 
+def _keys_help(where: str) -> dict:
+    """CONFIG_COMMAND for a command whose settings are mostly keys, not options: say where they are."""
+    return {**CONFIG_COMMAND, "epilog": f"{OVERRIDES_HELP} Every key, its default and its docstring: {where}; "
+            "--dry-run prints the resolved values."}
+
+
 @app.command()
 def version() -> None:
     """Print the burstrl version."""
@@ -82,7 +88,7 @@ def make_tiny(
         _fail(str(exc))
 
 
-@route_app.command("sim", **CONFIG_COMMAND)
+@route_app.command("sim", **_keys_help("SimConfig in burstrl/router/sim.py"))
 def route_sim(
     ctx: typer.Context,
     config: Path | None = typer.Option(None, "--config", help="Sim parameters, TOML or JSON (= a CONFIG file)."),
@@ -321,7 +327,7 @@ def tasks_import(
         raise typer.Exit(1)
 
 
-@app.command("sft", **CONFIG_COMMAND)
+@app.command("sft", **_keys_help("SftConfig in burstrl/config/commands.py"))
 def sft_command(
     ctx: typer.Context,
     lora: bool = typer.Option(False, "--lora", help="Train a LoRA adapter (= --lora true)."),
@@ -490,7 +496,7 @@ def sandboxd(
     raise typer.Exit(code)
 
 
-@app.command("eval", **CONFIG_COMMAND)
+@app.command("eval", **_keys_help("EvalConfig in burstrl/config/commands.py"))
 def eval_command(
     ctx: typer.Context,
     env_option: list[str] = typer.Option([], "--env-option", help="KEY=VALUE of the env's section (= --ENV.KEY "
