@@ -98,12 +98,14 @@ def test_swe_warm_start_survives_two_concurrent_first_builds(tmp_path: Path, mon
 
     def fake_sft(model_dir, data, out_dir, **_kw) -> Path:  # the expensive step, made fast
         who = threading.current_thread().name
+        Path(out_dir).mkdir(exist_ok=True)  # an earlier stage's output is a fresh dir, the last one build_dir's
         _write_model(Path(out_dir), who)
         barrier.wait(timeout=30)
         return Path(out_dir)
 
     monkeypatch.setitem(sys.modules, "burstrl.trainer.sft", types.SimpleNamespace(sft=fake_sft))
-    monkeypatch.setattr(warm, "TASKS", 2)
+    monkeypatch.setattr(warm, "STAGES", ({"tasks": {1000: 2}, "steps": 1, "seed": 0},
+                                         {"tasks": {1000: 2, 2000: 1}, "steps": 1, "seed": 1}))
     out = tmp_path / "cache" / "swe-warm"
     results, errors = [], []
 

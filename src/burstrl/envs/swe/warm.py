@@ -2,8 +2,13 @@
 
 Why: a random-init tiny model cannot write a bash command, so RL on coding tasks has no signal to
 start from; supervised training on the generator's own correct trajectories (real commands, real
-observations: `demos.demonstration_chat`) gives it the agent's format and a start. Built once per
-recipe (base weights, task count, steps) and cached like `trainer.sft.ensure_warm_model`.
+observations: `demos.demonstration_chat`) gives it the agent's format and a start. The demos are
+of difficulty 0 (the statement names the line, file and fragment; the fix is one copied `sed`):
+the one level a ~1M-parameter model can learn to solve at all, partly, so that RL has groups with
+both outcomes to learn from. Two stages (600 tasks, then 1,200 with 600 new ones) because copying
+exact literals generalises to unseen tasks only with more distinct examples than one stage's worth
+of steps can use (600 steps on 400 tasks memorised them: 0 of 120 unseen tasks solved). Built once
+per recipe and cached like `trainer.sft.ensure_warm_model`; ~25 min on 2 cores.
 """
 
 from __future__ import annotations
@@ -17,9 +22,11 @@ from pathlib import Path
 from burstrl.atomic import build_dir
 
 MARKER = "burstrl_swe_warm.json"
-RECIPE_VERSION = 1
-TASKS = 128
-STEPS = 150
+RECIPE_VERSION = 2
+DIFFICULTY = 0
+# Each stage: {task seed: number of tasks} it trains on (train split), its steps and its RNG seed.
+STAGES = ({"tasks": {1000: 600}, "steps": 300, "seed": 0},
+          {"tasks": {1000: 600, 2000: 600}, "steps": 400, "seed": 1})
 LR = 1e-3
 BATCH_SIZE = 16
 
@@ -28,14 +35,13 @@ def recipe(base_dir: Path) -> dict:
     digest = hashlib.sha256()
     for path in sorted(base_dir.glob("*.safetensors")) + [base_dir / "config.json"]:
         digest.update(path.read_bytes())
-    return {"version": RECIPE_VERSION, "base_sha256": digest.hexdigest(), "tasks": TASKS, "steps": STEPS,
+    return {"version": RECIPE_VERSION, "base_sha256": digest.hexdigest(), "difficulty": DIFFICULTY,
+            "stages": [{**st, "tasks": {str(k): v for k, v in st["tasks"].items()}} for st in STAGES],
             "lr": LR, "batch_size": BATCH_SIZE}
 
 
 def ensure_swe_warm_model(base_dir: str | Path, out_dir: str | Path) -> Path:
-    """`out_dir`: the base after SFT on demonstrations of TASKS toy tasks (train split, difficulty 1)."""
-    from burstrl.envs.swe.demos import write_demonstrations
-    from burstrl.envs.swe.toygen import make_task
+    """`out_dir`: the base after the STAGES of SFT on difficulty-0 toy-task demonstrations."""
     from burstrl.trainer.sft import sft
 
     base, out = Path(base_dir), Path(out_dir).absolute()
@@ -44,18 +50,41 @@ def ensure_swe_warm_model(base_dir: str | Path, out_dir: str | Path) -> Path:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="swe-warm-", dir=out.parent) as tmp:
-        print(f"[swe-warm] generating {TASKS} toy tasks and their demonstrations", file=sys.stderr, flush=True)
-        tasks = [make_task(Path(tmp) / "tasks", i, seed=1000, difficulty=1, split="train") for i in range(TASKS)]
-        demos = write_demonstrations(tasks, Path(tmp) / "demos.jsonl")
 
-        def train(model: Path) -> None:  # into the temp dir that build_dir renames to `out`
-            sft(base, demos, model, steps=STEPS, lr=LR, batch_size=BATCH_SIZE, log_every=50,
-                device="cpu")
-            (model / MARKER).write_text(json.dumps({"recipe": want}, indent=2) + "\n")
+        def train(final: Path) -> None:  # into the temp dir that build_dir renames to `out`
+            model = base
+            for i, stage in enumerate(STAGES):
+                demos = _stage_demos(Path(tmp), stage["tasks"])
+                last = i == len(STAGES) - 1
+                print(f"[swe-warm] stage {i + 1}/{len(STAGES)}: {stage['steps']} SFT steps", file=sys.stderr,
+                      flush=True)
+                model = sft(model, demos, final if last else Path(tmp) / f"model-{i}", steps=stage["steps"], lr=LR,
+                            batch_size=BATCH_SIZE, seed=stage["seed"], log_every=50, device="cpu")
+            (final / MARKER).write_text(json.dumps({"recipe": want}, indent=2) + "\n")
 
         # A racing first build (two runs, or a run and an eval) that published first wins; an
         # older recipe's cache is swapped out, never deleted under a reader.
         build_dir(out, train, force=out.exists(), accept=lambda winner: _has_recipe(winner, want))
+    return out
+
+
+def _stage_demos(tmp: Path, seeds: dict[int, int]) -> Path:
+    """One stage's demonstrations (made once per seed and reused by later stages), concatenated."""
+    from burstrl.envs.swe.demos import write_demonstrations
+    from burstrl.envs.swe.toygen import make_task
+
+    parts = []
+    for seed, n in seeds.items():
+        path = tmp / f"demos-{seed}-{n}.jsonl"
+        if not path.exists():
+            print(f"[swe-warm] generating {n} toy tasks (seed {seed}) and their demonstrations", file=sys.stderr,
+                  flush=True)
+            tasks = [make_task(tmp / f"tasks-{seed}", i, seed=seed, difficulty=DIFFICULTY, split="train")
+                     for i in range(n)]
+            write_demonstrations(tasks, path)
+        parts.append(path.read_text())
+    out = tmp / f"demos-stage-{'-'.join(map(str, seeds))}.jsonl"
+    out.write_text("".join(parts))
     return out
 
 
