@@ -101,6 +101,8 @@ def main() -> None:
     parser.add_argument("--difficulty", type=int, default=0)
     parser.add_argument("--temperature", type=float, default=0.7, help="Sampling temperature of both evals "
                         "(the RL run's, examples/toy-swe.toml).")
+    parser.add_argument("--model", default="", help="Warm-started model dir; default: the cached recipe "
+                        "(`envs.swe.warm`, built on first use).")
     parser.add_argument("--no-throughput", action="store_true")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
@@ -109,7 +111,7 @@ def main() -> None:
     from burstrl.launcher.preflight import quickstart_swe_model
 
     t0 = time.monotonic()
-    model = quickstart_swe_model()
+    model = Path(args.model) if args.model else quickstart_swe_model()
     result: dict = {"model": str(model), "warm_start_s": round(time.monotonic() - t0, 1), "tasks": args.tasks,
                     "attempts": args.attempts, "rl_steps": args.steps, "seed": args.seed, "split": args.split,
                     "difficulty": args.difficulty, "temperature": args.temperature}
