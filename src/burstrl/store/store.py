@@ -24,6 +24,11 @@ Failure reasons: a rollout's `reason` column holds the text of why a failed atte
 (`SELECT reason, COUNT(*) FROM rollouts GROUP BY ...`) or `failure_reasons()`. The column was added
 after schema version 1 shipped; it is nullable, and opening an older file adds it in place
 (`ALTER TABLE ... ADD COLUMN`, old rows NULL), so no version bump and no copy of the data.
+
+Outcome columns: `passed` (0/1) and `calls` are a rollout's own columns, not keys inside the
+`timings` JSON, so they are typed on both sides and queryable (`SELECT AVG(passed) ...`). They were
+added the same way as `reason`: an older file gets them in place with NULL in its old rows, and
+those rows still carry the values in `timings`, where `Rollout.from_json` finds them.
 """
 
 from __future__ import annotations
@@ -77,7 +82,9 @@ CREATE TABLE IF NOT EXISTS rollouts (
     timings TEXT,
     version INTEGER,
     created REAL NOT NULL,
-    reason TEXT
+    reason TEXT,
+    passed INTEGER,
+    calls INTEGER
 );
 CREATE INDEX IF NOT EXISTS rollouts_group ON rollouts (group_id, idx);
 CREATE TABLE IF NOT EXISTS attempts (
@@ -141,10 +148,12 @@ def _float_or_none(x: Any) -> float | None:
         return None
 
 
-def _encode(r: Rollout) -> tuple[str, str, str] | None:
-    """(turns, reward_parts, timings) as JSON, or None if the rollout cannot be stored faithfully."""
+def _encode(r: Rollout) -> tuple[str, str, str, int, int] | None:
+    """(turns, reward_parts, timings as JSON, passed, calls), or None if the rollout cannot be
+    stored faithfully."""
     try:
-        return (_dumps(r.to_json()["turns"]), _dumps(r.reward_parts), _dumps(r.timings))
+        return (_dumps(r.to_json()["turns"]), _dumps(r.reward_parts), _dumps(r.timings), int(bool(r.passed)),
+                int(r.calls))
     except (TypeError, ValueError):
         return None
 
@@ -194,8 +203,10 @@ class RolloutStore:
             elif row[0] != SCHEMA_VERSION:
                 raise StoreError(f"{self.path}: schema version {row[0]}, this burstrl reads {SCHEMA_VERSION}")
             columns = {r[1] for r in self._conn.execute("PRAGMA table_info(rollouts)")}
-            if "reason" not in columns:  # a store made before failure reasons were kept
-                self._conn.execute("ALTER TABLE rollouts ADD COLUMN reason TEXT")
+            # columns added after schema version 1 shipped (see the module docstring), in the order added
+            for name, kind in (("reason", "TEXT"), ("passed", "INTEGER"), ("calls", "INTEGER")):
+                if name not in columns:
+                    self._conn.execute(f"ALTER TABLE rollouts ADD COLUMN {name} {kind}")
 
     @contextmanager
     def _tx(self, immediate: bool = True) -> Iterator[sqlite3.Connection]:
@@ -270,9 +281,10 @@ class RolloutStore:
                     reward = _float_or_none(r.reward)
                     reason = getattr(r, "reason", None)
                     c.execute("INSERT INTO rollouts (id, group_id, idx, status, reward, reward_parts, turns, "
-                              "timings, version, created, reason) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                              "timings, version, created, reason, passed, calls) "
+                              "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                               (r.id, gid, idx, r.status, reward, enc[1], enc[0], enc[2], v, now,
-                               str(reason) if reason else None))
+                               str(reason) if reason else None, enc[3], enc[4]))
         return gid
 
     @staticmethod
@@ -365,16 +377,18 @@ class RolloutStore:
     @staticmethod
     def _decode_group(c: sqlite3.Connection, gid: int) -> tuple[list[Rollout], str | None]:
         """The group's rollouts in stored order, or the reason they cannot be trained on."""
-        rows = c.execute("SELECT id, status, reward, reward_parts, turns, timings, reason FROM rollouts "
-                         "WHERE group_id = ? ORDER BY idx", (gid,)).fetchall()
+        rows = c.execute("SELECT id, status, reward, reward_parts, turns, timings, reason, passed, calls "
+                         "FROM rollouts WHERE group_id = ? ORDER BY idx", (gid,)).fetchall()
         if not rows:
             return [], "corrupt row: group has no rollouts"
         rollouts = []
-        for rid, status, reward, parts, turns, timings, reason in rows:
+        for rid, status, reward, parts, turns, timings, reason, passed, calls in rows:
+            # NULL outcome columns: a row written before they existed keeps them in `timings`
+            outcome = {} if passed is None else {"passed": bool(passed), "calls": calls}
             try:
                 r = Rollout.from_json({"id": rid, "status": status, "reward": reward, "turns": json.loads(turns),
                                        "reward_parts": json.loads(parts), "timings": json.loads(timings),
-                                       "reason": reason})
+                                       "reason": reason, **outcome})
                 r.validate()
             except (TypeError, ValueError, KeyError, AttributeError) as e:
                 return [], f"corrupt row: rollout {rid}: {type(e).__name__}: {e}"
