@@ -151,7 +151,8 @@ def test_failed_reserve_evicts_nothing():
 def test_used_tokens_counts_idle_and_running():
     cache = SessionCache(capacity=100, thrash_window_s=1.0)
     cache.put("a", _kv(12), list(range(12)), 0)
-    cache.running_tokens = 7
+    cache.hold_running(9)
+    cache.release_running(2)
     assert cache.used_tokens == 19
 
 
