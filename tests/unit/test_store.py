@@ -231,6 +231,20 @@ def test_a_store_from_before_the_outcome_columns_gets_them_and_reads_timings(tmp
     assert conn.execute("SELECT passed, calls FROM rollouts WHERE id = 'o-0'").fetchone() == (None, None)
 
 
+def test_groups_lists_buffered_consumed_and_stale_groups_without_changing_them(store):
+    a = store.put_group("ta", make_group("a"))
+    b = store.put_group("tb", make_group("b", version=2))
+    old = store.put_group("to", make_group("o", version=0))
+    store.put_group("bad", [])  # quarantined: not listed
+    store.commit_step(1, [a], {"trainer_version": 0})
+    store.take(5, trainer_version=3, max_staleness=2)  # only `old` (version 0) is too stale
+    got = store.groups()
+    assert [(g.id, g.task_id) for g in got] == [(a, "ta"), (b, "tb"), (old, "to")]
+    assert got[1].rollouts == make_group("b", version=2)
+    assert [g.id for g in store.groups(["buffered"])] == [b]
+    assert store.counts()["buffered"] == 1 and store.counts()["stale"] == 1
+
+
 def test_wait_for_returns_count_on_data_or_timeout(store):
     assert store.wait_for(1, timeout_s=0.05, poll_s=0.01) == 0
     threading.Timer(0.05, lambda: store.put_group("t", make_group("late"))).start()

@@ -19,16 +19,8 @@ can be inspected but is never returned by `take`. Its rollouts are stored as row
 new; a rollout whose id is already taken is never written over the existing row: its JSON goes to
 the group's `raw` column instead.
 
-Failure reasons: a rollout's `reason` column holds the text of why a failed attempt failed
-(`sandbox_lost: ...`, `tampered: ...`, `tests_timeout: ...`), queryable with plain SQL
-(`SELECT reason, COUNT(*) FROM rollouts GROUP BY ...`) or `failure_reasons()`. The column was added
-after schema version 1 shipped; it is nullable, and opening an older file adds it in place
-(`ALTER TABLE ... ADD COLUMN`, old rows NULL), so no version bump and no copy of the data.
-
-Outcome columns: `passed` (0/1) and `calls` are a rollout's own columns, not keys inside the
-`timings` JSON, so they are typed on both sides and queryable (`SELECT AVG(passed) ...`). They were
-added the same way as `reason`: an older file gets them in place with NULL in its old rows, and
-those rows still carry the values in `timings`, where `Rollout.from_json` finds them.
+Schema: the tables, and the columns added to them since schema version 1 shipped, are in
+`schema.py`; opening an older file adds those columns in place.
 """
 
 from __future__ import annotations
@@ -37,72 +29,13 @@ import json
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from burstrl.store.schema import ADDED_COLUMNS, GROUP_STATUSES, SCHEMA, SCHEMA_VERSION
 from burstrl.store.types import Group, Rollout
-
-SCHEMA_VERSION = 1
-GROUP_STATUSES = ("buffered", "consumed", "stale", "quarantined")
-# An attempt (one rollout id) is `running` until it ends `stored` (in a group, same transaction as the
-# group), `requeued` (a replica failed; another attempt with a new id replaces it) or `abandoned`
-# (its group was given up, or the orchestrator stopped or crashed while it ran).
-ATTEMPT_STATUSES = ("running", "stored", "requeued", "abandoned")
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL);
-CREATE TABLE IF NOT EXISTS tasks (
-    id TEXT PRIMARY KEY,
-    data TEXT NOT NULL,
-    difficulty REAL NOT NULL DEFAULT 0.0,
-    created REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS groups (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    task_id TEXT NOT NULL,
-    version INTEGER,
-    status TEXT NOT NULL,
-    reason TEXT,
-    consumed_step INTEGER,
-    staleness INTEGER,
-    raw TEXT,
-    created REAL NOT NULL
-);
-CREATE INDEX IF NOT EXISTS groups_status ON groups (status, id);
-CREATE TABLE IF NOT EXISTS rollouts (
-    id TEXT PRIMARY KEY,
-    group_id INTEGER NOT NULL,
-    idx INTEGER NOT NULL,
-    status TEXT,
-    reward REAL,
-    reward_parts TEXT,
-    turns TEXT,
-    timings TEXT,
-    version INTEGER,
-    created REAL NOT NULL,
-    reason TEXT,
-    passed INTEGER,
-    calls INTEGER
-);
-CREATE INDEX IF NOT EXISTS rollouts_group ON rollouts (group_id, idx);
-CREATE TABLE IF NOT EXISTS attempts (
-    id TEXT PRIMARY KEY,
-    task_id TEXT NOT NULL,
-    status TEXT NOT NULL,
-    detail TEXT,
-    started REAL NOT NULL,
-    finished REAL
-);
-CREATE INDEX IF NOT EXISTS attempts_status ON attempts (status);
-CREATE TABLE IF NOT EXISTS steps (
-    step INTEGER PRIMARY KEY,
-    committed_at REAL NOT NULL,
-    groups TEXT NOT NULL,
-    meta TEXT NOT NULL
-);
-"""
 
 
 class StoreError(RuntimeError):
@@ -194,7 +127,7 @@ class RolloutStore:
 
     def _init_schema(self) -> None:
         with self._tx():
-            for stmt in _SCHEMA.split(";"):
+            for stmt in SCHEMA.split(";"):
                 if stmt.strip():
                     self._conn.execute(stmt)
             row = self._conn.execute("SELECT version FROM schema_version").fetchone()
@@ -202,11 +135,10 @@ class RolloutStore:
                 self._conn.execute("INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION,))
             elif row[0] != SCHEMA_VERSION:
                 raise StoreError(f"{self.path}: schema version {row[0]}, this burstrl reads {SCHEMA_VERSION}")
-            columns = {r[1] for r in self._conn.execute("PRAGMA table_info(rollouts)")}
-            # columns added after schema version 1 shipped (see the module docstring), in the order added
-            for name, kind in (("reason", "TEXT"), ("passed", "INTEGER"), ("calls", "INTEGER")):
+            for table, name, kind in ADDED_COLUMNS:  # a file made before they were added gets them now
+                columns = {r[1] for r in self._conn.execute(f"PRAGMA table_info({table})")}
                 if name not in columns:
-                    self._conn.execute(f"ALTER TABLE rollouts ADD COLUMN {name} {kind}")
+                    self._conn.execute(f"ALTER TABLE {table} ADD COLUMN {name} {kind}")
 
     @contextmanager
     def _tx(self, immediate: bool = True) -> Iterator[sqlite3.Connection]:
@@ -492,6 +424,22 @@ class RolloutStore:
             info = dict(zip([d[0] for d in cur.description], row))
         info["raw"] = json.loads(info["raw"]) if info["raw"] else None
         return info
+
+    def groups(self, statuses: Sequence[str] = ("buffered", "consumed", "stale")) -> list[Group]:
+        """The groups in `statuses` with their rollouts, oldest first, changing nothing: for
+        inspection and tests, which then need no SQL. A row that no longer decodes is a StoreError
+        naming it (`take` would quarantine its group; quarantined groups are not listed by default)."""
+        marks = ",".join("?" * len(statuses))
+        out: list[Group] = []
+        with self._tx(immediate=False) as c:
+            rows = c.execute(f"SELECT id, task_id, created FROM groups WHERE status IN ({marks}) ORDER BY id",
+                             tuple(statuses)).fetchall()
+            for gid, task_id, created in rows:
+                rollouts, why = self._decode_group(c, gid)
+                if why is not None:
+                    raise StoreError(f"group {gid}: {why}")
+                out.append(Group(id=gid, task_id=task_id, rollouts=rollouts, created=created))
+        return out
 
     def buffered_count(self) -> int:
         with self._lock:
