@@ -30,19 +30,9 @@ def _check(cache: SessionCache) -> None:
     assert cache.idle_tokens + cache.reserved <= cache.capacity
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
-def clock(monkeypatch):
-    c = Clock()
-    monkeypatch.setattr(kvcache.time, "monotonic", c)
-    return c
+def clock(fake_clock):
+    return fake_clock(kvcache, now=1000.0)
 
 
 # ---- SessionCache: budget ----
