@@ -44,8 +44,8 @@ class Replica:
 class FleetOptions:
     """How the run's replicas are started and registered; fixed for the run.
 
-    Why an object: these are eight values of a few types (three strings, two paths) that the
-    launcher passes once; by name, two of them cannot swap places unnoticed."""
+    Why an object: eight values, three of them strings and two paths, passed once by the launcher;
+    by name, no two of them can swap places unnoticed."""
 
     serve_args: list[str]  # the `burstrl` arguments a replica process runs with
     router: str  # the router's URL, where replicas register

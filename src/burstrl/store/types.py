@@ -74,8 +74,8 @@ class Rollout:
         """The inverse of `to_json`; also reads the older shape that kept `passed` and `calls` in
         `timings` (rollouts written before they were fields), so old stores decode unchanged."""
         timings = dict(data.get("timings") or {})
-        passed = data.get("passed", bool(timings.pop("passed", False)))
-        calls = data.get("calls", int(timings.pop("calls", 0)))
+        old_passed, old_calls = timings.pop("passed", 0.0), timings.pop("calls", 0)  # the older shape
+        passed, calls = data.get("passed", bool(old_passed)), data.get("calls", int(old_calls))
         turns = [Turn(**t) for t in data["turns"]]
         return cls(**{**data, "turns": turns, "timings": timings, "passed": passed, "calls": calls})
 

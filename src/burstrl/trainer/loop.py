@@ -55,8 +55,8 @@ class LossSums:
     tokens, and per-token sums of the importance ratio, of clipped and truncated (TIS) tokens and
     of the KL term; `ratio_max` is a maximum, not a sum.
 
-    Why named fields and one tensor: the metrics read by name, while the all-reduce stays one
-    float64 collective for the sums and one for the maximum, whatever the number of figures."""
+    Why named fields: the metrics read them by name, where `sums[3]` said nothing. The all-reduce
+    still packs the sums into one float64 tensor (one collective) and the maximum into another."""
 
     loss: float = 0.0
     tokens: float = 0.0
