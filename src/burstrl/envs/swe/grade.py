@@ -202,7 +202,8 @@ def grade(task: SweTask, patch: str, pool_or_backend: SandboxMaker | str, *, tim
     return _done(result, start)
 
 
-def _judge_against_base(task: SweTask, patch: str, creator: SandboxMaker, timeout_s: float, result: GradeResult) -> None:
+def _judge_against_base(task: SweTask, patch: str, creator: SandboxMaker, timeout_s: float,
+                        result: GradeResult) -> None:
     """A timeout or a runner error is the model's only if the tests run fine without its patch."""
     what = f"test command ran past {timeout_s:g}s" if result.timed_out else f"test runner error: {result.runner_error}"
     if not patch.strip():  # this run was the base run
