@@ -34,9 +34,10 @@ $(STAMP): pyproject.toml | $(PY)
 test: install
 	$(PY) -m pytest -m "not gpu" -q
 
-# The edit-test loop (< 3 min on 2 cores): unit tests not marked slow, stopping at the first failure.
+# The edit-test loop (< 3 min on 2 cores): unit and integration tests not marked slow, stopping
+# at the first failure. `make test` runs everything (unit first, e2e last: ~40 min).
 test-fast: install
-	$(PY) -m pytest tests/unit -m "not slow and not gpu" -q -x
+	$(PY) -m pytest tests/unit tests/integration -m "not slow and not gpu" -q -x
 
 # The quickstart: a warm-started tiny model (made once, cached in .cache/ beside the tests' copy)
 # learns the toy tasks with the whole loop: router, 3 replicas, trainer, orchestrator.

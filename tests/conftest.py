@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -44,3 +47,41 @@ def calc_sandbox():
     assert setup.exit_code == 0, setup.stderr
     yield sb
     sb.close()
+
+
+class FakeClock:
+    """A monotonic clock that moves only when the test moves it (`clock.now += seconds`)."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+class _TimeUnder:
+    """The `time` module as one module under test sees it: `monotonic` reads the fake clock,
+    every other name is the real module's."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        self.monotonic = clock.monotonic
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(time, name)
+
+
+@pytest.fixture
+def fake_clock(monkeypatch: pytest.MonkeyPatch) -> Callable[..., FakeClock]:
+    """`fake_clock(module, ..., now=1000.0)`: those modules' `time.monotonic()` reads a `FakeClock`.
+
+    Why per module and not `time.monotonic` itself: that is the process's clock, read by pytest,
+    by threads and by every other module; a test replaces only what its code under test calls.
+    """
+
+    def install(*modules: ModuleType, now: float = 1000.0) -> FakeClock:
+        clock = FakeClock(now)
+        for module in modules:
+            monkeypatch.setattr(module, "time", _TimeUnder(clock))
+        return clock
+
+    return install

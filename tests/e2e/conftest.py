@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sqlite3
 import subprocess
 import sys
 import time
@@ -81,14 +80,14 @@ def wait_until(predicate, timeout: float, what: str, proc: subprocess.Popen | No
 
 
 def last_step(run_dir: Path) -> int:
+    """The run's last committed step (0 before the run made its store)."""
+    from burstrl.store import RolloutStore
+
     path = run_dir / "store.sqlite"
     if not path.exists():
         return 0
-    with sqlite3.connect(path, timeout=30) as c:
-        try:
-            return c.execute("SELECT COALESCE(MAX(step), 0) FROM steps").fetchone()[0]
-        except sqlite3.OperationalError:
-            return 0
+    with RolloutStore(path) as store:
+        return store.last_step()
 
 
 def audit(run_dir: Path, steps: int, batch_groups: int = 3, group_size: int = 6) -> dict:

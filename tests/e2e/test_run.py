@@ -96,12 +96,11 @@ def test_kill_9_mid_step_then_resume(tmp_path: Path, warm_model: Path) -> None:
 
 def _rollouts_on(run_dir: Path, url: str) -> list[int]:
     """Versions of the stored rollouts whose calls the replica at `url` served."""
-    import json
-    import sqlite3
+    from burstrl.store import RolloutStore
 
-    with sqlite3.connect(run_dir / "store.sqlite", timeout=30) as c:
-        rows = c.execute("SELECT turns FROM rollouts").fetchall()
-    return [t["version"] for (turns,) in rows for t in json.loads(turns) if t.get("replica") == url]
+    with RolloutStore(run_dir / "store.sqlite") as store:
+        groups = store.groups()
+    return [t.version for g in groups for r in g.rollouts for t in r.turns if t.replica == url]
 
 
 def _role_pids(run_dir: Path) -> list[int]:

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import sqlite3
 from pathlib import Path
 
 import pytest
+
+from burstrl.store import RolloutStore
 
 from .conftest import REPO, audit, burstrl_cmd
 
@@ -33,13 +34,13 @@ def test_toy_swe_config_runs_through_sandboxes_and_grading(tmp_path: Path, tiny_
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert len((run_dir / "swe-tasks" / "tasks.jsonl").read_text().splitlines()) == 3  # difficulty 0 only
     audit(run_dir, 2, batch_groups=2, group_size=2)
-    with sqlite3.connect(run_dir / "store.sqlite") as c:
-        rows = c.execute("SELECT r.turns, r.reward_parts, g.task_id FROM rollouts r "
-                         "JOIN groups g ON g.id = r.group_id").fetchall()
-    assert rows and all(task.startswith("toy-train-") for _, _, task in rows)
-    for turns, parts, _ in rows:
-        assert 1 <= len(json.loads(turns)) <= 2  # one captured call per agent turn
-        assert set(json.loads(parts)) >= {"resolved", "f2p", "strict", "apply_ok", "submitted"}
+    with RolloutStore(run_dir / "store.sqlite") as store:
+        groups = store.groups()
+    rollouts = [r for g in groups for r in g.rollouts]
+    assert rollouts and all(g.task_id.startswith("toy-train-") for g in groups)
+    for r in rollouts:
+        assert 1 <= len(r.turns) <= 2  # one captured call per agent turn
+        assert set(r.reward_parts) >= {"resolved", "f2p", "strict", "apply_ok", "submitted"}
 
     # every checkpoint of the run evaluated into one curve
     tasks = tmp_path / "one.jsonl"

@@ -81,7 +81,7 @@ def test_an_attempt_returns_every_captured_call_and_releases_the_session(cluster
     for earlier, later in zip(rollout.turns, rollout.turns[1:]):  # token continuity across calls
         assert later.prompt_ids[:len(earlier.prompt_ids) + len(earlier.completion_ids)] == \
             earlier.prompt_ids + earlier.completion_ids
-    assert rollout.timings["calls"] == 3 and 0.0 <= rollout.reward <= 1.0
+    assert rollout.calls == 3 and 0.0 <= rollout.reward <= 1.0
     assert httpx.get(f"{router.url}/v1/traces/attempt-ok",
                      headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=10).status_code == 404  # released
 

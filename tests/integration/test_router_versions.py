@@ -130,6 +130,7 @@ def trace_version(server: Server, sid: str) -> str | None:
     return r.json()["version"] if r.status_code == 200 else None
 
 
+@pytest.mark.slow  # two replicas, three versions pushed: ~15-20 s
 def test_rollout_gates_latest_and_keeps_old_sessions(tiny_model_dir: Path, adapters: dict[str, Path],
                                                      tmp_path: Path) -> None:
     with ThreadPoolExecutor(3) as pool:

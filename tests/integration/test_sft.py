@@ -97,6 +97,7 @@ def _burstrl(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=120, env=env)
 
 
+@pytest.mark.slow  # a `burstrl sft` process: ~5-10 s
 def test_cli_names_the_bad_line_and_exits_2(tiny_model_dir, tmp_path):
     good = json.dumps(toy.demonstrations(toy.make_tasks(1, seed=0))[0])
     data = tmp_path / "bad.jsonl"
@@ -126,6 +127,7 @@ def test_bad_demonstrations_are_named(tmp_path, text, error):
         load_conversations(tmp_path / "missing.jsonl")
 
 
+@pytest.mark.slow  # a `burstrl sft` process: ~5-10 s
 def test_cli_sft_writes_a_model(tiny_model_dir, tmp_path):
     result = _burstrl("sft", "--model", str(tiny_model_dir), "--data", str(_demos(tmp_path, 8)),
                       "--out", str(tmp_path / "o"), "--steps", "2", "--batch-size", "4", "--log-every", "1")
@@ -134,6 +136,7 @@ def test_cli_sft_writes_a_model(tiny_model_dir, tmp_path):
     assert (tmp_path / "o" / "model.safetensors").is_file()
 
 
+@pytest.mark.slow  # a warm start, trained: ~20-45 s
 def test_warm_model_lands_in_its_target_band_and_is_cached(tiny_model_dir, tmp_path):
     # ~10 s on 2 cores (53 SFT steps, one greedy evaluation per step)
     out = ensure_warm_model(tiny_model_dir, tmp_path / "warm")

@@ -129,6 +129,7 @@ def test_kill_9_at_every_commit_window_then_resume(tiny_model_dir: Path, tmp_pat
     assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".tmp")]
 
 
+@pytest.mark.slow  # three `burstrl train` processes: ~30-45 s
 def test_resume_refusals(tiny_model_dir: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -149,6 +150,7 @@ def test_resume_refusals(tiny_model_dir: Path, tmp_path: Path) -> None:
     assert missing.returncode != 0 and "step-1" in missing.stderr
 
 
+@pytest.mark.slow  # a `burstrl train` process: ~10-15 s
 def test_no_data_in_time_is_a_clear_error(tiny_model_dir: Path, tmp_path: Path) -> None:
     r = run_train(tmp_path / "empty", tiny_model_dir, "--trainer.steps", "1", "--trainer.wait_timeout_s", "1")
     assert r.returncode == 2 and "fewer than 2 groups arrived" in r.stderr

@@ -30,19 +30,9 @@ def _check(cache: SessionCache) -> None:
     assert cache.idle_tokens + cache.reserved <= cache.capacity
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
-def clock(monkeypatch):
-    c = Clock()
-    monkeypatch.setattr(kvcache.time, "monotonic", c)
-    return c
+def clock(fake_clock):
+    return fake_clock(kvcache, now=1000.0)
 
 
 # ---- SessionCache: budget ----
@@ -151,7 +141,8 @@ def test_failed_reserve_evicts_nothing():
 def test_used_tokens_counts_idle_and_running():
     cache = SessionCache(capacity=100, thrash_window_s=1.0)
     cache.put("a", _kv(12), list(range(12)), 0)
-    cache.running_tokens = 7
+    cache.hold_running(9)
+    cache.release_running(2)
     assert cache.used_tokens == 19
 
 

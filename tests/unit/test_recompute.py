@@ -94,6 +94,7 @@ def test_mode_switches_and_bad_modes(tiny_model_dir: Path) -> None:
         recompute.apply(model, "selective")
 
 
+@pytest.mark.slow  # a forward and backward of 2048 and 4096 tokens per mode: ~25 s each
 @pytest.mark.parametrize("seq", [2048, 4096])
 def test_attention_keeps_out_and_lse_per_layer_on_top_of_full(tiny_model_dir: Path, seq: int) -> None:
     ids, attn = batch(seq, rows=1)

@@ -6,19 +6,9 @@ from burstrl.inference import sessions as sessions_mod
 from burstrl.inference.sessions import CallRecord, SessionError, SessionTable
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 500.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
-def clock(monkeypatch):
-    c = Clock()
-    monkeypatch.setattr(sessions_mod.time, "monotonic", c)
-    return c
+def clock(fake_clock):
+    return fake_clock(sessions_mod, now=500.0)
 
 
 def _status(fn, *args):

@@ -199,6 +199,52 @@ def test_persists_across_reopen(tmp_path):
         assert set(s.consumed()) == {"a-0", "a-1", "a-2"}
 
 
+def test_passed_and_calls_are_typed_columns(store):
+    sent = make_group("p")
+    sent[1].passed, sent[1].calls = True, 4
+    store.put_group("t", sent)
+    [got] = store.take(1, trainer_version=0, max_staleness=1)
+    assert [(r.passed, r.calls) for r in got.rollouts] == [(False, 0), (True, 4), (False, 0)]
+    assert got.rollouts[1].timings == {"total_s": 1.25}
+    conn = sqlite3.connect(store.path)
+    assert conn.execute("SELECT passed, calls FROM rollouts WHERE id = 'p-1'").fetchone() == (1, 4)
+
+
+def test_a_store_from_before_the_outcome_columns_gets_them_and_reads_timings(tmp_path):
+    """Rows written when `passed` and `calls` were keys of the timings JSON keep their values."""
+    path = tmp_path / "old.db"
+    with RolloutStore(path) as s:
+        s.put_group("t", make_group("o", size=2))
+    conn = sqlite3.connect(path)
+    conn.execute("ALTER TABLE rollouts DROP COLUMN passed")
+    conn.execute("ALTER TABLE rollouts DROP COLUMN calls")
+    conn.execute("""UPDATE rollouts SET timings = '{"total_s": 1.25, "calls": 3, "passed": 1.0}' WHERE id = 'o-0'""")
+    conn.commit()
+    conn.close()
+    with RolloutStore(path) as s:
+        s.put_group("t", make_group("n", size=2))
+        old, new = s.take(2, trainer_version=0, max_staleness=1)
+    assert [(r.passed, r.calls, r.timings) for r in old.rollouts] == [(True, 3, {"total_s": 1.25}),
+                                                                     (False, 0, {"total_s": 1.25})]
+    assert [(r.passed, r.calls) for r in new.rollouts] == [(False, 0), (False, 0)]
+    conn = sqlite3.connect(path)
+    assert conn.execute("SELECT passed, calls FROM rollouts WHERE id = 'o-0'").fetchone() == (None, None)
+
+
+def test_groups_lists_buffered_consumed_and_stale_groups_without_changing_them(store):
+    a = store.put_group("ta", make_group("a"))
+    b = store.put_group("tb", make_group("b", version=2))
+    old = store.put_group("to", make_group("o", version=0))
+    store.put_group("bad", [])  # quarantined: not listed
+    store.commit_step(1, [a], {"trainer_version": 0})
+    store.take(5, trainer_version=3, max_staleness=2)  # only `old` (version 0) is too stale
+    got = store.groups()
+    assert [(g.id, g.task_id) for g in got] == [(a, "ta"), (b, "tb"), (old, "to")]
+    assert got[1].rollouts == make_group("b", version=2)
+    assert [g.id for g in store.groups(["buffered"])] == [b]
+    assert store.counts()["buffered"] == 1 and store.counts()["stale"] == 1
+
+
 def test_wait_for_returns_count_on_data_or_timeout(store):
     assert store.wait_for(1, timeout_s=0.05, poll_s=0.01) == 0
     threading.Timer(0.05, lambda: store.put_group("t", make_group("late"))).start()

@@ -260,13 +260,13 @@ class Engine:
             return
         attention.commit()
         for req in reqs:
-            self.cache.running_tokens += req.kv.length
+            self.cache.hold_running(req.kv.length)
             req.session.kv_tokens = req.kv.length
         self.counters.prompt_tokens += ids.shape[1]
         self.counters.prefill_s += time.monotonic() - t0
         for req, outcome in zip(reqs, self._sample(logits, reqs)):
             if isinstance(outcome, str) or (finished := self._append(req, *outcome)) is None:
-                self.cache.running_tokens -= req.kv.length
+                self.cache.release_running(req.kv.length)
                 self._fail(req, outcome if isinstance(outcome, str) else req.error)
             elif finished:
                 self._finish(req)
@@ -289,7 +289,7 @@ class Engine:
             self._step_failed("decode", exc, [self._drop_row(i) for i in reversed(range(len(rows)))])
             return
         self.batch.advance()
-        self.cache.running_tokens += len(rows)
+        self.cache.hold_running(len(rows))
         done, failed = [], {}
         for i, (req, outcome) in enumerate(zip(rows, self._sample(logits, rows))):
             req.session.kv_tokens += 1
@@ -384,7 +384,7 @@ class Engine:
         """Take a failed request out of the batch; its keys/values are discarded, not cached."""
         req = self.rows[row]
         self.cache.remove_running(req.id)
-        self.cache.running_tokens -= int(self.batch.lens[row])
+        self.cache.release_running(int(self.batch.lens[row]))
         self.batch.remove(row, None)
         self.rows[row] = self.rows[-1]
         self.rows.pop()
@@ -412,7 +412,7 @@ class Engine:
     def _finish(self, req: Request) -> None:
         """Return the request's budget, keep its cache for the session's next call, capture it."""
         kv, session = req.kv, req.session
-        self.cache.running_tokens -= kv.length
+        self.cache.release_running(kv.length)
         self.cache.unreserve(req.reserved)
         fed = req.prompt_ids + req.completion_ids[:-1]
         assert kv.length == len(fed), (kv.length, len(fed))

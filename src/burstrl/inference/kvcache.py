@@ -245,6 +245,17 @@ class SessionCache:
         """Tokens actually held: idle caches plus running sequences' current lengths."""
         return self.idle_tokens + self.running_tokens
 
+    def hold_running(self, tokens: int) -> None:
+        """Running sequences now hold `tokens` more keys/values (a prefill, a decode step).
+
+        Why the cache counts them and not the engine: `used_tokens` (what /v1/loads and the
+        router's headroom read) is only right if every change goes through one owner."""
+        self.running_tokens += tokens
+
+    def release_running(self, tokens: int) -> None:
+        """Running sequences that left (finished, failed, dropped) no longer hold `tokens`."""
+        self.running_tokens -= tokens
+
     def take(self, session_id: str, prompt: list[int], namespace: int) -> tuple[SessionKV | None, int]:
         """Remove a session's idle cache for a new call; returns (kv, reusable prefix length).
 

@@ -40,16 +40,32 @@ class Replica:
         return self.handle.url if self.handle is not None else ""
 
 
+@dataclass(frozen=True)
+class FleetOptions:
+    """How the run's replicas are started and registered; fixed for the run.
+
+    Why an object: eight values, three of them strings and two paths, passed once by the launcher;
+    by name, no two of them can swap places unnoticed."""
+
+    serve_args: list[str]  # the `burstrl` arguments a replica process runs with
+    router: str  # the router's URL, where replicas register
+    cluster_token: str  # bearer for the router's replica endpoints
+    admin_token: str  # bearer for a replica's admin endpoints (loading an adapter)
+    run_dir: Path  # holds replicas.txt, the list the trainer pushes versions to
+    weights: dict[str, float]  # the router's weight of a replica, by pool
+    start_timeout_s: float  # a start that is not ready by then failed
+    volume: Path  # where published versions live (a new replica catches up from it)
+
+
 class Fleet:
     """Replicas by name; thread-safe (starts finish in worker threads)."""
 
-    def __init__(self, provider: Provider, serve_args: list[str], router: str, cluster_token: str,
-                 admin_token: str, run_dir: Path, weights: dict[str, float], event: Callable[..., None],
-                 start_timeout_s: float, volume: Path) -> None:
-        self.provider, self.serve_args, self.router, self.volume = provider, serve_args, router, volume
-        self.cluster_token, self.admin_token = cluster_token, admin_token
-        self.replicas_file = run_dir / "replicas.txt"
-        self.weights, self.event, self.start_timeout_s = weights, event, start_timeout_s
+    def __init__(self, provider: Provider, options: FleetOptions, event: Callable[..., None]) -> None:
+        o = options
+        self.provider, self.serve_args, self.router, self.volume = provider, o.serve_args, o.router, o.volume
+        self.cluster_token, self.admin_token = o.cluster_token, o.admin_token
+        self.replicas_file = o.run_dir / "replicas.txt"
+        self.weights, self.event, self.start_timeout_s = o.weights, event, o.start_timeout_s
         self.replicas: dict[str, Replica] = {}
         self.lock = threading.Lock()
         self.file_lock = threading.Lock()

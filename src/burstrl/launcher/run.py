@@ -28,7 +28,7 @@ import httpx
 from burstrl.config import RunConfig, Section, dump_toml
 from burstrl.launcher import control
 from burstrl.launcher.display import Display, snapshot_eta
-from burstrl.launcher.fleet import Fleet
+from burstrl.launcher.fleet import Fleet, FleetOptions
 from burstrl.orchestrator.autoscaler import FleetSignals, decide, wait_fraction
 from burstrl.providers import Placement, RoleHandle, make_provider
 from burstrl.store import RolloutStore
@@ -148,10 +148,11 @@ class Launcher:
                                   ready=True, placement=Placement(listen=("host", "port"), restartable=True,
                                                                   on_driver=True))
         serve = c.serve_config()
-        self.fleet = Fleet(self.provider, ["serve", self.role_config("serve", serve)], self.router.url,
-                           self.cluster_token, self.admin_token, self.run_dir,
-                           {"reserved": c.fleet.reserved_weight, "on_demand": c.fleet.on_demand_weight},
-                           self.event, c.fleet.start_timeout_s, Path(serve.adapter_volume))
+        options = FleetOptions(serve_args=["serve", self.role_config("serve", serve)], router=self.router.url,
+                               cluster_token=self.cluster_token, admin_token=self.admin_token, run_dir=self.run_dir,
+                               weights={"reserved": c.fleet.reserved_weight, "on_demand": c.fleet.on_demand_weight},
+                               start_timeout_s=c.fleet.start_timeout_s, volume=Path(serve.adapter_volume))
+        self.fleet = Fleet(self.provider, options, self.event)
         for pool, n in (("reserved", c.fleet.reserved), ("on_demand", c.fleet.on_demand)):
             for _ in range(n):
                 self.fleet.start(pool)

@@ -47,5 +47,5 @@ async def run_attempt(http: httpx.AsyncClient, router: str, env: Environment, ta
                   version=version_number(version), replica=replica) for c in calls]
     return Rollout(id=rollout_id, turns=turns, reward=outcome.reward, reward_parts=outcome.parts,
                    status="failed" if outcome.info.get("reason") else "complete", reason=outcome.info.get("reason"),
-                   timings={"rollout_s": t1 - t0, "total_s": time.monotonic() - t0, "calls": client.calls,
-                            "passed": float(outcome.passed)})
+                   timings={"rollout_s": t1 - t0, "total_s": time.monotonic() - t0},
+                   passed=bool(outcome.passed), calls=client.calls)

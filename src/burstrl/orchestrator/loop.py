@@ -180,7 +180,7 @@ class Orchestrator:
     async def store_group(self, task: Task, version: str, rollouts: list[Rollout]) -> None:
         await asyncio.to_thread(self.store.put_task, task.id, asdict(task), float(task.difficulty))
         await asyncio.to_thread(self.store.put_group, task.id, rollouts)
-        outcomes = [Outcome(reward=r.reward, parts=r.reward_parts, passed=bool(r.timings.get("passed")))
+        outcomes = [Outcome(reward=r.reward, parts=r.reward_parts, passed=r.passed)
                     for r in rollouts]
         self.curriculum.report(task, outcomes)
         self.recent.extend(outcomes)

@@ -19,11 +19,8 @@ can be inspected but is never returned by `take`. Its rollouts are stored as row
 new; a rollout whose id is already taken is never written over the existing row: its JSON goes to
 the group's `raw` column instead.
 
-Failure reasons: a rollout's `reason` column holds the text of why a failed attempt failed
-(`sandbox_lost: ...`, `tampered: ...`, `tests_timeout: ...`), queryable with plain SQL
-(`SELECT reason, COUNT(*) FROM rollouts GROUP BY ...`) or `failure_reasons()`. The column was added
-after schema version 1 shipped; it is nullable, and opening an older file adds it in place
-(`ALTER TABLE ... ADD COLUMN`, old rows NULL), so no version bump and no copy of the data.
+Schema: the tables, and the columns added to them since schema version 1 shipped, are in
+`schema.py`; opening an older file adds those columns in place.
 """
 
 from __future__ import annotations
@@ -32,70 +29,13 @@ import json
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from burstrl.store.schema import ADDED_COLUMNS, GROUP_STATUSES, SCHEMA, SCHEMA_VERSION
 from burstrl.store.types import Group, Rollout
-
-SCHEMA_VERSION = 1
-GROUP_STATUSES = ("buffered", "consumed", "stale", "quarantined")
-# An attempt (one rollout id) is `running` until it ends `stored` (in a group, same transaction as the
-# group), `requeued` (a replica failed; another attempt with a new id replaces it) or `abandoned`
-# (its group was given up, or the orchestrator stopped or crashed while it ran).
-ATTEMPT_STATUSES = ("running", "stored", "requeued", "abandoned")
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL);
-CREATE TABLE IF NOT EXISTS tasks (
-    id TEXT PRIMARY KEY,
-    data TEXT NOT NULL,
-    difficulty REAL NOT NULL DEFAULT 0.0,
-    created REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS groups (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    task_id TEXT NOT NULL,
-    version INTEGER,
-    status TEXT NOT NULL,
-    reason TEXT,
-    consumed_step INTEGER,
-    staleness INTEGER,
-    raw TEXT,
-    created REAL NOT NULL
-);
-CREATE INDEX IF NOT EXISTS groups_status ON groups (status, id);
-CREATE TABLE IF NOT EXISTS rollouts (
-    id TEXT PRIMARY KEY,
-    group_id INTEGER NOT NULL,
-    idx INTEGER NOT NULL,
-    status TEXT,
-    reward REAL,
-    reward_parts TEXT,
-    turns TEXT,
-    timings TEXT,
-    version INTEGER,
-    created REAL NOT NULL,
-    reason TEXT
-);
-CREATE INDEX IF NOT EXISTS rollouts_group ON rollouts (group_id, idx);
-CREATE TABLE IF NOT EXISTS attempts (
-    id TEXT PRIMARY KEY,
-    task_id TEXT NOT NULL,
-    status TEXT NOT NULL,
-    detail TEXT,
-    started REAL NOT NULL,
-    finished REAL
-);
-CREATE INDEX IF NOT EXISTS attempts_status ON attempts (status);
-CREATE TABLE IF NOT EXISTS steps (
-    step INTEGER PRIMARY KEY,
-    committed_at REAL NOT NULL,
-    groups TEXT NOT NULL,
-    meta TEXT NOT NULL
-);
-"""
 
 
 class StoreError(RuntimeError):
@@ -141,10 +81,12 @@ def _float_or_none(x: Any) -> float | None:
         return None
 
 
-def _encode(r: Rollout) -> tuple[str, str, str] | None:
-    """(turns, reward_parts, timings) as JSON, or None if the rollout cannot be stored faithfully."""
+def _encode(r: Rollout) -> tuple[str, str, str, int, int] | None:
+    """(turns, reward_parts, timings as JSON, passed, calls), or None if the rollout cannot be
+    stored faithfully."""
     try:
-        return (_dumps(r.to_json()["turns"]), _dumps(r.reward_parts), _dumps(r.timings))
+        return (_dumps(r.to_json()["turns"]), _dumps(r.reward_parts), _dumps(r.timings), int(bool(r.passed)),
+                int(r.calls))
     except (TypeError, ValueError):
         return None
 
@@ -185,7 +127,7 @@ class RolloutStore:
 
     def _init_schema(self) -> None:
         with self._tx():
-            for stmt in _SCHEMA.split(";"):
+            for stmt in SCHEMA.split(";"):
                 if stmt.strip():
                     self._conn.execute(stmt)
             row = self._conn.execute("SELECT version FROM schema_version").fetchone()
@@ -193,9 +135,10 @@ class RolloutStore:
                 self._conn.execute("INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION,))
             elif row[0] != SCHEMA_VERSION:
                 raise StoreError(f"{self.path}: schema version {row[0]}, this burstrl reads {SCHEMA_VERSION}")
-            columns = {r[1] for r in self._conn.execute("PRAGMA table_info(rollouts)")}
-            if "reason" not in columns:  # a store made before failure reasons were kept
-                self._conn.execute("ALTER TABLE rollouts ADD COLUMN reason TEXT")
+            for table, name, kind in ADDED_COLUMNS:  # a file made before they were added gets them now
+                columns = {r[1] for r in self._conn.execute(f"PRAGMA table_info({table})")}
+                if name not in columns:
+                    self._conn.execute(f"ALTER TABLE {table} ADD COLUMN {name} {kind}")
 
     @contextmanager
     def _tx(self, immediate: bool = True) -> Iterator[sqlite3.Connection]:
@@ -270,9 +213,10 @@ class RolloutStore:
                     reward = _float_or_none(r.reward)
                     reason = getattr(r, "reason", None)
                     c.execute("INSERT INTO rollouts (id, group_id, idx, status, reward, reward_parts, turns, "
-                              "timings, version, created, reason) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                              "timings, version, created, reason, passed, calls) "
+                              "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                               (r.id, gid, idx, r.status, reward, enc[1], enc[0], enc[2], v, now,
-                               str(reason) if reason else None))
+                               str(reason) if reason else None, enc[3], enc[4]))
         return gid
 
     @staticmethod
@@ -365,16 +309,18 @@ class RolloutStore:
     @staticmethod
     def _decode_group(c: sqlite3.Connection, gid: int) -> tuple[list[Rollout], str | None]:
         """The group's rollouts in stored order, or the reason they cannot be trained on."""
-        rows = c.execute("SELECT id, status, reward, reward_parts, turns, timings, reason FROM rollouts "
-                         "WHERE group_id = ? ORDER BY idx", (gid,)).fetchall()
+        rows = c.execute("SELECT id, status, reward, reward_parts, turns, timings, reason, passed, calls "
+                         "FROM rollouts WHERE group_id = ? ORDER BY idx", (gid,)).fetchall()
         if not rows:
             return [], "corrupt row: group has no rollouts"
         rollouts = []
-        for rid, status, reward, parts, turns, timings, reason in rows:
+        for rid, status, reward, parts, turns, timings, reason, passed, calls in rows:
+            # NULL outcome columns: a row written before they existed keeps them in `timings`
+            outcome = {} if passed is None else {"passed": bool(passed), "calls": calls}
             try:
                 r = Rollout.from_json({"id": rid, "status": status, "reward": reward, "turns": json.loads(turns),
                                        "reward_parts": json.loads(parts), "timings": json.loads(timings),
-                                       "reason": reason})
+                                       "reason": reason, **outcome})
                 r.validate()
             except (TypeError, ValueError, KeyError, AttributeError) as e:
                 return [], f"corrupt row: rollout {rid}: {type(e).__name__}: {e}"
@@ -478,6 +424,22 @@ class RolloutStore:
             info = dict(zip([d[0] for d in cur.description], row))
         info["raw"] = json.loads(info["raw"]) if info["raw"] else None
         return info
+
+    def groups(self, statuses: Sequence[str] = ("buffered", "consumed", "stale")) -> list[Group]:
+        """The groups in `statuses` with their rollouts, oldest first, changing nothing: for
+        inspection and tests, which then need no SQL. A row that no longer decodes is a StoreError
+        naming it (`take` would quarantine its group; quarantined groups are not listed by default)."""
+        marks = ",".join("?" * len(statuses))
+        out: list[Group] = []
+        with self._tx(immediate=False) as c:
+            rows = c.execute(f"SELECT id, task_id, created FROM groups WHERE status IN ({marks}) ORDER BY id",
+                             tuple(statuses)).fetchall()
+            for gid, task_id, created in rows:
+                rollouts, why = self._decode_group(c, gid)
+                if why is not None:
+                    raise StoreError(f"group {gid}: {why}")
+                out.append(Group(id=gid, task_id=task_id, rollouts=rollouts, created=created))
+        return out
 
     def buffered_count(self) -> int:
         with self._lock:

@@ -46,8 +46,10 @@ class Rollout:
     reward: float
     reward_parts: dict[str, float] = field(default_factory=dict)
     status: str = "complete"
-    timings: dict[str, float] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)  # seconds only: rollout_s, total_s
     reason: str | None = None  # "kind: why" of a failed attempt (sandbox_lost, tampered, tests_timeout); kept as text
+    passed: bool = False  # the environment's verdict (all target tests pass), which the curriculum learns from
+    calls: int = 0  # model calls the environment made, each one captured turn
 
     @property
     def version(self) -> int:
@@ -69,8 +71,13 @@ class Rollout:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Rollout:
+        """The inverse of `to_json`; also reads the older shape that kept `passed` and `calls` in
+        `timings` (rollouts written before they were fields), so old stores decode unchanged."""
+        timings = dict(data.get("timings") or {})
+        old_passed, old_calls = timings.pop("passed", 0.0), timings.pop("calls", 0)  # the older shape
+        passed, calls = data.get("passed", bool(old_passed)), data.get("calls", int(old_calls))
         turns = [Turn(**t) for t in data["turns"]]
-        return cls(**{**data, "turns": turns})
+        return cls(**{**data, "turns": turns, "timings": timings, "passed": passed, "calls": calls})
 
 
 @dataclass

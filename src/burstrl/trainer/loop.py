@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import random
 import time
@@ -46,6 +47,45 @@ class StepBatch:
     invalid_rollouts: int = 0
     rewards: list[float] = field(default_factory=list)
     staleness: list[int] = field(default_factory=list)
+
+
+@dataclass
+class LossSums:
+    """What a step adds up over its micro-batches and then across ranks: the loss, the sampled
+    tokens, and per-token sums of the importance ratio, of clipped and truncated (TIS) tokens and
+    of the KL term; `ratio_max` is a maximum, not a sum.
+
+    Why named fields: the metrics read them by name, where `sums[3]` said nothing. The all-reduce
+    still packs the sums into one float64 tensor (one collective) and the maximum into another."""
+
+    loss: float = 0.0
+    tokens: float = 0.0
+    ratio: float = 0.0
+    clipped: float = 0.0
+    truncated: float = 0.0
+    kl: float = 0.0
+    ratio_max: float = 0.0
+
+    def add(self, part: LossSums) -> None:
+        """Add one micro-batch's figures (a NaN ratio maximum stays NaN, as torch.maximum keeps it)."""
+        self.loss += part.loss
+        self.tokens += part.tokens
+        self.ratio += part.ratio
+        self.clipped += part.clipped
+        self.truncated += part.truncated
+        self.kl += part.kl
+        if math.isnan(part.ratio_max) or part.ratio_max > self.ratio_max:
+            self.ratio_max = part.ratio_max
+
+    def all_reduce(self, dist: Dist) -> None:
+        """Sum the sums and take the maximum across ranks, in place."""
+        sums = torch.tensor([self.loss, self.tokens, self.ratio, self.clipped, self.truncated, self.kl],
+                            dtype=torch.float64)
+        ratio_max = torch.tensor([self.ratio_max], dtype=torch.float64)
+        dist.sum_(sums)
+        dist.max_(ratio_max)
+        self.loss, self.tokens, self.ratio, self.clipped, self.truncated, self.kl = (float(x) for x in sums)
+        self.ratio_max = float(ratio_max[0])
 
 
 class Trainer:
@@ -186,41 +226,38 @@ class Trainer:
         """Forward/backward this rank's share, sum gradients across ranks, one optimizer step."""
         seqs = batch.sequences
         total_tokens = sum(s.sampled for s in seqs)
-        sums = torch.zeros(6, dtype=torch.float64)  # loss, tokens, ratio, clipped, truncated, kl
-        ratio_max = torch.zeros(1, dtype=torch.float64)
+        sums = LossSums()
         self.optimizer.zero_grad(set_to_none=True)
         mine = shard(seqs, self.dist.rank, self.dist.world)
         for mb in micro_batches(mine, self.cfg.trainer.micro_batch_tokens):
             maybe_crash("backward", step)
-            loss, part, rmax = self._micro_step(mb, total_tokens, len(seqs))
+            loss, part = self._micro_step(mb, total_tokens, len(seqs))
             loss.backward()
-            sums += part
-            ratio_max = torch.maximum(ratio_max, rmax)
+            sums.add(part)
         self.dist.sum_grads(self.params)
-        self.dist.sum_(sums)
-        self.dist.max_(ratio_max)
+        sums.all_reduce(self.dist)
         grad_norm = 0.0
         if total_tokens:
             if self.cfg.trainer.grad_clip > 0:
                 grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.trainer.grad_clip))
             self.optimizer.step()
             self.scheduler.step()
-        tokens = max(float(sums[1]), 1.0)
+        tokens = max(sums.tokens, 1.0)
         rewards = torch.tensor(batch.rewards or [0.0])
         return {
-            "loss": float(sums[0]), "tokens": int(sums[1]), "sequences": len(seqs),
+            "loss": sums.loss, "tokens": int(sums.tokens), "sequences": len(seqs),
             "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std(unbiased=False)),
             "groups": len(batch.groups), "kept_groups": batch.kept_groups,
             "zero_variance_groups": batch.zero_variance_groups, "invalid_rollouts": batch.invalid_rollouts,
             "staleness_mean": sum(batch.staleness) / max(len(batch.staleness), 1),
             "staleness_max": max(batch.staleness, default=0),
-            "ratio_mean": float(sums[2]) / tokens, "ratio_max": float(ratio_max[0]),
-            "clip_frac": float(sums[3]) / tokens, "tis_frac": float(sums[4]) / tokens,
-            "kl": float(sums[5]) / tokens, "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0],
+            "ratio_mean": sums.ratio / tokens, "ratio_max": sums.ratio_max,
+            "clip_frac": sums.clipped / tokens, "tis_frac": sums.truncated / tokens,
+            "kl": sums.kl / tokens, "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0],
             "skipped_update": total_tokens == 0,
         }
 
-    def _micro_step(self, mb: list[Sequence], total_tokens: int, total_seqs: int):
+    def _micro_step(self, mb: list[Sequence], total_tokens: int, total_seqs: int) -> tuple[torch.Tensor, LossSums]:
         p = pack(mb, self.pad_id, self.device)
         self.recompute.begin()
         logp = self._token_logprobs(p.input_ids, p.attention_mask)  # [B, L-1]
@@ -235,11 +272,11 @@ class Trainer:
         loss = aggregate(out.loss, rows, sel.sum(dim=1), self.cfg.trainer.loss_agg, max(total_tokens, 1),
                          max(total_seqs, 1))
         n = int(sel.sum())
-        part = torch.tensor([float(loss.detach()), n, float(out.ratio.sum()), float(out.clipped.sum()),
-                             float(out.truncated.sum()), float(out.kl.sum()) if out.kl is not None else 0.0],
-                            dtype=torch.float64)
-        rmax = torch.tensor([float(out.ratio.max()) if n else 0.0], dtype=torch.float64)
-        return loss, part, rmax
+        part = LossSums(loss=float(loss.detach()), tokens=float(n), ratio=float(out.ratio.sum()),
+                        clipped=float(out.clipped.sum()), truncated=float(out.truncated.sum()),
+                        kl=float(out.kl.sum()) if out.kl is not None else 0.0,
+                        ratio_max=float(out.ratio.max()) if n else 0.0)
+        return loss, part
 
     def _token_logprobs(self, ids: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
         """log pi(token_j | tokens_<j) for j = 1..L-1: [B, L-1], float32."""

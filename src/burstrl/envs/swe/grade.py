@@ -55,13 +55,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from burstrl.envs.swe.integrity import (WRAPPER, harness_files, new_report_dir, runner_error, runner_kind,
-                                        suspicious_lines, verdict, wrapped_command)
+from burstrl.envs.swe.integrity import (WRAPPER, GradingRun, harness_files, new_report_dir, runner_error,
+                                        runner_kind, suspicious_lines, verdict, wrapped_command)
 from burstrl.envs.swe.repo import BASE_TAG, export_base
+from burstrl.envs.swe.sandboxes import GradingSandbox, SandboxMaker
 from burstrl.envs.swe.task import SweTask
 from burstrl.envs.swe.testlog import dotted_id, parse_junit_xml, status_of
 from burstrl.sandbox.backends import SandboxSpec, make_backend
 from burstrl.sandbox.client import SandboxError
+from burstrl.sandbox.protocol import ExecResult
 
 __all__ = ["GradeResult", "reward_of", "score", "grade", "extract_patch", "dotted_id", "parse_junit_xml",
            "status_of", "patch_paths", "graded_test_files", "grading_command"]
@@ -154,7 +156,7 @@ def score(result: GradeResult, task: SweTask, statuses: dict[str, str]) -> Grade
     return result
 
 
-def extract_patch(sandbox: Any, repo_dir: str = REPO_DIR, base: str = BASE_TAG) -> str:
+def extract_patch(sandbox: GradingSandbox, repo_dir: str = REPO_DIR, base: str = BASE_TAG) -> str:
     """Only what the agent committed: `git diff --binary BASE HEAD` inside its sandbox.
 
     Uncommitted and untracked work is not in that diff by construction. Options pin the format
@@ -173,7 +175,7 @@ def extract_patch(sandbox: Any, repo_dir: str = REPO_DIR, base: str = BASE_TAG) 
     return sandbox.read_file(out).decode("utf-8", "surrogateescape")
 
 
-def grade(task: SweTask, patch: str, pool_or_backend: Any, *, timeout_s: float = 300) -> GradeResult:
+def grade(task: SweTask, patch: str, pool_or_backend: SandboxMaker | str, *, timeout_s: float = 300) -> GradeResult:
     """Grade one attempt's patch in a fresh sandbox; see the module docstring for infra errors."""
     start = time.monotonic()
     result = GradeResult(instance_id=task.instance_id)
@@ -200,7 +202,8 @@ def grade(task: SweTask, patch: str, pool_or_backend: Any, *, timeout_s: float =
     return _done(result, start)
 
 
-def _judge_against_base(task: SweTask, patch: str, creator: Any, timeout_s: float, result: GradeResult) -> None:
+def _judge_against_base(task: SweTask, patch: str, creator: SandboxMaker, timeout_s: float,
+                        result: GradeResult) -> None:
     """A timeout or a runner error is the model's only if the tests run fine without its patch."""
     what = f"test command ran past {timeout_s:g}s" if result.timed_out else f"test runner error: {result.runner_error}"
     if not patch.strip():  # this run was the base run
@@ -220,7 +223,7 @@ def _judge_against_base(task: SweTask, patch: str, creator: Any, timeout_s: floa
 _BASE_RUNS: OrderedDict[tuple[str, ...], GradeResult] = OrderedDict()
 
 
-def base_run(task: SweTask, creator: Any, timeout_s: float) -> GradeResult:
+def base_run(task: SweTask, creator: SandboxMaker, timeout_s: float) -> GradeResult:
     """The task's tests without any patch (a fresh sandbox), measured once per task in this process.
 
     Only runs that say something about the task are kept (not one whose sandbox failed)."""
@@ -238,7 +241,7 @@ def base_run(task: SweTask, creator: Any, timeout_s: float) -> GradeResult:
     return result
 
 
-def _grade_in(sandbox: Any, task: SweTask, patch: str, base: tuple[str, bytes, frozenset[str]],
+def _grade_in(sandbox: GradingSandbox, task: SweTask, patch: str, base: tuple[str, bytes, frozenset[str]],
               timeout_s: float, result: GradeResult) -> None:
     base_id, repo_tar, base_files = base
     sandbox.upload(repo_tar, REPO_DIR)
@@ -273,7 +276,7 @@ def _grade_in(sandbox: Any, task: SweTask, patch: str, base: tuple[str, bytes, f
     judge_run(task, run, report, result)
 
 
-def judge_run(task: SweTask, run: dict[str, Any], report: dict[str, str] | None, result: GradeResult) -> None:
+def judge_run(task: SweTask, run: GradingRun, report: dict[str, str] | None, result: GradeResult) -> None:
     """Scores from one run's log and report, with the integrity checks of `integrity.verdict`."""
     graded = _unique(task.FAIL_TO_PASS + task.PASS_TO_PASS)
     statuses, tampered, finished = verdict(task.test_cmd, run, report, graded)
@@ -291,7 +294,7 @@ def judge_run(task: SweTask, run: dict[str, Any], report: dict[str, str] | None,
         result.runner_error = runner_error(run["text"], run["exit_code"], statuses, graded)
 
 
-def apply_in(sandbox: Any, patch: str, name: str) -> tuple[bool, str]:
+def apply_in(sandbox: GradingSandbox, patch: str, name: str) -> tuple[bool, str]:
     """`git apply` a patch inside the sandbox's repo; an empty patch applies trivially."""
     if not patch.strip():
         return True, ""
@@ -343,7 +346,7 @@ def graded_test_files(task: SweTask, base_files: frozenset[str]) -> list[str]:
     return found
 
 
-def reset_paths(sandbox: Any, paths: Sequence[str], base_id: str) -> None:
+def reset_paths(sandbox: GradingSandbox, paths: Sequence[str], base_id: str) -> None:
     """Put `paths` back as they are at the base (removed if the base lacks them), so the test
     patch lands on exactly the files it was made against whatever the model patch did to them."""
     if not paths:
@@ -361,7 +364,7 @@ def grading_command(task: SweTask, options: str = "", test_cmd: str = "") -> str
     return " ".join([test_cmd or task.test_cmd, *([options] if options else []), *(shlex.quote(t) for t in ids)])
 
 
-def run_tests(sandbox: Any, task: SweTask, timeout_s: float) -> dict[str, Any]:
+def run_tests(sandbox: GradingSandbox, task: SweTask, timeout_s: float) -> GradingRun:
     """One run of the graded tests: {text, timed_out, exit_code, seconds, report, nonce}.
 
     The log is stdout and stderr interleaved, through a file (exec output is capped and would drop
@@ -401,7 +404,7 @@ def junit_path(task: SweTask) -> str:
     return m.group(1) if m.group(1).startswith("/") else f"{REPO_DIR}/{m.group(1)}"
 
 
-def read_report(sandbox: Any, path: str) -> dict[str, str] | None:
+def read_report(sandbox: GradingSandbox, path: str) -> dict[str, str] | None:
     """Statuses from the JUnit report at `path`; None if there is none or it is torn (a crashed run)."""
     if not path:
         return None
@@ -446,7 +449,7 @@ def base_tar(task: SweTask) -> tuple[str, bytes, frozenset[str]]:
         return _BASE_CACHE[key]
 
 
-def _creator(pool_or_backend: Any) -> Any:
+def _creator(pool_or_backend: SandboxMaker | str) -> SandboxMaker:
     """A SandboxPool or a backend (both have `create(spec)`), or a backend's name."""
     return make_backend(pool_or_backend) if isinstance(pool_or_backend, str) else pool_or_backend
 
@@ -464,7 +467,7 @@ class ModelCodeError(RuntimeError):
     """The sandbox failed while it ran the model's patch (its tests): the model's doing (the cause)."""
 
 
-def _check(res: Any, what: str) -> None:
+def _check(res: ExecResult, what: str) -> None:
     if res.exit_code != 0:
         raise GradeInfraError(f"could not {what}: {(res.stderr or res.stdout).strip()[-2000:]}")
 

@@ -66,7 +66,7 @@ import secrets
 import shlex
 import sys
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TypedDict
 
 from burstrl.envs.swe.testlog import SEVERITY, parse_test_log, status_of
 
@@ -248,7 +248,18 @@ def cross_check(log: dict[str, str], report: dict[str, str] | None, graded: Sequ
     return out, ""
 
 
-def verdict(test_cmd: str, run: dict[str, Any], report: dict[str, str] | None,
+class GradingRun(TypedDict):
+    """One run of the graded tests, as `grade.run_tests` returns it and `verdict` judges it."""
+
+    text: str  # the log: stdout and stderr interleaved (head and tail if it was long)
+    timed_out: bool
+    exit_code: int
+    seconds: float
+    report: str  # where the JUnit report was written ("" if none)
+    nonce: str  # the secret of the wrapper's end marker ("" when the command was not wrapped)
+
+
+def verdict(test_cmd: str, run: GradingRun, report: dict[str, str] | None,
             graded: Sequence[str]) -> tuple[dict[str, str], str, bool]:
     """(statuses of the graded tests, "" or why the run is tampered, whether the run finished).
 

@@ -23,9 +23,13 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import burstrl
+
+if TYPE_CHECKING:
+    from burstrl.sandbox.backends.quota import SizedDir
+    from burstrl.sandbox.images import Image
 
 # Inside the sandbox: where the package's src dir is mounted read-only, and the socket dir.
 CODE_MOUNT = "/opt/burstrl"
@@ -91,6 +95,21 @@ class LimitsReport:
     @property
     def enforced(self) -> bool:
         return "none" not in (self.cpu, self.memory, self.pids)
+
+
+@dataclass
+class SandboxState:
+    """What a backend has set up for one sandbox so far: its teardown undoes exactly this, whether
+    the start failed halfway or the sandbox is being closed. Each backend adds its own parts.
+
+    Why a dataclass and not a dict: the start and the teardown are far apart (and the teardown
+    runs on a half-made sandbox), so a misspelt key would surface only as a leaked mount."""
+
+    path: Path  # the sandbox's dir under the backend's state_dir
+    proc: subprocess.Popen[bytes] | None = None  # the entry process (bwrap, or `runc run`)
+    image: Image | None = None  # pinned in the layer cache until teardown
+    image_env: dict[str, str] = field(default_factory=dict)  # the image's `Env`, for the daemon
+    sized: list[SizedDir] = field(default_factory=list)  # /work's size-limited filesystems, oldest first
 
 
 _warned: set[str] = set()

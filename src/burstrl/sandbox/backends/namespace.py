@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from burstrl.sandbox.backends import cgroups, seccomp
+from burstrl.sandbox.backends.cgroups import CgroupSet
 from burstrl.sandbox.backends.workdir import disk_report, prepare_root, release_work
 from burstrl.sandbox.backends.base import (
     CODE_MOUNT,
@@ -37,6 +38,7 @@ from burstrl.sandbox.backends.base import (
     LimitsReport,
     Sandbox,
     SandboxSpec,
+    SandboxState,
     daemon_argv,
     kill_group,
     make_run_dir,
@@ -64,6 +66,14 @@ _ENTER = 'for f in $BURSTRL_CGROUP_PROCS; do echo $$ > "$f" || exit 125; done; e
 NOBODY = 65534
 
 
+@dataclasses.dataclass
+class NamespaceState(SandboxState):
+    """A bubblewrap sandbox's parts: its cgroups and the binds made for the sandbox uid."""
+
+    cgroups: CgroupSet | None = None
+    mounts: list[Path] = dataclasses.field(default_factory=list)  # unmounted before the dir is removed
+
+
 def default_state_dir() -> Path:
     """Short on purpose: the daemon's unix socket path must fit in 107 bytes."""
     return Path("/tmp") / f"burstrl-sbx-{os.getuid()}"
@@ -89,15 +99,15 @@ class NamespaceBackend:
         sid = secrets.token_hex(4)
         path = self.state_dir / sid
         path.mkdir(mode=0o700 if self.uid is None else 0o711)
-        state: dict[str, Any] = {"path": path, "proc": None, "cgroups": None, "image": None}
+        state = NamespaceState(path=path)
         try:
             return self._start(sid, spec, state)
         except BaseException:
             _teardown(state, self.layer_cache)
             raise
 
-    def _start(self, sid: str, spec: SandboxSpec, state: dict[str, Any]) -> Sandbox:
-        path: Path = state["path"]
+    def _start(self, sid: str, spec: SandboxSpec, state: NamespaceState) -> Sandbox:
+        path = state.path
         run, token = make_run_dir(path, token_file=False)
         code = self._reachable(src_dir(), path / "code", state)
         (path / "work").mkdir()
@@ -105,12 +115,12 @@ class NamespaceBackend:
         if self.uid is not None:
             hand_over([path / "work"], self.uid, self.gid)
         cg = cgroups.create(sid, spec)
-        state["cgroups"] = cg
+        state.cgroups = cg
         report = dataclasses.replace(_report(cg.report), disk=disk_report(state)[0])
         env = {"PATH": PATH, "BURSTRL_CGROUP_PROCS": " ".join(map(str, cg.procs_files))}
         handover, filter_fd = Handover(run, token), seccomp.write_program_fd()
         argv = ["/bin/sh", "-c", _ENTER, "sh", *self._prefix(spec, report), self.bwrap, *base,
-                *self._common_args(run, code, spec, state.get("image_env", {})), "--seccomp", str(filter_fd),
+                *self._common_args(run, code, spec, state.image_env), "--seccomp", str(filter_fd),
                 *daemon_argv(fds=handover.fds)]
         write_owner(path, cgroups=[str(d) for d in cg.dirs])
         log = path / "daemon.log"
@@ -119,7 +129,7 @@ class NamespaceBackend:
         finally:
             handover.close()  # the daemon holds them now; our copies would keep a dead daemon's socket open
             os.close(filter_fd)
-        state["proc"] = proc
+        state.proc = proc
         write_owner(path, cgroups=[str(d) for d in cg.dirs], pid=proc.pid,
                     pid_start=process_start_time(proc.pid))
         wait_ready(proc, spec.start_timeout_s, log)
@@ -133,20 +143,20 @@ class NamespaceBackend:
             prefix += ["setpriv", f"--reuid={self.uid}", f"--regid={self.gid}", "--clear-groups"]
         return prefix
 
-    def _base_args(self, spec: SandboxSpec, work: Path, state: dict[str, Any]) -> list[str]:
+    def _base_args(self, spec: SandboxSpec, work: Path, state: NamespaceState) -> list[str]:
         root = prepare_root(self, spec, work, state)
         if root is not None:
             root = self._reachable(root, work.parent / "root", state)
         return _host_base() if root is None else _image_base(root)
 
-    def _reachable(self, path: Path, mount_point: Path, state: dict[str, Any]) -> Path:
+    def _reachable(self, path: Path, mount_point: Path, state: NamespaceState) -> Path:
         """`path`, or a read-only bind of it at `mount_point` when the sandbox uid cannot walk
         down to it (a layer cache or checkout under root's 0700 home): bwrap, run as that uid,
         resolves its bind sources with that uid's rights."""
         if self.uid is None or _walkable(path, self.uid, self.gid):
             return path
         mount_point.mkdir()
-        state.setdefault("mounts", []).append(mount_point)
+        state.mounts.append(mount_point)
         for opts in (["--bind"], ["-o", "remount,bind,ro"]):
             r = subprocess.run(["mount", *opts, str(path), str(mount_point)], capture_output=True, text=True,
                                check=False)
@@ -277,7 +287,7 @@ def _report(report: LimitsReport) -> LimitsReport:
     return report
 
 
-def _close(state: dict[str, Any], client: Any, layer_cache: Any) -> None:
+def _close(state: NamespaceState, client: Any, layer_cache: Any) -> None:
     """Ask the daemon to stop (it kills its commands' groups), then make sure of it."""
     try:
         client.close()
@@ -286,17 +296,18 @@ def _close(state: dict[str, Any], client: Any, layer_cache: Any) -> None:
     _teardown(state, layer_cache)
 
 
-def _teardown(state: dict[str, Any], layer_cache: Any) -> None:
-    if state["proc"] is not None:
-        kill_group(state["proc"])
-    if state["cgroups"] is not None:
-        state["cgroups"].kill_all()
-    for mount_point in state.pop("mounts", []):  # unmounted first: rmtree must never reach the source
+def _teardown(state: NamespaceState, layer_cache: Any) -> None:
+    if state.proc is not None:
+        kill_group(state.proc)
+    if state.cgroups is not None:
+        state.cgroups.kill_all()
+    mounts, state.mounts = state.mounts, []
+    for mount_point in mounts:  # unmounted first: rmtree must never reach the source
         subprocess.run(["umount", "-l", str(mount_point)], capture_output=True, check=False)
         with contextlib.suppress(OSError):  # still mounted: its bind is read-only, rmtree fails on it
             mount_point.rmdir()
     release_work(state)
-    if state["image"] is not None:
-        layer_cache.unpin(state["image"])
-        state["image"] = None
-    remove_tree(state["path"])
+    if state.image is not None:
+        layer_cache.unpin(state.image)
+        state.image = None
+    remove_tree(state.path)

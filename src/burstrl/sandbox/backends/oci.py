@@ -25,12 +25,13 @@ import os
 import secrets
 import shutil
 import subprocess
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from burstrl.sandbox.backends import seccomp
 from burstrl.sandbox.backends.base import (CODE_MOUNT, RUN_MOUNT, SOCKET_NAME, TOKEN_NAME, Handover,
-                                           LimitsReport, Sandbox, SandboxSpec, daemon_argv, kill_group,
+                                           LimitsReport, Sandbox, SandboxSpec, SandboxState, daemon_argv, kill_group,
                                            make_run_dir, process_start_time, remove_tree, spawn, src_dir,
                                            trusted_client, wait_ready, write_owner)
 from burstrl.sandbox.backends.cgroups import CPU_PERIOD_US, _mounts, _own_paths, _under, kill_and_remove
@@ -48,6 +49,14 @@ RUNSC_FLAGS = ("--network=none", "--platform=ptrace", "--host-uds=create", "--oc
 # Moves the handed-over fds to 3 and 4 for `--preserve-fds 2` (bash: dash takes single-digit fds only).
 _MOVE_FDS = 'exec 3<&"$1" 4<&"$2"; shift 2; exec "$@"'
 FDS_INSIDE = (3, 4)
+
+
+@dataclass
+class OciState(SandboxState):
+    """An OCI sandbox's parts: the runtime's container and the cgroups it makes for it."""
+
+    cgroups: list[str] = field(default_factory=list)  # where the runtime puts them; we remove them
+    cid: str | None = None  # the container id, once `runc run` started
 
 
 class OciBackend:
@@ -70,16 +79,15 @@ class OciBackend:
         sid = secrets.token_hex(4)
         path = self.state_dir / sid
         path.mkdir(mode=0o700)
-        state: dict[str, Any] = {"path": path, "proc": None, "image": None, "cid": None,
-                                 "cgroups": cgroup_dirs(cgroup_name(self.state_dir, sid))}
+        state = OciState(path=path, cgroups=cgroup_dirs(cgroup_name(self.state_dir, sid)))
         try:
             return self._start(sid, spec, state)
         except BaseException:
             self._teardown(state)
             raise
 
-    def _start(self, sid: str, spec: SandboxSpec, state: dict[str, Any]) -> Sandbox:
-        path: Path = state["path"]
+    def _start(self, sid: str, spec: SandboxSpec, state: OciState) -> Sandbox:
+        path = state.path
         run, token = make_run_dir(path, token_file=self.gvisor)
         (path / "work").mkdir()
         base = prepare_root(self, spec, path / "work", state)
@@ -87,10 +95,10 @@ class OciBackend:
             hand_over([path / "work", *([run] if self.gvisor else [])], self.uid, self.gid)
         cid = f"burstrl-{sid}"
         config = bundle_config(path, base, spec, cgroup_name(self.state_dir, sid), self.uid, self.gid,
-                               gvisor=self.gvisor, image_env=state.get("image_env", {}))
+                               gvisor=self.gvisor, image_env=state.image_env)
         (path / "config.json").write_text(json.dumps(config, indent=1))
         delete = self._cmd("delete", "--force", cid)
-        write_owner(path, cleanup_argv=delete, cgroups=state["cgroups"])
+        write_owner(path, cleanup_argv=delete, cgroups=state.cgroups)
         log = path / "daemon.log"
         # setpriv: the runtime dies with the harness, the daemon (pid 1) with the runtime.
         argv = ["setpriv", "--pdeathsig", "KILL"]
@@ -105,8 +113,8 @@ class OciBackend:
         finally:
             if handover is not None:
                 handover.close()
-        state.update(proc=proc, cid=cid)
-        write_owner(path, cleanup_argv=delete, cgroups=state["cgroups"], pid=proc.pid,
+        state.proc, state.cid = proc, cid
+        write_owner(path, cleanup_argv=delete, cgroups=state.cgroups, pid=proc.pid,
                     pid_start=process_start_time(proc.pid))
         wait_ready(proc, spec.start_timeout_s, log)
         if self.gvisor:
@@ -119,32 +127,32 @@ class OciBackend:
     def _cmd(self, *args: str) -> list[str]:
         return [self.runtime, "--root", str(self.runtime_root), *(RUNSC_FLAGS if self.gvisor else ()), *args]
 
-    def _close(self, state: dict[str, Any], client: Any) -> None:
+    def _close(self, state: OciState, client: Any) -> None:
         try:
             client.close()
         except Exception:
             pass  # already dead; the runtime's kill and delete below are what guarantee the end
         self._teardown(state)
 
-    def _teardown(self, state: dict[str, Any]) -> None:
+    def _teardown(self, state: OciState) -> None:
         """Kill, let the runtime clean up, then remove its cgroups ourselves.
 
         Why the last step: runc's destroy retries rmdir for only ~0.3 s, and under load the
         killed processes take longer to leave their cgroups; runc then drops its state dir anyway
         and the cgroups leak (26 of 128 at 32-way here). `kill_and_remove` waits until empty.
         """
-        if state["cid"] is not None:
-            subprocess.run(self._cmd("kill", state["cid"], "KILL"), capture_output=True)
-        if state["proc"] is not None:
-            _wait_then_kill(state["proc"])
-        if state["cid"] is not None:
-            subprocess.run(self._cmd("delete", "--force", state["cid"]), capture_output=True)
-        kill_and_remove(state["cgroups"])
+        if state.cid is not None:
+            subprocess.run(self._cmd("kill", state.cid, "KILL"), capture_output=True)
+        if state.proc is not None:
+            _wait_then_kill(state.proc)
+        if state.cid is not None:
+            subprocess.run(self._cmd("delete", "--force", state.cid), capture_output=True)
+        kill_and_remove(state.cgroups)
         release_work(state)
-        if state["image"] is not None:
-            self.layer_cache.unpin(state["image"])
-            state["image"] = None
-        remove_tree(state["path"])
+        if state.image is not None:
+            self.layer_cache.unpin(state.image)
+            state.image = None
+        remove_tree(state.path)
 
 
 def _wait_then_kill(proc: subprocess.Popen[bytes], grace_s: float = 2.0) -> None:

@@ -19,8 +19,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from burstrl.sandbox.backends.base import SandboxSpec, warn_once
-from burstrl.sandbox.backends.quota import sized_dir
+from burstrl.sandbox.backends.base import SandboxSpec, SandboxState, warn_once
+from burstrl.sandbox.backends.quota import SizedDir, sized_dir
 
 
 def default_layer_cache() -> Any:
@@ -31,12 +31,12 @@ def default_layer_cache() -> Any:
     return LayerCache(root / "sandbox-layers", max_bytes=20 << 30)
 
 
-def prepare_root(backend: Any, spec: SandboxSpec, work: Path, state: dict[str, Any]) -> Path | None:
+def prepare_root(backend: Any, spec: SandboxSpec, work: Path, state: SandboxState) -> Path | None:
     """Make `work` (an empty dir) the sandbox's sized /work, seeded from the image's /work; return
     the image's merged root if it can run the daemon (has /usr/bin/python3), else None (the
-    host's system dirs). The image stays pinned in the cache (`state["image"]`) until teardown;
-    the sized dirs are in `state["sized"]` for `release_work`, the image's `Env` in
-    `state["image_env"]`."""
+    host's system dirs). The image stays pinned in the cache (`state.image`) until teardown;
+    the sized dirs are in `state.sized` for `release_work`, the image's `Env` in
+    `state.image_env`."""
     if spec.image is None:
         _sized(state, work, spec)
         return None
@@ -47,8 +47,8 @@ def prepare_root(backend: Any, spec: SandboxSpec, work: Path, state: dict[str, A
         backend.layer_cache = default_layer_cache()
     image = read_image(Path(spec.image))
     backend.layer_cache.pin(image)
-    state["image"] = image
-    state["image_env"] = dict(e.split("=", 1) for e in image.env if "=" in e)
+    state.image = image
+    state.image_env = dict(e.split("=", 1) for e in image.env if "=" in e)
     root = backend.layer_cache.rootfs(image)
     if not (root / "work").is_dir():
         _sized(state, work, spec)
@@ -59,17 +59,17 @@ def prepare_root(backend: Any, spec: SandboxSpec, work: Path, state: dict[str, A
     return root if os.path.lexists(root / "usr/bin/python3") else None
 
 
-def _sized(state: dict[str, Any], path: Path, spec: SandboxSpec) -> Any:
+def _sized(state: SandboxState, path: Path, spec: SandboxSpec) -> SizedDir:
     sized = sized_dir(path, spec.workdir_mb)
-    state.setdefault("sized", []).append(sized)
+    state.sized.append(sized)
     if sized.kind == "none":
         warn_once(f"/work has no size limit here ({sized.reason}): sandboxed code can fill this disk")
     return sized
 
 
-def disk_report(state: dict[str, Any]) -> tuple[str, tuple[str, ...]]:
+def disk_report(state: SandboxState) -> tuple[str, tuple[str, ...]]:
     """How /work's size is held ("ext4-loop", "tmpfs", "none") and why not, for `LimitsReport`."""
-    sized = state.get("sized") or []
+    sized = state.sized
     kind = sized[-1].kind if sized else "none"
     return kind, tuple(f"disk: {s.reason}" for s in sized[-1:] if s.kind == "none")
 
@@ -98,11 +98,12 @@ def overlay_work(lower: Path, work: Path, scratch: Path) -> bool:
     return False
 
 
-def release_work(state: dict[str, Any]) -> None:
+def release_work(state: SandboxState) -> None:
     """Unmount /work's overlay (if any), then its sized filesystems, newest first; the images go
     with them. Before the sandbox's dir is removed: rmtree must never walk a mounted fs."""
-    work = state["path"] / "work"
+    work = state.path / "work"
     if os.path.ismount(work):
         subprocess.run(["umount", "-l", str(work)], capture_output=True, check=False)
-    for sized in reversed(state.pop("sized", [])):
-        sized.close()
+    sized, state.sized = state.sized, []
+    for one in reversed(sized):
+        one.close()
