@@ -496,6 +496,67 @@ def sandboxd(
     raise typer.Exit(code)
 
 
+sandbox_app = typer.Typer(help="Sandbox cluster: placement policies and their simulator.", no_args_is_help=True)
+app.add_typer(sandbox_app, name="sandbox")
+
+
+@sandbox_app.command("sim")
+def sandbox_sim(
+    policies: str = typer.Option("reference,image_affinity,ours", "--policies", help="Comma-separated policies."),
+    nodes: int = typer.Option(8, "--nodes", help="Sandbox nodes (16 vCPU, 64 GiB each)."),
+    seeds: str = typer.Option("0,1,2", "--seeds", help="Comma-separated seeds (the same trace per seed)."),
+    duration: int = typer.Option(3600, "--duration", help="Simulated seconds."),
+    warmup: int = typer.Option(900, "--warmup", help="Seconds before figures count (caches fill)."),
+    concurrency: float = typer.Option(26.0, "--concurrency", help="Rollouts wanting to run, per node."),
+    sweep: str | None = typer.Option(None, "--sweep", help="LO:HI:STEP loads per node: find each policy's "
+                                     "max density at 0 evictions and 0 OOM, then compare at the reference's."),
+    codec: str = typer.Option("zstd", "--codec", help="Layer compression: zstd or gzip."),
+    pull_mbps: float = typer.Option(300.0, "--pull-mbps", help="Registry pull rate, MB/s."),
+    zstd_mbps: float = typer.Option(800.0, "--zstd-mbps", help="zstd unpack rate, MB/s of compressed input."),
+    gzip_mbps: float = typer.Option(120.0, "--gzip-mbps", help="gzip unpack rate, MB/s of compressed input."),
+    cache_gb: float = typer.Option(40.0, "--cache-gb", help="Layer cache per node, GB."),
+) -> None:
+    """Simulate sandbox placement on a cluster (1 s ticks, generated rollouts); print a JSON report."""
+    import json
+
+    from burstrl.sandbox.placement import POLICY_NAMES
+    from burstrl.sandbox.sim import SimConfig, compare, run_seeds
+
+    names = [p.strip() for p in policies.split(",") if p.strip()]
+    unknown = [p for p in names if p not in POLICY_NAMES]
+    if unknown or not names:
+        _fail(f"unknown policy {', '.join(unknown) or '(none given)'}; choose from {', '.join(POLICY_NAMES)}")
+    try:
+        seed_list = [int(x) for x in seeds.split(",") if x.strip()]
+    except ValueError:
+        _fail(f"--seeds {seeds!r}: expected comma-separated integers, e.g. 0,1,2")
+    try:
+        loads = _sweep_loads(sweep) if sweep else None
+        cfg = SimConfig(nodes=nodes, duration_s=duration, warmup_s=warmup, concurrency=concurrency, codec=codec,
+                        pull_mbps=pull_mbps, zstd_mbps=zstd_mbps, gzip_mbps=gzip_mbps, cache_gb=cache_gb)
+        cfg.validate()
+    except ValueError as exc:
+        _fail(f"{exc}")
+    if not seed_list:
+        _fail("--seeds: give at least one seed")
+    if loads is not None:
+        report = compare(cfg, {name: {} for name in names}, seed_list, loads)
+    else:
+        report = {name: run_seeds(cfg, name, {}, seed_list) for name in names}
+    typer.echo(json.dumps(report, indent=1))
+
+
+def _sweep_loads(spec: str) -> list[float]:
+    """'LO:HI:STEP' -> [LO, LO+STEP, ..., <= HI]."""
+    parts = spec.split(":")
+    if len(parts) != 3:
+        raise ValueError(f"--sweep {spec!r}: expected LO:HI:STEP, e.g. 20:40:2")
+    lo, hi, step = (float(x) for x in parts)
+    if not (0 < lo <= hi and step > 0):
+        raise ValueError(f"--sweep {spec!r}: need 0 < LO <= HI and STEP > 0")
+    return [lo + i * step for i in range(int((hi - lo) / step + 1e-9) + 1)]
+
+
 @app.command("eval", **_keys_help("EvalConfig in burstrl/config/commands.py"))
 def eval_command(
     ctx: typer.Context,
