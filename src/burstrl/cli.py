@@ -514,7 +514,7 @@ def sandbox_sim(
     pull_mbps: float = typer.Option(300.0, "--pull-mbps", help="Registry pull rate, MB/s."),
     zstd_mbps: float = typer.Option(800.0, "--zstd-mbps", help="zstd unpack rate, MB/s of compressed input."),
     gzip_mbps: float = typer.Option(120.0, "--gzip-mbps", help="gzip unpack rate, MB/s of compressed input."),
-    cache_gb: float = typer.Option(40.0, "--cache-gb", help="Layer cache per node, GB."),
+    cache_gb: float = typer.Option(70.0, "--cache-gb", help="Layer cache per node, GB."),
 ) -> None:
     """Simulate sandbox placement on a cluster (1 s ticks, generated rollouts); print a JSON report."""
     import json

@@ -239,7 +239,7 @@ class OursPolicy:
     """
 
     cache_weight: float = 1.0
-    risk_weight: float = 0.5
+    risk_weight: float = 1.0
     cpu_sigmas: float = 0.5
     mem_sigmas: float = 4.0
     min_request_ratio: float = 0.05

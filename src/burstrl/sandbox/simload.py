@@ -44,7 +44,7 @@ class WorkloadConfig:
     light_test_mem: float = 0.05
     images: int = 3000
     repos: int = 40
-    zipf: float = 0.9  # popularity skew of the images (with `images` and the cache size: image_affinity ~37%)
+    zipf: float = 0.9  # popularity skew of the images (with `images` and the sim's cache size: image_affinity ~37%)
 
 
 @dataclass
