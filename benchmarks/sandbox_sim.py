@@ -49,7 +49,7 @@ def main() -> None:
     print(json.dumps(run(cfg, seeds, loads)))
 
 
-def run(cfg: SimConfig, seeds: list[int], loads: list[float]) -> dict:
+def run(cfg: SimConfig, seeds: list[int], loads: list[float], fit_rollouts: int = 2000) -> dict:
     started = time.perf_counter()
     density = {name: max_density(cfg, name, {}, seeds, loads) for name in POLICY_NAMES}
     equal_load = float(int(density["reference"]["max_density"]))
@@ -70,7 +70,7 @@ def run(cfg: SimConfig, seeds: list[int], loads: list[float]) -> dict:
     ours, ref = policies["ours"], policies["reference"]
     return {
         "config": config_dict(cfg), "seeds": seeds, "loads": loads,
-        "workload_fit": {"measured": fit(cfg.workload, seed=seeds[0], rollouts=2000), "reference": REFERENCE},
+        "workload_fit": {"measured": fit(cfg.workload, seed=seeds[0], rollouts=fit_rollouts), "reference": REFERENCE},
         "equal_load": equal_load, "policies": policies,
         "ours_vs_reference": {
             "density": round(ours["max_density_0_evictions"] / max(1e-9, ref["max_density_0_evictions"]), 3),

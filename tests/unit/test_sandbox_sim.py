@@ -119,3 +119,18 @@ def test_cli_prints_a_json_report_and_rejects_bad_input():
                           (["--warmup", "400", "--duration", "300"], "warmup_s")):
         res = runner.invoke(app, ["sandbox", "sim", *args])
         assert res.exit_code == 2 and message in res.output, (args, res.output)
+
+
+def test_benchmark_reports_every_policy_against_the_reference():
+    from dataclasses import replace
+
+    from tests.benchmark_modules import load_benchmark
+
+    bench = load_benchmark("sandbox_sim")
+    out = bench.run(replace(SimConfig(), nodes=2, duration_s=300, warmup_s=100), [0], [20.0, 34.0], fit_rollouts=50)
+    assert set(out["policies"]) == {"reference", "image_affinity", "ours"}
+    for figures in out["policies"].values():
+        assert figures["max_density_0_evictions"] > 0
+        assert {"image_hit_rate", "start_p50_s", "start_p99_s"} <= set(figures["at_equal_load"])
+    assert set(out["goals"]) == {"density_ge_30", "hit_rate_ge_0.50"}
+    assert out["workload_fit"]["reference"]["density"] == 26
