@@ -74,8 +74,8 @@ def run(cfg: SimConfig, seeds: list[int], loads: list[float], fit_rollouts: int 
         "equal_load": equal_load, "policies": policies,
         "ours_vs_reference": {
             "density": round(ours["max_density_0_evictions"] / max(1e-9, ref["max_density_0_evictions"]), 3),
-            "image_hit_rate_vs_image_affinity": round(
-                ours["at_equal_load"]["image_hit_rate"] / max(1e-9, policies["image_affinity"]["at_equal_load"]["image_hit_rate"]), 3),
+            "image_hit_rate_vs_image_affinity": round(ours["at_equal_load"]["image_hit_rate"] / max(
+                1e-9, policies["image_affinity"]["at_equal_load"]["image_hit_rate"]), 3),
         },
         "goals": {
             "density_ge_30": ours["max_density_0_evictions"] >= GOALS["density"],

@@ -81,7 +81,8 @@ class SimConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not 0 <= self.warmup_s < self.duration_s:
             raise ValueError(f"warmup_s must be in [0, duration_s), got {self.warmup_s}")
-        if self.node_cpu <= self.reserved_cpu or self.node_mem_gib <= self.reserved_mem_gib + self.eviction_threshold_gib:
+        kept_mem = self.reserved_mem_gib + self.eviction_threshold_gib
+        if self.node_cpu <= self.reserved_cpu or self.node_mem_gib <= kept_mem:
             raise ValueError("reserved resources leave nothing allocatable")
 
 
@@ -137,7 +138,8 @@ class FleetPrior:
 
     def __init__(self, start: Prior, weight: float = 3600.0) -> None:
         self.n = weight
-        self.sums = {k: [u.mean * weight, (u.var + u.mean ** 2) * weight] for k, u in (("cpu", start.cpu), ("mem", start.mem))}
+        self.sums = {k: [u.mean * weight, (u.var + u.mean ** 2) * weight]
+                     for k, u in (("cpu", start.cpu), ("mem", start.mem))}
         self.hist = {k: np.zeros(BINS) for k in ("cpu", "mem")}
         self.start = start
 
@@ -253,10 +255,13 @@ class Simulator:
             self.viewed_at = t
         failures = 0
         for rid in list(self.pending):
-            rollout = self.drawn.get(rid) or self.drawn.setdefault(rid, make_rollout(self.cfg.workload, self.cfg.seed, rid))
+            if rid not in self.drawn:
+                self.drawn[rid] = make_rollout(self.cfg.workload, self.cfg.seed, rid)
+            rollout = self.drawn[rid]
+            if rollout.image not in self.image_layers:
+                self.image_layers[rollout.image] = image_layers(self.cfg.workload, rollout.image)
+            layers = self.image_layers[rollout.image]
             limits = Resources(rollout.cpu_limit, rollout.mem_limit, self.cfg.pids_per_sandbox)
-            layers = self.image_layers.get(rollout.image) or self.image_layers.setdefault(
-                rollout.image, image_layers(self.cfg.workload, rollout.image))
             request = SandboxRequest(f"r{rid}", layers, limits, prior)
             node = self.policy.choose(self.views, request)
             if node is None:
@@ -278,8 +283,9 @@ class Simulator:
         slots = np.nonzero(self.active & (self.node == i))[0]
         cpu = self._usage(slots, self.cpu_lim, self.cpu_s, self.cpu_q, self.hist_cpu, prior.cpu)
         mem = self._usage(slots, self.mem_lim, self.mem_s, self.mem_q, self.hist_mem, prior.mem)
-        sandboxes = [PlacedSandbox(self.names[s], Resources(self.cpu_req[s], self.mem_req[s], self.cfg.pids_per_sandbox),
-                                   Resources(self.cpu_lim[s], self.mem_lim[s], self.cfg.pids_per_sandbox), c, m)
+        pids = self.cfg.pids_per_sandbox
+        sandboxes = [PlacedSandbox(self.names[s], Resources(self.cpu_req[s], self.mem_req[s], pids),
+                                   Resources(self.cpu_lim[s], self.mem_lim[s], pids), c, m)
                      for s, c, m in zip(slots, cpu, mem)]
         return NodeState(str(i), self.alloc, sandboxes, self.caches[i].report())
 

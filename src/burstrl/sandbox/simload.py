@@ -81,7 +81,8 @@ def _phases(cfg: WorkloadConfig, rng: np.random.Generator, length: int,
     test_cpu = np.where(parallel, 1.0, min(1.0, 1.0 / cpu_limit))
     cmd_cpu = np.clip(rng.normal(cfg.cmd_cpu, 0.15, turns), 0.05, 1.0)
     heavy = rng.random(turns) < cfg.heavy_test_share
-    test_mem = np.where(heavy, rng.uniform(0.75, cfg.heavy_test_mem_max, turns), rng.exponential(cfg.light_test_mem, turns))
+    heavy_mem = rng.uniform(0.75, cfg.heavy_test_mem_max, turns)
+    test_mem = np.where(heavy, heavy_mem, rng.exponential(cfg.light_test_mem, turns))
     base_mem = min(0.3, rng.lognormal(np.log(cfg.mem_base_median), 0.5))
     lens = np.stack([gen, work], axis=1).ravel()
     kind = np.stack([np.full(turns, GEN), np.where(is_test, TEST, CMD)], axis=1).ravel()
