@@ -418,6 +418,7 @@ class Simulator:
             "density": round(m["occupancy"] / ticks / self.n, 3),
             "evictions": m["evictions"], "oom_limit": m["oom_limit"], "oom_node": m["oom_node"],
             "starts": m["starts"], "finished": m["finished"],
+            "rollouts_per_node_h": round(m["finished"] / self.n / (ticks / 3600), 2),
             "image_hit_rate": round(m["hits"] / max(1, m["starts"]), 4),
             "hit_rate_bound": round(1 - m["first_seen"] / max(1, m["starts"]), 4),
             "byte_hit_rate": round(1 - m["bytes_pulled"] / max(1, m["bytes_wanted"]), 4),
@@ -467,7 +468,8 @@ def max_density(cfg: SimConfig, policy: str, options: dict, seeds: list[int], lo
         sweep.append({k: point[k] for k in ("concurrency", "density", "clean", "evictions", "ooms", "slowdown_mean")})
         if not point["clean"]:
             break
-        best = point
+        if best is None or point["density"] > best["density"]:
+            best = point
         if previous is not None and point["density"] < previous + 0.25:
             break
         previous = point["density"]
