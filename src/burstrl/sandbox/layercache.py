@@ -288,6 +288,11 @@ class LayerCache:
                    roots=len(list((self.root / "rootfs").glob("*.json"))), max_bytes=self.max_bytes)
         return out
 
+    def layers(self) -> dict[str, int]:
+        """Layer digest -> unpacked bytes of every layer on disk now: what a node agent reports
+        to placement (which scores a node by the image layers it already holds)."""
+        return {m["digest"]: int(m["bytes"]) for m in self._layer_metas().values()}
+
     # -- layers
 
     def layer_dir(self, desc: Descriptor) -> Path:

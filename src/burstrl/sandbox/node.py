@@ -1,0 +1,356 @@
+"""`burstrl sandbox node`: the agent on one sandbox node (issue 18).
+
+It creates and closes the node's sandboxes with its backend (through a `SandboxPool`), owns the
+node's layer cache, and reports what it holds in the shape placement reads (`node_client.node_state`
+turns the report into a `placement.NodeState`). HTTP, bearer token (`--token-file` or env
+BURSTRL_NODE_TOKEN): `GET /v1/node`, `POST /v1/sandboxes`, `DELETE /v1/sandboxes/{id}`; `GET /healthz`
+needs no token.
+
+Why each sandbox gets a TCP port of its own on the node: a rollout's commands must not pass through
+a central process, and a sandbox daemon listens on a unix socket only the node can reach. The agent
+forwards the port to that socket (checking the listener's pid and uid, as `SandboxClient` does) and
+the harness speaks to the daemon with the sandbox's token, as it does locally; a harness on the
+same host may use the socket itself (the answer carries both).
+
+Why stdlib `http.server`: the agent's calls are few and block for a sandbox start (seconds), so a
+thread per request is the natural shape, and the agent stays free of the replica's async stack.
+
+Ownership: the agent is the owner process of every sandbox it makes (bwrap dies with it); on
+SIGTERM/SIGINT it closes them all; at start it sweeps what a killed predecessor left in its
+state dir.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+from burstrl.protocol.http import bearer_matches, error_body
+from burstrl.protocol.process import print_ready
+from burstrl.sandbox.backends import make_backend
+from burstrl.sandbox.backends.base import Sandbox, SandboxSpec, read_owner
+from burstrl.sandbox.forward import Forwarder
+from burstrl.sandbox.nodeusage import Allocatable, ProcTable, Reading, meminfo, node_allocatable, read_sandbox
+from burstrl.sandbox.pool import SandboxPool, sweep_stale
+
+MAX_BODY = 1 << 20
+SPEC_FIELDS = {"image": str, "cpu_limit": float, "memory_limit_mb": int, "cpu_request": float,
+               "memory_request_mb": int, "pids_limit": int, "workdir_mb": int, "env": dict,
+               "start_timeout_s": float}
+WINDOW = 300  # samples of usage kept per sandbox (5 min at the default 1 s interval)
+
+
+class BadRequest(ValueError):
+    """A client error: answered with `status` and the message, never raised past the handler."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def parse_spec(body: Any) -> SandboxSpec:
+    """A `SandboxSpec` from a request body, or BadRequest(400) naming the first wrong field."""
+    if not isinstance(body, dict):
+        raise BadRequest(400, "body must be a JSON object of SandboxSpec fields")
+    unknown = sorted(set(body) - set(SPEC_FIELDS))
+    if unknown:
+        raise BadRequest(400, f"unknown field {unknown[0]!r}; known: {', '.join(sorted(SPEC_FIELDS))}")
+    fields: dict[str, Any] = {}
+    for name, value in body.items():
+        kind = SPEC_FIELDS[name]
+        if value is None and name in ("image", "cpu_request", "memory_request_mb"):
+            continue
+        if kind in (int, float):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
+                raise BadRequest(400, f"{name} must be a {'whole ' if kind is int else ''}number, got {value!r}")
+            if not 0 < value < 1e12:
+                raise BadRequest(400, f"{name} must be positive, got {value!r}")
+            fields[name] = kind(value)
+        elif kind is dict:
+            if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) and "\0" not in k + v
+                                                      for k, v in value.items()):
+                raise BadRequest(400, f"{name} must be an object of strings")
+            fields[name] = value
+        else:
+            if not isinstance(value, str) or not value or "\0" in value:
+                raise BadRequest(400, f"{name} must be a non-empty string")
+            if not Path(value, "index.json").is_file():
+                raise BadRequest(400, f"image {value!r} is not an OCI layout on this node (no index.json)")
+            fields[name] = Path(value)
+    spec = SandboxSpec(**fields)
+    if spec.cpu_request > spec.cpu_limit or spec.memory_request_mb > spec.memory_limit_mb:
+        raise BadRequest(400, "a request must not be over its limit")
+    return spec
+
+
+@dataclass
+class Held:
+    """One sandbox of this node: its spec, forwarder, cgroup dirs, entry pid and usage samples."""
+
+    sandbox: Sandbox
+    spec: SandboxSpec
+    forward: Forwarder
+    cgroups: list[str]
+    pid: int | None
+    created: float = field(default_factory=time.time)
+    cpu: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))  # vCPU over each interval
+    mem: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))  # bytes
+    last: Reading | None = None
+    last_t: float = 0.0
+
+
+def usage_of(samples: deque[float]) -> dict[str, float]:
+    """Mean, variance and 90th percentile, as `placement.Usage.of` computes them (no import: the
+    report is plain JSON)."""
+    xs = sorted(samples)
+    if not xs:
+        return {"mean": 0.0, "var": 0.0, "high": 0.0, "samples": 0}
+    mean = sum(xs) / len(xs)
+    return {"mean": mean, "var": sum((x - mean) ** 2 for x in xs) / len(xs),
+            "high": xs[min(len(xs) - 1, int(len(xs) * 0.9))], "samples": len(xs)}
+
+
+class NodeAgent:
+    """The node's sandboxes, layer cache and counters; thread-safe; `close()` closes every sandbox."""
+
+    def __init__(self, name: str, backend: str, state_dir: Path, layer_cache: Any, host: str,
+                 allocatable: Allocatable, max_sandboxes: int | None = None, sample_s: float = 1.0) -> None:
+        self.name, self.host, self.allocatable, self.sample_s = name, host, allocatable, sample_s
+        self.state_dir = Path(state_dir)
+        self.swept = sweep_stale(self.state_dir, min_age_s=0.0) if self.state_dir.is_dir() else []
+        self.layer_cache = layer_cache
+        self.pool = SandboxPool(make_backend(backend, state_dir=self.state_dir, layer_cache=layer_cache),
+                                max_concurrent=max_sandboxes)
+        self.held: dict[str, Held] = {}
+        self.counts = {"created": 0, "closed": 0, "create_failures": 0, "refused": 0, "evictions": 0,
+                       "oom_kills_closed": 0, "sample_errors": 0, "server_errors": 0}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._sampler = threading.Thread(target=self._sample_loop, name="node-sampler", daemon=True)
+        self._sampler.start()
+
+    # -- sandboxes
+
+    def create(self, spec: SandboxSpec) -> dict[str, Any]:
+        """Start a sandbox if its requests fit in what is left of allocatable; return its address."""
+        with self._lock:
+            req_cpu = sum(h.spec.cpu_request for h in self.held.values()) + spec.cpu_request
+            req_mem = sum(h.spec.memory_request_mb for h in self.held.values()) + spec.memory_request_mb
+            if req_cpu > self.allocatable.cpu + 1e-9 or req_mem << 20 > self.allocatable.mem:
+                self.counts["refused"] += 1
+                raise BadRequest(409, f"requests would pass allocatable ({req_cpu:g} of {self.allocatable.cpu:g} "
+                                      f"vCPU, {req_mem} of {self.allocatable.mem >> 20} MiB)")
+        try:
+            sandbox = self.pool.create(spec, timeout=0)
+        except TimeoutError as exc:
+            self.counts["refused"] += 1
+            raise BadRequest(429, str(exc)) from None
+        except Exception:
+            self.counts["create_failures"] += 1
+            raise
+        owner = read_owner(sandbox.path) or {}
+        client = sandbox.client
+        forward = Forwarder(self.host, client.socket_path, client.expected_pid, client.expected_uid)
+        held = Held(sandbox, spec, forward, [str(d) for d in owner.get("cgroups") or []], owner.get("pid"))
+        with self._lock:
+            self.held[sandbox.id] = held
+            self.counts["created"] += 1
+        return self.address(held)
+
+    def address(self, held: Held) -> dict[str, Any]:
+        c = held.sandbox.client
+        return {"id": held.sandbox.id, "url": held.forward.url, "token": c.token, "socket": c.socket_path,
+                "daemon_pid": c.expected_pid, "daemon_uid": c.expected_uid,
+                "limits": {"cpu": held.sandbox.limits.cpu, "memory": held.sandbox.limits.memory,
+                           "pids": held.sandbox.limits.pids, "disk": held.sandbox.limits.disk}}
+
+    def delete(self, sid: str) -> None:
+        with self._lock:
+            held = self.held.pop(sid, None)
+        if held is None:
+            raise BadRequest(404, f"no sandbox {sid!r} on node {self.name}")
+        self._close(held)
+
+    def _close(self, held: Held) -> None:
+        held.forward.close()
+        if held.last is not None:
+            with self._lock:
+                self.counts["oom_kills_closed"] += held.last.oom_kills
+        held.sandbox.close()
+        with self._lock:
+            self.counts["closed"] += 1
+
+    def close(self) -> None:
+        """Close every sandbox this agent owns, then stop sampling."""
+        self._stop.set()
+        with self._lock:
+            held, self.held = list(self.held.values()), {}
+        for h in held:
+            self._close(h)
+        self.pool.close_all()
+
+    # -- usage
+
+    def _sample_loop(self) -> None:
+        while not self._stop.wait(self.sample_s):
+            self.sample()
+
+    def sample(self) -> None:
+        """One reading of every sandbox: CPU as vCPU over the interval since the last reading."""
+        procs = ProcTable()
+        with self._lock:
+            held = list(self.held.values())
+        for h in held:
+            try:
+                r = read_sandbox(h.cgroups, h.pid, procs)
+            except OSError:  # the sandbox closed under us; counted, the next tick skips it
+                self.counts["sample_errors"] += 1
+                continue
+            now = time.monotonic()
+            if h.last is not None and now > h.last_t:
+                h.cpu.append(max(0.0, r.cpu_seconds - h.last.cpu_seconds) / (now - h.last_t))
+            h.mem.append(float(r.mem_bytes))
+            h.last, h.last_t = r, now
+
+    def report(self) -> dict[str, Any]:
+        """The node as placement sees it (see `node_client.node_state`), plus counters and sources."""
+        with self._lock:
+            held = list(self.held.values())
+            counts = dict(self.counts)
+        sandboxes = []
+        for h in held:
+            s = h.spec
+            sandboxes.append({
+                **self.address(h), "token": None, "created": h.created,
+                "requests": {"cpu": s.cpu_request, "mem": s.memory_request_mb << 20, "pids": s.pids_limit},
+                "limits_requested": {"cpu": s.cpu_limit, "mem": s.memory_limit_mb << 20, "pids": s.pids_limit},
+                "usage": {"cpu": usage_of(h.cpu), "mem": usage_of(h.mem),
+                          "cpu_source": h.last.cpu_source if h.last else "none",
+                          "mem_source": h.last.mem_source if h.last else "none",
+                          "oom_kills": h.last.oom_kills if h.last else 0}})
+        oom_live = sum(x["usage"]["oom_kills"] for x in sandboxes)
+        layers = self.layer_cache.layers() if self.layer_cache is not None else {}
+        a = self.allocatable
+        return {
+            "name": self.name, "backend": self.pool.backend.name, "time": time.time(),
+            "allocatable": {"cpu": a.cpu, "mem": a.mem, "pids": a.pids},
+            "mem_available": meminfo().get("MemAvailable", 0),
+            "requested": {k: sum(x["requests"][k] for x in sandboxes) for k in ("cpu", "mem", "pids")},
+            "limited": {k: sum(x["limits_requested"][k] for x in sandboxes) for k in ("cpu", "mem", "pids")},
+            "sandboxes": sandboxes,
+            "layers": layers, "layer_bytes": sum(layers.values()),
+            "layer_cache": self.layer_cache.stats() if self.layer_cache is not None else None,
+            "counts": {**counts, "oom_kills": counts["oom_kills_closed"] + oom_live},
+            "notes": ["evictions: the agent evicts nothing yet (placement keeps requests and predicted peaks "
+                      "under allocatable); the counter is there for when it does"],
+            "swept_at_start": self.swept,
+        }
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: Any) -> None:  # stderr per request is noise
+        pass
+
+    def do_GET(self) -> None:
+        self._serve("GET")
+
+    def do_POST(self) -> None:
+        self._serve("POST")
+
+    def do_DELETE(self) -> None:
+        self._serve("DELETE")
+
+    def _serve(self, method: str) -> None:
+        try:
+            status, body = 200, self._route(method)
+        except BadRequest as exc:
+            status, body = exc.status, error_body(exc.status, str(exc))
+        except Exception as exc:  # a backend failure is the node's fault: a 500 with its message, counted
+            self.server.agent.counts["server_errors"] += 1
+            status, body = 500, error_body(500, f"{type(exc).__name__}: {exc}", "server_error")
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _body(self) -> Any:
+        length = self.headers.get("Content-Length")
+        if length is None or not length.isdigit():
+            raise BadRequest(411, "Content-Length required")
+        if int(length) > MAX_BODY:
+            self.close_connection = True
+            raise BadRequest(413, f"body over {MAX_BODY} bytes")
+        raw = self.rfile.read(int(length))
+        try:
+            return json.loads(raw) if raw else {}
+        except ValueError as exc:
+            raise BadRequest(400, f"body is not valid JSON: {exc}") from None
+
+    def _route(self, method: str) -> Any:
+        agent = self.server.agent
+        path = self.path.split("?", 1)[0]
+        if path == "/healthz" and method == "GET":
+            return {"status": "ok", "name": agent.name, "sandboxes": len(agent.held)}
+        if not bearer_matches({k.lower(): v for k, v in self.headers.items()}, self.server.token):
+            if method == "POST":
+                self.close_connection = True  # the unread body must not be taken for the next request
+            raise BadRequest(401, "missing or wrong bearer token")
+        if path == "/v1/node" and method == "GET":
+            return agent.report()
+        if path == "/v1/sandboxes" and method == "POST":
+            return agent.create(parse_spec(self._body()))
+        if path.startswith("/v1/sandboxes/") and method == "DELETE":
+            agent.delete(path.removeprefix("/v1/sandboxes/"))
+            return {"deleted": path.removeprefix("/v1/sandboxes/")}
+        if path in ("/healthz", "/v1/node", "/v1/sandboxes") or path.startswith("/v1/sandboxes/"):
+            raise BadRequest(405, f"{method} not allowed on {path}")
+        raise BadRequest(404, f"no route {path}")
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, addr: tuple[str, int], agent: NodeAgent, token: str) -> None:
+        super().__init__(addr, _Handler)
+        self.agent, self.token = agent, token
+
+
+def read_token(token_file: str | None) -> str:
+    """The agent's bearer token: the file's first line, else env BURSTRL_NODE_TOKEN (never argv)."""
+    token = Path(token_file).read_text().strip() if token_file else os.environ.get("BURSTRL_NODE_TOKEN", "")
+    if not token:
+        raise ValueError("no node token: give --token-file or set BURSTRL_NODE_TOKEN")
+    return token
+
+
+def serve(agent: NodeAgent, host: str, port: int, token: str) -> None:
+    """Serve until SIGTERM/SIGINT, then close every sandbox (the agent owns them)."""
+    server = _Server((host, port), agent, token)
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        stop.set()
+        threading.Thread(target=server.shutdown, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    h, p = server.server_address[:2]
+    print_ready(f"http://{h if ':' not in str(h) else f'[{h}]'}:{p}")
+    try:
+        server.serve_forever()
+    finally:
+        server.server_close()
+        agent.close()

@@ -1,0 +1,101 @@
+"""The harness's and the scheduler's side of a node agent (`sandbox/node.py`): create and delete
+sandboxes, read the node report, turn it into a `placement.NodeState`, and talk to a node-made
+sandbox's daemon directly.
+
+Standard library only, like `client.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from typing import Any
+
+from burstrl.sandbox.client import SandboxClient
+from burstrl.sandbox.placement import NodeState, PlacedSandbox, Resources, Usage
+
+
+class NodeError(Exception):
+    """A call the agent refused (4xx) or failed (5xx); `status` 503 when it could not be reached."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"{status}: {message}")
+        self.status, self.message = status, message
+
+
+@dataclass(frozen=True)
+class SandboxAddress:
+    """Where a node-made sandbox's daemon answers: a TCP URL on the node, and on the node's own
+    host also its unix socket (with the daemon's pid and uid, checked on each connection)."""
+
+    id: str
+    url: str
+    token: str
+    socket: str | None = None
+    daemon_pid: int | None = None
+    daemon_uid: int | None = None
+
+    def client(self, local: bool = False, timeout: float = 30.0) -> SandboxClient:
+        """A daemon client: over the node's TCP port, or with `local` over the unix socket."""
+        if local and self.socket:
+            return SandboxClient(socket_path=self.socket, token=self.token, timeout=timeout,
+                                 expected_pid=self.daemon_pid, expected_uid=self.daemon_uid)
+        return SandboxClient(url=self.url, token=self.token, timeout=timeout)
+
+
+class NodeClient:
+    """Blocking calls to one node agent with its bearer token."""
+
+    def __init__(self, url: str, token: str, timeout: float = 60.0) -> None:
+        self.url, self.token, self.timeout = url.rstrip("/"), token, timeout
+
+    def _call(self, method: str, path: str, body: Any = None) -> Any:
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(self.url + path, data=data, method=method,
+                                     headers={"Authorization": f"Bearer {self.token}",
+                                              "Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                return json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            raw = exc.read()
+            try:
+                message = json.loads(raw)["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                message = raw[:200].decode("utf-8", "replace")
+            raise NodeError(exc.code, message) from None
+        except (urllib.error.URLError, OSError) as exc:
+            raise NodeError(503, f"node agent {self.url} unreachable: {exc}") from None
+
+    def health(self) -> dict[str, Any]:
+        return self._call("GET", "/healthz")
+
+    def report(self) -> dict[str, Any]:
+        return self._call("GET", "/v1/node")
+
+    def create(self, **spec: Any) -> SandboxAddress:
+        """Start a sandbox on the node; `spec`: `SandboxSpec` fields (`image` a layout path on the node)."""
+        a = self._call("POST", "/v1/sandboxes", spec)
+        return SandboxAddress(a["id"], a["url"], a["token"], a.get("socket"), a.get("daemon_pid"), a.get("daemon_uid"))
+
+    def delete(self, sid: str) -> None:
+        self._call("DELETE", f"/v1/sandboxes/{sid}")
+
+
+def _res(d: dict[str, Any]) -> Resources:
+    return Resources(float(d["cpu"]), float(d["mem"]), int(d["pids"]))
+
+
+def _usage(d: dict[str, Any]) -> Usage:
+    return Usage(float(d["mean"]), float(d["var"]), float(d["high"]))
+
+
+def node_state(report: dict[str, Any]) -> NodeState:
+    """The `placement.NodeState` of a `GET /v1/node` report: what the live scheduler scores."""
+    sandboxes = [PlacedSandbox(name=s["id"], requests=_res(s["requests"]), limits=_res(s["limits_requested"]),
+                               cpu=_usage(s["usage"]["cpu"]), mem=_usage(s["usage"]["mem"]))
+                 for s in report["sandboxes"]]
+    return NodeState(name=report["name"], allocatable=_res(report["allocatable"]), sandboxes=sandboxes,
+                     layers={k: int(v) for k, v in report["layers"].items()})
