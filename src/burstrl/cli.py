@@ -546,6 +546,43 @@ def sandbox_sim(
     typer.echo(json.dumps(report, indent=1))
 
 
+@sandbox_app.command("node")
+def sandbox_node(
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to serve on; sandboxes' ports bind here too."),
+    port: int = typer.Option(0, "--port", help="Port (0 = any free port; the ready line says which)."),
+    backend: str = typer.Option("auto", "--backend", help="namespace, oci, runsc or auto."),
+    state_dir: Path | None = typer.Option(None, "--state-dir", help="Sandbox dirs (short: socket paths <= 107 bytes)."),
+    layer_cache: Path | None = typer.Option(None, "--layer-cache", help="The node's layer cache dir."),
+    cache_gb: float = typer.Option(20.0, "--cache-gb", help="Layer cache size, GB."),
+    name: str | None = typer.Option(None, "--name", help="Node name in reports (default: the hostname)."),
+    token_file: str | None = typer.Option(None, "--token-file", help="Bearer token file (else env BURSTRL_NODE_TOKEN)."),
+    cpus: float | None = typer.Option(None, "--cpus", help="Allocatable vCPU (default: the CPUs this process may use)."),
+    memory_mb: int | None = typer.Option(None, "--memory-mb", help="Allocatable memory (default: MemTotal)."),
+    max_sandboxes: int | None = typer.Option(None, "--max-sandboxes", help="At most this many at once."),
+    sample_s: float = typer.Option(1.0, "--sample-s", help="Seconds between usage samples."),
+) -> None:
+    """Run the agent of one sandbox node: create/close sandboxes, report usage and cached layers (HTTP)."""
+    import os
+    import socket
+
+    from burstrl.sandbox.layercache import LayerCache
+    from burstrl.sandbox.node import NodeAgent, read_token, serve
+    from burstrl.sandbox.nodeusage import node_allocatable
+
+    try:
+        token = read_token(token_file)
+    except (ValueError, OSError) as exc:
+        _fail(str(exc))
+    if cpus is not None and cpus <= 0 or memory_mb is not None and memory_mb <= 0 or sample_s <= 0:
+        _fail("--cpus, --memory-mb and --sample-s must be positive")
+    cache_root = layer_cache or Path(os.environ.get("BURSTRL_CACHE") or Path.home() / ".cache" / "burstrl") / "sandbox-layers"
+    cache = LayerCache(cache_root, max_bytes=int(cache_gb * 1e9))
+    alloc = node_allocatable(cpus, memory_mb << 20 if memory_mb else None)
+    agent = NodeAgent(name or socket.gethostname(), backend, state_dir or Path("/tmp") / f"burstrl-node-{os.getuid()}",
+                      cache, host, alloc, max_sandboxes, sample_s)
+    serve(agent, host, port, token)
+
+
 def _sweep_loads(spec: str) -> list[float]:
     """'LO:HI:STEP' -> [LO, LO+STEP, ..., <= HI]."""
     parts = spec.split(":")
