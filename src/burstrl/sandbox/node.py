@@ -22,6 +22,7 @@ state dir.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -39,6 +40,7 @@ from burstrl.sandbox.backends import make_backend
 from burstrl.sandbox.backends.base import Sandbox, SandboxSpec, read_owner
 from burstrl.sandbox.forward import Forwarder
 from burstrl.sandbox.nodeusage import Allocatable, ProcTable, Reading, meminfo, node_allocatable, read_sandbox
+from burstrl.sandbox.placement import Usage
 from burstrl.sandbox.pool import SandboxPool, sweep_stale
 
 MAX_BODY = 1 << 20
@@ -108,14 +110,8 @@ class Held:
 
 
 def usage_of(samples: deque[float]) -> dict[str, float]:
-    """Mean, variance and 90th percentile, as `placement.Usage.of` computes them (no import: the
-    report is plain JSON)."""
-    xs = sorted(samples)
-    if not xs:
-        return {"mean": 0.0, "var": 0.0, "high": 0.0, "samples": 0}
-    mean = sum(xs) / len(xs)
-    return {"mean": mean, "var": sum((x - mean) ** 2 for x in xs) / len(xs),
-            "high": xs[min(len(xs) - 1, int(len(xs) * 0.9))], "samples": len(xs)}
+    """Mean, variance and 90th percentile (`placement.Usage.of`, the predictor's input) as JSON."""
+    return {**dataclasses.asdict(Usage.of(list(samples))), "samples": len(samples)}
 
 
 class NodeAgent:
@@ -130,6 +126,7 @@ class NodeAgent:
         self.pool = SandboxPool(make_backend(backend, state_dir=self.state_dir, layer_cache=layer_cache),
                                 max_concurrent=max_sandboxes)
         self.held: dict[str, Held] = {}
+        self._starting: list[SandboxSpec] = []  # admitted, not yet running: they count against allocatable
         self.counts = {"created": 0, "closed": 0, "create_failures": 0, "refused": 0, "evictions": 0,
                        "oom_kills_closed": 0, "sample_errors": 0, "server_errors": 0}
         self._lock = threading.Lock()
@@ -142,20 +139,19 @@ class NodeAgent:
     def create(self, spec: SandboxSpec) -> dict[str, Any]:
         """Start a sandbox if its requests fit in what is left of allocatable; return its address."""
         with self._lock:
-            req_cpu = sum(h.spec.cpu_request for h in self.held.values()) + spec.cpu_request
-            req_mem = sum(h.spec.memory_request_mb for h in self.held.values()) + spec.memory_request_mb
+            specs = [h.spec for h in self.held.values()] + self._starting + [spec]
+            req_cpu = sum(s.cpu_request for s in specs)
+            req_mem = sum(s.memory_request_mb for s in specs)
             if req_cpu > self.allocatable.cpu + 1e-9 or req_mem << 20 > self.allocatable.mem:
                 self.counts["refused"] += 1
                 raise BadRequest(409, f"requests would pass allocatable ({req_cpu:g} of {self.allocatable.cpu:g} "
                                       f"vCPU, {req_mem} of {self.allocatable.mem >> 20} MiB)")
+            self._starting.append(spec)
         try:
-            sandbox = self.pool.create(spec, timeout=0)
-        except TimeoutError as exc:
-            self.counts["refused"] += 1
-            raise BadRequest(429, str(exc)) from None
-        except Exception:
-            self.counts["create_failures"] += 1
-            raise
+            sandbox = self._start(spec)
+        finally:
+            with self._lock:
+                self._starting.remove(spec)
         owner = read_owner(sandbox.path) or {}
         client = sandbox.client
         forward = Forwarder(self.host, client.socket_path, client.expected_pid, client.expected_uid)
@@ -164,6 +160,18 @@ class NodeAgent:
             self.held[sandbox.id] = held
             self.counts["created"] += 1
         return self.address(held)
+
+    def _start(self, spec: SandboxSpec) -> Sandbox:
+        try:
+            return self.pool.create(spec, timeout=0)
+        except TimeoutError as exc:
+            with self._lock:
+                self.counts["refused"] += 1
+            raise BadRequest(429, str(exc)) from None
+        except Exception:
+            with self._lock:
+                self.counts["create_failures"] += 1
+            raise
 
     def address(self, held: Held) -> dict[str, Any]:
         c = held.sandbox.client
@@ -212,7 +220,8 @@ class NodeAgent:
             try:
                 r = read_sandbox(h.cgroups, h.pid, procs)
             except OSError:  # the sandbox closed under us; counted, the next tick skips it
-                self.counts["sample_errors"] += 1
+                with self._lock:
+                    self.counts["sample_errors"] += 1
                 continue
             now = time.monotonic()
             if h.last is not None and now > h.last_t:
@@ -235,7 +244,8 @@ class NodeAgent:
                 "usage": {"cpu": usage_of(h.cpu), "mem": usage_of(h.mem),
                           "cpu_source": h.last.cpu_source if h.last else "none",
                           "mem_source": h.last.mem_source if h.last else "none",
-                          "oom_kills": h.last.oom_kills if h.last else 0}})
+                          "oom_kills": h.last.oom_kills if h.last else 0},
+                "forward_refused": h.forward.refused})
         oom_live = sum(x["usage"]["oom_kills"] for x in sandboxes)
         layers = self.layer_cache.layers() if self.layer_cache is not None else {}
         a = self.allocatable

@@ -1,0 +1,53 @@
+"""The node agent's pure parts: spec validation, usage readings from cgroup files, the report's NodeState."""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from pathlib import Path
+
+import pytest
+
+from burstrl.sandbox.node import BadRequest, parse_spec, usage_of
+from burstrl.sandbox.node_client import node_state
+from burstrl.sandbox.nodeusage import ProcTable, node_allocatable, read_sandbox
+
+
+@pytest.mark.parametrize("body", [None, [], "x", {"bogus": 1}, {"cpu_limit": 0}, {"cpu_limit": "1"},
+                                  {"pids_limit": True}, {"memory_limit_mb": 2.5}, {"env": {"A": 1}},
+                                  {"env": ["A"]}, {"image": ""}, {"image": "/no/such/layout"},
+                                  {"cpu_limit": 1, "cpu_request": 1.5}, {"cpu_limit": float("inf")}])
+def test_bad_specs_are_400(body: object) -> None:
+    with pytest.raises(BadRequest) as err:
+        parse_spec(body)
+    assert err.value.status == 400 and str(err.value)
+
+
+def test_spec_defaults_and_fields() -> None:
+    spec = parse_spec({"cpu_limit": 2, "memory_limit_mb": 1024, "env": {"A": "b"}, "cpu_request": None})
+    assert (spec.cpu_limit, spec.cpu_request, spec.memory_request_mb, spec.env) == (2.0, 0.5, 409, {"A": "b"})
+
+
+def test_cgroup_v2_counters_and_proc_fallback(tmp_path: Path) -> None:
+    (tmp_path / "cpu.stat").write_text("usage_usec 2500000\nuser_usec 2000000\n")
+    (tmp_path / "memory.current").write_text("1048576\n")
+    (tmp_path / "memory.events").write_text("low 0\noom 1\noom_kill 2\n")
+    r = read_sandbox([str(tmp_path)], None, ProcTable())
+    assert (r.cpu_seconds, r.mem_bytes, r.oom_kills, r.cpu_source, r.mem_source) == (2.5, 1048576, 2, "cgroup-v2",
+                                                                                      "cgroup-v2")
+    own = read_sandbox([], os.getpid(), ProcTable())  # no cgroup: this process's tree from /proc
+    assert own.cpu_source == own.mem_source == "proc" and own.mem_bytes > 0
+
+
+def test_report_to_node_state() -> None:
+    alloc = node_allocatable(cpu=16, mem_bytes=64 << 30)
+    usage = usage_of(deque([0.1, 0.3]))
+    report = {"name": "n1", "allocatable": {"cpu": alloc.cpu, "mem": alloc.mem, "pids": alloc.pids},
+              "layers": {"sha256:aa": 123},
+              "sandboxes": [{"id": "s1", "requests": {"cpu": 0.25, "mem": 1 << 20, "pids": 256},
+                             "limits_requested": {"cpu": 1.0, "mem": 4 << 20, "pids": 256},
+                             "usage": {"cpu": usage, "mem": usage_of(deque())}}]}
+    state = node_state(report)
+    assert state.allocatable.cpu == 16 and state.layers == {"sha256:aa": 123}
+    assert state.sandboxes[0].cpu.mean == pytest.approx(0.2) and state.sandboxes[0].mem.mean == 0
+    assert state.requested().cpu == 0.25
