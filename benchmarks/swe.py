@@ -100,7 +100,7 @@ def main() -> None:
                         "words; test: other templates and words too.")
     parser.add_argument("--difficulty", type=int, default=0)
     parser.add_argument("--temperature", type=float, default=0.7, help="Sampling temperature of both evals "
-                        "(the RL run's, examples/toy-swe.toml).")
+                        "and of the RL run.")
     parser.add_argument("--model", default="", help="Warm-started model dir; default: the cached recipe "
                         "(`envs.swe.warm`, built on first use).")
     parser.add_argument("--no-throughput", action="store_true")
@@ -132,7 +132,7 @@ def main() -> None:
         result["before"] = overall(root / "before")
         t1 = time.monotonic()
         burstrl("run", str(REPO / "examples" / "toy-swe.toml"), "--run_dir", str(root / "run"), "--model.path",
-                str(model), "--trainer.steps", str(args.steps))
+                str(model), "--trainer.steps", str(args.steps), "--orchestrator.temperature", str(args.temperature))
         result["rl_wall_s"] = round(time.monotonic() - t1, 1)
         metrics = [json.loads(line) for line in (root / "run" / "metrics.jsonl").read_text().splitlines()]
         result["rl_reward_first5"] = sum(m["reward_mean"] for m in metrics[:5]) / min(5, len(metrics))
