@@ -45,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from burstrl.config import EngineConfig, ModelConfig, ServeConfig, ServerConfig
+from burstrl.config import EngineConfig, HttpServerSection, ModelConfig, ServeConfig
 from burstrl.inference.engine import Request, default_threads
 from burstrl.inference.kvcache import DecodeBatch, PackedPrefillAttention, SessionKV
 from burstrl.inference.replica import Replica, build_replica
@@ -134,7 +134,7 @@ def greedy(max_tokens: int) -> SamplingParams:
 
 def start_replica(model_dir: Path, state_dir: str, **engine: object) -> Replica:
     cfg = ServeConfig(model=ModelConfig(path=str(model_dir)), engine=EngineConfig(**engine),
-                      server=ServerConfig(admin_token="benchmark", state_dir=state_dir))
+                      server=HttpServerSection(admin_token="benchmark", state_dir=state_dir))
     return build_replica(cfg)
 
 
