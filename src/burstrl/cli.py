@@ -136,7 +136,7 @@ def route_serve(
     if dry_run:
         return _print_config(cfg)
     from burstrl.router.registry import RouteError
-    from burstrl.router.server import serve as run_router
+    from burstrl.router.server import run_router
 
     try:
         run_router(cfg)
@@ -369,9 +369,9 @@ def serve(
     cfg = _config(ServeConfig, ctx, [f"{key}={value}" for key, value in sugar.items() if value is not None])
     if dry_run:
         return _print_config(cfg)
-    from burstrl.inference.server import serve as run_server
+    from burstrl.inference.server import run_replica
 
-    run_server(cfg)
+    run_replica(cfg)
 
 
 @app.command(**CONFIG_COMMAND)
@@ -392,12 +392,12 @@ def train(
         return _print_config(cfg)
     from burstrl.store.store import StoreError
     from burstrl.trainer.checkpoint import CheckpointError
-    from burstrl.trainer.launch import launch
+    from burstrl.trainer.launch import run_trainer
     from burstrl.trainer.loop import TrainError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        code = launch(cfg, resume)
+        code = run_trainer(cfg, resume)
     except (TrainError, CheckpointError, StoreError) as exc:
         _fail(str(exc))
     raise typer.Exit(code)
@@ -431,10 +431,10 @@ def run_command(
         check(cfg)
     except PreflightError as exc:
         _fail(str(exc))
-    from burstrl.launcher.run import LaunchError, launch_run
+    from burstrl.launcher.run import LaunchError, run_launcher
 
     try:
-        code = launch_run(cfg, resume)
+        code = run_launcher(cfg, resume)
     except LaunchError as exc:
         _fail(str(exc))
     raise typer.Exit(code)
@@ -451,7 +451,7 @@ def orchestrate(
     cfg = _config(OrchestrateConfig, ctx, [])
     if dry_run:
         return _print_config(cfg)
-    from burstrl.orchestrator.loop import orchestrate as run_orchestrator
+    from burstrl.orchestrator.loop import run_orchestrator
 
     try:
         run_orchestrator(cfg)
@@ -487,10 +487,10 @@ def sandboxd(
     work_dir: str | None = typer.Option(None, "--work-dir", help="Default cwd and base of relative paths."),
 ) -> None:
     """Run the sandbox command daemon (usually started inside a sandbox as python3 -m burstrl.sandbox.daemon)."""
-    from burstrl.sandbox.daemon import run as run_daemon
+    from burstrl.sandbox.daemon import run_sandboxd
 
     try:
-        code = run_daemon(socket_path, host, port, token_file, root, work_dir)
+        code = run_sandboxd(socket_path, host, port, token_file, root, work_dir)
     except (ValueError, OSError) as exc:
         _fail(str(exc))
     raise typer.Exit(code)

@@ -1,6 +1,6 @@
 """A replica's parts, wired: model, tokenizer, engine, adapter registry, sessions.
 
-`build_replica` is what tests and benchmarks use in-process; `server.serve` adds the HTTP server.
+`build_replica` is what tests and benchmarks use in-process; `server.run_replica` adds the HTTP server.
 `InferenceReplica` is everything a route handler needs (found on `request.app.state.replica`); this module
 imports no HTTP code, so the route modules can import it without a cycle.
 """

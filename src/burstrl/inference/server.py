@@ -12,7 +12,7 @@ needs the admin token or the cluster token (the router's scrapes).
 
 The routes are FastAPI `APIRouter`s (generation, traces and loads here, adapters in `admin_routes`)
 that find the replica on `request.app.state.replica`; `build_app` puts it there and adds the error
-handlers, and `serve` runs the whole process.
+handlers, and `run_replica` runs the whole process.
 """
 
 from __future__ import annotations
@@ -287,7 +287,7 @@ async def _wait_done(rep: InferenceReplica, request: Request, req: EngineRequest
                 return
 
 
-def serve(cfg: ServeConfig) -> None:
+def run_replica(cfg: ServeConfig) -> None:
     """Run a replica until SIGINT/SIGTERM; prints a ready line with the URL once listening."""
     import uvicorn
 

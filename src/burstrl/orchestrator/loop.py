@@ -223,7 +223,7 @@ class Orchestrator:
         write_text(self.state_path, json.dumps({"curriculum": self.curriculum.state()}))
 
 
-def orchestrate(cfg: OrchestrateConfig) -> None:
+def run_orchestrator(cfg: OrchestrateConfig) -> None:
     """Run until the store has `steps` committed steps (or forever), or until SIGTERM/SIGINT."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
