@@ -88,7 +88,7 @@ def make_tiny(
         _fail(str(exc))
 
 
-@route_app.command("sim", **_keys_help("SimConfig in burstrl/router/sim.py"))
+@route_app.command("sim", **_keys_help("RouterSimConfig in burstrl/router/sim.py"))
 def route_sim(
     ctx: typer.Context,
     config: Path | None = typer.Option(None, "--config", help="Sim parameters, TOML or JSON (= a CONFIG file)."),
@@ -104,13 +104,18 @@ def route_sim(
     import json
 
     from burstrl.router.policies import POLICY_NAMES
-    from burstrl.router.sim import SimConfig, format_table, load_mooncake, simulate
+    from burstrl.router.sim import (
+        RouterSimConfig,
+        format_table,
+        load_mooncake,
+        simulate,
+    )
 
     names = [p.strip() for p in policies.split(",") if p.strip()]
     unknown = [p for p in names if p not in POLICY_NAMES]
     if unknown or not names:
         _fail(f"unknown policy {', '.join(unknown) or '(none given)'}; choose from {', '.join(POLICY_NAMES)}")
-    cfg = _config(SimConfig, ctx, [], files=[str(config)] if config is not None else [])
+    cfg = _config(RouterSimConfig, ctx, [], files=[str(config)] if config is not None else [])
     if dry_run:
         return _print_config(cfg)
     try:
@@ -591,7 +596,12 @@ def _evaluate(cfg) -> None:
     """`burstrl eval` once its config is resolved: argument checks first, then the replica."""
     from burstrl.envs import ENV_NAMES
     from burstrl.eval.passk import read_exclude_file
-    from burstrl.eval.run import EvalSpec, checkpoint_adapters, evaluate, load_eval_tasks
+    from burstrl.eval.run import (
+        EvalSpec,
+        checkpoint_adapters,
+        evaluate,
+        load_eval_tasks,
+    )
 
     model, tasks = Path(cfg.model), Path(cfg.tasks) if cfg.tasks else None
     run_dir = Path(cfg.run) if cfg.run else None

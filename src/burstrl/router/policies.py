@@ -174,7 +174,7 @@ class SizeModel:
         return max(float(session.expected_tokens), self.expected(session.kind))
 
 
-class Policy(Protocol):
+class RoutingPolicy(Protocol):
     name: str
 
     def choose(self, session: NewSession, replicas: list[ReplicaView], rng: random.Random) -> ReplicaView: ...
@@ -327,7 +327,7 @@ class CacheAwarePolicy:
 POLICY_NAMES = ("headroom", "random", "round_robin", "least_loaded", "cache_aware")
 
 
-def make_policy(name: str, k: int = 2, sizes: SizeModel | None = None) -> Policy:
+def make_policy(name: str, k: int = 2, sizes: SizeModel | None = None) -> RoutingPolicy:
     """A fresh policy by name (fresh state: round-robin counter, prefix trees)."""
     if name == "headroom":
         return HeadroomPolicy(k=k, sizes=sizes)

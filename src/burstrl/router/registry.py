@@ -23,8 +23,8 @@ from burstrl.router.policies import (
     POOLS,
     NewSession,
     NoReplicaError,
-    Policy,
     ReplicaView,
+    RoutingPolicy,
     SizeModel,
     eligible,
     load_fraction,
@@ -95,7 +95,7 @@ class Registry:
                  grace_s: float = SESSION_GRACE_S, clock: Callable[[], float] = time.monotonic) -> None:
         self.sizes = SizeModel()
         self.version_pools = version_pools or None  # pools that must serve a version before it is "latest"
-        self.policy: Policy = make_policy(policy, k=k, sizes=self.sizes)
+        self.policy: RoutingPolicy = make_policy(policy, k=k, sizes=self.sizes)
         self.rng = random.Random(seed)
         self.health_failures = health_failures
         self.replicas: dict[str, ReplicaView] = {}

@@ -60,7 +60,7 @@ class PoolSpec:
     capacity_tokens: int = 200_000
 
 
-class SimConfig(Section):
+class RouterSimConfig(Section):
     """`burstrl route sim`: trace generator, fleet and cost model; set from TOML/JSON files and
     `--key value` overrides like every burstrl config (lists of tables as JSON, e.g. `--pools '[...]'`)."""
 
@@ -85,10 +85,10 @@ class SimConfig(Section):
     size_prior_tokens: int = Field(8192, ge=1, description="Projected session size before any has finished.")
 
 
-def load_config(path: str | Path | None = None, **overrides: object) -> SimConfig:
+def load_config(path: str | Path | None = None, **overrides: object) -> RouterSimConfig:
     """Defaults, then a TOML or JSON file (by suffix), then keyword overrides; unknown keys are errors."""
     data = read_config_file(path) if path is not None else {}
-    return validate(SimConfig, {**data, **overrides})
+    return validate(RouterSimConfig, {**data, **overrides})
 
 
 @dataclass
@@ -108,7 +108,7 @@ class TraceSession:
     calls: list[Call]
 
 
-def generate_trace(cfg: SimConfig) -> list[TraceSession]:
+def generate_trace(cfg: RouterSimConfig) -> list[TraceSession]:
     """Agentic rollouts: sessions of several calls whose context grows by tool output and replies."""
     rng = random.Random(cfg.seed)
     bs = cfg.block_size
@@ -152,7 +152,7 @@ def load_mooncake(path: str | Path) -> list[TraceSession]:
 class SimReplica:
     """Simulated replica: block LRU cache with pinning, a FIFO of waiting calls, busy slots."""
 
-    def __init__(self, view: ReplicaView, cfg: SimConfig) -> None:
+    def __init__(self, view: ReplicaView, cfg: RouterSimConfig) -> None:
         self.view = view
         self.capacity_blocks = view.capacity_tokens // cfg.block_size
         self.slots = max(1, int(cfg.max_seqs * view.weight))
@@ -178,10 +178,10 @@ def unpin(r: SimReplica, hashes: list[int] | tuple[int, ...]) -> None:
             del r.pinned[h]
 
 
-class Simulator:
+class RouterSimulator:
     """Runs one policy over one trace; `run()` returns the figures."""
 
-    def __init__(self, cfg: SimConfig, trace: list[TraceSession], policy_name: str, k: int = 2) -> None:
+    def __init__(self, cfg: RouterSimConfig, trace: list[TraceSession], policy_name: str, k: int = 2) -> None:
         self.cfg, self.trace = cfg, trace
         self.sizes = SizeModel(prior_tokens=cfg.size_prior_tokens)
         self.policy = make_policy(policy_name, k=k, sizes=self.sizes)
@@ -362,10 +362,11 @@ def percentile(ordered: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
-def simulate(cfg: SimConfig, policies: list[str], k: int = 2, trace: list[TraceSession] | None = None) -> dict[str, dict]:
+def simulate(cfg: RouterSimConfig, policies: list[str], k: int = 2,
+             trace: list[TraceSession] | None = None) -> dict[str, dict]:
     """Run each policy on the same trace (generated from cfg.seed unless given); figures per policy."""
     trace = trace if trace is not None else generate_trace(cfg)
-    return {name: Simulator(cfg, trace, name, k=k).run() for name in policies}
+    return {name: RouterSimulator(cfg, trace, name, k=k).run() for name in policies}
 
 
 def format_table(results: dict[str, dict]) -> str:
@@ -380,6 +381,6 @@ def format_table(results: dict[str, dict]) -> str:
     return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows)
 
 
-def config_dict(cfg: SimConfig) -> dict:
+def config_dict(cfg: RouterSimConfig) -> dict:
     """The config as plain data (for the benchmark's JSON line)."""
     return cfg.model_dump()
