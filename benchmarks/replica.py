@@ -45,10 +45,10 @@ from pathlib import Path
 
 import torch
 
-from burstrl.config import EngineConfig, ModelConfig, ServeConfig, ServerConfig
+from burstrl.config import EngineConfig, HttpServerSection, ModelConfig, ServeConfig
 from burstrl.inference.engine import Request, default_threads
 from burstrl.inference.kvcache import DecodeBatch, PackedPrefillAttention, SessionKV
-from burstrl.inference.replica import Replica, build_replica
+from burstrl.inference.replica import InferenceReplica, build_replica
 from burstrl.inference.runner import ModelRunner
 from burstrl.inference.sampling import SamplingParams
 
@@ -132,20 +132,20 @@ def greedy(max_tokens: int) -> SamplingParams:
 
 # ---------------------------------------------------------------- replica helpers
 
-def start_replica(model_dir: Path, state_dir: str, **engine: object) -> Replica:
+def start_replica(model_dir: Path, state_dir: str, **engine: object) -> InferenceReplica:
     cfg = ServeConfig(model=ModelConfig(path=str(model_dir)), engine=EngineConfig(**engine),
-                      server=ServerConfig(admin_token="benchmark", state_dir=state_dir))
+                      server=HttpServerSection(admin_token="benchmark", state_dir=state_dir))
     return build_replica(cfg)
 
 
-def _request(rep: Replica, rid: str, session_id: str | None, prompt: list[int], max_tokens: int,
+def _request(rep: InferenceReplica, rid: str, session_id: str | None, prompt: list[int], max_tokens: int,
              on_done: Callable[[Request], None]) -> Request:
     session = rep.sessions.begin(session_id, VERSION, rid)
     return Request(id=rid, session=session, prompt_ids=list(prompt), params=greedy(max_tokens),
                    version=VERSION, adapter=None, on_done=on_done)
 
 
-def engine_batch(rep: Replica, prompts: list[list[int]], new_tokens: int | list[int],
+def engine_batch(rep: InferenceReplica, prompts: list[list[int]], new_tokens: int | list[int],
                  tag: str) -> tuple[float, list[list[int]]]:
     """Submit every prompt as an ephemeral call; seconds from first submit to last done, outputs."""
     left, done = [len(prompts)], threading.Event()
@@ -210,7 +210,7 @@ class SessionRun:
     captured_calls: int
 
 
-def run_sessions(rep: Replica, work: Workload, tag: str) -> SessionRun:
+def run_sessions(rep: InferenceReplica, work: Workload, tag: str) -> SessionRun:
     """Sessions run concurrently, each session's turns one after the other (token-in prompts)."""
     done: queue.SimpleQueue[Request] = queue.SimpleQueue()
     where: dict[str, tuple[int, int]] = {}
@@ -330,7 +330,7 @@ def hf_static(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int)
 
 # ---------------------------------------------------------------- the four figures
 
-def decode_figures(rep: Replica, model: torch.nn.Module, prompts: list[list[int]], args: argparse.Namespace,
+def decode_figures(rep: InferenceReplica, model: torch.nn.Module, prompts: list[list[int]], args: argparse.Namespace,
                    pad_id: int) -> dict:
     """(1) and (2): interleaved rounds of engine / generate / bare runner / HF static cache."""
     n_tok = len(prompts) * args.new_tokens
@@ -391,7 +391,7 @@ def decode_figures(rep: Replica, model: torch.nn.Module, prompts: list[list[int]
     }
 
 
-def mixed_figures(rep: Replica, model: torch.nn.Module, src: TokenSource, args: argparse.Namespace,
+def mixed_figures(rep: InferenceReplica, model: torch.nn.Module, src: TokenSource, args: argparse.Namespace,
                   pad_id: int) -> dict:
     """(1b) Requests of different output lengths, as RL rollouts are: useful tokens/s.
 
@@ -433,7 +433,7 @@ class RecordTimer:
     noise (several %) exceeds the effect; this direct figure says how much of it capture can be.
     """
 
-    def __init__(self, rep: Replica) -> None:
+    def __init__(self, rep: InferenceReplica) -> None:
         self.engine, self.seconds = rep.engine, 0.0
         self.inner = getattr(rep.engine, "_record", None)
         if self.inner is not None:
@@ -451,7 +451,7 @@ class RecordTimer:
             del self.engine._record
 
 
-def capture_figures(rep: Replica, work: Workload, repeats: int) -> dict:
+def capture_figures(rep: InferenceReplica, work: Workload, repeats: int) -> dict:
     """(4) capture on/off, interleaved on one replica (capture is read when a call finishes)."""
     timer = RecordTimer(rep)
     try:
@@ -460,7 +460,7 @@ def capture_figures(rep: Replica, work: Workload, repeats: int) -> dict:
         timer.close()
 
 
-def _capture_runs(rep: Replica, work: Workload, repeats: int, timer: RecordTimer) -> dict:
+def _capture_runs(rep: InferenceReplica, work: Workload, repeats: int, timer: RecordTimer) -> dict:
     runs: dict[bool, list[float]] = {True: [], False: []}
     captured: dict[bool, int] = {True: 0, False: 0}
     order = [flag for k in range(repeats) for flag in ((True, False) if k % 2 == 0 else (False, True))]
@@ -486,7 +486,7 @@ def _capture_runs(rep: Replica, work: Workload, repeats: int, timer: RecordTimer
     }
 
 
-def session_runs(rep: Replica, work: Workload, repeats: int, tag: str) -> list[SessionRun]:
+def session_runs(rep: InferenceReplica, work: Workload, repeats: int, tag: str) -> list[SessionRun]:
     runs = []
     for k in range(repeats):
         runs.append(run_sessions(rep, work, f"{tag}{k}"))

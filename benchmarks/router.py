@@ -39,7 +39,7 @@ from burstrl.protocol import process
 from burstrl.protocol.process import RoleProcess, start_replica
 from burstrl.router.sim import (
     PoolSpec,
-    Simulator,
+    RouterSimulator,
     config_dict,
     generate_trace,
     load_config,
@@ -66,11 +66,11 @@ def main() -> None:
     figures: dict[str, dict] = {}
     for name in BASELINES:
         t0 = time.perf_counter()
-        figures[name] = Simulator(cfg, trace, name).run()
+        figures[name] = RouterSimulator(cfg, trace, name).run()
         print(f"{name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     for k in (2, 3, 4):
         t0 = time.perf_counter()
-        figures[f"headroom_k{k}"] = Simulator(cfg, trace, "headroom", k=k).run()
+        figures[f"headroom_k{k}"] = RouterSimulator(cfg, trace, "headroom", k=k).run()
         print(f"headroom k={k}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     ratios, goals = {}, {}
     for k in (2, 3, 4):

@@ -88,7 +88,7 @@ def make_tiny(
         _fail(str(exc))
 
 
-@route_app.command("sim", **_keys_help("SimConfig in burstrl/router/sim.py"))
+@route_app.command("sim", **_keys_help("RouterSimConfig in burstrl/router/sim.py"))
 def route_sim(
     ctx: typer.Context,
     config: Path | None = typer.Option(None, "--config", help="Sim parameters, TOML or JSON (= a CONFIG file)."),
@@ -104,13 +104,18 @@ def route_sim(
     import json
 
     from burstrl.router.policies import POLICY_NAMES
-    from burstrl.router.sim import SimConfig, format_table, load_mooncake, simulate
+    from burstrl.router.sim import (
+        RouterSimConfig,
+        format_table,
+        load_mooncake,
+        simulate,
+    )
 
     names = [p.strip() for p in policies.split(",") if p.strip()]
     unknown = [p for p in names if p not in POLICY_NAMES]
     if unknown or not names:
         _fail(f"unknown policy {', '.join(unknown) or '(none given)'}; choose from {', '.join(POLICY_NAMES)}")
-    cfg = _config(SimConfig, ctx, [], files=[str(config)] if config is not None else [])
+    cfg = _config(RouterSimConfig, ctx, [], files=[str(config)] if config is not None else [])
     if dry_run:
         return _print_config(cfg)
     try:
@@ -136,7 +141,7 @@ def route_serve(
     if dry_run:
         return _print_config(cfg)
     from burstrl.router.registry import RouteError
-    from burstrl.router.server import serve as run_router
+    from burstrl.router.server import run_router
 
     try:
         run_router(cfg)
@@ -369,9 +374,9 @@ def serve(
     cfg = _config(ServeConfig, ctx, [f"{key}={value}" for key, value in sugar.items() if value is not None])
     if dry_run:
         return _print_config(cfg)
-    from burstrl.inference.server import serve as run_server
+    from burstrl.inference.server import run_replica
 
-    run_server(cfg)
+    run_replica(cfg)
 
 
 @app.command(**CONFIG_COMMAND)
@@ -392,12 +397,12 @@ def train(
         return _print_config(cfg)
     from burstrl.store.store import StoreError
     from burstrl.trainer.checkpoint import CheckpointError
-    from burstrl.trainer.launch import launch
+    from burstrl.trainer.launch import run_trainer
     from burstrl.trainer.loop import TrainError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        code = launch(cfg, resume)
+        code = run_trainer(cfg, resume)
     except (TrainError, CheckpointError, StoreError) as exc:
         _fail(str(exc))
     raise typer.Exit(code)
@@ -431,10 +436,10 @@ def run_command(
         check(cfg)
     except PreflightError as exc:
         _fail(str(exc))
-    from burstrl.launcher.run import LaunchError, launch_run
+    from burstrl.launcher.run import LaunchError, run_launcher
 
     try:
-        code = launch_run(cfg, resume)
+        code = run_launcher(cfg, resume)
     except LaunchError as exc:
         _fail(str(exc))
     raise typer.Exit(code)
@@ -451,7 +456,7 @@ def orchestrate(
     cfg = _config(OrchestrateConfig, ctx, [])
     if dry_run:
         return _print_config(cfg)
-    from burstrl.orchestrator.loop import orchestrate as run_orchestrator
+    from burstrl.orchestrator.loop import run_orchestrator
 
     try:
         run_orchestrator(cfg)
@@ -487,10 +492,10 @@ def sandboxd(
     work_dir: str | None = typer.Option(None, "--work-dir", help="Default cwd and base of relative paths."),
 ) -> None:
     """Run the sandbox command daemon (usually started inside a sandbox as python3 -m burstrl.sandbox.daemon)."""
-    from burstrl.sandbox.daemon import run as run_daemon
+    from burstrl.sandbox.daemon import run_sandboxd
 
     try:
-        code = run_daemon(socket_path, host, port, token_file, root, work_dir)
+        code = run_sandboxd(socket_path, host, port, token_file, root, work_dir)
     except (ValueError, OSError) as exc:
         _fail(str(exc))
     raise typer.Exit(code)
@@ -628,7 +633,12 @@ def _evaluate(cfg) -> None:
     """`burstrl eval` once its config is resolved: argument checks first, then the replica."""
     from burstrl.envs import ENV_NAMES
     from burstrl.eval.passk import read_exclude_file
-    from burstrl.eval.run import EvalSpec, checkpoint_adapters, evaluate, load_eval_tasks
+    from burstrl.eval.run import (
+        EvalSpec,
+        checkpoint_adapters,
+        evaluate,
+        load_eval_tasks,
+    )
 
     model, tasks = Path(cfg.model), Path(cfg.tasks) if cfg.tasks else None
     run_dir = Path(cfg.run) if cfg.run else None

@@ -8,11 +8,11 @@ from pathlib import Path
 
 from burstrl.inference.engine import Request
 from burstrl.config import ServeConfig
-from burstrl.inference.replica import Replica, build_replica
+from burstrl.inference.replica import InferenceReplica, build_replica
 from burstrl.inference.sampling import SamplingParams
 
 
-def submit(rep: Replica, prompt: list[int], params: SamplingParams, session: str | None = None,
+def submit(rep: InferenceReplica, prompt: list[int], params: SamplingParams, session: str | None = None,
            on_token=None) -> tuple[Request, threading.Event]:
     done = threading.Event()
     rid = f"r{id(done)}"
@@ -23,20 +23,20 @@ def submit(rep: Replica, prompt: list[int], params: SamplingParams, session: str
     return req, done
 
 
-def run(rep: Replica, prompt: list[int], **kw) -> Request:
+def run(rep: InferenceReplica, prompt: list[int], **kw) -> Request:
     req, done = submit(rep, prompt, SamplingParams(**kw))
     assert done.wait(60)
     return req
 
 
-def test_seeds_are_honoured(replica: Replica) -> None:
+def test_seeds_are_honoured(replica: InferenceReplica) -> None:
     a = run(replica, [5, 6, 7], max_tokens=20, temperature=1.0, seed=11)
     b = run(replica, [5, 6, 7], max_tokens=20, temperature=1.0, seed=11)
     c = run(replica, [5, 6, 7], max_tokens=20, temperature=1.0, seed=12)
     assert a.completion_ids == b.completion_ids != c.completion_ids
 
 
-def test_stop_string_cuts_the_text_and_keeps_the_sampled_ids(replica: Replica) -> None:
+def test_stop_string_cuts_the_text_and_keeps_the_sampled_ids(replica: InferenceReplica) -> None:
     free = run(replica, [9, 8, 7], max_tokens=30, temperature=0, ignore_eos=True)
     assert len(free.text) > 10
     stop = free.text[6:9]
@@ -47,7 +47,7 @@ def test_stop_string_cuts_the_text_and_keeps_the_sampled_ids(replica: Replica) -
     assert len(cut.completion_ids) < len(free.completion_ids)
 
 
-def test_a_request_joins_a_running_batch_and_both_stay_exact(replica: Replica) -> None:
+def test_a_request_joins_a_running_batch_and_both_stay_exact(replica: InferenceReplica) -> None:
     solo_long = run(replica, [1, 2, 3, 4], max_tokens=60, temperature=0, ignore_eos=True)
     solo_short = run(replica, [10, 11], max_tokens=10, temperature=0, ignore_eos=True)
     joined = threading.Event()
@@ -84,7 +84,7 @@ def test_stopping_the_engine_finishes_every_request(tiny_model_dir: Path, tmp_pa
     assert rep.sessions.get("a").busy is False
 
 
-def test_a_group_arriving_together_prefills_its_prompt_once(replica: Replica) -> None:
+def test_a_group_arriving_together_prefills_its_prompt_once(replica: InferenceReplica) -> None:
     """Four rollouts of one task (same 80-token prompt) arrive at once: one prefill, three copies."""
     prompt = list(range(300, 380))
     before = replica.engine.counters.prompt_tokens

@@ -13,11 +13,11 @@ import torch
 
 from burstrl.inference.engine import Request
 from burstrl.inference.lora import LoraAdapter
-from burstrl.inference.replica import Replica
+from burstrl.inference.replica import InferenceReplica
 from burstrl.inference.sampling import SamplingParams
 
 
-def poisoned(rep: Replica, name: str, value: float | None = None, width_off: int = 0) -> LoraAdapter:
+def poisoned(rep: InferenceReplica, name: str, value: float | None = None, width_off: int = 0) -> LoraAdapter:
     """An adapter on every q_proj: filled with `value`, or with A one column too wide/narrow."""
     hidden = rep.engine.runner.layers[0].self_attn.q_proj.in_features
     out = rep.engine.runner.layers[0].self_attn.q_proj.out_features
@@ -31,7 +31,7 @@ def poisoned(rep: Replica, name: str, value: float | None = None, width_off: int
     return adapter
 
 
-def start(rep: Replica, prompt: list[int], version: str = "base", adapter=None,
+def start(rep: InferenceReplica, prompt: list[int], version: str = "base", adapter=None,
           **kw) -> tuple[Request, threading.Event]:
     done = threading.Event()
     rid = f"r{id(done)}"
@@ -47,7 +47,7 @@ def finish(*pairs: tuple[Request, threading.Event]) -> None:
         assert done.wait(120)
 
 
-def test_a_nan_adapter_fails_its_own_rows_only(replica: Replica) -> None:
+def test_a_nan_adapter_fails_its_own_rows_only(replica: InferenceReplica) -> None:
     bad = poisoned(replica, "nan-lora", value=float("nan"))
     before = replica.engine.counters.failed_requests
     good = [start(replica, [5, 6, 7, i]) for i in range(3)]
@@ -59,7 +59,7 @@ def test_a_nan_adapter_fails_its_own_rows_only(replica: Replica) -> None:
     assert replica.engine.cache.reserved == 0  # the failed request's budget came back
 
 
-def test_a_forward_that_raises_fails_that_step_and_the_engine_serves_on(replica: Replica) -> None:
+def test_a_forward_that_raises_fails_that_step_and_the_engine_serves_on(replica: InferenceReplica) -> None:
     bad = poisoned(replica, "wide-lora", width_off=3)
     steps = replica.engine.counters.step_failures
     broken = start(replica, [9, 10, 11], "wide-lora", bad)
@@ -72,7 +72,7 @@ def test_a_forward_that_raises_fails_that_step_and_the_engine_serves_on(replica:
     assert replica.engine.cache.reserved == 0 and replica.engine.cache.running_tokens == 0
 
 
-def test_a_failing_callback_fails_its_request_only(replica: Replica) -> None:
+def test_a_failing_callback_fails_its_request_only(replica: InferenceReplica) -> None:
     def explode(_: Request) -> None:
         raise RuntimeError("client callback broke")
 
@@ -84,7 +84,7 @@ def test_a_failing_callback_fails_its_request_only(replica: Replica) -> None:
     assert other[0].error is None and replica.engine.alive
 
 
-def test_penalties_bias_and_min_tokens_change_the_output(replica: Replica) -> None:
+def test_penalties_bias_and_min_tokens_change_the_output(replica: InferenceReplica) -> None:
     prompt = [20, 21, 22, 23]
     plain = start(replica, prompt, max_tokens=16)
     forced = start(replica, prompt, max_tokens=6, logit_bias={7: 100.0})
@@ -101,7 +101,7 @@ def test_penalties_bias_and_min_tokens_change_the_output(replica: Replica) -> No
     assert eos not in ids[:5] and ids[5] == eos and no_eos[0].finish_reason == "stop"
 
 
-def test_raw_logprobs_mode_shows_raw_and_captures_processed(replica: Replica) -> None:
+def test_raw_logprobs_mode_shows_raw_and_captures_processed(replica: InferenceReplica) -> None:
     replica.engine.raw_logprobs = True
     try:
         req, done = start(replica, [30, 31, 32], temperature=1.0, top_k=1, seed=3)

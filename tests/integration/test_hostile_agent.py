@@ -141,7 +141,7 @@ def test_a_hostile_agent_scores_0_and_the_run_finishes_with_nothing_lost(cluster
 
     async def go():
         loop = asyncio.get_running_loop()
-        loop.set_default_executor(ThreadPoolExecutor(max_workers=64))  # as `orchestrate` does
+        loop.set_default_executor(ThreadPoolExecutor(max_workers=64))  # as `run_orchestrator` does
         stop = threading.Event()
         taken = loop.run_in_executor(ThreadPoolExecutor(1), trainer, run_dir / "store.sqlite", env, stop)
         try:

@@ -1,7 +1,7 @@
 import pytest
 
 from burstrl.inference.chat import ChatError, ChatTokenizer, normalize_messages
-from burstrl.inference.sessions import Session
+from burstrl.inference.sessions import ReplicaSession
 from burstrl.model.hf import load_tokenizer
 
 
@@ -43,7 +43,7 @@ FIRST = [{"role": "system", "content": "Be brief."}, {"role": "user", "content":
 
 
 def _first_call(chat, tokenizer, sampled_text, with_end):
-    session = Session(id="s", version="base")
+    session = ReplicaSession(id="s", version="base")
     messages = normalize_messages(FIRST)
     p1 = chat.prompt_ids(messages, session)
     assert p1 == _encode(tokenizer, chat.render(messages, generation_prompt=True))
@@ -143,7 +143,7 @@ def test_no_new_message_after_reply_falls_back(chat, tokenizer):
 
 
 def test_fresh_session_is_not_a_break(chat, tokenizer):
-    session = Session(id="s", version="base")
+    session = ReplicaSession(id="s", version="base")
     messages = normalize_messages(FIRST)
     assert chat.prompt_ids(messages, session) == _full(chat, tokenizer, messages)
     assert chat.breaks == 0 and chat.continued == 0

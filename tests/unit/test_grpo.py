@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from burstrl.store.types import Rollout, Turn
-from burstrl.config import TrainerConfig
+from burstrl.config import TrainerSection
 from burstrl.trainer.grpo import aggregate, group_advantages, token_loss
 from burstrl.trainer.sequences import micro_batches, pack, rollout_sequences, shard
 
-CFG = TrainerConfig(clip_low=0.2, clip_high=0.28, tis_cap=2.0)
+CFG = TrainerSection(clip_low=0.2, clip_high=0.28, tis_cap=2.0)
 
 
 def test_group_advantages() -> None:
@@ -24,7 +24,7 @@ def test_group_advantages() -> None:
     assert adv == pytest.approx([-1.2247, 0.0, 1.2247], abs=1e-4)  # std = sqrt(2/3)
 
 
-def _one(ratio: float, adv: float, cfg: TrainerConfig = CFG) -> tuple[float, float, bool, bool]:
+def _one(ratio: float, adv: float, cfg: TrainerSection = CFG) -> tuple[float, float, bool, bool]:
     """(loss, d loss / d logp, clipped, truncated) for one token with old logprob -1."""
     old = torch.tensor([-1.0])
     logp = (old + math.log(ratio)).clone().requires_grad_(True)
@@ -49,12 +49,12 @@ def test_token_loss_branches(ratio, adv, loss, grad, clipped, truncated) -> None
 
 
 def test_tis_off_leaves_the_ratio_uncapped() -> None:
-    loss, grad, _, truncated = _one(3.0, -1.0, TrainerConfig(clip_low=0.2, clip_high=0.28, tis_cap=0.0))
+    loss, grad, _, truncated = _one(3.0, -1.0, TrainerSection(clip_low=0.2, clip_high=0.28, tis_cap=0.0))
     assert loss == pytest.approx(3.0, abs=1e-5) and grad == pytest.approx(3.0, abs=1e-5) and not truncated
 
 
 def test_kl_penalty_is_k3() -> None:
-    cfg = TrainerConfig(clip_low=0.2, clip_high=0.28, tis_cap=2.0, kl_coef=0.5)
+    cfg = TrainerSection(clip_low=0.2, clip_high=0.28, tis_cap=2.0, kl_coef=0.5)
     logp = torch.tensor([-1.0, -2.0])
     out = token_loss(logp, logp.clone(), torch.zeros(2), cfg, ref_logp=torch.tensor([-1.0, -1.9]))
     want = [0.0, math.exp(0.1) - 0.1 - 1]

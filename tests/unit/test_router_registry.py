@@ -2,7 +2,7 @@
 
 import pytest
 
-from burstrl.router.policies import Session, projected_headroom
+from burstrl.router.policies import NewSession, projected_headroom
 from burstrl.router.registry import Registry, RouteError, validate_url
 from burstrl.router.server import parse_json, prometheus_text, session_id_of, task_kind_of
 from burstrl.router.soak import SoakConfig, soak_registry
@@ -202,8 +202,8 @@ def test_task_kinds_reach_the_size_model():
     reg.apply_scrape(url, loads(capacity=10**7), models("base"))
     assert reg.sizes.expected("swe") == 30_000 and reg.sizes.expected("math") == 500
     view = reg.replicas[url]
-    swe = projected_headroom(view, Session("new", kind="swe", version="base"), reg.sizes)
-    math_ = projected_headroom(view, Session("new", kind="math", version="base"), reg.sizes)
+    swe = projected_headroom(view, NewSession("new", kind="swe", version="base"), reg.sizes)
+    math_ = projected_headroom(view, NewSession("new", kind="math", version="base"), reg.sizes)
     assert math_ - swe == 29_500  # the same replica, two very different projections
     reg.place("live-swe", "base", kind="swe")
     reg.place("live-swe", "base", kind="math")  # a session keeps the kind it started with

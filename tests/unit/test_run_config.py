@@ -5,10 +5,10 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from burstrl.config import (
     ConfigError,
@@ -24,7 +24,7 @@ from burstrl.config import (
     parse_command_line,
     validate,
 )
-from burstrl.router.sim import SimConfig
+from burstrl.router.sim import RouterSimConfig
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -118,10 +118,10 @@ def test_eval_knobs_are_not_set_twice() -> None:
 
 
 def test_sim_config_joins_the_grammar_and_round_trips(tmp_path: Path) -> None:
-    cfg = load_config(SimConfig, [], ["--sessions", "9", "--pools", '[{"pool": "reserved", "count": 2}]'])
+    cfg = load_config(RouterSimConfig, [], ["--sessions", "9", "--pools", '[{"pool": "reserved", "count": 2}]'])
     assert cfg.sessions == 9 and cfg.pools[0].count == 2 and cfg.pools[0].weight == 1.0
-    assert validate(SimConfig, tomllib.loads(dump_toml(cfg))) == cfg  # [[pools]] and [[kinds]] tables
+    assert validate(RouterSimConfig, tomllib.loads(dump_toml(cfg))) == cfg  # [[pools]] and [[kinds]] tables
     with pytest.raises(ConfigError, match="unknown config key 'pools.0.bogus'"):
-        load_config(SimConfig, [], ["--pools", '[{"bogus": 1}]'])
+        load_config(RouterSimConfig, [], ["--pools", '[{"bogus": 1}]'])
     r = burstrl("route", "sim", "--sessions", "12", "--dry-run")
     assert r.returncode == 0 and "sessions = 12" in r.stdout, r.stderr

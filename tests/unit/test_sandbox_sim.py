@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from burstrl.sandbox.placement import Layer, make_policy
-from burstrl.sandbox.sim import LayerCache, SimConfig, share_cpu, simulate
+from burstrl.sandbox.sim import SimConfig, SimLayerCache, share_cpu, simulate
 from burstrl.sandbox.simload import WorkloadConfig, fit
 
 
@@ -48,7 +48,7 @@ def test_forced_memory_overcommit_evicts():
 
 
 def test_layer_cache_hits_pins_and_lru_eviction():
-    cache = LayerCache(capacity=1000)
+    cache = SimLayerCache(capacity=1000)
     a, b, c = Layer("a", 400), Layer("b", 400), Layer("c", 400)
     ready, hit, pulled = cache.fetch([a, b], now=0, pull_s_per_byte=0.01)
     assert (ready, hit, pulled) == (8.0, False, 800)  # pulled one after the other

@@ -29,24 +29,24 @@ from burstrl.config.loading import (
 from burstrl.config.roles import (
     CurriculumConfig,
     EngineConfig,
+    HttpServerSection,
     LoraConfigSection,
     ModelConfig,
     OrchestrateConfig,
     OrchestratorConfig,
     RouteConfig,
     ServeConfig,
-    ServerConfig,
     SweEnvConfig,
     TrainConfig,
-    TrainerConfig,
+    TrainerSection,
     WeightsConfig,
 )
 from burstrl.config.run import AutoscaleConfig, ChaosConfig, FleetConfig, RayConfig, RunConfig
 
 __all__ = [
     "AutoscaleConfig", "ChaosConfig", "ConfigError", "CurriculumConfig", "EngineConfig", "EvalConfig",
-    "FleetConfig", "LoraConfigSection", "ModelConfig", "OrchestrateConfig", "OrchestratorConfig", "RayConfig",
-    "RouteConfig", "RunConfig", "Section", "ServeConfig", "ServerConfig", "SftConfig", "SweEnvConfig",
-    "TrainConfig", "TrainerConfig", "WeightsConfig", "dump_toml", "load_config", "load_tree",
+    "FleetConfig", "HttpServerSection", "LoraConfigSection", "ModelConfig", "OrchestrateConfig", "OrchestratorConfig",
+    "RayConfig", "RouteConfig", "RunConfig", "Section", "ServeConfig", "SftConfig", "SweEnvConfig",
+    "TrainConfig", "TrainerSection", "WeightsConfig", "dump_toml", "load_config", "load_tree",
     "merge", "parse_command_line", "parse_overrides", "read_config_file", "validate",
 ]

@@ -57,7 +57,7 @@ class EngineConfig(Section):
     )
 
 
-class ServerConfig(Section):
+class HttpServerSection(Section):
     host: str = Field("127.0.0.1", description="Bind address.")
     port: int = Field(8000, ge=0, le=65535, description="Bind port; 0 = any free port.")
     admin_token: str = Field(
@@ -88,7 +88,7 @@ class ServeConfig(Section):
 
     model: ModelConfig = Field(default_factory=ModelConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
-    server: ServerConfig = Field(default_factory=ServerConfig)
+    server: HttpServerSection = Field(default_factory=HttpServerSection)
     served_model_name: str = Field("base", description="Name the base model is served under.")
     adapters: dict[str, str] = Field(
         default_factory=dict, description="Adapters loaded at start: name -> PEFT directory."
@@ -108,7 +108,7 @@ class LoraConfigSection(Section):
     )
 
 
-class TrainerConfig(Section):
+class TrainerSection(Section):
     world_size: int = Field(1, ge=1, description="Data-parallel ranks (processes) started by `burstrl train`.")
     backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="torch.distributed backend; auto = nccl on GPU.")
     steps: int = Field(100, ge=1, description="Train steps to run (the last one is step `steps`).")
@@ -167,7 +167,7 @@ class TrainConfig(Section):
     )
     model: ModelConfig = Field(default_factory=ModelConfig)
     lora: LoraConfigSection = Field(default_factory=LoraConfigSection)
-    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    trainer: TrainerSection = Field(default_factory=TrainerSection)
     weights: WeightsConfig = Field(default_factory=WeightsConfig)
 
 

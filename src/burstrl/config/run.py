@@ -16,15 +16,15 @@ from pydantic import Field
 from burstrl.config.loading import Section
 from burstrl.config.roles import (
     EngineConfig,
+    HttpServerSection,
     LoraConfigSection,
     ModelConfig,
     OrchestrateConfig,
     OrchestratorConfig,
     RouteConfig,
     ServeConfig,
-    ServerConfig,
     TrainConfig,
-    TrainerConfig,
+    TrainerSection,
     WeightsConfig,
 )
 
@@ -93,7 +93,7 @@ class RunConfig(Section):
     engine: EngineConfig = Field(default_factory=EngineConfig)
     router: RouteConfig = Field(default_factory=lambda: RouteConfig(port=0))
     lora: LoraConfigSection = Field(default_factory=LoraConfigSection)
-    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    trainer: TrainerSection = Field(default_factory=TrainerSection)
     weights: WeightsConfig = Field(default_factory=WeightsConfig)
     orchestrator: OrchestratorConfig = Field(default_factory=OrchestratorConfig)
     fleet: FleetConfig = Field(default_factory=FleetConfig)
@@ -125,8 +125,8 @@ class RunConfig(Section):
 
     def serve_config(self) -> ServeConfig:
         """Every replica's config: the run's model and engine, any free port, the run's volume."""
-        return ServeConfig(model=self.model, engine=self.engine, server=ServerConfig(host=self.router.host, port=0),
-                           adapter_volume=self.volume())
+        return ServeConfig(model=self.model, engine=self.engine,
+                           server=HttpServerSection(host=self.router.host, port=0), adapter_volume=self.volume())
 
     def train_config(self) -> TrainConfig:
         """The trainer scores tokens at the temperature the orchestrator samples at, and pushes each

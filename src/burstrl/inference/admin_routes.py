@@ -15,19 +15,19 @@ from fastapi import APIRouter, Request
 
 from burstrl.inference.api_common import ApiError, read_json, read_limited, replica_of, require_admin
 from burstrl.inference.lora import AdapterError
-from burstrl.inference.replica import Replica
+from burstrl.inference.replica import InferenceReplica
 from burstrl.protocol.adapters import UploadError
 
 router = APIRouter()
 
 
-def _refused(rep: Replica, status: int, exc: Exception) -> ApiError:
+def _refused(rep: InferenceReplica, status: int, exc: Exception) -> ApiError:
     """An adapter or upload that failed a check: counted, and answered with `status`."""
     rep.counters.uploads_refused += 1
     return ApiError(status, str(exc))
 
 
-async def _field(rep: Replica, request: Request, name: str) -> str:
+async def _field(rep: InferenceReplica, request: Request, name: str) -> str:
     data = await read_json(request, rep.cfg.server.max_body_bytes)
     value = data.get(name) if isinstance(data, dict) else None
     if not isinstance(value, str) or not value:

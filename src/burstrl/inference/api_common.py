@@ -15,7 +15,7 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from burstrl.inference import openai_api as api
-from burstrl.inference.replica import Replica
+from burstrl.inference.replica import InferenceReplica
 from burstrl.protocol.http import BodyTooLarge, bearer_matches, read_body
 
 
@@ -27,27 +27,27 @@ class ApiError(Exception):
         self.status, self.message, self.kind = status, message, kind
 
 
-def replica_of(request: Request) -> Replica:
+def replica_of(request: Request) -> InferenceReplica:
     """The replica this app serves."""
     return request.app.state.replica
 
 
-def require_admin(rep: Replica, request: Request) -> None:
+def require_admin(rep: InferenceReplica, request: Request) -> None:
     if not bearer_matches(request.headers, rep.admin_token):
         raise ApiError(401, "admin endpoint: missing or wrong bearer token", "authentication_error")
 
 
-def is_reader(rep: Replica, request: Request) -> bool:
+def is_reader(rep: InferenceReplica, request: Request) -> bool:
     """Whether the caller may read traces and session loads: the admin or the cluster token."""
     return bearer_matches(request.headers, rep.admin_token, rep.cluster_token)
 
 
-def require_reader(rep: Replica, request: Request) -> None:
+def require_reader(rep: InferenceReplica, request: Request) -> None:
     if not is_reader(rep, request):
         raise ApiError(401, "traces need the admin or cluster bearer token", "authentication_error")
 
 
-def require_engine(rep: Replica) -> None:
+def require_engine(rep: InferenceReplica) -> None:
     """A replica whose engine died must leave rotation: its health and load endpoints fail."""
     if not rep.engine.alive:
         raise ApiError(503, f"engine is not running: {rep.engine.error or 'stopped'}", "server_error")

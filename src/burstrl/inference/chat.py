@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from burstrl.inference.sessions import Session
+from burstrl.inference.sessions import ReplicaSession
 
 
 class ChatError(ValueError):
@@ -64,7 +64,7 @@ class ChatTokenizer:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def prompt_ids(self, messages: list[dict[str, str]], session: Session) -> list[int]:
+    def prompt_ids(self, messages: list[dict[str, str]], session: ReplicaSession) -> list[int]:
         """Token ids for this call's prompt; continuous with the session's last call when possible."""
         if session.messages is not None and session.completion_ids:
             ids = self._continue(messages, session)
@@ -74,7 +74,7 @@ class ChatTokenizer:
             self.breaks += 1
         return self.encode(self.render(messages, generation_prompt=True))
 
-    def _continue(self, messages: list[dict[str, str]], session: Session) -> list[int] | None:
+    def _continue(self, messages: list[dict[str, str]], session: ReplicaSession) -> list[int] | None:
         prev = session.messages
         n = len(prev)
         if len(messages) <= n + 1 or messages[:n] != prev:

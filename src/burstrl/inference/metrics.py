@@ -9,10 +9,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from burstrl.inference.replica import Replica
+    from burstrl.inference.replica import InferenceReplica
 
 
-def prometheus_text(rep: Replica) -> str:
+def prometheus_text(rep: InferenceReplica) -> str:
     eng, stats = rep.engine, rep.engine.cache.stats
     label = f'model_name="{rep.cfg.served_model_name}"'
     cache = eng.cache

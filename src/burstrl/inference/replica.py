@@ -1,7 +1,7 @@
 """A replica's parts, wired: model, tokenizer, engine, adapter registry, sessions.
 
-`build_replica` is what tests and benchmarks use in-process; `server.serve` adds the HTTP server.
-`Replica` is everything a route handler needs (found on `request.app.state.replica`); this module
+`build_replica` is what tests and benchmarks use in-process; `server.run_replica` adds the HTTP server.
+`InferenceReplica` is everything a route handler needs (found on `request.app.state.replica`); this module
 imports no HTTP code, so the route modules can import it without a cycle.
 """
 
@@ -38,7 +38,7 @@ class ReplicaCounters:
 
 
 @dataclass
-class Replica:
+class InferenceReplica:
     """Everything an HTTP handler needs; one per process."""
 
     cfg: ServeConfig
@@ -66,7 +66,7 @@ class Replica:
             shutil.rmtree(self.state_dir, ignore_errors=True)
 
 
-def build_replica(cfg: ServeConfig) -> Replica:
+def build_replica(cfg: ServeConfig) -> InferenceReplica:
     """Load the model and start the engine thread (the caller owns `close()`)."""
     from burstrl.model.hf import eos_token_ids, load_model, load_tokenizer
 
@@ -89,7 +89,7 @@ def build_replica(cfg: ServeConfig) -> Replica:
         chat = ChatTokenizer(tokenizer)
     except ChatError:
         chat = None
-    replica = Replica(cfg=cfg, engine=engine, registry=registry, sessions=sessions, tokenizer=tokenizer,
+    replica = InferenceReplica(cfg=cfg, engine=engine, registry=registry, sessions=sessions, tokenizer=tokenizer,
                       chat=chat, text=TokenText(tokenizer), admin_token=_admin_token(cfg, state_dir),
                       cluster_token=cfg.server.cluster_token or os.environ.get("BURSTRL_CLUSTER_TOKEN", ""),
                       max_model_len=max_len, state_dir=state_dir, owns_state_dir=not cfg.server.state_dir)

@@ -15,7 +15,7 @@ import torch
 from burstrl.inference.kvcache import SessionKV
 from burstrl.inference.lora import LoraAdapter
 from burstrl.inference.sampling import SamplingParams
-from burstrl.inference.sessions import Session
+from burstrl.inference.sessions import ReplicaSession
 
 
 @dataclass(eq=False)
@@ -23,7 +23,7 @@ class Request:
     """One call: what to feed, how to sample, and where to report; the engine fills the rest."""
 
     id: str
-    session: Session
+    session: ReplicaSession
     prompt_ids: list[int]
     params: SamplingParams
     version: str

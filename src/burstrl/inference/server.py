@@ -12,7 +12,7 @@ needs the admin token or the cluster token (the router's scrapes).
 
 The routes are FastAPI `APIRouter`s (generation, traces and loads here, adapters in `admin_routes`)
 that find the replica on `request.app.state.replica`; `build_app` puts it there and adds the error
-handlers, and `serve` runs the whole process.
+handlers, and `run_replica` runs the whole process.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from burstrl.inference.api_common import (
 from burstrl.inference.chat import ChatError, normalize_messages
 from burstrl.inference.engine import Request as EngineRequest
 from burstrl.inference.metrics import prometheus_text
-from burstrl.inference.replica import Replica, build_replica
+from burstrl.inference.replica import InferenceReplica, build_replica
 from burstrl.inference.sessions import SessionError
 from burstrl.inference.streaming import stream_response
 from burstrl.protocol.http import error_body, models_list, session_id_from
@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 router = APIRouter()
 
 
-def build_app(rep: Replica, on_ready: Callable[[], None] | None = None) -> FastAPI:
+def build_app(rep: InferenceReplica, on_ready: Callable[[], None] | None = None) -> FastAPI:
     """The replica's app: its routes, OpenAI-shaped errors, and `rep` on `app.state.replica`."""
 
     @asynccontextmanager
@@ -179,7 +179,7 @@ async def metrics(request: Request) -> PlainTextResponse:
     return PlainTextResponse(prometheus_text(replica_of(request)), media_type="text/plain; version=0.0.4")
 
 
-def _completion_prompt(rep: Replica, body: Any) -> list[int]:
+def _completion_prompt(rep: InferenceReplica, body: Any) -> list[int]:
     """Token ids of a completions prompt: text, token ids, or a one-element batch of either."""
     ids = body.input_ids if body.input_ids is not None else body.prompt
     if isinstance(ids, list) and ids and isinstance(ids[0], (str, list)):
@@ -195,7 +195,7 @@ def _completion_prompt(rep: Replica, body: Any) -> list[int]:
     return ids
 
 
-async def _generate(rep: Replica, request: Request, body: Any, kind: str, *, top_logprobs: int,
+async def _generate(rep: InferenceReplica, request: Request, body: Any, kind: str, *, top_logprobs: int,
                     max_tokens: int | None, want_logprobs: bool, messages: list | None = None,
                     prompt_ids: list[int] | None = None) -> Response:
     if body.n not in (None, 1):
@@ -243,7 +243,7 @@ def _notify(loop: asyncio.AbstractEventLoop, events: asyncio.Queue[str], event: 
         loop.call_soon_threadsafe(events.put_nowait, event)
 
 
-def _resolve_adapter(rep: Replica, model: str, existing_session: bool) -> Any:
+def _resolve_adapter(rep: InferenceReplica, model: str, existing_session: bool) -> Any:
     if model == rep.cfg.served_model_name:
         return None
     try:
@@ -255,7 +255,7 @@ def _resolve_adapter(rep: Replica, model: str, existing_session: bool) -> Any:
                             f"{[rep.cfg.served_model_name, *rep.registry.names()]}", "not_found_error") from None
 
 
-def _params(rep: Replica, body: Any, prompt_ids: list[int], max_tokens: int | None, top_logprobs: int) -> Any:
+def _params(rep: InferenceReplica, body: Any, prompt_ids: list[int], max_tokens: int | None, top_logprobs: int) -> Any:
     limit = rep.max_model_len
     if len(prompt_ids) >= limit:
         raise ApiError(400, f"prompt has {len(prompt_ids)} tokens; this model's maximum context "
@@ -273,7 +273,7 @@ def _params(rep: Replica, body: Any, prompt_ids: list[int], max_tokens: int | No
         raise ApiError(400, str(exc)) from None
 
 
-async def _wait_done(rep: Replica, request: Request, req: EngineRequest, events: asyncio.Queue[str]) -> None:
+async def _wait_done(rep: InferenceReplica, request: Request, req: EngineRequest, events: asyncio.Queue[str]) -> None:
     """Wait for the engine; abort the request if the client goes away meanwhile."""
     while True:
         try:
@@ -287,7 +287,7 @@ async def _wait_done(rep: Replica, request: Request, req: EngineRequest, events:
                 return
 
 
-def serve(cfg: ServeConfig) -> None:
+def run_replica(cfg: ServeConfig) -> None:
     """Run a replica until SIGINT/SIGTERM; prints a ready line with the URL once listening."""
     import uvicorn
 

@@ -46,7 +46,7 @@ class CallRecord:
 
 
 @dataclass
-class Session:
+class ReplicaSession:
     """State of one rollout on this replica."""
 
     id: str
@@ -68,20 +68,20 @@ class SessionTable:
 
     def __init__(self, ttl_s: float) -> None:
         self.ttl_s = ttl_s
-        self._sessions: dict[str, Session] = {}
+        self._sessions: dict[str, ReplicaSession] = {}
         self._lock = threading.Lock()
         self.expired = 0
 
-    def begin(self, session_id: str | None, version: str, request_id: str) -> Session:
+    def begin(self, session_id: str | None, version: str, request_id: str) -> ReplicaSession:
         """Start a call: create or look up the session, check its version, mark it busy."""
         if session_id is None:
-            return Session(id=f"ephemeral-{request_id}", version=version, ephemeral=True, busy=True)
+            return ReplicaSession(id=f"ephemeral-{request_id}", version=version, ephemeral=True, busy=True)
         if not SESSION_ID.fullmatch(session_id):
             raise SessionError(400, "session_id must be 1-128 characters of [A-Za-z0-9._:@/-]")
         with self._lock:
             session = self._sessions.get(session_id)
             if session is None:
-                session = self._sessions[session_id] = Session(id=session_id, version=version)
+                session = self._sessions[session_id] = ReplicaSession(id=session_id, version=version)
             elif session.version != version:
                 raise SessionError(409, f"session {session_id!r} is pinned to {session.version!r}, "
                                         f"not {version!r}")
@@ -91,16 +91,16 @@ class SessionTable:
             session.last_used = time.monotonic()
             return session
 
-    def end(self, session: Session) -> None:
+    def end(self, session: ReplicaSession) -> None:
         with self._lock:
             session.busy = False
             session.last_used = time.monotonic()
 
-    def get(self, session_id: str) -> Session | None:
+    def get(self, session_id: str) -> ReplicaSession | None:
         with self._lock:
             return self._sessions.get(session_id)
 
-    def release(self, session_id: str) -> Session:
+    def release(self, session_id: str) -> ReplicaSession:
         """Drop a session (its owner is done with it); refuse while a call runs."""
         with self._lock:
             session = self._sessions.get(session_id)
@@ -110,7 +110,7 @@ class SessionTable:
                 raise SessionError(409, f"session {session_id!r} has a call running")
             return self._sessions.pop(session_id)
 
-    def expire(self) -> list[Session]:
+    def expire(self) -> list[ReplicaSession]:
         """Remove sessions idle longer than the TTL; returns them so their caches can be dropped."""
         now = time.monotonic()
         with self._lock:
@@ -120,7 +120,7 @@ class SessionTable:
             self.expired += len(old)
             return old
 
-    def snapshot(self) -> list[Session]:
+    def snapshot(self) -> list[ReplicaSession]:
         with self._lock:
             return list(self._sessions.values())
 

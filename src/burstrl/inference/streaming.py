@@ -18,11 +18,11 @@ from typing import Any
 
 from burstrl.inference import openai_api as api
 from burstrl.inference.engine import Request
-from burstrl.inference.replica import Replica
+from burstrl.inference.replica import InferenceReplica
 from burstrl.protocol.http import error_body
 
 
-async def stream_response(rep: Replica, req: Request, events: asyncio.Queue[str], body: Any,
+async def stream_response(rep: InferenceReplica, req: Request, events: asyncio.Queue[str], body: Any,
                           kind: str, want_logprobs: bool) -> AsyncIterator[bytes]:
     created = int(time.time())
     holdback = max((len(s) for s in req.params.stop), default=1) - 1

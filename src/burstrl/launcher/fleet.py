@@ -27,7 +27,7 @@ POOLS = ("reserved", "on_demand")
 
 
 @dataclass
-class Replica:
+class FleetReplica:
     name: str
     pool: str
     handle: RoleHandle | None = None
@@ -66,7 +66,7 @@ class Fleet:
         self.cluster_token, self.admin_token = o.cluster_token, o.admin_token
         self.replicas_file = o.run_dir / "replicas.txt"
         self.weights, self.event, self.start_timeout_s = o.weights, event, o.start_timeout_s
-        self.replicas: dict[str, Replica] = {}
+        self.replicas: dict[str, FleetReplica] = {}
         self.lock = threading.Lock()
         self.file_lock = threading.Lock()
         self.pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="replica-start")
@@ -86,20 +86,20 @@ class Fleet:
         with self.lock:
             return {p: sum(1 for r in self.replicas.values() if r.pool == p and r.state == "up") for p in POOLS}
 
-    def up(self) -> list[Replica]:
+    def up(self) -> list[FleetReplica]:
         with self.lock:
             return [r for r in self.replicas.values() if r.state == "up"]
 
-    def start(self, pool: str, why: str = "") -> Replica:
+    def start(self, pool: str, why: str = "") -> FleetReplica:
         """Begin starting one replica of `pool`; it registers itself when ready."""
         with self.lock:
             self.counter += 1
-            replica = Replica(name=f"replica-{self.counter}-{pool}", pool=pool)
+            replica = FleetReplica(name=f"replica-{self.counter}-{pool}", pool=pool)
             self.replicas[replica.name] = replica
         self.starts.append(self.pool.submit(self._bring_up, replica, why))
         return replica
 
-    def _bring_up(self, replica: Replica, why: str) -> None:
+    def _bring_up(self, replica: FleetReplica, why: str) -> None:
         try:
             handle = self.provider.start(replica.name, self.serve_args, wait_ready=True, timeout=self.start_timeout_s,
                                          placement=Placement(listen=("server.host", "server.port"), pool=replica.pool))
@@ -129,13 +129,13 @@ class Fleet:
         self._catch_up(replica)
         self.event("replica_started", replica=replica.name, pool=replica.pool, detail=f"{replica.url} {why}".strip())
 
-    def _register(self, replica: Replica) -> None:
+    def _register(self, replica: FleetReplica) -> None:
         body = {"url": replica.url, "pool": replica.pool, "weight": self.weights[replica.pool]}
         r = httpx.post(f"{self.router}/v1/replicas", json=body, timeout=30,
                        headers={"Authorization": f"Bearer {self.cluster_token}"})
         r.raise_for_status()
 
-    def _catch_up(self, replica: Replica) -> None:
+    def _catch_up(self, replica: FleetReplica) -> None:
         """Load the newest version if one was published between the replica's start and its listing.
 
         Why: the replica loaded the newest version on the volume when it started, and the trainer
@@ -166,7 +166,7 @@ class Fleet:
             except httpx.HTTPError as exc:  # the next restart check or a replacement covers it
                 log.warning("re-registering %s failed: %s", r.name, exc)
 
-    def _deregister(self, replica: Replica) -> None:
+    def _deregister(self, replica: FleetReplica) -> None:
         try:
             httpx.delete(f"{self.router}/v1/replicas", params={"url": replica.url}, timeout=10,
                          headers={"Authorization": f"Bearer {self.cluster_token}"})
@@ -179,7 +179,7 @@ class Fleet:
             write_text(self.replicas_file, "".join(r.url + "\n" for r in self.up()))
 
     # ---- faults and scaling ----
-    def reap(self) -> list[Replica]:
+    def reap(self) -> list[FleetReplica]:
         """Replicas whose process exited on its own: deregistered, listed as gone, returned."""
         dead = []
         with self.lock:
@@ -198,7 +198,7 @@ class Fleet:
             self.write_replicas_file()
         return dead
 
-    def kill(self, replica: Replica, why: str) -> None:
+    def kill(self, replica: FleetReplica, why: str) -> None:
         """SIGKILL a replica's process group, as a preemption would; the router learns by failing calls."""
         with self.lock:
             replica.state = "gone"
@@ -207,7 +207,7 @@ class Fleet:
         self.event("replica_killed", replica=replica.name, pool=replica.pool, detail=why)
         self._deregister(replica)
 
-    def drain(self, pool: str, n: int, drain_s: float = 30.0) -> list[Replica]:
+    def drain(self, pool: str, n: int, drain_s: float = 30.0) -> list[FleetReplica]:
         """Take `n` replicas of `pool` out gracefully: no new sessions, stopped once idle or after `drain_s`."""
         with self.lock:
             chosen = [r for r in self.replicas.values() if r.pool == pool and r.state == "up"][-n:] if n else []

@@ -382,7 +382,7 @@ def _tail(path: Path, chars: int = 2000) -> str:
         return ""
 
 
-def launch_run(cfg: RunConfig, resume: bool = False) -> int:
+def run_launcher(cfg: RunConfig, resume: bool = False) -> int:
     """`burstrl run`: preflight, then the launcher; returns the exit status."""
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("PYTHONUNBUFFERED", "1")

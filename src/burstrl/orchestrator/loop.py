@@ -48,7 +48,7 @@ class GroupFailed(RuntimeError):
 
 
 @dataclass
-class Counters:
+class OrchestratorCounters:
     groups_started: int = 0
     groups_done: int = 0
     groups_restarted: int = 0
@@ -75,7 +75,7 @@ class Orchestrator:
         self.rng = random.Random(f"{o.seed}:{time.time_ns()}")
         self.max_in_flight = o.max_in_flight_groups
         self.max_buffered = o.max_buffered_groups
-        self.counters = Counters()
+        self.counters = OrchestratorCounters()
         self.recent: deque[Outcome] = deque(maxlen=64)
         self.version = 0
         self.groups: set[asyncio.Task] = set()
@@ -223,7 +223,7 @@ class Orchestrator:
         write_text(self.state_path, json.dumps({"curriculum": self.curriculum.state()}))
 
 
-def orchestrate(cfg: OrchestrateConfig) -> None:
+def run_orchestrator(cfg: OrchestrateConfig) -> None:
     """Run until the store has `steps` committed steps (or forever), or until SIGTERM/SIGINT."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)

@@ -28,7 +28,7 @@ class NoReplicaError(Exception):
 
 
 @dataclass
-class Session:
+class NewSession:
     """What a policy knows about a new session (the body of `POST /v1/assign`)."""
 
     id: str
@@ -52,13 +52,13 @@ class ReplicaView:
     versions: set[str] = field(default_factory=set)
     healthy: bool = True
     draining: bool = False  # being removed: keeps its sessions, gets no new ones
-    recent_assignments: list[Session] = field(default_factory=list)
+    recent_assignments: list[NewSession] = field(default_factory=list)
     # (live_sessions, session_kinds, size model generation, size model, projected total): scrapes replace
     # those dicts (never mutate them), so a placement between scrapes reuses the sum.
     live_projection: tuple | None = field(default=None, repr=False, compare=False)
 
 
-def record_assignment(replica: ReplicaView, session: Session) -> None:
+def record_assignment(replica: ReplicaView, session: NewSession) -> None:
     """Remember a placement until the next scrape, so later choices see its projected size."""
     replica.recent_assignments.append(session)
 
@@ -79,7 +79,7 @@ def newest_routable_version(replicas: list[ReplicaView], pools: tuple[str, ...] 
     return max(common, key=version_key) if common else None
 
 
-def eligible(session: Session, replicas: list[ReplicaView]) -> list[ReplicaView]:
+def eligible(session: NewSession, replicas: list[ReplicaView]) -> list[ReplicaView]:
     """Healthy, non-draining replicas that serve the session's version; raises when there is none."""
     ok = [r for r in replicas if r.healthy and not r.draining and session.version in r.versions]
     if not ok:
@@ -169,18 +169,18 @@ class SizeModel:
         n = len(ordered) - start
         return float(ordered[start + min(n - 1, int(self.quantile * n))])
 
-    def project_new(self, session: Session) -> float:
+    def project_new(self, session: NewSession) -> float:
         """Projected final size of a new session: the model's estimate, or the caller's hint if larger."""
         return max(float(session.expected_tokens), self.expected(session.kind))
 
 
-class Policy(Protocol):
+class RoutingPolicy(Protocol):
     name: str
 
-    def choose(self, session: Session, replicas: list[ReplicaView], rng: random.Random) -> ReplicaView: ...
+    def choose(self, session: NewSession, replicas: list[ReplicaView], rng: random.Random) -> ReplicaView: ...
 
 
-def projected_headroom(replica: ReplicaView, session: Session, sizes: SizeModel) -> float:
+def projected_headroom(replica: ReplicaView, session: NewSession, sizes: SizeModel) -> float:
     """Capacity minus the projected final sizes of its live sessions, recent assignments and this one."""
     total = live_projection(replica, sizes)
     for recent in replica.recent_assignments:
@@ -223,10 +223,10 @@ class HeadroomPolicy:
         self.k = k
         self.sizes = sizes if sizes is not None else SizeModel()
 
-    def score(self, replica: ReplicaView, session: Session) -> float:
+    def score(self, replica: ReplicaView, session: NewSession) -> float:
         return projected_headroom(replica, session, self.sizes) / max(replica.weight, 1e-9)
 
-    def choose(self, session: Session, replicas: list[ReplicaView], rng: random.Random) -> ReplicaView:
+    def choose(self, session: NewSession, replicas: list[ReplicaView], rng: random.Random) -> ReplicaView:
         pool = eligible(session, replicas)
         sample = weighted_sample(pool, min(self.k, len(pool)), rng)
         return max(sample, key=lambda r: self.score(r, session))
@@ -244,7 +244,7 @@ class RandomPolicy:
 
     name = "random"
 
-    def choose(self, session: Session, replicas: list[ReplicaView], rng: random.Random) -> ReplicaView:
+    def choose(self, session: NewSession, replicas: list[ReplicaView], rng: random.Random) -> ReplicaView:
         return rng.choice(eligible(session, replicas))
 
 
@@ -256,7 +256,7 @@ class RoundRobinPolicy:
     def __init__(self) -> None:
         self._next = 0
 
-    def choose(self, session: Session, replicas: list[ReplicaView], rng: random.Random) -> ReplicaView:
+    def choose(self, session: NewSession, replicas: list[ReplicaView], rng: random.Random) -> ReplicaView:
         pool = eligible(session, replicas)
         chosen = pool[self._next % len(pool)]
         self._next += 1
@@ -274,7 +274,7 @@ class LeastLoadedPolicy:
 
     name = "least_loaded"
 
-    def choose(self, session: Session, replicas: list[ReplicaView], rng: random.Random) -> ReplicaView:
+    def choose(self, session: NewSession, replicas: list[ReplicaView], rng: random.Random) -> ReplicaView:
         pool = eligible(session, replicas)
         return min(pool, key=lambda r: (load_fraction(r), rng.random()))
 
@@ -310,7 +310,7 @@ class CacheAwarePolicy:
         for h in hashes:
             node = node.setdefault(h, {})
 
-    def choose(self, session: Session, replicas: list[ReplicaView], rng: random.Random) -> ReplicaView:
+    def choose(self, session: NewSession, replicas: list[ReplicaView], rng: random.Random) -> ReplicaView:
         pool = eligible(session, replicas)
         loads = {r.id: load_fraction(r) for r in pool}
         least = min(pool, key=lambda r: (loads[r.id], rng.random()))
@@ -327,7 +327,7 @@ class CacheAwarePolicy:
 POLICY_NAMES = ("headroom", "random", "round_robin", "least_loaded", "cache_aware")
 
 
-def make_policy(name: str, k: int = 2, sizes: SizeModel | None = None) -> Policy:
+def make_policy(name: str, k: int = 2, sizes: SizeModel | None = None) -> RoutingPolicy:
     """A fresh policy by name (fresh state: round-robin counter, prefix trees)."""
     if name == "headroom":
         return HeadroomPolicy(k=k, sizes=sizes)

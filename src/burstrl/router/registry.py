@@ -21,10 +21,10 @@ from urllib.parse import urlsplit
 
 from burstrl.router.policies import (
     POOLS,
+    NewSession,
     NoReplicaError,
-    Policy,
     ReplicaView,
-    Session,
+    RoutingPolicy,
     SizeModel,
     eligible,
     load_fraction,
@@ -69,7 +69,7 @@ def validate_url(url: str) -> str:
 
 
 @dataclass
-class Counters:
+class RouterCounters:
     requests: int = 0
     errors: int = 0
     rehomes: int = 0
@@ -95,7 +95,7 @@ class Registry:
                  grace_s: float = SESSION_GRACE_S, clock: Callable[[], float] = time.monotonic) -> None:
         self.sizes = SizeModel()
         self.version_pools = version_pools or None  # pools that must serve a version before it is "latest"
-        self.policy: Policy = make_policy(policy, k=k, sizes=self.sizes)
+        self.policy: RoutingPolicy = make_policy(policy, k=k, sizes=self.sizes)
         self.rng = random.Random(seed)
         self.health_failures = health_failures
         self.replicas: dict[str, ReplicaView] = {}
@@ -108,7 +108,7 @@ class Registry:
         self.kinds: dict[str, str] = {}  # session id -> task kind (sizes it in the size model)
         self.seen: OrderedDict[str, float] = OrderedDict()  # session id -> last call or live report, oldest first
         self.max_sessions, self.grace_s, self.clock = max_sessions, grace_s, clock
-        self.counters = Counters()
+        self.counters = RouterCounters()
 
     # --- membership -------------------------------------------------------------------------
 
@@ -227,7 +227,7 @@ class Registry:
         """
         live = list(self.replicas.values())
         kind = self.kinds.get(session_id, kind) if session_id else kind  # a session keeps its first kind
-        session = Session(id=session_id or "", kind=self.sizes.admit(kind), version=version,
+        session = NewSession(id=session_id or "", kind=self.sizes.admit(kind), version=version,
                           expected_tokens=expected_tokens)
         home = self.homes.get(session_id) if session_id else None
         if home is not None:
@@ -245,7 +245,7 @@ class Registry:
             return min(eligible(session, live), key=lambda r: (load_fraction(r), self.rng.random()))
         return self._assign(session)
 
-    def _assign(self, session: Session) -> ReplicaView:
+    def _assign(self, session: NewSession) -> ReplicaView:
         try:
             view = self.policy.choose(session, list(self.replicas.values()), self.rng)
         except NoReplicaError as exc:
@@ -317,7 +317,7 @@ class Registry:
 
     def stats(self) -> dict[str, Any]:
         """Per-replica load and placement figures plus totals (the `/v1/stats` body)."""
-        probe = Session(id="")
+        probe = NewSession(id="")
         per_replica = []
         homed = Counter(self.homes.values())
         for view in self.replicas.values():

@@ -486,7 +486,7 @@ async def _read_json(request: Request, limit: int) -> dict[str, Any]:
     return parse_json(await _read_body(request, limit))
 
 
-def serve(cfg: RouteConfig) -> None:
+def run_router(cfg: RouteConfig) -> None:
     """Run the router until SIGINT/SIGTERM; prints a ready line with the URL once listening."""
     import uvicorn
 

@@ -30,8 +30,8 @@ from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from burstrl.config.loading import Section, read_config_file, validate
 from burstrl.router.policies import (
+    NewSession,
     ReplicaView,
-    Session,
     SizeModel,
     make_policy,
     record_assignment,
@@ -60,7 +60,7 @@ class PoolSpec:
     capacity_tokens: int = 200_000
 
 
-class SimConfig(Section):
+class RouterSimConfig(Section):
     """`burstrl route sim`: trace generator, fleet and cost model; set from TOML/JSON files and
     `--key value` overrides like every burstrl config (lists of tables as JSON, e.g. `--pools '[...]'`)."""
 
@@ -85,10 +85,10 @@ class SimConfig(Section):
     size_prior_tokens: int = Field(8192, ge=1, description="Projected session size before any has finished.")
 
 
-def load_config(path: str | Path | None = None, **overrides: object) -> SimConfig:
+def load_config(path: str | Path | None = None, **overrides: object) -> RouterSimConfig:
     """Defaults, then a TOML or JSON file (by suffix), then keyword overrides; unknown keys are errors."""
     data = read_config_file(path) if path is not None else {}
-    return validate(SimConfig, {**data, **overrides})
+    return validate(RouterSimConfig, {**data, **overrides})
 
 
 @dataclass
@@ -108,7 +108,7 @@ class TraceSession:
     calls: list[Call]
 
 
-def generate_trace(cfg: SimConfig) -> list[TraceSession]:
+def generate_trace(cfg: RouterSimConfig) -> list[TraceSession]:
     """Agentic rollouts: sessions of several calls whose context grows by tool output and replies."""
     rng = random.Random(cfg.seed)
     bs = cfg.block_size
@@ -149,10 +149,10 @@ def load_mooncake(path: str | Path) -> list[TraceSession]:
     return trace
 
 
-class Replica:
+class SimReplica:
     """Simulated replica: block LRU cache with pinning, a FIFO of waiting calls, busy slots."""
 
-    def __init__(self, view: ReplicaView, cfg: SimConfig) -> None:
+    def __init__(self, view: ReplicaView, cfg: RouterSimConfig) -> None:
         self.view = view
         self.capacity_blocks = view.capacity_tokens // cfg.block_size
         self.slots = max(1, int(cfg.max_seqs * view.weight))
@@ -164,12 +164,12 @@ class Replica:
         self.live: dict[str, int] = {}  # session id -> context tokens now
 
 
-def pin(r: Replica, hashes: list[int] | tuple[int, ...]) -> None:
+def pin(r: SimReplica, hashes: list[int] | tuple[int, ...]) -> None:
     for h in hashes:
         r.pinned[h] = r.pinned.get(h, 0) + 1
 
 
-def unpin(r: Replica, hashes: list[int] | tuple[int, ...]) -> None:
+def unpin(r: SimReplica, hashes: list[int] | tuple[int, ...]) -> None:
     for h in hashes:
         left = r.pinned[h] - 1
         if left:
@@ -178,22 +178,22 @@ def unpin(r: Replica, hashes: list[int] | tuple[int, ...]) -> None:
             del r.pinned[h]
 
 
-class Simulator:
+class RouterSimulator:
     """Runs one policy over one trace; `run()` returns the figures."""
 
-    def __init__(self, cfg: SimConfig, trace: list[TraceSession], policy_name: str, k: int = 2) -> None:
+    def __init__(self, cfg: RouterSimConfig, trace: list[TraceSession], policy_name: str, k: int = 2) -> None:
         self.cfg, self.trace = cfg, trace
         self.sizes = SizeModel(prior_tokens=cfg.size_prior_tokens)
         self.policy = make_policy(policy_name, k=k, sizes=self.sizes)
         self.rng = random.Random(cfg.seed + 1)
-        self.replicas: list[Replica] = []
+        self.replicas: list[SimReplica] = []
         for p in cfg.pools:
             for j in range(p.count):
                 view = ReplicaView(f"{p.pool}-{j}", p.pool, p.weight, p.capacity_tokens, versions={"v1"})
-                self.replicas.append(Replica(view, cfg))
+                self.replicas.append(SimReplica(view, cfg))
         self.views = [r.view for r in self.replicas]
         self.by_view = {id(r.view): r for r in self.replicas}
-        self.home: dict[str, Replica] = {}
+        self.home: dict[str, SimReplica] = {}
         self.kind_by_id = {s.id: s.kind for s in trace}
         self.events: list = []
         self.seq = 0
@@ -232,7 +232,7 @@ class Simulator:
 
     def arrive(self, t: float, s: TraceSession) -> None:
         first = s.calls[0]
-        session = Session(s.id, s.kind, "v1", expected_tokens=first.input_tokens, prefix_hashes=first.input_hashes)
+        session = NewSession(s.id, s.kind, "v1", expected_tokens=first.input_tokens, prefix_hashes=first.input_hashes)
         view = self.policy.choose(session, self.views, self.rng)
         record_assignment(view, session)
         replica = self.by_view[id(view)]
@@ -241,14 +241,14 @@ class Simulator:
         replica.queue.append((s, 0))
         self.try_start(t, replica)
 
-    def try_start(self, t: float, r: Replica) -> None:
+    def try_start(self, t: float, r: SimReplica) -> None:
         while r.queue and r.running < r.slots:
             session, idx = r.queue[0]
             if not self.start(t, r, session, idx):
                 return  # head of line waits for KV to free up
             r.queue.popleft()
 
-    def start(self, t: float, r: Replica, s: TraceSession, idx: int) -> bool:
+    def start(self, t: float, r: SimReplica, s: TraceSession, idx: int) -> bool:
         call, bs = s.calls[idx], self.cfg.block_size
         blocks = call.input_hashes + call.output_hashes
         matched = 0
@@ -293,7 +293,7 @@ class Simulator:
         self.push(t + duration, "done", (r, s, idx, fits))
         return True
 
-    def evict(self, t: float, r: Replica, need: int) -> None:
+    def evict(self, t: float, r: SimReplica, need: int) -> None:
         if need <= 0:
             return
         victims = []
@@ -307,7 +307,7 @@ class Simulator:
             r.evicted_at[h] = t
         self.stats["evicted_tokens"] += len(victims) * self.cfg.block_size
 
-    def done(self, t: float, r: Replica, s: TraceSession, idx: int, pinned: bool) -> None:
+    def done(self, t: float, r: SimReplica, s: TraceSession, idx: int, pinned: bool) -> None:
         call = s.calls[idx]
         r.running -= 1
         if pinned:
@@ -362,10 +362,11 @@ def percentile(ordered: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
-def simulate(cfg: SimConfig, policies: list[str], k: int = 2, trace: list[TraceSession] | None = None) -> dict[str, dict]:
+def simulate(cfg: RouterSimConfig, policies: list[str], k: int = 2,
+             trace: list[TraceSession] | None = None) -> dict[str, dict]:
     """Run each policy on the same trace (generated from cfg.seed unless given); figures per policy."""
     trace = trace if trace is not None else generate_trace(cfg)
-    return {name: Simulator(cfg, trace, name, k=k).run() for name in policies}
+    return {name: RouterSimulator(cfg, trace, name, k=k).run() for name in policies}
 
 
 def format_table(results: dict[str, dict]) -> str:
@@ -380,6 +381,6 @@ def format_table(results: dict[str, dict]) -> str:
     return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows)
 
 
-def config_dict(cfg: SimConfig) -> dict:
+def config_dict(cfg: RouterSimConfig) -> dict:
     """The config as plain data (for the benchmark's JSON line)."""
     return cfg.model_dump()

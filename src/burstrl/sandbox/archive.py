@@ -36,6 +36,7 @@ from burstrl.sandbox.images import (
     Descriptor,
     ImageError,
     ImageRef,
+    _HashingReader,
     _HashingWriter,
     _index,
     _write_json_blob,
@@ -80,34 +81,6 @@ def layer_kind(media_type: str) -> str:
     if media_type not in LAYER_TYPES:
         raise ImageError(f"unsupported layer media type {media_type!r}")
     return LAYER_TYPES[media_type]
-
-
-class _HashingReader:
-    """Reads `src`, hashing and counting every byte; `drain` reads to the end so the hash is whole."""
-
-    def __init__(self, src: BinaryIO, label: str = "", total: int | None = None,
-                 progress: Progress | None = None) -> None:
-        self.src, self.label, self.total, self.progress = src, label, total, progress
-        self.sha, self.size = hashlib.sha256(), 0
-
-    def read(self, n: int = -1) -> bytes:
-        data = self.src.read(n)
-        self.sha.update(data)
-        self.size += len(data)
-        if self.progress is not None and data:
-            self.progress(self.label, self.size, self.total)
-        return data
-
-    def readable(self) -> bool:
-        return True
-
-    def drain(self) -> None:
-        while self.read(_CHUNK):
-            pass
-
-    @property
-    def digest(self) -> str:
-        return "sha256:" + self.sha.hexdigest()
 
 
 def _decoded(kind: str, src: Any) -> Any:

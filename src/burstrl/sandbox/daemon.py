@@ -413,10 +413,10 @@ def _reap_forever(runtime: Runtime) -> None:
         runtime.reap_orphans()
 
 
-def run(socket_path: Optional[str] = None, host: str = "127.0.0.1", port: Optional[int] = None,
-        token_file: Optional[str] = None, root: str = "/", work_dir: Optional[str] = None,
-        env_file: Optional[str] = None, inherit_env: bool = False, listen_fd: Optional[int] = None,
-        token_fd: Optional[int] = None) -> int:
+def run_sandboxd(socket_path: Optional[str] = None, host: str = "127.0.0.1", port: Optional[int] = None,
+                 token_file: Optional[str] = None, root: str = "/", work_dir: Optional[str] = None,
+                 env_file: Optional[str] = None, inherit_env: bool = False, listen_fd: Optional[int] = None,
+                 token_fd: Optional[int] = None) -> int:
     """Serve until /close (or SIGTERM/SIGINT, unless pid 1); print the ready line once listening."""
     if socket_path is None and port is None and listen_fd is None:
         raise ValueError("give --socket PATH, --listen-fd N or --port N for TCP")
@@ -465,8 +465,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="Commands inherit this process's env (token removed), under --env-file.")
     args = parser.parse_args(argv)
     try:
-        return run(args.socket, args.host, args.port, args.token_file, args.root, args.work_dir, args.env_file,
-                   args.inherit_env, args.listen_fd, args.token_fd)
+        return run_sandboxd(args.socket, args.host, args.port, args.token_file, args.root, args.work_dir,
+                            args.env_file, args.inherit_env, args.listen_fd, args.token_fd)
     except (ValueError, OSError) as exc:
         sys.stderr.write(f"sandboxd: error: {exc}\n")
         return 2

@@ -18,6 +18,7 @@ import os
 import platform
 import shutil
 import tarfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, BinaryIO
@@ -122,6 +123,34 @@ def blob_path(layout: Path, digest: str) -> Path:
 
 
 # ---------------------------------------------------------------------------------------- writing
+
+
+class _HashingReader:
+    """Reads `src`, hashing and counting every byte; `drain` reads to the end so the hash is whole."""
+
+    def __init__(self, src: BinaryIO, label: str = "", total: int | None = None,
+                 progress: Callable[[str, int, int | None], None] | None = None) -> None:
+        self.src, self.label, self.total, self.progress = src, label, total, progress
+        self.sha, self.size = hashlib.sha256(), 0
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.src.read(n)
+        self.sha.update(data)
+        self.size += len(data)
+        if self.progress is not None and data:
+            self.progress(self.label, self.size, self.total)
+        return data
+
+    def readable(self) -> bool:
+        return True
+
+    def drain(self) -> None:
+        while self.read(_CHUNK):
+            pass
+
+    @property
+    def digest(self) -> str:
+        return "sha256:" + self.sha.hexdigest()
 
 
 class _HashingWriter:

@@ -34,30 +34,11 @@ from collections.abc import Collection, Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
 
-from burstrl.sandbox.images import Descriptor, Image, ImageError, decompressor
+from burstrl.sandbox.images import Descriptor, Image, ImageError, _HashingReader, decompressor
 
 WHITEOUT = ".wh."
 OPAQUE = ".wh..wh..opq"
 _CHUNK = 1 << 20
-
-
-class _HashingReader:
-    """Hashes and counts what is read from `src`: a layer blob is verified while it is unpacked."""
-
-    def __init__(self, src: BinaryIO) -> None:
-        import hashlib
-
-        self.src, self.sha, self.size = src, hashlib.sha256(), 0
-
-    def read(self, n: int = -1) -> bytes:
-        data = self.src.read(n)
-        self.sha.update(data)
-        self.size += len(data)
-        return data
-
-    def drain(self) -> None:
-        while self.read(_CHUNK):
-            pass
 
 
 # ------------------------------------------------------------------------------- safe extraction

@@ -36,7 +36,13 @@ from burstrl.sandbox.placement import (
     Usage,
     make_policy,
 )
-from burstrl.sandbox.simload import GEN, Rollout, WorkloadConfig, image_layers, make_rollout
+from burstrl.sandbox.simload import (
+    GEN,
+    SimRollout,
+    WorkloadConfig,
+    image_layers,
+    make_rollout,
+)
 
 BINS = 40  # per-sandbox histogram of use as a fraction of its limit (for its high percentile)
 
@@ -86,7 +92,7 @@ class SimConfig:
             raise ValueError("reserved resources leave nothing allocatable")
 
 
-class LayerCache:
+class SimLayerCache:
     """One node's LRU layer cache: digest -> (bytes, ready time); layers of running sandboxes are pinned."""
 
     def __init__(self, capacity: float) -> None:
@@ -206,7 +212,7 @@ class Simulator:
         self.mem_capacity = (cfg.node_mem_gib - cfg.reserved_mem_gib) * GIB
         unpack = cfg.zstd_mbps if cfg.codec == "zstd" else cfg.gzip_mbps
         self.pull_s_per_byte = 1 / (cfg.pull_mbps * 1e6) + 1 / (unpack * 1e6)
-        self.caches = [LayerCache(cfg.cache_gb * 1e9) for _ in range(self.n)]
+        self.caches = [SimLayerCache(cfg.cache_gb * 1e9) for _ in range(self.n)]
         self.fleet = FleetPrior(Prior())
         s = self.slots
         self.active = np.zeros(s, bool)
@@ -227,7 +233,7 @@ class Simulator:
         self.arena_cpu, self.arena_mem = np.zeros(1 << 16, np.float32), np.zeros(1 << 16, np.float32)
         self.arena_kind, self.arena_end = np.zeros(1 << 16, np.int8), 0
         self.pending: list[int] = []
-        self.drawn: dict[int, Rollout] = {}
+        self.drawn: dict[int, SimRollout] = {}
         self.next_id = 0
         self.dirty = True
         self.m = {"evictions": 0, "oom_limit": 0, "oom_node": 0, "starts": 0, "hits": 0, "bytes_pulled": 0,
@@ -300,7 +306,7 @@ class Simulator:
         high = (n * own + k * prior.high * lim) / (n + k)
         return [Usage(float(a), float(b), float(c)) for a, b, c in zip(mean, var, high)]
 
-    def _place(self, t: int, i: int, rollout: Rollout, request: SandboxRequest, requests: Resources) -> None:
+    def _place(self, t: int, i: int, rollout: SimRollout, request: SandboxRequest, requests: Resources) -> None:
         s = int(np.argmin(self.active))
         ready, hit, pulled = self.caches[i].fetch(request.layers, t, self.pull_s_per_byte)
         start = ready - t + self.cfg.create_s

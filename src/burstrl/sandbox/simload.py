@@ -48,7 +48,7 @@ class WorkloadConfig:
 
 
 @dataclass
-class Rollout:
+class SimRollout:
     """One rollout: its image and limits, and per-second CPU and memory fractions of its limits."""
 
     index: int
@@ -60,13 +60,13 @@ class Rollout:
     kind: np.ndarray  # GEN, CMD or TEST per second
 
 
-def make_rollout(cfg: WorkloadConfig, seed: int, index: int) -> Rollout:
+def make_rollout(cfg: WorkloadConfig, seed: int, index: int) -> SimRollout:
     rng = np.random.default_rng([seed, index, 1])
     cpu_limit = float(rng.choice(cfg.cpu_limits, p=cfg.cpu_limit_probs))
     length = int(np.clip(rng.lognormal(np.log(cfg.duration_median_s), cfg.duration_sigma), 60, 4 * 3600))
     kinds, levels, mems = _phases(cfg, rng, length, cpu_limit)
     image = _zipf_pick(cfg, seed, rng)
-    return Rollout(index, image, cpu_limit, cpu_limit * cfg.mem_gib_per_cpu * GIB, levels, mems, kinds)
+    return SimRollout(index, image, cpu_limit, cpu_limit * cfg.mem_gib_per_cpu * GIB, levels, mems, kinds)
 
 
 def _phases(cfg: WorkloadConfig, rng: np.random.Generator, length: int,

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from burstrl.config import TrainerConfig
+from burstrl.config import TrainerSection
 
 
 def group_advantages(rewards: list[float], std_norm: bool, eps: float = 1e-6) -> list[float] | None:
@@ -63,7 +63,7 @@ class TokenLoss:
     kl: torch.Tensor | None
 
 
-def token_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, cfg: TrainerConfig,
+def token_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, cfg: TrainerSection,
                ref_logp: torch.Tensor | None = None) -> TokenLoss:
     """logp, old_logp, adv (, ref_logp): [N] over sampled tokens -> per-token loss l_t.
 

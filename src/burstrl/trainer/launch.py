@@ -20,7 +20,7 @@ from burstrl.config import TrainConfig, dump_toml
 from burstrl.protocol.process import die_with_parent_signal
 
 
-def launch(cfg: TrainConfig, resume: bool) -> int:
+def run_trainer(cfg: TrainConfig, resume: bool) -> int:
     """Run `cfg.trainer.world_size` ranks to completion; returns an exit status."""
     if cfg.trainer.world_size == 1:
         from burstrl.trainer.loop import train
