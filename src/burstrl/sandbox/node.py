@@ -265,7 +265,7 @@ class NodeAgent:
         }
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _NodeHandler(BaseHTTPRequestHandler):
     server: _Server
     protocol_version = "HTTP/1.1"
 
@@ -334,7 +334,7 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
 
     def __init__(self, addr: tuple[str, int], agent: NodeAgent, token: str) -> None:
-        super().__init__(addr, _Handler)
+        super().__init__(addr, _NodeHandler)
         self.agent, self.token = agent, token
 
 
