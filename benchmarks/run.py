@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO / "src"))
 from burstrl.eval.report import summary  # noqa: E402
 from burstrl.model.tiny import ensure_tiny_model  # noqa: E402
 from burstrl.store import RolloutStore  # noqa: E402
-from burstrl.trainer.sft import ensure_warm_model  # noqa: E402
+from burstrl.envs.toy_warm import ensure_warm_model  # noqa: E402
 
 
 def run(run_dir: Path, model: Path, steps: int, *overrides: str) -> dict:

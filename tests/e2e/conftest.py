@@ -19,7 +19,7 @@ SMALL = ["--trainer.batch_groups", "3", "--orchestrator.group_size", "6", "--fle
 
 @pytest.fixture(scope="session")
 def warm_model(tiny_model_dir: Path) -> Path:
-    from burstrl.trainer.sft import ensure_warm_model
+    from burstrl.envs.toy_warm import ensure_warm_model
 
     return ensure_warm_model(tiny_model_dir, REPO / ".cache" / "tiny-qwen3-warm")
 

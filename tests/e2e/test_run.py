@@ -138,7 +138,7 @@ def _greedy(model_dir: Path, adapter: Path | None) -> float:
     """Greedy mean reward on one held-out prompt per letter (plain HF, in this process)."""
     from burstrl.envs import toy
     from burstrl.model.hf import load_model, load_tokenizer
-    from burstrl.trainer.toy_eval import greedy_score
+    from burstrl.envs.toy_eval import greedy_score
 
     model = load_model(str(model_dir), "float32", "cpu")
     if adapter is not None:

@@ -63,7 +63,7 @@ def greedy_score(server: Server, model: str, tasks: list[toy.ToyTask]) -> float:
 
 @pytest.mark.slow
 def test_grpo_raises_the_reward_of_a_warm_started_model(tiny_model_dir: Path, tmp_path: Path) -> None:
-    from burstrl.trainer.sft import ensure_warm_model
+    from burstrl.envs.toy_warm import ensure_warm_model
 
     warm = ensure_warm_model(tiny_model_dir, REPO / ".cache" / "tiny-qwen3-warm")
     server = start_server(warm, tmp_path / "replica")

@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from burstrl.envs import toy
+from burstrl.envs import toy, toy_warm
 from burstrl.model.hf import eos_token_ids, load_model, load_tokenizer
 from burstrl.trainer import sft as sft_mod
+from burstrl.envs.toy_warm import ensure_warm_model
 from burstrl.trainer.sft import (
     IGNORE,
     SFTDataError,
     encode_conversation,
-    ensure_warm_model,
     load_conversations,
     sft,
 )
@@ -140,7 +140,7 @@ def test_cli_sft_writes_a_model(tiny_model_dir, tmp_path):
 def test_warm_model_lands_in_its_target_band_and_is_cached(tiny_model_dir, tmp_path):
     # ~10 s on 2 cores (53 SFT steps, one greedy evaluation per step)
     out = ensure_warm_model(tiny_model_dir, tmp_path / "warm")
-    marker = json.loads((out / sft_mod.WARM_MARKER).read_text())
+    marker = json.loads((out / toy_warm.WARM_MARKER).read_text())
     assert 0.2 <= marker["mean_reward"] <= 0.6
     assert marker["base_mean_reward"] < 0.1
     assert marker["sampled_groups_with_variance"] > 0.5  # GRPO gets a signal from most groups
@@ -152,9 +152,9 @@ def test_warm_model_lands_in_its_target_band_and_is_cached(tiny_model_dir, tmp_p
     # A racing builder that finishes second uses the winner's identical model; a different
     # recipe in the way is an error, not an overwrite.
     model, tokenizer = load_model(out, "float32", "cpu"), load_tokenizer(out)
-    assert sft_mod._publish_warm(model, tokenizer, out, marker, stale=False) == out
+    assert toy_warm._publish_warm(model, tokenizer, out, marker, stale=False) == out
     with pytest.raises(FileExistsError):
-        sft_mod._publish_warm(model, tokenizer, out, {**marker, "recipe": {"other": 1}}, stale=False)
+        toy_warm._publish_warm(model, tokenizer, out, {**marker, "recipe": {"other": 1}}, stale=False)
     assert [p.name for p in tmp_path.iterdir()] == ["warm"]
 
 

@@ -27,8 +27,8 @@ ALLOWED: dict[str, set[str]] = {
     "launcher": {"envs", "eval", "model", "orchestrator", "providers", "store", "trainer", "weights"},
     "eval": {"envs", "orchestrator"},
     "orchestrator": {"envs", "store"},
-    "envs": {"sandbox", "trainer"},  # envs -> trainer: the toy warm start and SFT; issue 17's move 2 removes it
-    "trainer": {"envs", "model", "store", "weights"},
+    "envs": {"model", "sandbox", "trainer"},  # model, trainer: the warm starts load the base and call the SFT
+    "trainer": {"model", "store", "weights"},
     "inference": {"model", "weights"},
     "router": set(),
     "weights": set(),

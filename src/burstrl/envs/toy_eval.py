@@ -3,7 +3,8 @@
 Why plain `generate` and not a replica: the warm start (and tests) need a quick, dependency-free
 measurement inside one process, before any server exists. Greedy mean reward says what the model
 knows; sampling G replies per prompt at temperature 1 says what GRPO will see (a group whose
-rewards are all equal carries no learning signal).
+rewards are all equal carries no learning signal). It lives beside the toy environments because
+it grades with their rewards; the toy warm start (`envs/toy_warm.py`) is its main user.
 """
 
 from __future__ import annotations
