@@ -631,7 +631,7 @@ def eval_command(
 
 def _evaluate(cfg) -> None:
     """`burstrl eval` once its config is resolved: argument checks first, then the replica."""
-    from burstrl.envs import ENV_NAMES
+    from burstrl.envs import check_env
     from burstrl.eval.passk import read_exclude_file
     from burstrl.eval.run import (
         EvalSpec,
@@ -644,8 +644,10 @@ def _evaluate(cfg) -> None:
     run_dir = Path(cfg.run) if cfg.run else None
     if not (model / "config.json").is_file():
         _fail(f"{model}: not a model directory")
-    if cfg.env not in ENV_NAMES:
-        _fail(f"unknown environment {cfg.env!r}; choose from {', '.join(ENV_NAMES)}")
+    try:
+        check_env(cfg.env)
+    except ValueError as exc:
+        _fail(str(exc))
     if cfg.env == "swe" and tasks is None:
         _fail("--env swe needs --tasks FILE (see `burstrl tasks`)")
     if tasks is not None and not tasks.is_file():

@@ -7,7 +7,7 @@ it rejects unknown keys by name. No torch import: the CLI loads these to answer 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -270,6 +270,10 @@ class OrchestratorConfig(Section):
     stats_interval_s: float = Field(1.0, gt=0, description="Seconds between lines of orchestrator.jsonl.")
     curriculum: CurriculumConfig = Field(default_factory=CurriculumConfig)
     swe: SweEnvConfig = Field(default_factory=SweEnvConfig)
+    env: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="Options of environments that bring their own options model, by the "
+        "environment's name (`[orchestrator.env.NAME]`); each is validated by that environment (envs/registry.py)."
+    )
 
 
 class OrchestrateConfig(Section):

@@ -69,10 +69,14 @@ def _model_problems(cfg: RunConfig) -> list[str]:
 
 
 def _env_problems(cfg: RunConfig) -> list[str]:
-    from burstrl.envs import ENV_NAMES
+    from burstrl.envs import check_env
 
-    out = [f"orchestrator.envs: unknown environment {name!r} (choose from {', '.join(ENV_NAMES)})"
-           for name in cfg.orchestrator.envs if name not in ENV_NAMES]
+    out = []
+    for name in cfg.orchestrator.envs:
+        try:
+            check_env(name, cfg.orchestrator)
+        except ValueError as exc:
+            out.append(f"orchestrator.envs: {exc}")
     out += [f"orchestrator.envs.{name}: weight must be > 0" for name, w in cfg.orchestrator.envs.items() if w <= 0]
     if not cfg.orchestrator.envs:
         out.append("orchestrator.envs: at least one environment is needed")

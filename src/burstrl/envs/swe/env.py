@@ -43,6 +43,7 @@ class SweEnv:
     """Tasks from a JSONL file (or toy tasks generated into the run directory on first use)."""
 
     name = "swe"
+    Options = SweEnvConfig  # its options: `orchestrator.swe` of a run (envs/registry.py)
 
     def __init__(self, cfg: SweEnvConfig, run_dir: Path) -> None:
         self.cfg, self.run_dir = cfg, Path(run_dir)

@@ -1,0 +1,122 @@
+"""Which environment a name means, and the options it is built with: the plug-in point.
+
+Why a registry keyed by name or `module:Class` (as mini-swe-agent's environment mapping and
+SkyRL-gym's `register`): adding an environment must touch no library file. The built-in ones are
+listed here by import path (nothing is imported until asked for, so the light processes that check a
+name stay light); any other is named `package.module:Class` in `orchestrator.envs` (or `burstrl eval
+--env`) and imported in the process that runs it (its module must be importable there, e.g. on
+PYTHONPATH), or registered by code that runs first (`register`).
+
+Options: an environment class that declares `Options` (a pydantic model, usually a
+`burstrl.config.Section`) is built as `cls(options, run_dir)`, one that does not as `cls()`. Its
+options are validated by its own model from the run config's orchestrator section: the typed
+section named after it where the config has one (`orchestrator.swe`, kept for the built-in SWE
+environment) or the free mapping `orchestrator.env.<name>` (`[orchestrator.env.echo]` in TOML,
+`--orchestrator.env.echo.key value`), where `<name>` is the class's `name`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from burstrl.config import ConfigError, validate
+from burstrl.envs.base import Environment
+
+# Built-in environments: name -> "module:Class". Tuple of names kept for importers and messages.
+_REGISTRY: dict[str, str] = {
+    "toy": "burstrl.envs.toy:ToyEnv",
+    "toy_multi": "burstrl.envs.toy_multi:MultiToyEnv",
+    "swe": "burstrl.envs.swe.env:SweEnv",
+}
+ENV_NAMES = tuple(_REGISTRY)
+
+
+def register(name: str, target: str | type) -> None:
+    """Make `name` mean `target` (a class, or "module:Class" imported when first used)."""
+    if ":" in name:
+        raise ValueError(f"environment name {name!r}: ':' is reserved for module:Class names")
+    _REGISTRY[name] = target if isinstance(target, str) else f"{target.__module__}:{target.__qualname__}"
+
+
+def names() -> tuple[str, ...]:
+    """The registered names (built-in ones first), for error messages."""
+    return tuple(_REGISTRY)
+
+
+def env_class(name: str) -> type:
+    """The class `name` stands for: a registered name or "module:Class" (ValueError otherwise)."""
+    target = _REGISTRY.get(name, name if ":" in name else None)
+    if target is None:
+        raise ValueError(f"unknown environment {name!r}; choose from {', '.join(names())} "
+                         "or name one as package.module:Class")
+    module_name, _, attr = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        raise ValueError(f"environment {name!r}: cannot import {module_name!r} ({exc}); is its directory on "
+                         "PYTHONPATH?") from None
+    cls = module
+    for part in attr.split("."):
+        cls = getattr(cls, part, None)
+        if cls is None:
+            raise ValueError(f"environment {name!r}: {module_name} has no {attr!r}")
+    if not isinstance(cls, type):
+        raise ValueError(f"environment {name!r}: {target} is not a class")
+    return cls
+
+
+def check_env(name: str, options: Any = None) -> None:
+    """ValueError (naming the problem) unless `name` is an environment whose options validate.
+
+    A registered name with no `orchestrator.env.<name>` mapping is checked without importing its
+    module (its typed section, if any, was validated with the config), so the CLI and the launcher
+    answer fast.
+    """
+    if name in _REGISTRY and name not in (getattr(options, "env", None) or {}):
+        return
+    env_options(env_class(name), options)
+
+
+def env_options(cls: type, options: Any) -> BaseModel | None:
+    """`cls`'s options, validated by its own `Options` model from the orchestrator config `options`.
+
+    `options` is the orchestrator section (or anything with the same attributes; None: defaults).
+    None when `cls` declares no options.
+    """
+    model: type[BaseModel] | None = getattr(cls, "Options", None)
+    if model is None:
+        return None
+    key = getattr(cls, "name", cls.__name__)
+    typed = getattr(options, key, None)
+    mapping: Mapping[str, Any] | None = (getattr(options, "env", None) or {}).get(key)
+    if mapping is None:
+        return typed if isinstance(typed, model) else model()
+    if isinstance(typed, BaseModel) and typed.model_fields_set:
+        raise ValueError(f"environment {key!r}: set its options in orchestrator.{key} or in "
+                         f"orchestrator.env.{key}, not both")
+    try:  # the config's own validation: `reward-exact` reads as reward_exact, errors name the keys
+        return validate(model, dict(mapping))
+    except ConfigError as exc:
+        raise ValueError(f"orchestrator.env.{key}: {exc}") from None
+
+
+def get_env(name: str, options: Any = None, run_dir: str | Path | None = None) -> Environment:
+    """The environment `name` stands for (ValueError naming the choices otherwise).
+
+    `options` is the orchestrator's config (the environment's options are read from it, see the
+    module docstring); `run_dir` is where an environment may keep files (generated tasks). An
+    environment loaded as "module:Class" answers to that name: its `name` is set to it, so the
+    tasks it makes (`Task.env = self.name`) find it again in the orchestrator's and curriculum's
+    tables, which are keyed by the names in `orchestrator.envs`.
+    """
+    cls = env_class(name)
+    opts = env_options(cls, options)
+    env = cls() if opts is None else cls(opts, Path(run_dir or "."))
+    if ":" in name:
+        env.name = name
+    return env

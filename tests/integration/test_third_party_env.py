@@ -1,0 +1,94 @@
+"""Issue 17, move 2: an environment from outside the package runs in the orchestrator and `burstrl eval`.
+
+`examples/third_party_env.py` is named only by its import path and its options only in the config
+(`orchestrator.env.echo`); no library file lists it. Real replica (the tiny model), router,
+orchestrator and store; a stand-in trainer takes the first group and commits step 1, which ends the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from burstrl.config import OrchestrateConfig, OrchestratorConfig
+from burstrl.orchestrator.loop import Orchestrator
+from burstrl.protocol import process
+from burstrl.store import RolloutStore
+
+from .conftest import ADMIN_TOKEN, start_server, stop_server
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+ECHO = "examples.third_party_env:EchoEnv"
+TOKEN = "third-party-env-cluster-token"
+
+
+@pytest.fixture()
+def router(tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.syspath_prepend(str(REPO))  # the orchestrator imports the environment by its path
+    server = start_server(tiny_model_dir, tmp_path / "r0")
+    router = process.start_router(tmp_path / "router", "--cluster_token", TOKEN, "--replicas",
+                                  json.dumps([server.url]), "--scrape_s", "0.5")
+    try:
+        yield router
+    finally:
+        router.stop()
+        stop_server(server)
+
+
+def take_first_group(store_path: Path, stop: threading.Event) -> list:
+    """A stand-in trainer: the first stored group becomes step 1 (the orchestrator then stops)."""
+    store = RolloutStore(store_path)
+    try:
+        while not stop.is_set() and store.buffered_count() < 1:
+            stop.wait(0.2)
+        taken = store.take(1, trainer_version=0, max_staleness=1000)
+        store.commit_step(1, [g.id for g in taken], {"trainer_version": 0})
+        return taken
+    finally:
+        store.close()
+
+
+def test_the_orchestrator_runs_groups_of_a_module_class_environment(router, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    o = OrchestratorConfig(envs={ECHO: 1.0}, env={"echo": {"words": 2}}, group_size=2, max_tokens=4,
+                           max_in_flight_groups=1, max_buffered_groups=1)
+    orch = Orchestrator(OrchestrateConfig(run_dir=str(run_dir), router=router.url, steps=1, orchestrator=o),
+                        ADMIN_TOKEN)
+    assert orch.envs[ECHO].options.words == 2
+
+    async def go() -> list:
+        loop = asyncio.get_running_loop()
+        stop = threading.Event()
+        taken = loop.run_in_executor(ThreadPoolExecutor(1), take_first_group, run_dir / "store.sqlite", stop)
+        try:
+            await asyncio.wait_for(orch.run(), timeout=120)  # returns once step 1 is committed
+        finally:
+            stop.set()
+        return await taken
+
+    groups = asyncio.run(go())
+    assert len(groups) == 1 and len(groups[0].rollouts) == 2
+    assert all(set(r.reward_parts) >= {"exact", "partial"} for r in groups[0].rollouts)
+
+
+def test_burstrl_eval_takes_a_module_class_environment(tiny_model_dir: Path, tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    out = tmp_path / "eval"
+    r = subprocess.run([sys.executable, "-c", "from burstrl.cli import main; main()", "eval", "--model",
+                        str(tiny_model_dir), "--env", ECHO, "--n", "2", "--attempts", "2", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300, env=env, check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert results["config"]["env"] == ECHO and len(results["records"]) == 4
+    assert all(r["task_id"].startswith("echo-test-") and r["infra_error"] is None for r in results["records"])
