@@ -28,10 +28,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
+from burstrl.envs.toy_warm import ensure_warm_model  # noqa: E402
 from burstrl.eval.report import summary  # noqa: E402
 from burstrl.model.tiny import ensure_tiny_model  # noqa: E402
 from burstrl.store import RolloutStore  # noqa: E402
-from burstrl.envs.toy_warm import ensure_warm_model  # noqa: E402
 
 
 def run(run_dir: Path, model: Path, steps: int, *overrides: str) -> dict:

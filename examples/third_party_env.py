@@ -63,7 +63,7 @@ class EchoEnv:
     def grade(self, task: Task, reply: str) -> Outcome:
         want, got = task.data["words"], reply.split()
         exact = got == want
-        partial = sum(a == b for a, b in zip(want, got)) / len(want)
+        partial = sum(a == b for a, b in zip(want, got, strict=False)) / len(want)
         reward = self.options.reward_exact if exact else 0.5 * partial
         return Outcome(reward=reward, parts={"exact": float(exact), "partial": partial}, passed=exact)
 

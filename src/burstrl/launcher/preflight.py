@@ -35,8 +35,8 @@ def quickstart_model_dir(swe: bool) -> Path:
 
 def quickstart_model() -> Path:
     """The warm-started tiny model (made and cached on first use: about a minute on two cores)."""
-    from burstrl.model.tiny import ensure_tiny_model
     from burstrl.envs.toy_warm import ensure_warm_model
+    from burstrl.model.tiny import ensure_tiny_model
 
     base = ensure_tiny_model(cache_dir() / "tiny-qwen3")
     return ensure_warm_model(base, quickstart_model_dir(swe=False))

@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from burstrl.model.hf import load_model, load_tokenizer
 from burstrl.atomic import build_dir, check_target
+from burstrl.model.hf import load_model, load_tokenizer
 
 IGNORE = -100  # label of tokens the loss skips (HF's convention)
 SFT_MARKER = "burstrl_sft.json"
