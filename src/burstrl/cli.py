@@ -621,8 +621,9 @@ def eval_command(
         if not eq or not key.strip():
             _fail(f"--env-option {item!r}: expected KEY=VALUE")
     cfg = _config(EvalConfig, ctx, sugar)
-    if options:  # the env's section is known once the config names the env
-        sections = [f"--{cfg.env}.{key.strip()}={value}" for key, _, value in options]
+    if options:  # the env's section is known once the config names the env (module:Class: `options`)
+        section = "options" if ":" in cfg.env else cfg.env
+        sections = [f"--{section}.{key.strip()}={value}" for key, _, value in options]
         cfg = _config(EvalConfig, ctx, sugar + sections, prefix="--env-option: ")
     if dry_run:
         return _print_config(cfg)
@@ -631,7 +632,7 @@ def eval_command(
 
 def _evaluate(cfg) -> None:
     """`burstrl eval` once its config is resolved: argument checks first, then the replica."""
-    from burstrl.envs import check_env
+    from burstrl.envs import check_env, env_class, options_key
     from burstrl.eval.passk import read_exclude_file
     from burstrl.eval.run import (
         EvalSpec,
@@ -644,8 +645,11 @@ def _evaluate(cfg) -> None:
     run_dir = Path(cfg.run) if cfg.run else None
     if not (model / "config.json").is_file():
         _fail(f"{model}: not a model directory")
+    env_options = cfg.env_options()
     try:
-        check_env(cfg.env)
+        if cfg.options:  # a plug-in's own options: where a run keeps them, orchestrator.env.NAME
+            env_options = env_options.model_copy(update={"env": {options_key(env_class(cfg.env)): cfg.options}})
+        check_env(cfg.env, env_options)
     except ValueError as exc:
         _fail(str(exc))
     if cfg.env == "swe" and tasks is None:
@@ -665,7 +669,7 @@ def _evaluate(cfg) -> None:
         adapters = {"policy-eval": path}
     excluded = set().union(*(read_exclude_file(p) for p in cfg.exclude)) if cfg.exclude else set()
     spec = EvalSpec(model=model, tasks=tasks, attempts=cfg.attempts, adapters=adapters, temperature=cfg.temperature,
-                    seed=cfg.seed, env=cfg.env, options=cfg.env_options(), n=cfg.n, split=cfg.split,
+                    seed=cfg.seed, env=cfg.env, options=env_options, n=cfg.n, split=cfg.split,
                     difficulty=cfg.difficulty, task_seed=cfg.task_seed, max_tokens=cfg.max_tokens,
                     concurrency=cfg.max_sandboxes, out=Path(cfg.out))
     try:

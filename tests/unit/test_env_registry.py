@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -51,6 +55,8 @@ def test_unknown_names_and_bad_targets_are_errors_that_say_what_to_write() -> No
         env_class("examples.third_party_env:Nope")
     with pytest.raises(ValueError, match="not a class"):
         env_class("examples.third_party_env:WORDS")
+    with pytest.raises(ValueError, match="takes no options"):
+        get_env("toy", OrchestratorConfig(env={"toy": {"words": 2}}))
     with pytest.raises(ValueError, match="not both"):
         get_env("swe", OrchestratorConfig(swe={"toy_tasks": 3}, env={"swe": {"toy_tasks": 4}}))
 
@@ -82,3 +88,21 @@ def test_preflight_names_a_bad_environment_and_its_bad_options() -> None:
                                                      "env": {"echo": {"words": "many"}}}})
     problems = _env_problems(bad)
     assert len(problems) == 2 and "orchestrator.env.echo" in problems[0] and "'nope'" in problems[1]
+
+
+def burstrl_eval(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    """`burstrl eval` with the repository on PYTHONPATH, on a model dir that stops it before a replica starts."""
+    (tmp_path / "model").mkdir(exist_ok=True)
+    (tmp_path / "model" / "config.json").write_text(json.dumps({}))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-c", "from burstrl.cli import main; main()", "eval", "--model",
+                           str(tmp_path / "model"), "--out", str(tmp_path / "out"), "--env", ECHO, *args],
+                          check=False, capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_eval_env_options_of_a_module_class_environment_are_its_own(tmp_path: Path) -> None:
+    r = burstrl_eval(tmp_path, "--env-option", "words=3", "--dry-run")
+    assert r.returncode == 0, r.stderr
+    assert "[options]" in r.stdout and "words = 3" in r.stdout
+    r = burstrl_eval(tmp_path, "--env-option", "wordz=3", "--difficulty", "99")
+    assert r.returncode == 2 and "orchestrator.env.echo: unknown config key 'wordz'" in r.stderr, r.stderr

@@ -57,6 +57,9 @@ class EvalConfig(Section):
     seed: int = Field(0, description="Seed of the sampling seeds.")
     swe: SweEnvConfig = Field(default_factory=SweEnvConfig, description="The swe environment's options, as "
                               "orchestrator.swe of a run (e.g. reward = \"f2p\").")
+    options: dict[str, Any] = Field(default_factory=dict, description="Options of an environment named "
+                                    "package.module:Class, validated by its own model as orchestrator.env.NAME of "
+                                    "a run is (--env-option KEY=VALUE sets them).")
 
     def model_post_init(self, _: Any) -> None:
         """max_sandboxes and max_turns are the eval's own knobs: they set the swe section's, once."""

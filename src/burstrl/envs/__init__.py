@@ -15,7 +15,7 @@ tests).
 from __future__ import annotations
 
 from burstrl.envs.base import ChatClient, Environment, InfraError, Outcome, Task
-from burstrl.envs.registry import ENV_NAMES, check_env, env_class, get_env, register
+from burstrl.envs.registry import ENV_NAMES, check_env, env_class, get_env, options_key, register
 
 __all__ = ["ENV_NAMES", "ChatClient", "Environment", "InfraError", "Outcome", "Task", "check_env", "env_class",
-           "get_env", "register"]
+           "get_env", "options_key", "register"]

@@ -82,6 +82,11 @@ def check_env(name: str, options: Any = None) -> None:
     env_options(env_class(name), options)
 
 
+def options_key(cls: type) -> str:
+    """Where `cls`'s options live in the orchestrator config: its typed section or `env.<key>`."""
+    return getattr(cls, "name", cls.__name__)
+
+
 def env_options(cls: type, options: Any) -> BaseModel | None:
     """`cls`'s options, validated by its own `Options` model from the orchestrator config `options`.
 
@@ -89,11 +94,13 @@ def env_options(cls: type, options: Any) -> BaseModel | None:
     None when `cls` declares no options.
     """
     model: type[BaseModel] | None = getattr(cls, "Options", None)
-    if model is None:
-        return None
-    key = getattr(cls, "name", cls.__name__)
-    typed = getattr(options, key, None)
+    key = options_key(cls)
     mapping: Mapping[str, Any] | None = (getattr(options, "env", None) or {}).get(key)
+    if model is None:
+        if mapping:
+            raise ValueError(f"orchestrator.env.{key}: environment {key!r} takes no options")
+        return None
+    typed = getattr(options, key, None)
     if mapping is None:
         return typed if isinstance(typed, model) else model()
     if isinstance(typed, BaseModel) and typed.model_fields_set:
