@@ -2,7 +2,7 @@
 
 Use it by its import path (the directory holding `examples/` must be on PYTHONPATH):
 
-    burstrl eval --model DIR --env examples.third_party_env:EchoEnv --n 8
+    burstrl eval --model DIR --env examples.third_party_env:EchoEnv --env-option words=2 --n 8
 
 or in a run config:
 
