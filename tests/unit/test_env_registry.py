@@ -67,7 +67,10 @@ def test_register_adds_a_name_without_touching_the_library(monkeypatch: pytest.M
     monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
     register("echo", ECHO)
     env = get_env("echo", OrchestratorConfig(env={"echo": {"words": 3}}))
-    assert env.name == "echo" and env.options.words == 3  # a registered name keeps the class's name
+    assert env.name == "echo" and env.options.words == 3
+    register("echo2", ECHO)  # another name for it: its options stay under the class's name, echo
+    env = get_env("echo2", OrchestratorConfig(env={"echo": {"words": 2}}))
+    assert env.options.words == 2 and env.make_tasks(1, seed=0)[0].env == "echo2"
     with pytest.raises(ValueError, match="reserved"):
         register("a:b", ECHO)
 

@@ -117,13 +117,14 @@ def get_env(name: str, options: Any = None, run_dir: str | Path | None = None) -
 
     `options` is the orchestrator's config (the environment's options are read from it, see the
     module docstring); `run_dir` is where an environment may keep files (generated tasks). An
-    environment loaded as "module:Class" answers to that name: its `name` is set to it, so the
-    tasks it makes (`Task.env = self.name`) find it again in the orchestrator's and curriculum's
-    tables, which are keyed by the names in `orchestrator.envs`.
+    environment answers to the name it was asked by ("module:Class", or a name `register`ed for a
+    class whose own `name` differs): its `name` is set to it, so the tasks it makes
+    (`Task.env = self.name`) find it again in the orchestrator's and curriculum's tables, which
+    are keyed by the names in `orchestrator.envs`. Built-in ones already carry their name.
     """
     cls = env_class(name)
     opts = env_options(cls, options)
     env = cls() if opts is None else cls(opts, Path(run_dir or "."))
-    if ":" in name:
+    if getattr(env, "name", None) != name:
         env.name = name
     return env
