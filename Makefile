@@ -9,7 +9,7 @@ TORCH := torch==2.13.0
 STAMP := $(VENV)/.burstrl-installed
 PIP := $(PY) -m pip install --quiet --progress-bar off
 
-.PHONY: install test test-fast run clean system-deps
+.PHONY: install lint test test-fast run clean system-deps
 
 install: system-deps $(STAMP)
 
@@ -31,8 +31,12 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PIP) -e '.[dev]'
 	touch $(STAMP)
 
-test: install
+test: install lint
 	$(PY) -m pytest -m "not gpu" -q
+
+# pyflakes, bugbear and import order ([tool.ruff] in pyproject.toml); part of `make test`.
+lint: install
+	$(PY) -m ruff check .
 
 # The edit-test loop (< 3 min on 2 cores): unit and integration tests not marked slow, stopping
 # at the first failure. `make test` runs everything (unit first, e2e last: ~40 min).

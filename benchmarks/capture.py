@@ -161,8 +161,8 @@ def release(route: Route, sid: str) -> None:
 def same_capture(a: list[dict], b: list[dict]) -> tuple[bool, float]:
     """Identical prompt/completion ids on every call; and the largest logprob difference."""
     ids = len(a) == len(b) and all(x["prompt_ids"] == y["prompt_ids"] and x["completion_ids"] == y["completion_ids"]
-                                   for x, y in zip(a, b))
-    diff = max((abs(p - q) for x, y in zip(a, b) for p, q in zip(x["logprobs"], y["logprobs"])), default=0.0)
+                                   for x, y in zip(a, b, strict=False))
+    diff = max((abs(p - q) for x, y in zip(a, b, strict=False) for p, q in zip(x["logprobs"], y["logprobs"], strict=False)), default=0.0)
     lengths = all(len(x["logprobs"]) == len(x["completion_ids"]) for x in a + b)
     return ids and lengths, diff
 
@@ -200,7 +200,7 @@ def summarize(results: dict[str, list[Result]], calls: int) -> dict:
               for name in CONFIGS if name != "in_replica"}
     match, diff = True, 0.0
     for name in CONFIGS[1:]:
-        for a, b in zip(results["in_replica"], results[name]):
+        for a, b in zip(results["in_replica"], results[name], strict=False):
             ok, d = same_capture(a.calls, b.calls)
             match &= ok and len(a.calls) == calls
             diff = max(diff, d)

@@ -158,7 +158,7 @@ def engine_batch(rep: InferenceReplica, prompts: list[list[int]], new_tokens: in
                 done.set()
 
     lengths = new_tokens if isinstance(new_tokens, list) else [new_tokens] * len(prompts)
-    reqs = [_request(rep, f"{tag}-{i}", None, p, n, on_done) for i, (p, n) in enumerate(zip(prompts, lengths))]
+    reqs = [_request(rep, f"{tag}-{i}", None, p, n, on_done) for i, (p, n) in enumerate(zip(prompts, lengths, strict=False))]
     t0 = time.perf_counter()
     for req in reqs:
         rep.engine.submit(req)
@@ -383,9 +383,9 @@ def decode_figures(rep: InferenceReplica, model: torch.nn.Module, prompts: list[
         "engine_decode_step_ms": round(1e3 * statistics.median(split["decode_s"]) / max(steps, 1), 3),
         "bare_decode_step_ms": round(1e3 * med["bare"] / args.new_tokens, 3),
         "hf_static_decode_step_ms": round(1e3 * med["hf_static"] / args.new_tokens, 3),
-        "engine_matches_generate_rows": sum(a == b for a, b in zip(outs["engine"], outs["generate"])),
-        "engine_matches_bare_rows": sum(a == b for a, b in zip(outs["engine"], outs["bare"])),
-        "generate_matches_hf_static_rows": sum(a == b for a, b in zip(outs["generate"], outs["hf_static"])),
+        "engine_matches_generate_rows": sum(a == b for a, b in zip(outs["engine"], outs["generate"], strict=False)),
+        "engine_matches_bare_rows": sum(a == b for a, b in zip(outs["engine"], outs["bare"], strict=False)),
+        "generate_matches_hf_static_rows": sum(a == b for a, b in zip(outs["generate"], outs["hf_static"], strict=False)),
         "rows": len(prompts),
         "raw_s": {name: [round(t, 4) for t in ts] for name, ts in times.items()},
     }

@@ -44,14 +44,22 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(Path(__file__).parent))
 
+from sandbox_client import BenchClient, burstrl_client, burstrl_exec_true  # noqa: E402
+from swerex_side import SwerexServer, execute_true, session_true  # noqa: E402
+
 from burstrl.sandbox.backends import SandboxSpec, make_backend  # noqa: E402
 from burstrl.sandbox.backends.oci import runtime_works  # noqa: E402
 from burstrl.sandbox.images import (  # noqa: E402
-    GZIP_LEVEL, LAYER_GZIP, LAYER_ZSTD, ZSTD_LEVEL, Descriptor, build_image, compressor, write_tree_tar,
+    GZIP_LEVEL,
+    LAYER_GZIP,
+    LAYER_ZSTD,
+    ZSTD_LEVEL,
+    Descriptor,
+    build_image,
+    compressor,
+    write_tree_tar,
 )
 from burstrl.sandbox.layercache import LayerCache, force_rmtree, unpack_blob  # noqa: E402
-from sandbox_client import BenchClient, burstrl_client, burstrl_exec_true  # noqa: E402
-from swerex_side import SwerexServer, execute_true, session_true  # noqa: E402
 
 
 def percentiles(ms: list[float]) -> dict[str, float]:
@@ -278,7 +286,7 @@ def concurrency(root: Path, sizes: list[int]) -> dict:
     for n in sizes:
         backend = make_backend("namespace", state_dir=root / f"c{n}")
 
-        def one(_: int) -> float | str:
+        def one(_: int, backend: Any = backend) -> float | str:
             try:
                 return time_start(backend, SandboxSpec(cpu_limit=0.5, memory_limit_mb=256))
             except Exception as exc:  # counted: the figure is how many fail

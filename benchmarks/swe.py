@@ -67,7 +67,7 @@ def grading_throughput(tasks: Sequence[SweTask], patches: Sequence[str], pool: A
         base_tar(task)
     start = time.monotonic()
     with ThreadPoolExecutor(max_workers=n, thread_name_prefix="grader") as ex:
-        results = list(ex.map(lambda tp: grade(tp[0], tp[1], pool, timeout_s=timeout_s), zip(tasks, patches)))
+        results = list(ex.map(lambda tp: grade(tp[0], tp[1], pool, timeout_s=timeout_s), zip(tasks, patches, strict=False)))
     seconds = time.monotonic() - start
     return {"n": n, "attempts": len(results), "seconds": round(seconds, 3),
             "per_minute": round(60 * len(results) / seconds, 1) if seconds > 0 else 0.0,

@@ -617,7 +617,7 @@ def eval_command(
     sugar = [f"--exclude={json.dumps(exclude)}"] if exclude else []
     sugar += [f"--max_sandboxes={concurrency}"] if concurrency is not None else []
     options = [item.partition("=") for item in env_option]
-    for item, (key, eq, _) in zip(env_option, options):
+    for item, (key, eq, _) in zip(env_option, options, strict=False):
         if not eq or not key.strip():
             _fail(f"--env-option {item!r}: expected KEY=VALUE")
     cfg = _config(EvalConfig, ctx, sugar)

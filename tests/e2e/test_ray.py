@@ -18,8 +18,20 @@ from pathlib import Path
 import httpx
 import pytest
 
-from .conftest import (SMALL, alive, audit, burstrl_cmd, events, finish, last_step, output, read_jsonl, scale,
-                       start_run, wait_until)
+from .conftest import (
+    SMALL,
+    alive,
+    audit,
+    burstrl_cmd,
+    events,
+    finish,
+    last_step,
+    output,
+    read_jsonl,
+    scale,
+    start_run,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow
 os.environ["RAY_USAGE_STATS_ENABLED"] = "0"

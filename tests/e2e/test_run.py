@@ -13,8 +13,19 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import (SMALL, alive, audit, burstrl_cmd, events, finish, last_step, read_jsonl, scale, start_run,
-                       wait_until)
+from .conftest import (
+    SMALL,
+    alive,
+    audit,
+    burstrl_cmd,
+    events,
+    finish,
+    last_step,
+    read_jsonl,
+    scale,
+    start_run,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -137,8 +148,8 @@ def test_quickstart_reward_rises(tmp_path: Path, warm_model: Path) -> None:
 def _greedy(model_dir: Path, adapter: Path | None) -> float:
     """Greedy mean reward on one held-out prompt per letter (plain HF, in this process)."""
     from burstrl.envs import toy
-    from burstrl.model.hf import load_model, load_tokenizer
     from burstrl.envs.toy_eval import greedy_score
+    from burstrl.model.hf import load_model, load_tokenizer
 
     model = load_model(str(model_dir), "float32", "cpu")
     if adapter is not None:

@@ -5,9 +5,8 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-
-from burstrl.inference.engine import Request
 from burstrl.config import ServeConfig
+from burstrl.inference.engine import Request
 from burstrl.inference.replica import InferenceReplica, build_replica
 from burstrl.inference.sampling import SamplingParams
 

@@ -194,7 +194,7 @@ def push_image(http: httpx.Client, base: str, name: str, src: Source, tag: str |
         push_blob(http, base, name, blob)
     manifest = {"schemaVersion": 2, "mediaType": DOCKER_MANIFEST,
                 "config": {"mediaType": DOCKER_CONFIG, "digest": sha(src.config), "size": len(src.config)},
-                "layers": [{"mediaType": m, "digest": sha(b), "size": len(b)} for m, b in zip(src.media, src.blobs)]}
+                "layers": [{"mediaType": m, "digest": sha(b), "size": len(b)} for m, b in zip(src.media, src.blobs, strict=False)]}
     body = json.dumps(manifest).encode()
     r = http.put(f"{base}/v2/{name}/manifests/{tag or sha(body)}", content=body,
                  headers={"Content-Type": DOCKER_MANIFEST})
@@ -287,7 +287,7 @@ def docker_save_tar(path: Path, src: Source, oci_style: bool) -> None:
     with tarfile.open(path, "w") as tar:
         add_file(tar, "manifest.json", json.dumps(manifest).encode())
         add_file(tar, cfg, src.config)
-        for name, blob in zip(layers, src.blobs):
+        for name, blob in zip(layers, src.blobs, strict=False):
             add_file(tar, name, blob)
         if oci_style:
             add_file(tar, "oci-layout", b'{"imageLayoutVersion":"1.0.0"}')

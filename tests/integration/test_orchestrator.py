@@ -78,7 +78,7 @@ def test_an_attempt_returns_every_captured_call_and_releases_the_session(cluster
     assert rollout.id == "attempt-ok" and len(rollout.turns) == 3
     assert {t.version for t in rollout.turns} == {0}
     assert rollout.turns[0].replica in {s.url for s in servers}
-    for earlier, later in zip(rollout.turns, rollout.turns[1:]):  # token continuity across calls
+    for earlier, later in zip(rollout.turns, rollout.turns[1:], strict=False):  # token continuity across calls
         assert later.prompt_ids[:len(earlier.prompt_ids) + len(earlier.completion_ids)] == \
             earlier.prompt_ids + earlier.completion_ids
     assert rollout.calls == 3 and 0.0 <= rollout.reward <= 1.0

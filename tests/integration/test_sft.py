@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from burstrl.envs import toy, toy_warm
+from burstrl.envs.toy_warm import ensure_warm_model
 from burstrl.model.hf import eos_token_ids, load_model, load_tokenizer
 from burstrl.trainer import sft as sft_mod
-from burstrl.envs.toy_warm import ensure_warm_model
 from burstrl.trainer.sft import (
     IGNORE,
     SFTDataError,
@@ -29,7 +29,7 @@ def _demos(tmp_path: Path, n: int = 48) -> Path:
 def _labelled_spans(tokenizer, example) -> list[str]:
     """Decode each run of consecutive labelled positions."""
     spans, current = [], []
-    for token, label in zip(example.input_ids, example.labels):
+    for token, label in zip(example.input_ids, example.labels, strict=False):
         if label == IGNORE:
             if current:
                 spans.append(current)

@@ -41,7 +41,7 @@ def test_agent_attempt_is_captured(server, calc_sandbox, calc_task):
     assert len(calls) == result.turns and all(c["completion_ids"] for c in calls)
     assert all(len(c["logprobs"]) == len(c["completion_ids"]) for c in calls)
     # Token continuity: each call's prompt starts with the previous call's prompt + sampled ids.
-    for prev, call, turn in zip(calls, calls[1:], result.transcript[1:]):
+    for prev, call, turn in zip(calls, calls[1:], result.transcript[1:], strict=False):
         if not turn["context_elided"]:
             head = prev["prompt_ids"] + prev["completion_ids"]
             assert call["prompt_ids"][:len(head)] == head

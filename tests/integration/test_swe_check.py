@@ -52,7 +52,7 @@ def _assert_flagged(results) -> None:
 def test_generated_tasks_hold_in_sandboxes(tasks: list[SweTask], tmp_path: Path) -> None:
     results = check_tasks(tasks, tmp_path)
     assert [r.problems for r in results] == [[], []]
-    for task, r in zip(tasks, results):
+    for task, r in zip(tasks, results, strict=False):
         assert all(r.at_base[t] != "passed" and r.at_gold[t] == "passed" for t in task.FAIL_TO_PASS)
 
 

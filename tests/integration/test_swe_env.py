@@ -118,7 +118,7 @@ def test_hostile_commands_end_their_attempt_with_reward_0_and_an_honest_one_stil
         outcomes, honest = asyncio.run(go())
     finally:
         env.close()
-    for name, o in zip(HOSTILE, outcomes):
+    for name, o in zip(HOSTILE, outcomes, strict=False):
         assert ends_as_model_failure(o), (name, o)
     assert honest.reward == 1.0 and honest.passed and honest.parts["sandbox_lost"] == 0.0, honest
 

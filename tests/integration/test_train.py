@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from burstrl.store import RolloutStore, Rollout, Turn
+from burstrl.store import Rollout, RolloutStore, Turn
 
 
 def behaviour_logprobs(model, ids: list[int], start: int) -> list[float]:
@@ -77,7 +77,7 @@ def test_two_ranks_train_like_one(tiny_model_dir: Path, tmp_path: Path) -> None:
     r2 = run_train(two, tiny_model_dir, *common, "--trainer.world_size", "2")
     assert r2.returncode == 0, r2.stderr[-3000:] + (two / "logs" / "rank-1.log").read_text()[-2000:]
     m1, m2 = metrics(one), metrics(two)
-    for a, b in zip(m1, m2):
+    for a, b in zip(m1, m2, strict=False):
         assert a["tokens"] == b["tokens"] and a["kept_groups"] == b["kept_groups"]
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-7)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)

@@ -23,6 +23,7 @@ from burstrl.sandbox.pool import sweep_stale
 
 from .conftest import open_backend
 
+
 @pytest.fixture(scope="module", params=["oci-runc", "oci-runsc"])
 def backend(request: pytest.FixtureRequest) -> Iterator[OciBackend]:
     """Short state dir under /tmp (the socket path must fit in 107 bytes); skips where the

@@ -58,7 +58,7 @@ def test_the_op_matches_float64_forward_and_backward(heads_kv: int, causal: bool
     assert out.dtype == torch.float32 and lse.dtype == torch.float32 and lse.shape == q.shape[:3]
     assert (out.double() - out64).abs().max() < 1e-5
     assert (lse.double() - lse64).abs().max() < 1e-5
-    for got, want in zip((qf.grad, kf.grad, vf.grad), grads64):
+    for got, want in zip((qf.grad, kf.grad, vf.grad), grads64, strict=False):
         assert got.shape == want.shape  # GQA: key/value gradients folded back onto their own heads
         assert (got.double() - want).abs().max() < 1e-5
 
@@ -74,7 +74,7 @@ def test_the_blockwise_reference_kernel_matches_float64(heads_kv: int, causal: b
     out, lse = reference_forward(qf, kf, vf, mf, causal, 0.25)
     assert (out.double() - out64).abs().max() < 1e-5 and (lse.double() - lse64).abs().max() < 1e-5
     grads = reference_backward(grad_out.float(), grad_lse.float(), qf, kf, vf, mf, out, lse, causal, 0.25)
-    for got, want in zip(grads, grads64):
+    for got, want in zip(grads, grads64, strict=False):
         assert (got.double() - want).abs().max() < 1e-4
 
 

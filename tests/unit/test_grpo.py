@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from burstrl.store.types import Rollout, Turn
 from burstrl.config import TrainerSection
+from burstrl.store.types import Rollout, Turn
 from burstrl.trainer.grpo import aggregate, group_advantages, token_loss
 from burstrl.trainer.sequences import micro_batches, pack, rollout_sequences, shard
 

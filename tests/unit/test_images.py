@@ -17,7 +17,13 @@ from typer.testing import CliRunner
 
 from burstrl.cli import app
 from burstrl.sandbox.images import (
-    LAYER_GZIP, Descriptor, ImageError, blob_path, build_image, read_image, verify_image,
+    LAYER_GZIP,
+    Descriptor,
+    ImageError,
+    blob_path,
+    build_image,
+    read_image,
+    verify_image,
 )
 from burstrl.sandbox.layercache import LayerCache
 

@@ -6,7 +6,6 @@ import pytest
 from burstrl.eval.compare import compare_results, paired_bootstrap
 from burstrl.eval.passk import AttemptRecord, pass_at_k, read_exclude_file, summarize
 
-
 # ----- pass@k ------------------------------------------------------------------------------
 
 

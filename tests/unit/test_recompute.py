@@ -67,7 +67,7 @@ def test_attention_runs_once_per_layer_except_under_full_checkpointing(tiny_mode
     calls, saved = {}, {}
     for mode in MODES:
         model, rec = lora_model(tiny_model_dir, mode, attention)
-        calls[mode] = recompute.count_attention_calls(lambda: train_step(model, rec, ids, attn))
+        calls[mode] = recompute.count_attention_calls(lambda model=model, rec=rec: train_step(model, rec, ids, attn))
         saved[mode] = rec.saved
     assert calls == {"none": layers, "full": 2 * layers, "attention": layers}
     assert saved == {"none": 0, "full": 0, "attention": layers}
@@ -144,7 +144,7 @@ def test_on_cuda_in_bf16_attention_keeps_one_output_per_layer_and_matches_none(t
         model = get_peft_model(load_model(tiny_model_dir, "bfloat16", "cuda", attention),
                                lora_config(8, init_random=True)).train()
         rec = recompute.apply(model, mode)
-        calls = recompute.count_attention_calls(lambda: train_step(model, rec, ids, attn))
+        calls = recompute.count_attention_calls(lambda model=model, rec=rec: train_step(model, rec, ids, attn))
         assert calls == (8 if mode == "full" else 4) and rec.saved == (4 if mode == "attention" else 0)
         grads[mode] = lora_grads(model)
     for name, g in grads["none"].items():

@@ -81,7 +81,7 @@ def test_run_dry_run_prints_what_each_role_receives(tmp_path: Path) -> None:
     parts = re.split(r"^# .*\n", r.stdout, flags=re.M)[1:]
     cfg = validate(RunConfig, tomllib.loads(parts[0]))
     expected = cfg.role_configs("(the router's URL, known once it listens)")
-    for part, cls, name in zip(parts[1:], (RouteConfig, ServeConfig, TrainConfig, OrchestrateConfig), expected):
+    for part, cls, name in zip(parts[1:], (RouteConfig, ServeConfig, TrainConfig, OrchestrateConfig), expected, strict=False):
         assert validate(cls, tomllib.loads(part)) == expected[name]
     assert expected["train"].trainer.steps == 3 and expected["train"].temperature == 0.7
 

@@ -234,7 +234,7 @@ def test_mixed_lora_decode_batch_equals_rows_alone(qwen3, adapters):
     steps = 4
     nxt = [_ids(steps, seed=80 + r) for r in range(3)]
     alone, want = [], []
-    for r, (prompt, adapter) in enumerate(zip(prompts, which)):
+    for r, (prompt, adapter) in enumerate(zip(prompts, which, strict=False)):
         lora = LoraBatch([adapter]) if adapter else None
         kv = _new_kv(runner)
         _prefill(runner, kv, prompt, lora)
@@ -261,15 +261,15 @@ def test_packed_prefill_of_mixed_sessions_equals_each_alone(qwen3, adapters):
     cached = [_ids(n, seed=90 + n) for n in (6, 0, 3)]
     new = [_ids(n, seed=95 + n) for n in (4, 7, 1)]
     kvs = []
-    for prefix, adapter in zip(cached, which):
+    for prefix, adapter in zip(cached, which, strict=False):
         kv = _new_kv(runner)
         if prefix:
             _prefill(runner, kv, prefix, LoraBatch([adapter]) if adapter else None)
         kvs.append(kv)
     att = PackedPrefillAttention(kvs, [len(n) for n in new], runner.scaling)
     ids = torch.tensor([[t for n in new for t in n]])
-    positions = torch.cat([torch.arange(len(c), len(c) + len(n)) for c, n in zip(cached, new)])[None]
-    lora = LoraBatch([w for w, n in zip(which, new) for _ in n], per_token=True)
+    positions = torch.cat([torch.arange(len(c), len(c) + len(n)) for c, n in zip(cached, new, strict=False)])[None]
+    lora = LoraBatch([w for w, n in zip(which, new, strict=False) for _ in n], per_token=True)
     got = runner.forward(ids, positions, att, lora, select=torch.tensor(att.last_positions))
     att.commit()
     for r in range(3):

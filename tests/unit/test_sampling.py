@@ -23,7 +23,7 @@ def test_greedy_picks_argmax_and_reports_raw_log_softmax():
     out = sample(logits, params, [None] * 3, _gen())
     raw = torch.log_softmax(logits, dim=-1)
     assert out.tokens == logits.argmax(dim=-1).tolist()
-    for row, (tok, lp) in enumerate(zip(out.tokens, out.logprobs)):
+    for row, (tok, lp) in enumerate(zip(out.tokens, out.logprobs, strict=False)):
         assert lp == pytest.approx(raw[row, tok].item(), abs=1e-6)
     # top_k / top_p are ignored for greedy rows: the whole raw distribution is reported
     assert torch.allclose(process(logits, params), raw, atol=1e-6)
@@ -224,7 +224,7 @@ def test_empirical_frequency_matches_logprob(params):
     assert torch.all((counts - probs).abs() <= tol), (counts, probs)
     assert torch.all(counts[probs == 0] == 0)
     # every reported logprob is that of the distribution it was drawn from
-    assert all(lp == pytest.approx(logp[t].item(), abs=1e-6) for t, lp in zip(out.tokens[:50], out.logprobs[:50]))
+    assert all(lp == pytest.approx(logp[t].item(), abs=1e-6) for t, lp in zip(out.tokens[:50], out.logprobs[:50], strict=False))
 
 
 def test_empirical_frequency_seeded_row():

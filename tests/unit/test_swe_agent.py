@@ -98,7 +98,7 @@ def test_agent_fixes_commits_and_submits(calc_sandbox, calc_task):
     assert first["command"] == "cat calc.py" and first["exit_code"] == 0 and "a - b" in first["observation"]
     assert [t["submitted"] for t in result.transcript] == [False, False, False, True]
     # Every call's messages extend the previous call's by the reply and its observation (token continuity).
-    for before, after in zip(client.seen, client.seen[1:]):
+    for before, after in zip(client.seen, client.seen[1:], strict=False):
         assert after[:len(before)] == before and len(after) == len(before) + 2
         assert after[len(before)]["role"] == "assistant" and after[-1]["role"] == "user"
     assert client.seen[0][0]["role"] == "system" and "add(2, 3)" in client.seen[0][1]["content"]

@@ -4,8 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from burstrl.envs.swe.grade import (GradeResult, cap_log, dotted_id, parse_junit_xml, patch_paths,
-                                    reward_of, score, grading_command)
+from burstrl.envs.swe.grade import (
+    GradeResult,
+    cap_log,
+    dotted_id,
+    grading_command,
+    parse_junit_xml,
+    patch_paths,
+    reward_of,
+    score,
+)
 from burstrl.envs.swe.task import SweTask
 
 

@@ -29,7 +29,7 @@ def test_forward_gives_logits(tiny_model_dir):
 def test_special_tokens_are_single_ids(tiny_model_dir):
     tokenizer = hf.load_tokenizer(tiny_model_dir)
     ids = [tokenizer.convert_tokens_to_ids(t) for t in (ENDOFTEXT, IM_START, IM_END)]
-    for token, token_id in zip((ENDOFTEXT, IM_START, IM_END), ids):
+    for token, token_id in zip((ENDOFTEXT, IM_START, IM_END), ids, strict=False):
         assert tokenizer.encode(token) == [token_id]
     assert tokenizer.eos_token == IM_END and tokenizer.pad_token == ENDOFTEXT
     assert hf.eos_token_ids(tiny_model_dir, tokenizer) == [ids[2], ids[0]]

@@ -70,7 +70,7 @@ def test_demonstrations_render_through_the_chat_template(tiny_model_dir, tmp_pat
     tokenizer = load_tokenizer(tiny_model_dir)
     tasks = toy.make_tasks(3, seed=0, difficulty=2)
     rows = toy.demonstrations(tasks)
-    for task, row in zip(tasks, rows):
+    for task, row in zip(tasks, rows, strict=False):
         assert row["messages"][:-1] == toy.messages(task)
         assert [m["role"] for m in row["messages"]] == ["system", "user", "assistant"]
         text = tokenizer.apply_chat_template(row["messages"], tokenize=False)

@@ -94,7 +94,7 @@ def test_tasks_are_deterministic_with_unique_ids_and_difficulty_turns():
         letters = task.data["letters"]
         assert task.env == "toy_multi" and task.difficulty == 3 and len(letters) == 3
         assert all(c in toy.LETTERS for c in letters)
-        assert all(x != y for x, y in zip(letters, letters[1:]))  # never "repeat your last reply"
+        assert all(x != y for x, y in zip(letters, letters[1:], strict=False))  # never "repeat your last reply"
 
 
 @pytest.mark.parametrize("kwargs", [{"n": -1}, {"difficulty": 0}, {"difficulty": 5}, {"split": "dev"}])
@@ -108,7 +108,7 @@ def test_demonstrations_are_the_whole_conversation_with_right_replies():
     tasks = env.make_tasks(4, seed=0, difficulty=3)
     rows = env.demonstrations(tasks)
     assert len(rows) == 4
-    for task, row in zip(tasks, rows):
+    for task, row in zip(tasks, rows, strict=False):
         msgs = row["messages"]
         assert [m["role"] for m in msgs] == ["system"] + ["user", "assistant"] * 3
         assert [m["content"] for m in msgs[2::2]] == task.data["letters"]

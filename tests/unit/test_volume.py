@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 
 from burstrl.protocol.adapters import ADAPTER_FILES as UPLOAD_FILES
-from burstrl.weights.volume import (ADAPTER_FILES, VersionCorrupt, VersionExists, gc, latest, publish,
-                                    verify, versions)
+from burstrl.weights.volume import ADAPTER_FILES, VersionCorrupt, VersionExists, gc, latest, publish, verify, versions
 
 
 def fake_adapter(path: Path, seed: int) -> Path:

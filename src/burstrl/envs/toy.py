@@ -100,7 +100,7 @@ def reward(task: ToyTask, completion_text: str) -> tuple[float, dict[str, float]
     text = completion_text.strip()
     answer = task.answer
     matched = 0
-    for got, want in zip(text, answer):
+    for got, want in zip(text, answer, strict=False):
         if got != want:
             break
         matched += 1

@@ -71,7 +71,7 @@ def greedy_score(
     for i in range(0, len(tasks), batch_size):
         chunk = tasks[i : i + batch_size]
         texts = generate(model, tokenizer, [toy.messages(t) for t in chunk])
-        for task, text in zip(chunk, texts):
+        for task, text in zip(chunk, texts, strict=False):
             total, parts = toy.reward(task, text)
             rewards.append(total)
             exact.append(parts["exact"])
@@ -128,9 +128,9 @@ def multi_turn_score(
             chats = [toy_multi.conversation(letters[i], replies[i]) for i in live]
             texts = generate(model, tokenizer, chats, max_new_tokens=toy_multi.MAX_TOKENS,
                              do_sample=do_sample, temperature=temperature)
-            for i, text in zip(live, texts):
+            for i, text in zip(live, texts, strict=False):
                 replies[i].append(text)
-    graded = [toy_multi.grade(seq, got) for seq, got in zip(letters, replies)]
+    graded = [toy_multi.grade(seq, got) for seq, got in zip(letters, replies, strict=False)]
     rewards = [total for total, _ in graded]
     groups = [rewards[i : i + group_size] for i in range(0, len(rewards), group_size)]
     return ToyScore(mean_reward=statistics.fmean(rewards),

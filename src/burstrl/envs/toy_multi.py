@@ -48,7 +48,7 @@ def grade(letters: list[str], replies: list[str]) -> tuple[float, dict[str, floa
         raise ValueError(f"{len(replies)} replies for {len(letters)} turns")
     texts = [reply.strip() for reply in replies]
     parts = {
-        "exact": sum(t == want for t, want in zip(texts, letters)) / len(letters),
+        "exact": sum(t == want for t, want in zip(texts, letters, strict=False)) / len(letters),
         "format": sum(len(t) == 1 and t.isascii() and t.isalpha() for t in texts) / len(letters),
     }
     total = sum(REWARD_WEIGHTS[name] * value for name, value in parts.items())

@@ -340,7 +340,7 @@ def render_dashboard(run: RunData, path: Path) -> None:
     FigureCanvasAgg(fig)
     axes = fig.subplots(len(PANELS), 1, sharex=True)
     t0 = run.t0 or 0.0
-    for ax, panel in zip(axes, PANELS):
+    for ax, panel in zip(axes, PANELS, strict=False):
         panel(ax, run, t0)
         _mark_outages(ax, run, t0, label=panel is _plot_replicas)
         ax.grid(alpha=0.3)

@@ -232,7 +232,7 @@ class Engine:
             if other.namespace != req.namespace:
                 continue
             theirs = block_hashes(other.prompt_ids, limit=len(req.prompt_ids), namespace=other.namespace)
-            common = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
+            common = next((i for i, (a, b) in enumerate(zip(mine, theirs, strict=False)) if a != b), min(len(mine), len(theirs)))
             if common > now:
                 return True
         return False
@@ -251,7 +251,7 @@ class Engine:
         positions = torch.cat([torch.arange(r.cached_tokens, len(r.prompt_ids)) for r in reqs])[None].to(device)
         lora = None
         if any(r.adapter is not None for r in reqs):
-            lora = LoraBatch([r.adapter for r, n in zip(reqs, new) for _ in n], per_token=True)
+            lora = LoraBatch([r.adapter for r, n in zip(reqs, new, strict=False) for _ in n], per_token=True)
         select = torch.tensor(attention.last_positions, device=device)
         try:
             logits = self.runner.forward(ids, positions, attention, lora, select=select)
@@ -264,7 +264,7 @@ class Engine:
             req.session.kv_tokens = req.kv.length
         self.counters.prompt_tokens += ids.shape[1]
         self.counters.prefill_s += time.monotonic() - t0
-        for req, outcome in zip(reqs, self._sample(logits, reqs)):
+        for req, outcome in zip(reqs, self._sample(logits, reqs), strict=False):
             if isinstance(outcome, str) or (finished := self._append(req, *outcome)) is None:
                 self.cache.release_running(req.kv.length)
                 self._fail(req, outcome if isinstance(outcome, str) else req.error)
@@ -291,7 +291,7 @@ class Engine:
         self.batch.advance()
         self.cache.hold_running(len(rows))
         done, failed = [], {}
-        for i, (req, outcome) in enumerate(zip(rows, self._sample(logits, rows))):
+        for i, (req, outcome) in enumerate(zip(rows, self._sample(logits, rows), strict=False)):
             req.session.kv_tokens += 1
             if isinstance(outcome, str) or (finished := self._append(req, *outcome)) is None:
                 failed[i] = outcome if isinstance(outcome, str) else req.error

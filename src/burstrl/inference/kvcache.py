@@ -65,7 +65,7 @@ class PackedPrefillAttention:
         self.kvs, self.new, self.scale = kvs, new_tokens, scale
         self.past = [kv.length for kv in kvs]
         self.offsets = [0]
-        for kv, n in zip(kvs, new_tokens):
+        for kv, n in zip(kvs, new_tokens, strict=False):
             kv.reserve(kv.length + n)
             self.offsets.append(self.offsets[-1] + n)
 
@@ -76,7 +76,7 @@ class PackedPrefillAttention:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         outs = []
-        for kv, past, n, off in zip(self.kvs, self.past, self.new, self.offsets):
+        for kv, past, n, off in zip(self.kvs, self.past, self.new, self.offsets, strict=False):
             end = past + n
             kv.k[layer][:, past:end] = k[0, :, off:off + n]
             kv.v[layer][:, past:end] = v[0, :, off:off + n]
@@ -86,7 +86,7 @@ class PackedPrefillAttention:
 
     def commit(self) -> None:
         """Call after the forward pass: the new tokens become part of each cache."""
-        for kv, past, n in zip(self.kvs, self.past, self.new):
+        for kv, past, n in zip(self.kvs, self.past, self.new, strict=False):
             kv.length = past + n
 
 
@@ -376,7 +376,7 @@ class SessionCache:
 
 def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
     n = 0
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):
         if n >= limit or x != y:
             break
         n += 1

@@ -24,7 +24,6 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-
 ATTN_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_PROJ = ("gate_proj", "up_proj", "down_proj")
 TARGETS = ATTN_PROJ + MLP_PROJ

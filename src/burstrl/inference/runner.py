@@ -179,7 +179,7 @@ def _rms(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
 def _lora_split(lora: LoraBatch, layer: int, names: tuple[str, ...], x: torch.Tensor, y: torch.Tensor,
                 split: tuple[int, ...]) -> None:
     """Add each module's LoRA delta into its slice of a fused projection's output (in place)."""
-    for name, part in zip(names, y.split(split, dim=-1)):
+    for name, part in zip(names, y.split(split, dim=-1), strict=False):
         lora.add_(layer, name, x, part)
 
 

@@ -154,7 +154,7 @@ def _draw(logp: torch.Tensor, params: list[SamplingParams], generators: list[tor
     shared = [i for i, p in enumerate(params) if generators[i] is None and p.temperature > 0 and i not in errors]
     if shared:
         drawn = torch.multinomial(probs[shared], 1, generator=default)[:, 0].tolist()
-        for i, t in zip(shared, drawn):
+        for i, t in zip(shared, drawn, strict=False):
             tokens[i] = t
     for i, g in enumerate(generators):
         if g is not None and params[i].temperature > 0 and i not in errors:
@@ -235,5 +235,5 @@ def _top(logp: torch.Tensor, params: list[SamplingParams]) -> list[list[tuple[in
     out = []
     for row, p in enumerate(params):
         k = p.top_logprobs
-        out.append(list(zip(ids[row, :k].tolist(), values[row, :k].tolist())))
+        out.append(list(zip(ids[row, :k].tolist(), values[row, :k].tolist(), strict=False)))
     return out

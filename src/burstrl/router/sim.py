@@ -378,7 +378,7 @@ def format_table(results: dict[str, dict]) -> str:
     for name, fig in results.items():
         rows.append([name] + [fmt.format(fig[c]) for c, fmt in cols])
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows)
+    return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=False)) for row in rows)
 
 
 def config_dict(cfg: RouterSimConfig) -> dict:

@@ -13,6 +13,7 @@ import math
 import random
 from dataclasses import asdict, dataclass
 
+
 @dataclass
 class SoakConfig:
     """A day of sessions through the router's `Registry` on a simulated clock (no sockets, no sleeps).

@@ -312,7 +312,7 @@ def _docker_save(tar: tarfile.TarFile, writer: LayoutWriter, tag: str | None, wh
     config = _json_member(tar, cname, where, _digest_from_name(cname))
     layers = list(entry.get("Layers") or [])
     diff_ids = config_diff_ids(config, len(layers), where)
-    for i, (name, diff_id) in enumerate(zip(layers, diff_ids)):
+    for i, (name, diff_id) in enumerate(zip(layers, diff_ids, strict=False)):
         writer.add_layer(_member(tar, name, where), None, label=f"layer {i + 1}/{len(layers)}",
                          digest=_digest_from_name(name), diff_id=diff_id)
     return clean_config(config)
@@ -348,7 +348,7 @@ def _oci_archive(tar: tarfile.TarFile, writer: LayoutWriter, tag: str | None, pl
     config = _json_member(tar, f"blobs/sha256/{cdesc.hex}", where, cdesc.digest)
     layers = [Descriptor.from_json(d) for d in manifest.get("layers") or []]
     diff_ids = config_diff_ids(config, len(layers), where)
-    for i, (ldesc, diff_id) in enumerate(zip(layers, diff_ids)):
+    for i, (ldesc, diff_id) in enumerate(zip(layers, diff_ids, strict=False)):
         writer.add_layer(_blob(tar, ldesc, where), ldesc.media_type, label=f"layer {i + 1}/{len(layers)}",
                          digest=ldesc.digest, size=ldesc.size, diff_id=diff_id)
     return clean_config(config)

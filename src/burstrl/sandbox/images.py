@@ -454,6 +454,6 @@ def describe(image: Image) -> dict[str, Any]:
         "architecture": image.config.get("architecture"), "os": image.config.get("os"),
         "env": image.env, "working_dir": image.working_dir,
         "layers": [{"digest": d.digest, "media_type": d.media_type, "size": d.size, "diff_id": diff}
-                   for d, diff in zip(image.layers, image.diff_ids)],
+                   for d, diff in zip(image.layers, image.diff_ids, strict=False)],
         "compressed_bytes": sum(d.size for d in image.layers),
     }

@@ -39,7 +39,7 @@ from burstrl.protocol.process import print_ready
 from burstrl.sandbox.backends import make_backend
 from burstrl.sandbox.backends.base import Sandbox, SandboxSpec, read_owner
 from burstrl.sandbox.forward import Forwarder
-from burstrl.sandbox.nodeusage import Allocatable, ProcTable, Reading, meminfo, node_allocatable, read_sandbox
+from burstrl.sandbox.nodeusage import Allocatable, ProcTable, Reading, meminfo, read_sandbox
 from burstrl.sandbox.placement import Usage
 from burstrl.sandbox.pool import SandboxPool, sweep_stale
 

@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from burstrl.sandbox.backends import SandboxBackend, make_backend
-from burstrl.sandbox.backends.base import (Sandbox, SandboxSpec, pid_alive, read_owner, remove_tree)
-from burstrl.sandbox.backends.quota import sweep_sized_dirs
+from burstrl.sandbox.backends.base import Sandbox, SandboxSpec, pid_alive, read_owner, remove_tree
 from burstrl.sandbox.backends.cgroups import kill_and_remove
 from burstrl.sandbox.backends.oci import sweep_orphan_cgroups
+from burstrl.sandbox.backends.quota import sweep_sized_dirs
 
 _pools: weakref.WeakSet[SandboxPool] = weakref.WeakSet()
 

@@ -214,7 +214,7 @@ def pull(ref: str, out_dir: Path, *, insecure: bool = False, platform: str = "li
         layers = [Descriptor.from_json(d) for d in manifest.get("layers") or []]
         diff_ids = config_diff_ids(config, len(layers), ref)
         with LayoutWriter(out_dir, force, progress) as writer:
-            for i, (desc, diff_id) in enumerate(zip(layers, diff_ids)):
+            for i, (desc, diff_id) in enumerate(zip(layers, diff_ids, strict=False)):
                 label = f"layer {i + 1}/{len(layers)} {desc.digest[7:19]}"
                 tmp = writer.scratch(f"download-{desc.hex}")
                 client.download(desc, tmp, label, progress)

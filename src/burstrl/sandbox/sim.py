@@ -292,7 +292,7 @@ class Simulator:
         pids = self.cfg.pids_per_sandbox
         sandboxes = [PlacedSandbox(self.names[s], Resources(self.cpu_req[s], self.mem_req[s], pids),
                                    Resources(self.cpu_lim[s], self.mem_lim[s], pids), c, m)
-                     for s, c, m in zip(slots, cpu, mem)]
+                     for s, c, m in zip(slots, cpu, mem, strict=False)]
         return NodeState(str(i), self.alloc, sandboxes, self.caches[i].report())
 
     def _usage(self, slots, lim, sums, squares, hist, prior: Usage) -> list[Usage]:
@@ -304,7 +304,7 @@ class Simulator:
         cum = np.cumsum(hist[slots], axis=1)
         own = ((cum >= cum[:, -1:] * self.cfg.percentile / 100.0).argmax(axis=1) + 1) / BINS * lim
         high = (n * own + k * prior.high * lim) / (n + k)
-        return [Usage(float(a), float(b), float(c)) for a, b, c in zip(mean, var, high)]
+        return [Usage(float(a), float(b), float(c)) for a, b, c in zip(mean, var, high, strict=False)]
 
     def _place(self, t: int, i: int, rollout: SimRollout, request: SandboxRequest, requests: Resources) -> None:
         s = int(np.argmin(self.active))

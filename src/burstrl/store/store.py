@@ -196,19 +196,19 @@ class RolloutStore:
                 keep.append(rid not in taken and rid not in seen)
                 seen.add(rid)
             if not all(keep):
-                dup = next(rid for rid, k in zip(ids, keep) if not k)
+                dup = next(rid for rid, k in zip(ids, keep, strict=False) if not k)
                 reason = reason or f"duplicate rollout id {dup!r}"
             status = "quarantined" if reason else "buffered"
             versions = [_safe_version(r) for r in rollouts]
             version = min(versions) if versions and None not in versions else None
-            raw = [r.to_json() for r, k, enc in zip(rollouts, keep, encoded) if not k or enc is None]
+            raw = [r.to_json() for r, k, enc in zip(rollouts, keep, encoded, strict=False) if not k or enc is None]
             cur = c.execute("INSERT INTO groups (task_id, version, status, reason, raw, created) "
                             "VALUES (?, ?, ?, ?, ?, ?)",
                             (task_id, version, status, reason, _raw_dumps(raw) if raw else None, now))
             gid = int(cur.lastrowid)
             c.executemany("UPDATE attempts SET status = 'stored', finished = ? WHERE id = ? AND status = 'running'",
-                          [(now, rid) for rid, k in zip(ids, keep) if k])
-            for idx, (r, k, enc, v) in enumerate(zip(rollouts, keep, encoded, versions)):
+                          [(now, rid) for rid, k in zip(ids, keep, strict=False) if k])
+            for idx, (r, k, enc, v) in enumerate(zip(rollouts, keep, encoded, versions, strict=False)):
                 if k and enc is not None:
                     reward = _float_or_none(r.reward)
                     reason = getattr(r, "reason", None)
@@ -421,7 +421,7 @@ class RolloutStore:
             row = cur.fetchone()
             if row is None:
                 return None
-            info = dict(zip([d[0] for d in cur.description], row))
+            info = dict(zip([d[0] for d in cur.description], row, strict=False))
         info["raw"] = json.loads(info["raw"]) if info["raw"] else None
         return info
 

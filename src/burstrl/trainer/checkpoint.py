@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from burstrl.atomic import fsync_dir
 
 

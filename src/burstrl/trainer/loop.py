@@ -208,7 +208,7 @@ class Trainer:
                 batch.zero_variance_groups += 1
                 continue
             batch.kept_groups += 1
-            for rollout, adv in zip(group.rollouts, advantages):
+            for rollout, adv in zip(group.rollouts, advantages, strict=False):
                 seqs = rollout_sequences(rollout, adv)
                 if any(not self._fits(s) for s in seqs):
                     batch.invalid_rollouts += 1  # out-of-vocabulary ids or too long: never trained on

@@ -55,8 +55,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from burstrl.envs.swe.integrity import (WRAPPER, GradingRun, harness_files, new_report_dir, runner_error,
-                                        runner_kind, suspicious_lines, verdict, wrapped_command)
+from burstrl.envs.swe.integrity import (
+    WRAPPER,
+    GradingRun,
+    harness_files,
+    new_report_dir,
+    runner_error,
+    runner_kind,
+    suspicious_lines,
+    verdict,
+    wrapped_command,
+)
 from burstrl.envs.swe.repo import BASE_TAG, export_base
 from burstrl.envs.swe.sandboxes import GradingSandbox, SandboxMaker
 from burstrl.envs.swe.task import SweTask

@@ -143,7 +143,7 @@ def line_edit(buggy: str, fixed: str) -> dict[str, Any] | None:
     a, b = buggy.splitlines(), fixed.splitlines()
     if len(a) != len(b):
         return None
-    diff = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
+    diff = [i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y]
     if len(diff) != 1:
         return None
     old, new = a[diff[0]], b[diff[0]]

@@ -238,7 +238,7 @@ def _fill(name: str, params: list[str], body: str, values: dict[str, Any]) -> as
 
 
 def _base_func(rng: random.Random, tpl: Template, name: str, words: list[str], path: str) -> Func:
-    names = dict(zip(tpl.params + tpl.locals, rng.sample(words, len(tpl.params) + len(tpl.locals))))
+    names = dict(zip(tpl.params + tpl.locals, rng.sample(words, len(tpl.params) + len(tpl.locals)), strict=False))
     node = _fill(name, [names[p] for p in tpl.params], tpl.body, {**names, **tpl.consts(rng)})
     return Func(name, path, path[:-3].replace("/", "."), node, tpl.args)
 

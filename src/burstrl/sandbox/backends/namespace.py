@@ -29,8 +29,6 @@ from pathlib import Path
 from typing import Any
 
 from burstrl.sandbox.backends import cgroups, seccomp
-from burstrl.sandbox.backends.cgroups import CgroupSet
-from burstrl.sandbox.backends.workdir import disk_report, prepare_root, release_work
 from burstrl.sandbox.backends.base import (
     CODE_MOUNT,
     SOCKET_NAME,
@@ -51,6 +49,8 @@ from burstrl.sandbox.backends.base import (
     warn_once,
     write_owner,
 )
+from burstrl.sandbox.backends.cgroups import CgroupSet
+from burstrl.sandbox.backends.workdir import disk_report, prepare_root, release_work
 
 HOST_SYSTEM_DIRS = ("usr", "bin", "lib", "lib32", "lib64", "libx32", "sbin", "etc")
 # Masked inside the host's /etc (files become empty, dirs empty tmpfs).

@@ -30,14 +30,39 @@ from pathlib import Path
 from typing import Any
 
 from burstrl.sandbox.backends import seccomp
-from burstrl.sandbox.backends.base import (CODE_MOUNT, RUN_MOUNT, SOCKET_NAME, TOKEN_NAME, Handover,
-                                           LimitsReport, Sandbox, SandboxSpec, SandboxState, daemon_argv, kill_group,
-                                           make_run_dir, process_start_time, remove_tree, spawn, src_dir,
-                                           trusted_client, wait_ready, write_owner)
+from burstrl.sandbox.backends.base import (
+    CODE_MOUNT,
+    RUN_MOUNT,
+    SOCKET_NAME,
+    TOKEN_NAME,
+    Handover,
+    LimitsReport,
+    Sandbox,
+    SandboxSpec,
+    SandboxState,
+    daemon_argv,
+    kill_group,
+    make_run_dir,
+    process_start_time,
+    remove_tree,
+    spawn,
+    src_dir,
+    trusted_client,
+    wait_ready,
+    write_owner,
+)
 from burstrl.sandbox.backends.cgroups import CPU_PERIOD_US, _mounts, _own_paths, _under, kill_and_remove
-from burstrl.sandbox.backends.namespace import (HOST_SECRETS, HOST_SYSTEM_DIRS, PATH, REPLACED,
-                                                default_state_dir, hand_over, sandbox_env, sandbox_ids,
-                                                tmpfs_bytes)
+from burstrl.sandbox.backends.namespace import (
+    HOST_SECRETS,
+    HOST_SYSTEM_DIRS,
+    PATH,
+    REPLACED,
+    default_state_dir,
+    hand_over,
+    sandbox_env,
+    sandbox_ids,
+    tmpfs_bytes,
+)
 from burstrl.sandbox.backends.workdir import disk_report, prepare_root, release_work
 
 RUNTIMES = ("runc", "crun", "runsc")
