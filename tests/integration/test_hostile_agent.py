@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from burstrl.config import OrchestrateConfig, OrchestratorConfig, SweEnvConfig
+from burstrl.config import OrchestrateConfig, OrchestratorSection, SweEnvConfig
 from burstrl.envs.base import ChatClient, Outcome, Task
 from burstrl.envs.swe.agent import SUBMIT_COMMAND
 from burstrl.envs.swe.env import SweEnv
@@ -133,7 +133,7 @@ def test_a_hostile_agent_scores_0_and_the_run_finishes_with_nothing_lost(cluster
     run_dir = tmp_path / "run"
     swe = SweEnvConfig(toy_tasks=1, max_sandboxes=4, max_turns=12, command_timeout_s=20)
     cfg = OrchestrateConfig(run_dir=str(run_dir), router=cluster.url, steps=1,
-                            orchestrator=OrchestratorConfig(envs={"swe": 1.0}, group_size=2, swe=swe, max_tokens=1,
+                            orchestrator=OrchestratorSection(envs={"swe": 1.0}, group_size=2, swe=swe, max_tokens=1,
                                                             max_in_flight_groups=4, max_buffered_groups=4))
     run_dir.mkdir(parents=True)
     orch = Orchestrator(cfg, ADMIN_TOKEN)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from burstrl.config import OrchestrateConfig, OrchestratorConfig
+from burstrl.config import OrchestrateConfig, OrchestratorSection
 from burstrl.orchestrator.loop import Orchestrator
 from burstrl.protocol import process
 from burstrl.store import RolloutStore
@@ -61,7 +61,7 @@ def take_first_group(store_path: Path, stop: threading.Event) -> list:
 def test_the_orchestrator_runs_groups_of_a_module_class_environment(router, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    o = OrchestratorConfig(envs={ECHO: 1.0}, env={"echo": {"words": 2}}, group_size=2, max_tokens=4,
+    o = OrchestratorSection(envs={ECHO: 1.0}, env={"echo": {"words": 2}}, group_size=2, max_tokens=4,
                            max_in_flight_groups=1, max_buffered_groups=1)
     orch = Orchestrator(OrchestrateConfig(run_dir=str(run_dir), router=router.url, steps=1, orchestrator=o),
                         ADMIN_TOKEN)

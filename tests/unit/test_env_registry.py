@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from burstrl.config import OrchestratorConfig, RunConfig
+from burstrl.config import OrchestratorSection, RunConfig
 from burstrl.envs import ENV_NAMES, check_env, env_class, get_env, register
 from burstrl.envs.swe.env import SweEnv
 from burstrl.envs.toy import ToyEnv
@@ -28,13 +28,13 @@ def repo_on_path(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_built_in_names_are_the_same_environments_as_before(tmp_path: Path) -> None:
     assert ENV_NAMES == ("toy", "toy_multi", "swe")
     assert isinstance(get_env("toy"), ToyEnv) and get_env("toy_multi").name == "toy_multi"
-    swe = get_env("swe", OrchestratorConfig(swe={"toy_tasks": 3}), tmp_path)
+    swe = get_env("swe", OrchestratorSection(swe={"toy_tasks": 3}), tmp_path)
     assert isinstance(swe, SweEnv) and swe.cfg.toy_tasks == 3 and swe.run_dir == tmp_path
     assert get_env("swe").cfg.toy_tasks == 64  # no options: the model's defaults
 
 
 def test_a_third_party_environment_by_module_and_class_gets_its_own_validated_options(tmp_path: Path) -> None:
-    env = get_env(ECHO, OrchestratorConfig(env={"echo": {"words": 2, "reward-exact": 0.5}}), tmp_path)
+    env = get_env(ECHO, OrchestratorSection(env={"echo": {"words": 2, "reward-exact": 0.5}}), tmp_path)
     assert type(env).__name__ == "EchoEnv" and env.options.words == 2 and env.options.reward_exact == 0.5
     task = env.make_tasks(1, seed=0)[0]
     assert task.env == ECHO and len(task.data["words"]) == 2  # its tasks find it under the name it was asked by
@@ -43,7 +43,7 @@ def test_a_third_party_environment_by_module_and_class_gets_its_own_validated_op
     assert get_env(ECHO).options.words == 1  # no section: defaults
 
     with pytest.raises(ValueError, match="orchestrator.env.echo: unknown config key .wordz."):
-        get_env(ECHO, OrchestratorConfig(env={"echo": {"wordz": 2}}))
+        get_env(ECHO, OrchestratorSection(env={"echo": {"wordz": 2}}))
 
 
 def test_unknown_names_and_bad_targets_are_errors_that_say_what_to_write() -> None:
@@ -56,9 +56,9 @@ def test_unknown_names_and_bad_targets_are_errors_that_say_what_to_write() -> No
     with pytest.raises(ValueError, match="not a class"):
         env_class("examples.third_party_env:WORDS")
     with pytest.raises(ValueError, match="takes no options"):
-        get_env("toy", OrchestratorConfig(env={"toy": {"words": 2}}))
+        get_env("toy", OrchestratorSection(env={"toy": {"words": 2}}))
     with pytest.raises(ValueError, match="not both"):
-        get_env("swe", OrchestratorConfig(swe={"toy_tasks": 3}, env={"swe": {"toy_tasks": 4}}))
+        get_env("swe", OrchestratorSection(swe={"toy_tasks": 3}, env={"swe": {"toy_tasks": 4}}))
 
 
 def test_register_adds_a_name_without_touching_the_library(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -66,10 +66,10 @@ def test_register_adds_a_name_without_touching_the_library(monkeypatch: pytest.M
 
     monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
     register("echo", ECHO)
-    env = get_env("echo", OrchestratorConfig(env={"echo": {"words": 3}}))
+    env = get_env("echo", OrchestratorSection(env={"echo": {"words": 3}}))
     assert env.name == "echo" and env.options.words == 3
     register("echo2", ECHO)  # another name for it: its options stay under the class's name, echo
-    env = get_env("echo2", OrchestratorConfig(env={"echo": {"words": 2}}))
+    env = get_env("echo2", OrchestratorSection(env={"echo": {"words": 2}}))
     assert env.options.words == 2 and env.make_tasks(1, seed=0)[0].env == "echo2"
     with pytest.raises(ValueError, match="reserved"):
         register("a:b", ECHO)
@@ -77,9 +77,9 @@ def test_register_adds_a_name_without_touching_the_library(monkeypatch: pytest.M
 
 def test_check_env_validates_options_and_leaves_built_ins_unimported() -> None:
     check_env("swe")  # a registered name without a mapping: nothing imported, nothing to check
-    check_env(ECHO, OrchestratorConfig(env={"echo": {"words": 4}}))
+    check_env(ECHO, OrchestratorSection(env={"echo": {"words": 4}}))
     with pytest.raises(ValueError, match="words"):
-        check_env(ECHO, OrchestratorConfig(env={"echo": {"words": 0}}))
+        check_env(ECHO, OrchestratorSection(env={"echo": {"words": 0}}))
 
 
 def test_preflight_names_a_bad_environment_and_its_bad_options() -> None:

@@ -33,7 +33,7 @@ from burstrl.config.roles import (
     LoraConfigSection,
     ModelConfig,
     OrchestrateConfig,
-    OrchestratorConfig,
+    OrchestratorSection,
     RouteConfig,
     ServeConfig,
     SweEnvConfig,
@@ -45,7 +45,7 @@ from burstrl.config.run import AutoscaleConfig, ChaosConfig, FleetConfig, RayCon
 
 __all__ = [
     "AutoscaleConfig", "ChaosConfig", "ConfigError", "CurriculumConfig", "EngineConfig", "EvalConfig",
-    "FleetConfig", "HttpServerSection", "LoraConfigSection", "ModelConfig", "OrchestrateConfig", "OrchestratorConfig",
+    "FleetConfig", "HttpServerSection", "LoraConfigSection", "ModelConfig", "OrchestrateConfig", "OrchestratorSection",
     "RayConfig", "RouteConfig", "RunConfig", "Section", "ServeConfig", "SftConfig", "SweEnvConfig",
     "TrainConfig", "TrainerSection", "WeightsConfig", "dump_toml", "load_config", "load_tree",
     "merge", "parse_command_line", "parse_overrides", "read_config_file", "validate",

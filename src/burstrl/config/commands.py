@@ -12,7 +12,7 @@ from typing import Any
 from pydantic import Field
 
 from burstrl.config.loading import Section
-from burstrl.config.roles import OrchestratorConfig, SweEnvConfig
+from burstrl.config.roles import OrchestratorSection, SweEnvConfig
 
 
 class SftConfig(Section):
@@ -69,6 +69,6 @@ class EvalConfig(Section):
                 raise ValueError(f"set {key} (--{key.replace('_', '-')}), not swe.{key}: it is the eval's own")
         self.swe = self.swe.model_copy(update=mine)
 
-    def env_options(self) -> OrchestratorConfig:
+    def env_options(self) -> OrchestratorSection:
         """What the environment reads its section from (as in a run's orchestrator config)."""
-        return OrchestratorConfig(swe=self.swe)
+        return OrchestratorSection(swe=self.swe)

@@ -248,7 +248,7 @@ class SweEnvConfig(Section):
     grade_timeout_s: float = Field(300.0, gt=0, description="Timeout of grading one attempt.")
 
 
-class OrchestratorConfig(Section):
+class OrchestratorSection(Section):
     envs: dict[str, float] = Field(
         default_factory=lambda: {"toy": 1.0}, description="Environments and their sampling weights."
     )
@@ -283,6 +283,6 @@ class OrchestrateConfig(Section):
     store: str = Field("", description="Rollout store path; empty = RUN_DIR/store.sqlite.")
     router: str = Field("http://127.0.0.1:8080", description="Router URL (OpenAI API).")
     steps: int = Field(0, ge=0, description="Stop once the store has this many committed steps; 0 = never.")
-    orchestrator: OrchestratorConfig = Field(default_factory=OrchestratorConfig)
+    orchestrator: OrchestratorSection = Field(default_factory=OrchestratorSection)
 
 

@@ -20,7 +20,7 @@ from burstrl.config.roles import (
     LoraConfigSection,
     ModelConfig,
     OrchestrateConfig,
-    OrchestratorConfig,
+    OrchestratorSection,
     RouteConfig,
     ServeConfig,
     TrainConfig,
@@ -95,7 +95,7 @@ class RunConfig(Section):
     lora: LoraConfigSection = Field(default_factory=LoraConfigSection)
     trainer: TrainerSection = Field(default_factory=TrainerSection)
     weights: WeightsConfig = Field(default_factory=WeightsConfig)
-    orchestrator: OrchestratorConfig = Field(default_factory=OrchestratorConfig)
+    orchestrator: OrchestratorSection = Field(default_factory=OrchestratorSection)
     fleet: FleetConfig = Field(default_factory=FleetConfig)
     autoscale: AutoscaleConfig = Field(default_factory=AutoscaleConfig)
     chaos: ChaosConfig = Field(default_factory=ChaosConfig)

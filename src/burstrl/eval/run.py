@@ -11,7 +11,7 @@ the results JSON.
 Tasks: `swe` reads a task file (`--tasks`, as `burstrl tasks` writes them); every other
 environment makes its own (`Environment.make_tasks(n, seed, difficulty, split)`, the held-out
 `test` split by default). Environment options are the environment's section of the orchestrator
-config (`OrchestratorConfig.swe` for `swe`), so an evaluation runs an environment exactly as a
+config (`OrchestratorSection.swe` for `swe`), so an evaluation runs an environment exactly as a
 training run configured the same way would.
 
 A record: task_id, attempt, version, resolved (= `Outcome.passed`), reward, parts (the reward's
@@ -34,7 +34,7 @@ from typing import Any
 
 import httpx
 
-from burstrl.config import OrchestratorConfig, SweEnvConfig
+from burstrl.config import OrchestratorSection, SweEnvConfig
 from burstrl.envs import get_env
 from burstrl.envs.base import Environment, InfraError, Task
 
@@ -52,7 +52,7 @@ class EvalSpec:
     temperature: float = 1.0
     seed: int = 0
     env: str = "swe"
-    options: OrchestratorConfig = field(default_factory=OrchestratorConfig)  # the env reads its own section
+    options: OrchestratorSection = field(default_factory=OrchestratorSection)  # the env reads its own section
     n: int = 8
     split: str = "test"
     difficulty: int = 1
