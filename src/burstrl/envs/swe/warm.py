@@ -8,7 +8,7 @@ the one level a ~1M-parameter model can learn to solve at all, partly, so that R
 both outcomes to learn from. Two stages (600 tasks, then 1,200 with 600 new ones) because copying
 exact literals generalises to unseen tasks only with more distinct examples than one stage's worth
 of steps can use (600 steps on 400 tasks memorised them: 0 of 120 unseen tasks solved). Built once
-per recipe and cached like `envs.toy_warm.ensure_warm_model`; ~25 min on 2 cores.
+per recipe and cached like `envs.toy_warm.ensure_warm_model`; 30-55 min on 2 cores.
 """
 
 from __future__ import annotations
