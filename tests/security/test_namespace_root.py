@@ -112,21 +112,21 @@ def test_mountinfo_shows_only_what_is_documented(sandbox: Sandbox) -> None:
     assert by_point["/work"][3] in (f"{sandbox.path}/work", "/")  # bind, or an overlay's root
 
 
-RUN_AS_USER = f"""
+RUN_AS_USER = """
 import json, sys, tempfile, warnings
 from pathlib import Path
-sys.path.insert(0, {str(SRC)!r})
+sys.path.insert(0, SRC)
 warnings.simplefilter("ignore")
 from burstrl.sandbox.backends import make_backend
 from burstrl.sandbox.backends.base import SandboxSpec
 state = Path(tempfile.mkdtemp(prefix="sbx", dir="/tmp"))
 with make_backend("namespace", state_dir=state).create(SandboxSpec(pids_limit=64, memory_limit_mb=256)) as sb:
     r = sb.exec("id -u; grep 'Max processes' /proc/self/limits | tr -s ' ' | cut -d' ' -f3")
-    res = {{"out": r.stdout, "rc": r.exit_code, "pids": sb.limits.pids, "attacks": {{}}}}
+    res = {"out": r.stdout, "rc": r.exit_code, "pids": sb.limits.pids, "attacks": {}}
     for name, cmd in ATTACKS.items():
         r = sb.exec(cmd, timeout=60)
         alive = sb.client.health().status == "ok" and sb.exec("echo alive").stdout == "alive\\n"
-        res["attacks"][name] = {{"alive": alive, "out": r.stdout, "err": r.stderr[-300:]}}
+        res["attacks"][name] = {"alive": alive, "out": r.stdout, "err": r.stderr[-300:]}
     print(json.dumps(res))
 """
 # The suite's attacks, as an ordinary user: each must leave the daemon serving and print no "BAD".
@@ -159,9 +159,15 @@ def test_ordinary_user_can_create_exec_close() -> None:
     has no `ulimit -u`); the sandbox starts and runs as the user's own uid. Then the suite's
     attacks on the daemon and the kernel's knobs, run by that user's sandbox, all fail (the
     system python: the sandbox code is stdlib only, and the venv's may be out of the user's reach)."""
-    script = f"ATTACKS = {ATTACKS!r}\n" + RUN_AS_USER
-    r = subprocess.run([*_as_user(), "/usr/bin/python3", "-c", script], capture_output=True,
-                       text=True, timeout=300, cwd="/tmp", check=False)
+    prefix = _as_user()
+    with tempfile.TemporaryDirectory(prefix="burstrl-src-") as src:
+        # The checkout may be in a dir the user cannot enter (a clone under a 0700 temp dir or
+        # /root): the user imports a world-readable copy of the package instead.
+        shutil.copytree(SRC / "burstrl", Path(src) / "burstrl", ignore=shutil.ignore_patterns("__pycache__"))
+        os.chmod(src, 0o755)
+        script = f"ATTACKS = {ATTACKS!r}\nSRC = {src!r}\n" + RUN_AS_USER
+        r = subprocess.run([*prefix, "/usr/bin/python3", "-c", script], capture_output=True,
+                           text=True, timeout=300, cwd="/tmp", check=False)
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(r.stdout.splitlines()[-1])
     uid, nproc = res["out"].split()
