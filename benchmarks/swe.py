@@ -89,6 +89,17 @@ def throughput(root: Path, n_tasks: int) -> dict:
     return out
 
 
+def rl_overrides(pairs: list[str]) -> list[str]:
+    """`key=value` pairs as `burstrl run` flags (`--key value`)."""
+    flags = []
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--rl-override wants KEY=VALUE, got {pair!r}")
+        flags += [f"--{key}", value]
+    return flags
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", type=int, default=40)
@@ -104,6 +115,8 @@ def main() -> None:
     parser.add_argument("--model", default="", help="Warm-started model dir; default: the cached recipe "
                         "(`envs.swe.warm`, built on first use).")
     parser.add_argument("--no-throughput", action="store_true")
+    parser.add_argument("--rl-override", action="append", default=[], metavar="KEY=VALUE",
+                        help="A dotted override for the RL run (repeatable), e.g. trainer.lr=3e-3.")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     if args.quick:
@@ -114,7 +127,7 @@ def main() -> None:
     model = Path(args.model) if args.model else quickstart_swe_model()
     result: dict = {"model": str(model), "warm_start_s": round(time.monotonic() - t0, 1), "tasks": args.tasks,
                     "attempts": args.attempts, "rl_steps": args.steps, "seed": args.seed, "split": args.split,
-                    "difficulty": args.difficulty, "temperature": args.temperature}
+                    "difficulty": args.difficulty, "temperature": args.temperature, "rl_overrides": args.rl_override}
     with tempfile.TemporaryDirectory(prefix="bench-swe-") as tmp:
         root = Path(tmp)
         burstrl("tasks", "make-toy", str(root / "test"), "--n", str(args.tasks), "--split", args.split, "--seed",
@@ -132,7 +145,8 @@ def main() -> None:
         result["before"] = overall(root / "before")
         t1 = time.monotonic()
         burstrl("run", str(REPO / "examples" / "toy-swe.toml"), "--run_dir", str(root / "run"), "--model.path",
-                str(model), "--trainer.steps", str(args.steps), "--orchestrator.temperature", str(args.temperature))
+                str(model), "--trainer.steps", str(args.steps), "--orchestrator.temperature", str(args.temperature),
+                *rl_overrides(args.rl_override))
         result["rl_wall_s"] = round(time.monotonic() - t1, 1)
         metrics = [json.loads(line) for line in (root / "run" / "metrics.jsonl").read_text().splitlines()]
         result["rl_reward_first5"] = sum(m["reward_mean"] for m in metrics[:5]) / min(5, len(metrics))
