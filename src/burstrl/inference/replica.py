@@ -7,12 +7,15 @@ imports no HTTP code, so the route modules can import it without a cycle.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
 import shutil
+import stat
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +26,7 @@ from burstrl.inference.chat import ChatError, ChatTokenizer
 from burstrl.inference.engine import Engine
 from burstrl.inference.openai_api import TokenText
 from burstrl.inference.sessions import SessionTable
+from burstrl.protocol.process import pid_alive, process_start_time
 from burstrl.protocol.versions import version_name
 from burstrl.weights.volume import latest
 
@@ -79,8 +83,12 @@ def build_replica(cfg: ServeConfig) -> InferenceReplica:
         log.warning("max_model_len %d exceeds the KV budget; capping it to %d",
                     max_len, cfg.engine.max_total_num_tokens)
         max_len = cfg.engine.max_total_num_tokens
-    state_dir = Path(cfg.server.state_dir or tempfile.mkdtemp(prefix="burstrl-replica-"))
-    state_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.server.state_dir:
+        state_dir = Path(cfg.server.state_dir)
+        state_dir.mkdir(parents=True, exist_ok=True)
+    else:
+        sweep_dead_state_dirs(Path(tempfile.gettempdir()))
+        state_dir = make_state_dir(Path(tempfile.gettempdir()))
     sessions = SessionTable(cfg.engine.session_ttl_s)
     engine = Engine(model, tokenizer, cfg.engine, eos_token_ids(model, tokenizer), sessions, max_len)
     registry = AdapterRegistry.for_layers(state_dir, engine.runner.layers, engine.runner.dtype,
@@ -100,6 +108,48 @@ def build_replica(cfg: ServeConfig) -> InferenceReplica:
         _load_newest_version(registry, Path(cfg.adapter_volume))
     engine.start()
     return replica
+
+
+STATE_PREFIX = "burstrl-replica-"
+OWNER_FILE = "owner.json"
+
+
+def make_state_dir(parent: Path) -> Path:
+    """A private temp state dir recording its owner (pid + start time), so that when this replica is
+    killed (SIGKILL, preemption) the next replica on the host can tell the dir is garbage."""
+    path = Path(tempfile.mkdtemp(prefix=STATE_PREFIX, dir=parent))
+    pid = os.getpid()
+    (path / OWNER_FILE).write_text(json.dumps({"pid": pid, "start": process_start_time(pid)}))
+    return path
+
+
+def sweep_dead_state_dirs(parent: Path, min_age_s: float = 60.0) -> list[Path]:
+    """Remove temp state dirs of replicas that died without `close()` (each holds upload shards
+    and unpacked adapters: ~10 MB per death, forever, on a host whose replicas are preempted).
+
+    A dir without an owner record is left alone for `min_age_s` (its owner may be creating it);
+    dirs of other users are never touched. Returns the dirs removed.
+    """
+    removed = []
+    for path in parent.glob(STATE_PREFIX + "*"):
+        try:
+            st = path.lstat()
+        except FileNotFoundError:
+            continue
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not _owner_alive(path, st, min_age_s):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    if removed:
+        log.info("removed %d state dirs of dead replicas under %s", len(removed), parent)
+    return removed
+
+
+def _owner_alive(path: Path, st: os.stat_result, min_age_s: float) -> bool:
+    try:
+        owner = json.loads((path / OWNER_FILE).read_text())
+        return pid_alive(int(owner["pid"]), owner.get("start"))
+    except (OSError, ValueError, KeyError, TypeError):  # no or torn record: judge by age
+        return time.time() - st.st_mtime < min_age_s
 
 
 def _load_newest_version(registry: AdapterRegistry, volume: Path) -> None:

@@ -158,3 +158,18 @@ def die_with_parent_signal() -> None:
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:  # not Linux: the supervisor still stops its children on every normal exit
         pass
+
+
+def process_start_time(pid: int) -> int | None:
+    """Start time in clock ticks: with the pid, it names a process even after pid reuse."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def pid_alive(pid: int, start_time: int | None) -> bool:
+    """Whether the process that had `pid` (and, if given, that start time) still runs."""
+    now = process_start_time(pid)
+    return now is not None and (start_time is None or now == start_time)

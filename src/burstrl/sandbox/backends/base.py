@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import burstrl
+from burstrl.protocol.process import pid_alive as pid_alive  # re-exported: pool and backends use it
+from burstrl.protocol.process import process_start_time as process_start_time
 
 if TYPE_CHECKING:
     from burstrl.sandbox.backends.quota import SizedDir
@@ -245,20 +247,6 @@ def trusted_client(path: Path, token: str) -> Any:
 
     pid, uid, _ = socket_peer(str(path))
     return SandboxClient(socket_path=str(path), token=token, expected_pid=pid, expected_uid=uid)
-
-
-def process_start_time(pid: int) -> int | None:
-    """Start time in clock ticks: with the pid, it names a process even after pid reuse."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat.rsplit(")", 1)[1].split()[19])
-
-
-def pid_alive(pid: int, start_time: int | None) -> bool:
-    now = process_start_time(pid)
-    return now is not None and (start_time is None or now == start_time)
 
 
 def write_owner(path: Path, **fields: Any) -> None:
