@@ -676,6 +676,7 @@ def _evaluate(cfg) -> None:
         load_eval_tasks(spec)  # bad task arguments fail here, before a replica starts
     except ValueError as exc:
         _fail(str(exc))
+    _save_config(cfg, spec.out / "eval_config.toml")
     for path in evaluate(spec, excluded, Path(cfg.compare) if cfg.compare else None):
         typer.echo(str(path))
 
@@ -691,6 +692,14 @@ def _config(cls: type, ctx: typer.Context, extra_overrides: list[str], files: li
         return load_tree(cls, [*files, *(given or default_files)], tree)
     except (ConfigError, OSError) as exc:
         _fail(f"{prefix}{exc}")
+
+
+def _save_config(cfg, path: Path) -> None:
+    """The resolved config beside the results: `burstrl eval CONFIG` reruns exactly this evaluation."""
+    from burstrl.config import dump_toml
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(dump_toml(cfg))
 
 
 def _print_config(cfg) -> None:

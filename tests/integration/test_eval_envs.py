@@ -21,6 +21,8 @@ def eval_env(model: Path, env: str, out: Path, *extra: str) -> dict:
     r = burstrl("eval", "--model", str(model), "--env", env, "--n", "3", "--attempts", "2", "--out", str(out), *extra)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.splitlines()[-3:] == [str(out / name) for name in ("results.json", "report.md", "report.png")]
+    saved = burstrl("eval", str(out / "eval_config.toml"), "--dry-run")  # the resolved config reruns as is
+    assert saved.returncode == 0 and f'env = "{env}"' in saved.stdout and "attempts = 2" in saved.stdout, saved.stderr
     return json.loads((out / "results.json").read_text())
 
 
