@@ -242,6 +242,13 @@ class SweEnvConfig(Section):
     workdir_mb: int = Field(0, ge=0, description="Size limit of each sandbox's /work in MB (a filesystem of "
                             "its own as root; ENOSPC past it); 0 = each task's `disk` (default 4096).")
     max_sandboxes: int = Field(8, ge=1, description="Sandboxes alive at once (attempts plus grading).")
+    nodes_file: str = Field("", description="Node agents to place sandboxes on (JSON list of {url, token, name}; "
+                            "`--provider ray` writes one when the cluster has `sandbox_node` nodes); empty = "
+                            "sandboxes on this machine.")
+    placement: Literal["ours", "image_affinity", "reference"] = Field(
+        "ours", description="Placement policy across node agents (burstrl.sandbox.placement).")
+    node_dead_after_s: float = Field(10.0, gt=0, description="A node agent silent this long is dead: its "
+                                     "attempts end as infra errors and are re-run elsewhere.")
     max_turns: int = Field(6, ge=1, description="Agent turns (model calls) per attempt.")
     max_tokens_per_call: int = Field(128, ge=1, description="max_tokens of each agent call.")
     command_timeout_s: float = Field(30.0, gt=0, description="Timeout of one agent command in the sandbox.")

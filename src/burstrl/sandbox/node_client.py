@@ -36,6 +36,7 @@ class SandboxAddress:
     socket: str | None = None
     daemon_pid: int | None = None
     daemon_uid: int | None = None
+    limits: dict[str, str] | None = None  # how the node enforced each limit (`LimitsReport` fields)
 
     def client(self, local: bool = False, timeout: float = 30.0) -> SandboxClient:
         """A daemon client: over the node's TCP port, or with `local` over the unix socket."""
@@ -78,7 +79,8 @@ class NodeClient:
     def create(self, **spec: Any) -> SandboxAddress:
         """Start a sandbox on the node; `spec`: `SandboxSpec` fields (`image` a layout path on the node)."""
         a = self._call("POST", "/v1/sandboxes", spec)
-        return SandboxAddress(a["id"], a["url"], a["token"], a.get("socket"), a.get("daemon_pid"), a.get("daemon_uid"))
+        return SandboxAddress(a["id"], a["url"], a["token"], a.get("socket"), a.get("daemon_pid"), a.get("daemon_uid"),
+                              a.get("limits"))
 
     def delete(self, sid: str) -> None:
         self._call("DELETE", f"/v1/sandboxes/{sid}")

@@ -17,7 +17,10 @@ of the repo, a grading sandbox that does not start or fails before the patch run
 After (the daemon killed, OOM-killed or hung under the model's commands, during the patch
 extraction that follows them, or while the grading sandbox runs the model's code) it is the
 model's doing: reward 0, parts `sandbox_lost=1`, the reason in `info["reason"]` and the log.
-Never a re-run: the policy would learn to erase its failures by killing its sandbox.
+Never a re-run: the policy would learn to erase its failures by killing its sandbox. The one
+exception is a sandbox on a node agent (`nodes_file`, `sandbox/cluster.py`) whose agent stopped
+answering: the whole node went down (not what a sandbox's limited commands can do), so the attempt is an
+`InfraError` and re-run elsewhere.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +53,7 @@ class SweEnv:
         self.cfg, self.run_dir = cfg, Path(run_dir)
         self._tasks: list[SweTask] | None = None
         self._pool: Any = None
+        self._pool_lock = threading.Lock()  # attempts open their sandboxes in worker threads: one pool
         self._gate: asyncio.Semaphore | None = None  # made in the event loop that runs the attempts
 
     # ---- tasks ----
@@ -119,16 +124,32 @@ class SweEnv:
 
     # ---- one attempt ----
     def pool(self) -> Any:
-        if self._pool is None:
-            from burstrl.sandbox.pool import SandboxPool
-
-            self._pool = SandboxPool(self.cfg.backend, max_concurrent=self.cfg.max_sandboxes)
+        """Local sandboxes (`SandboxPool`), or with `nodes_file` a `ClusterPool` over node agents."""
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = self._make_pool()
         return self._pool
+
+    def _make_pool(self) -> Any:
+        if self.cfg.nodes_file:
+            from burstrl.sandbox.cluster import ClusterPool, load_nodes
+
+            return ClusterPool(load_nodes(self.cfg.nodes_file), self.cfg.placement,
+                               max_concurrent=self.cfg.max_sandboxes, dead_after_s=self.cfg.node_dead_after_s)
+        from burstrl.sandbox.pool import SandboxPool
+
+        return SandboxPool(self.cfg.backend, max_concurrent=self.cfg.max_sandboxes)
 
     def close(self) -> None:
         """Close every sandbox this environment still holds (its pool's owner is the environment)."""
         if self._pool is not None:
-            self._pool.close_all()
+            getattr(self._pool, "close", self._pool.close_all)()
+
+    def _node_lost(self, *sandboxes: Any) -> bool:
+        """Whether a lost sandbox went down with its node (a cluster pool's dead agent): infrastructure,
+        re-run, whatever the model did. A local pool has no nodes to lose."""
+        confirm = getattr(self._pool, "confirm_lost", None)
+        return confirm is not None and any(confirm(s) for s in sandboxes)
 
     async def rollout(self, client: ChatClient, task: Task) -> Outcome:
         """One attempt, at most `max_sandboxes` at once.
@@ -160,10 +181,16 @@ class SweEnv:
             await asyncio.to_thread(sandbox.close)
         info = {"turns": result.turns, "exit_reason": result.exit_reason, "patch_bytes": len(patch)}
         if failure:
+            if await asyncio.to_thread(self._node_lost, sandbox):
+                raise InfraError(f"sandbox for {swe.instance_id}: its node died ({failure})")
             return self._failed(swe, failure, info, submitted=result.submitted)
-        graded = await asyncio.to_thread(grade, swe, patch, self.pool(), timeout_s=self.cfg.grade_timeout_s)
+        pool = self.pool()
+        grader = pool.tracker() if hasattr(pool, "tracker") else pool
+        graded = await asyncio.to_thread(grade, swe, patch, grader, timeout_s=self.cfg.grade_timeout_s)
         if getattr(graded, "infra_error", None):
             raise InfraError(f"grading {swe.instance_id}: {graded.infra_error}")
+        if getattr(graded, "model_error", None) and grader is not pool and await asyncio.to_thread(grader.lost):
+            raise InfraError(f"grading {swe.instance_id}: its node died ({graded.model_error})")
         if getattr(graded, "model_error", None):
             return self._failed(swe, f"sandbox_lost: grading: {graded.model_error}", info, submitted=result.submitted,
                                 apply_ok=graded.apply_ok)
