@@ -164,10 +164,24 @@ class Launcher:
             raise LaunchError(f"the trainer failed to start: {exc}") from None
         self.wait_for_first_replica()
         orch = c.orchestrate_config(self.router.url)
+        self.start_sandbox_nodes(orch)
         self.orchestrator = self._start("orchestrator", ["orchestrate", self.role_config("orchestrate", orch)],
                                         ready=False, placement=Placement(on_driver=True))
         control.write_launcher_info(self.run_dir, self.router.url)
         self.display = Display(self.run_dir, c.trainer.steps, live=self.live)
+
+    def start_sandbox_nodes(self, orch: Any) -> None:
+        """With a provider that has sandbox nodes (Ray: `sandbox_node`), the SWE env places its sandboxes there."""
+        start = getattr(self.provider, "start_sandbox_nodes", None)
+        if start is None or "swe" not in self.cfg.orchestrator.envs or orch.orchestrator.swe.nodes_file:
+            return
+        try:
+            path = start(orch.orchestrator.swe.backend)
+        except RuntimeError as exc:
+            raise LaunchError(str(exc)) from None
+        if path is not None:
+            orch.orchestrator.swe.nodes_file = str(path)
+            self.event("sandbox_nodes", detail=str(path))
 
     def _start(self, name: str, args: list[str], ready: bool, placement: Placement) -> RoleHandle:
         try:

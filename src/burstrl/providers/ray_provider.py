@@ -241,6 +241,7 @@ class RayProvider:
         self.started_ray = connect(cfg, run_namespace(self.run_dir))
         self.driver_ip = ray.util.get_node_ip_address()
         self.roles: list[RayRole] = []
+        self.sandbox_agents: Any = None
 
     # ---- placement ----
     def wait_placed(self, actor: Any, what: str, resources: dict[str, Any]) -> dict[str, Any]:
@@ -306,6 +307,14 @@ class RayProvider:
     def start_trainer(self, config: Path, world_size: int, resume: bool, append: bool) -> RayTrainer:
         return RayTrainer(self, config, world_size, resume, append)
 
+    def start_sandbox_nodes(self, backend: str) -> Path | None:
+        """Node agents on the `sandbox_node` nodes (providers/ray_sandbox.py); their nodes file, or None."""
+        from burstrl.providers.ray_sandbox import SandboxAgents
+
+        self.sandbox_agents = SandboxAgents(self.run_dir, self.logs_dir, self.env, backend,
+                                            timeout_s=self.cfg.placement_timeout_s + 60)
+        return self.sandbox_agents.start()
+
     def request_capacity(self, replicas: dict[str, int]) -> None:
         if not self.cfg.request_resources:
             return
@@ -319,6 +328,8 @@ class RayProvider:
         request_resources(bundles=[b for b in bundles if b])
 
     def close(self) -> None:
+        if self.sandbox_agents is not None:
+            self.sandbox_agents.stop()
         for role in self.roles:
             try:
                 ray.kill(role.actor, no_restart=True)

@@ -1,0 +1,114 @@
+"""Sandbox nodes on Ray (issue 18): one `burstrl sandbox node` agent per Ray node that carries the
+custom resource `sandbox_node`, and the nodes file the orchestrator's `ClusterPool` reads.
+
+Why a `RoleActor` per agent, pinned to its node by node affinity: the agent is the same command as
+on a bare machine (same ready line, same signals, its own process group, dying with its actor's
+worker), and the sandboxes it makes are its children, so they die with it when Ray loses the node.
+The agent binds the node's IP (`--host`), so the ports it forwards to its sandboxes are reachable
+from the orchestrator's node and a rollout's commands go straight to the sandbox's node.
+
+Each agent's allocatable is what Ray says the node has (`CPU`, `memory`), so the placement policy
+packs by the same numbers the cluster was declared with. One bearer token for all agents, made by
+the launcher, passed in the actor's environment (never argv) and written, mode 0600, only into the
+nodes file in the run directory.
+
+A cluster without `sandbox_node` nodes gets no agents and no nodes file: sandboxes stay local.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from burstrl.providers.ray_actors import ProcessSpec, RoleActor
+
+SANDBOX_RESOURCE = "sandbox_node"
+NODES_FILE = "sandbox-nodes.json"
+log = logging.getLogger("burstrl.ray")
+
+
+def sandbox_nodes() -> list[dict[str, Any]]:
+    """The alive Ray nodes that carry `sandbox_node`, in a stable order (by node id)."""
+    nodes = [n for n in ray.nodes() if n.get("Alive") and n["Resources"].get(SANDBOX_RESOURCE, 0) > 0]
+    return sorted(nodes, key=lambda n: n["NodeID"])
+
+
+class SandboxAgents:
+    """The node agents of a run: started together, written to the nodes file, stopped together."""
+
+    def __init__(self, run_dir: Path, logs_dir: Path, env: dict[str, str], backend: str = "auto",
+                 timeout_s: float = 120.0) -> None:
+        self.run_dir, self.logs_dir, self.env = Path(run_dir), Path(logs_dir), env
+        self.backend, self.timeout_s = backend, timeout_s
+        self.token = secrets.token_urlsafe(24)
+        self.actors: list[Any] = []
+        self.nodes: list[dict[str, str]] = []
+
+    def start(self) -> Path | None:
+        """One agent per sandbox node; the nodes file's path, or None when the cluster has no such node."""
+        found = sandbox_nodes()
+        if not found:
+            return None
+        pending = [(node, self._actor(node)) for node in found]
+        for node, actor in pending:
+            name = _node_name(node)
+            try:
+                url = ray.get(actor.ready.remote(self.timeout_s), timeout=self.timeout_s + 30)
+            except (RayActorError, GetTimeoutError, RuntimeError) as exc:
+                self.stop()
+                raise RuntimeError(f"the sandbox node agent on {name} failed to start: {exc}") from None
+            self.nodes.append({"url": url, "token": self.token, "name": name})
+        path = self.run_dir / NODES_FILE
+        fd = os.open(path.with_suffix(".tmp"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(self.nodes, f)
+        os.replace(path.with_suffix(".tmp"), path)
+        log.info("sandbox node agents: %s", ", ".join(f"{n['name']} {n['url']}" for n in self.nodes))
+        return path
+
+    def _actor(self, node: dict[str, Any]) -> Any:
+        """The agent's actor on `node`: allocatable from the node's Ray resources, a state dir of its own."""
+        res, short = node["Resources"], node["NodeID"][:12]
+        self.actors.append(None)  # reserve the index first: stop() must see every actor made
+        args = ["sandbox", "node", "--backend", self.backend, "--name", _node_name(node),
+                "--state-dir", f"/tmp/burstrl-sbn-{os.getuid()}-{short}",  # short: socket paths <= 107 bytes
+                "--layer-cache", str(_cache_root() / f"node-{short}"),
+                "--cpus", f"{res.get('CPU', 0) or os.cpu_count() or 1:g}"]
+        if res.get("memory"):
+            args += ["--memory-mb", str(int(res["memory"]) >> 20)]
+        spec = ProcessSpec(args=args, log=str(self.logs_dir / f"sandbox-node-{short}.log"),
+                           env={**self.env, "BURSTRL_NODE_TOKEN": self.token}, ready_line=True, host_key="host")
+        actor = RoleActor.options(num_cpus=0, resources={SANDBOX_RESOURCE: 0.001}, scheduling_strategy=(
+            NodeAffinitySchedulingStrategy(node["NodeID"], soft=False))).remote(spec)
+        self.actors[-1] = actor
+        return actor
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM each agent (it closes its sandboxes), then kill the actors."""
+        live = [a for a in self.actors if a is not None]
+        try:
+            ray.get([a.stop.remote(timeout) for a in live], timeout=timeout + 15)
+        except (RayActorError, GetTimeoutError):
+            pass  # an agent whose node is gone cannot answer: its actor is killed below either way
+        for a in live:
+            try:
+                ray.kill(a, no_restart=True)
+            except ValueError:
+                pass  # already gone
+        self.actors = []
+
+
+def _node_name(node: dict[str, Any]) -> str:
+    return f"{node['NodeManagerAddress']}-{node['NodeID'][:6]}"
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("BURSTRL_CACHE") or Path.home() / ".cache" / "burstrl") / "sandbox-layers"

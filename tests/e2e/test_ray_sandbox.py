@@ -1,0 +1,94 @@
+"""Sandbox nodes on a multi-node `ray.cluster_utils.Cluster` on this one machine: a head without
+sandboxes and three nodes carrying `sandbox_node`. One node-agent actor per sandbox node; a
+`ClusterPool` over them holds many sandboxes at once; one node is removed mid-run, its sandboxes are
+confirmed lost (the SWE env's infra error) while the others keep working, and new sandboxes go to
+the two nodes left. A cluster without `sandbox_node` gets no agents.
+
+`BURSTRL_RAY_SANDBOXES` sets how many sandboxes are held at once (default 24: what a busy 2-core
+machine starts in a few minutes; benchmarks/sandbox_cluster.py measures 64).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")]
+os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+
+
+def test_sandboxes_across_ray_sandbox_nodes_survive_a_node_loss(tmp_path: Path) -> None:
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from burstrl.providers.ray_sandbox import SandboxAgents
+    from burstrl.sandbox.backends import SandboxSpec
+    from burstrl.sandbox.client import SandboxError
+    from burstrl.sandbox.cluster import ClusterPool, load_nodes
+
+    n = int(os.environ.get("BURSTRL_RAY_SANDBOXES", "24"))
+    cluster = Cluster(initialize_head=True, connect=False,
+                      head_node_args={"num_cpus": 2, "include_dashboard": False, "object_store_memory": 80 * 2**20})
+    agents = pool = None
+    try:
+        ray.init(address=cluster.address, namespace="sandbox-test", log_to_driver=False)
+        none = SandboxAgents(tmp_path, tmp_path / "logs", {}, backend="namespace")
+        assert none.start() is None and not (tmp_path / "sandbox-nodes.json").exists()  # no such node: local
+        nodes = [cluster.add_node(num_cpus=8, memory=8 * 2**30, resources={"sandbox_node": 1},
+                                  object_store_memory=80 * 2**20) for _ in range(3)]
+        cluster.wait_for_nodes()
+        agents = SandboxAgents(tmp_path, tmp_path / "logs", {}, backend="namespace", timeout_s=300)
+        path = agents.start()
+        assert path is not None and oct(path.stat().st_mode & 0o777) == "0o600"
+        refs = load_nodes(path)
+        assert len(refs) == 3 and len({r.url for r in refs}) == 3
+        by_node = {r.name: node for r in refs for node in nodes if r.name.endswith(node.node_id[:6])}
+        assert len(by_node) == 3
+
+        pool = ClusterPool(refs, "ours", max_concurrent=n + 8, refresh_s=0.5, dead_after_s=5)
+        spec = SandboxSpec(cpu_limit=1, memory_limit_mb=1024, start_timeout_s=300)
+        t0 = time.monotonic()
+        with ThreadPoolExecutor(8) as ex:
+            boxes = list(ex.map(lambda _: pool.create(spec, timeout=900), range(n)))
+        started_s = time.monotonic() - t0
+        spread = Counter(sb.node for sb in boxes)
+        print(f"{n} sandboxes started in {started_s:.1f} s; by node {dict(spread)}; "
+              f"decision p50 {sorted(pool.decision_s)[len(pool.decision_s) // 2] * 1e6:.0f} us")
+        assert len(spread) == 3  # the predictor's risk term spreads what packing alone would pile up
+        with ThreadPoolExecutor(8) as ex:
+            outs = list(ex.map(lambda sb: sb.exec(f"echo {sb.id}", timeout=120).stdout, boxes))
+        assert outs == [f"{sb.id}\n" for sb in boxes]
+
+        victim_name = spread.most_common(1)[0][0]
+        cluster.remove_node(by_node[victim_name])  # the raylet and its workers die: the agent and its sandboxes too
+        lost = [sb for sb in boxes if sb.node == victim_name]
+        kept = [sb for sb in boxes if sb.node != victim_name]
+        for sb in lost:
+            with pytest.raises(SandboxError):
+                sb.exec("true", timeout=60)
+        assert all(pool.confirm_lost(sb) for sb in lost)
+        with ThreadPoolExecutor(8) as ex:
+            assert all(ex.map(lambda sb: sb.exec("echo ok", timeout=120).stdout == "ok\n", kept))
+        assert not any(pool.confirm_lost(sb) for sb in kept)
+        for sb in lost:
+            sb.close()  # the slot comes back without asking the dead agent
+        more = [pool.create(spec, timeout=900) for _ in range(len(lost))]
+        assert victim_name not in {sb.node for sb in more}
+        stats = pool.stats()
+        assert stats["nodes_lost"] == 1 and stats["sandboxes_lost"] == len(lost) and stats["close_errors"] == 0
+        print(json.dumps(stats))
+    finally:
+        if pool is not None:
+            pool.close()
+        if agents is not None:
+            agents.stop()
+        ray.shutdown()
+        cluster.shutdown()
