@@ -35,7 +35,7 @@ from typing import Any
 
 from burstrl.sandbox.backends.base import LimitsReport, Sandbox, SandboxSpec
 from burstrl.sandbox.node_client import NodeClient, NodeError, SandboxAddress, node_state
-from burstrl.sandbox.placement import Layer, NodeState, PlacedSandbox, Resources, SandboxRequest, make_policy
+from burstrl.sandbox.placement import Layer, NodeState, PlacedSandbox, Policy, Resources, SandboxRequest, make_policy
 
 log = logging.getLogger("burstrl.sandbox.cluster")
 
@@ -75,12 +75,12 @@ class _Node:
 class ClusterPool:
     """Sandboxes on node agents; at most `max_concurrent` alive at once (None: no bound of its own)."""
 
-    def __init__(self, nodes: Sequence[NodeRef], policy: str = "ours", max_concurrent: int | None = 64,
+    def __init__(self, nodes: Sequence[NodeRef], policy: str | Policy = "ours", max_concurrent: int | None = 64,
                  refresh_s: float = 1.0, dead_after_s: float = 10.0, probe_timeout_s: float = 5.0,
                  create_timeout_s: float = 180.0, client_timeout_s: float = 60.0) -> None:
         if not nodes:
             raise ValueError("a cluster pool needs at least one node agent")
-        self.policy = make_policy(policy)
+        self.policy = make_policy(policy) if isinstance(policy, str) else policy
         self.max_concurrent = max_concurrent
         self.refresh_s, self.dead_after_s, self.client_timeout_s = refresh_s, dead_after_s, client_timeout_s
         self.nodes = [_Node(ref, NodeClient(ref.url, ref.token, create_timeout_s),
