@@ -92,3 +92,63 @@ def test_sandboxes_across_ray_sandbox_nodes_survive_a_node_loss(tmp_path: Path) 
             agents.stop()
         ray.shutdown()
         cluster.shutdown()
+
+
+def test_toy_swe_run_on_ray_sandbox_nodes_survives_a_node_loss(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """`burstrl run examples/toy-swe.toml --provider ray` on a head (router, replica, trainer) and three
+    `sandbox_node` nodes: the attempts' sandboxes go to the node agents; the first node seen holding
+    two is removed mid-run; the run finishes, the attempts there are requeued, nothing is lost."""
+    import sqlite3
+    import subprocess
+
+    from ray.cluster_utils import Cluster
+
+    from burstrl.sandbox.node_client import NodeClient, NodeError
+
+    from .conftest import REPO, audit, burstrl_cmd, finish, output, wait_until
+
+    cluster = Cluster(initialize_head=True, connect=False,
+                      head_node_args={"num_cpus": 8, "num_gpus": 0, "resources": {"reserved": 4},
+                                      "include_dashboard": False, "object_store_memory": 100 * 2**20})
+    run_dir = tmp_path / "swe"
+    try:
+        nodes = [cluster.add_node(num_cpus=4, memory=8 * 2**30, resources={"sandbox_node": 1},
+                                  object_store_memory=80 * 2**20) for _ in range(3)]
+        cluster.wait_for_nodes()
+        out = open(tmp_path / "swe.out", "w")
+        proc = subprocess.Popen(burstrl_cmd(
+            "run", str(REPO / "examples" / "toy-swe.toml"), "--run_dir", str(run_dir), "--model.path",
+            str(tiny_model_dir), "--provider", "ray", "--ray.address", cluster.address,
+            "--ray.reserved_resources", '{"reserved": 1}', "--ray.placement_timeout_s", "120",
+            "--trainer.steps", "4", "--trainer.batch_groups", "2", "--orchestrator.group_size", "4",
+            "--orchestrator.swe.toy_tasks", "3", "--orchestrator.swe.max_turns", "2",
+            "--orchestrator.swe.max_sandboxes", "16", "--orchestrator.swe.node_dead_after_s", "5",
+            "--fleet.on_demand", "0", "--fleet.start_timeout_s", "300"),
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        nodes_file = run_dir / "sandbox-nodes.json"
+        wait_until(nodes_file.exists, 600, "the sandbox node agents", proc, run_dir)
+        refs = json.loads(nodes_file.read_text())
+        assert len(refs) == 3
+
+        def busy_node() -> str | None:
+            """A node holding two sandboxes or more (attempts at work on it, likely mid-command)."""
+            for r in refs:
+                try:
+                    if len(NodeClient(r["url"], r["token"], timeout=10).report()["sandboxes"]) >= 2:
+                        return r["name"]
+                except NodeError:
+                    pass
+            return None
+
+        victim = wait_until(busy_node, 900, "a sandbox on a node agent", proc, run_dir)
+        node = next(n for n in nodes if victim.endswith(n.node_id[:6]))
+        cluster.remove_node(node)
+        finish(proc, run_dir, timeout=1800)
+    finally:
+        cluster.shutdown()
+    audit(run_dir, 4, batch_groups=2, group_size=4)
+    with sqlite3.connect(run_dir / "store.sqlite") as db:
+        rows = db.execute("SELECT status, detail FROM attempts").fetchall()
+    requeued = [d for s, d in rows if s == "requeued"]
+    print(f"attempts: {Counter(s for s, _ in rows)}; requeued: {requeued}")
+    assert requeued, output(run_dir)[-3000:]  # the attempts on the removed node ran again elsewhere

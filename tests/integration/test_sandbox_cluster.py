@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
+import signal
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -43,6 +45,19 @@ def wait_for(cond: Callable[[], Any], timeout: float, what: str) -> Any:
             return value
         time.sleep(0.1)
     raise AssertionError(f"not within {timeout}s: {what}")
+
+
+def entry_pids(sid: str) -> list[int]:
+    """The bwrap processes of sandbox `sid` (their command line names its dir)."""
+    out = []
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if proc.name.isdigit() and argv and argv[0].endswith(b"bwrap") and any(f"/{sid}".encode() in a for a in argv):
+            out.append(int(proc.name))
+    return out
 
 
 class Agents:
@@ -99,6 +114,16 @@ def test_burst_spreads_by_admission_and_commands_reach_each_sandbox(agents: Agen
             assert held == {sb.id for sb in boxes if sb.node == ref.name}
             assert NodeClient(ref.url, TOKEN).report()["requested"]["cpu"] == pytest.approx(2 * 0.2)
         assert all(not pool.confirm_lost(sb) for sb in boxes)  # alive nodes: never "lost"
+        # one sandbox dies alone (its daemon killed, as an OOM kill would): its node answers, so the
+        # loss stays the model's doing, never an infra re-run
+        victim = boxes[0]
+        entry = entry_pids(victim.id)  # bwrap, the sandbox's entry process (the daemon dies with it)
+        assert entry
+        for pid in entry:
+            os.kill(pid, signal.SIGKILL)
+        with pytest.raises(SandboxError):
+            victim.exec("true", timeout=30)
+        assert not pool.confirm_lost(victim) and pool.stats()["nodes_lost"] == 0
         assert pool.decision_s and max(pool.decision_s) < 0.5
         pool.close_all()
         assert per_node(pool) == {"node0": 0, "node1": 0, "node2": 0}
