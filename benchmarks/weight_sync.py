@@ -4,8 +4,10 @@ Prints one JSON object (one line) on stdout; progress goes to stderr. Contenders
 round by round on the same replicas and the same adapter bytes, medians over `--repeats` rounds:
 
 - sharded push (`burstrl.weights.push`) with W = 1, 2, 4 senders (threads playing trainer ranks):
-  pack the version as a tar cut into W shards, PUT shards to every replica in parallel, commit;
-  servable = every replica's commit returned 200 (the replica verified sha256s and loaded it);
+  pack the version as a tar cut into W shards, PUT shards to every replica's bulk listener
+  (`inference.bulk`) in parallel, commit; servable = every replica's commit returned 200 (the
+  replica verified sha256s and loaded it from memory); `push_w1_main` is W = 1 with the shards sent
+  over the replicas' main (uvicorn) servers instead, the path before the bulk listener;
 - the volume path: `publish` the version into a versions directory (copy, fsync, manifest, rename),
   then every replica `POST /v1/load_lora_adapter` from it, in parallel;
 - the physical limit: the same bytes sent to R trivial receiver processes over loopback, as raw TCP
@@ -102,6 +104,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--senders", default="1,2,4", help="Sender counts W for the push, comma-separated.")
     p.add_argument("--repeats", type=int, default=3, help="Interleaved rounds; medians are reported.")
     p.add_argument("--quick", action="store_true", help="Smoke test: 4 layers, 1 round.")
+    p.add_argument("--device", default="cpu", help="The replicas' torch device (cuda: push to GPU replicas).")
     args = p.parse_args(argv)
     if args.quick:
         args.layers, args.repeats = 4, 1
@@ -152,14 +155,15 @@ def ensure_adapter(model_dir: Path, rank: int) -> Path:
     return out
 
 
-def start_replicas(model_dir: Path, root: Path, count: int) -> list[RoleProcess]:
+def start_replicas(model_dir: Path, root: Path, count: int, device: str = "cpu") -> list[RoleProcess]:
     """`count` real replica processes (bfloat16, one torch thread each), started together."""
     reps: list[RoleProcess] = []
 
     def start(i: int) -> None:
         reps.append(start_replica(model_dir, root / f"replica{i}", "--server.admin_token", TOKEN,
                                   "--server.state_dir", str(root / f"replica{i}" / "state"),
-                                  "--model.dtype", "bfloat16", "--engine.num_threads", "1",
+                                  "--model.dtype", "bfloat16", "--model.device", device,
+                                  "--engine.num_threads", "1",
                                   "--engine.max_total_num_tokens", "2048", timeout=300))
 
     try:
@@ -177,11 +181,12 @@ def timed(fn: Callable[[], object]) -> tuple[float, object]:
     return time.perf_counter() - start, out
 
 
-def push_trial(src: Path, name: str, targets: list[ReplicaTarget], senders: int) -> dict[str, float]:
+def push_trial(src: Path, name: str, targets: list[ReplicaTarget], senders: int,
+               bulk: bool = True) -> dict[str, float]:
     """`burstrl.weights.push.push`, with a clock on each phase."""
     t_pack, (manifest, shards) = timed(lambda: pack_adapter(src, senders, name))
     t_send, sent = timed(lambda: PushReport.merge(in_parallel(
-        lambda r: send_shards(manifest, shards, targets, r, senders), list(range(senders)))))
+        lambda r: send_shards(manifest, shards, targets, r, senders, bulk=bulk), list(range(senders)))))
     t_commit, done = timed(lambda: push_commit(src, name, sent.usable(targets), senders, manifest=manifest))
     report = PushReport.merge([sent, done])
     if report.failed or len(report.ok) != len(targets):
@@ -275,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
 
     work = Path(tempfile.mkdtemp(prefix="bench-weight-sync-"))
     volume = work / "adapters"
-    keys = ["loopback_tcp", "loopback_http", *(f"push_w{w}" for w in args.senders), "volume"]
+    keys = ["loopback_tcp", "loopback_http", *(f"push_w{w}" for w in args.senders), "push_w1_main", "volume"]
     rows: dict[str, list[dict[str, float]]] = {key: [] for key in keys}
     version, reps = 0, []
     sinks = Sinks(args.replicas)
@@ -283,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         for mode in ("tcp", "http"):
             sinks.send(mode, blob)  # warm-up: imports, first connections
         t_rep = time.perf_counter()
-        reps = start_replicas(model_dir, work, args.replicas)
+        reps = start_replicas(model_dir, work, args.replicas, args.device)
         log(f"{args.replicas} replicas up in {time.perf_counter() - t_rep:.1f}s")
         targets = [ReplicaTarget(r.url, TOKEN) for r in reps]
         for rnd in range(args.repeats):
@@ -295,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
                 name = f"policy-v{version}"
                 if key == "volume":
                     row = volume_trial(src, volume, version, targets)
+                elif key == "push_w1_main":
+                    row = push_trial(src, name, targets, 1, bulk=False)
                 else:
                     row = push_trial(src, name, targets, int(key.removeprefix("push_w")))
                 check_served(targets, name, chat=rnd == 0)
@@ -316,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         fig["MBps"] = delivered / fig["total_s"]
         if "send_s" in fig:
             fig["send_MBps"] = delivered / fig["send_s"]  # the shard transfer alone
-    pushes = {k: v for k, v in figures.items() if k.startswith("push")}
+    pushes = {k: v for k, v in figures.items() if k.startswith("push") and k != "push_w1_main"}
     best = min(pushes, key=lambda k: pushes[k]["total_s"])
     tcp, http = figures["loopback_tcp"]["MBps"], figures["loopback_http"]["MBps"]
     push_vs_loopback = figures[best]["MBps"] / tcp
@@ -324,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "benchmark": "weight_sync",
         "replicas": args.replicas,
-        "model": {"layers": args.layers, **SHAPE, "dtype": "bfloat16", "weights": "random"},
+        "model": {"layers": args.layers, **SHAPE, "dtype": "bfloat16", "weights": "random", "device": args.device},
         "adapter": {"rank": args.rank, "targets": 7, "dtype": "float32", "safetensors_bytes": adapter_bytes,
                     "tar_bytes": len(blob),
                     "bytes_at_22_layers": round(adapter_bytes * REAL_LAYERS / args.layers)},
@@ -335,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
         "push_vs_http_put": round(figures[best]["MBps"] / http, 3),
         "send_vs_loopback": round(figures[best]["send_MBps"] / tcp, 3),
         "volume_over_push_time": round(push_vs_volume, 3),
+        "bulk_over_main_time": round(figures["push_w1_main"]["total_s"] / figures["push_w1"]["total_s"], 3)
+        if "push_w1" in figures else None,
         "goals": {"push_vs_loopback": {"goal": ">= 0.5", "met": push_vs_loopback >= 0.5},
                   "volume_over_push_time": {"goal": "> 1 (push faster)", "met": push_vs_volume > 1}},
         "repeats": args.repeats,

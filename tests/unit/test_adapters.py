@@ -1,8 +1,8 @@
 import hashlib
 import io
 import json
-import os
 import tarfile
+import threading
 import time
 
 import pytest
@@ -39,8 +39,8 @@ def registry(tmp_path):
     return AdapterRegistry(tmp_path / "state", LAYERS, torch.float32, CPU)
 
 
-def _staging(registry, name):
-    return registry.state_dir / "uploads" / name
+def _staged(registry, name):
+    return name in registry.staged()
 
 
 def _upload(registry, name, manifest, shards, with_sha=True, order=None):
@@ -72,9 +72,9 @@ def test_pack_upload_commit_round_trip(registry, adapter_dirs, num_shards):
     _same_weights(adapter, load_adapter("x", adapter_dirs[0], LAYERS, torch.float32, CPU))
     assert registry.names() == ["policy-v1"]
     assert registry.for_new_session("policy-v1") is adapter
-    assert not _staging(registry, "policy-v1").exists()
-    target = registry.state_dir / "adapters" / "policy-v1"
-    assert sorted(p.name for p in target.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert not _staged(registry, "policy-v1") and registry.staged_bytes() == 0
+    assert adapter.path == f"upload:sha256:{manifest.sha256}"  # loaded from memory: nothing on disk
+    assert not any(registry.state_dir.rglob("*")) if registry.state_dir.exists() else True
 
 
 def test_upload_without_shard_headers(registry, adapter_dirs):
@@ -108,7 +108,7 @@ def test_manifest_round_trips_json(adapter_dirs):
 def _refused(registry, name, match):
     with pytest.raises(UploadError, match=match):
         registry.commit(name)
-    assert not _staging(registry, name).exists()
+    assert not _staged(registry, name)
     assert name not in registry.names()
     with pytest.raises(KeyError):
         registry.for_new_session(name)
@@ -122,7 +122,7 @@ def test_shard_sha_header_mismatch_is_refused(registry, adapter_dirs):
     with pytest.raises(UploadError, match="sha256 mismatch"):
         registry.put_shard("policy-v1", 2, 3, shards[2], "0" * 64)
     # the corrupt shard was never staged
-    assert sorted(p.name for p in _staging(registry, "policy-v1").iterdir()) == ["shard-0.of-3", "shard-0.of-3.sha256"]
+    assert registry.staged() == ["policy-v1"] and registry.staged_bytes() == len(shards[0])
     registry.put_shard("policy-v1", 2, 3, shards[2], manifest.shard_sha256[2].upper())
     registry.put_manifest("policy-v1", manifest.to_json())
     _refused(registry, "policy-v1", "shard 1 of 3 missing")
@@ -269,15 +269,14 @@ def test_tar_with_bad_members_refused(registry, adapter_dirs, tmp_path, case):
     assert outside.read_text() == "secret"
     assert not (registry.state_dir / "escape.txt").exists()
     assert not (tmp_path / "escape.txt").exists()
-    target = registry.state_dir / "adapters" / "policy-v1"
-    assert not any(target.rglob("*")) if target.exists() else True
+    assert registry.names() == [] and registry.staged() == []
 
 
 def test_corrupt_tar_refused(registry):
     _upload_blob(registry, "policy-v1", b"this is not a tar archive" * 40)
     with pytest.raises((UploadError, tarfile.TarError)):
         registry.commit("policy-v1")
-    assert not _staging(registry, "policy-v1").exists()
+    assert not _staged(registry, "policy-v1")
     assert registry.names() == []
 
 
@@ -292,15 +291,13 @@ def test_upload_bad_names_refused(registry):
 def test_dot_names_are_refused_and_never_delete_state(registry, adapter_dirs):
     manifest, shards = pack_adapter(adapter_dirs[0], 1, "policy-v1")
     _upload(registry, "policy-v1", manifest, shards)
-    registry.commit("policy-v1")
-    kept = registry.state_dir / "adapters" / "policy-v1" / "adapter_config.json"
-    (registry.state_dir / "uploads").mkdir(exist_ok=True)
-    (registry.state_dir / "uploads" / "other-in-flight").mkdir()
+    served = registry.commit("policy-v1")
+    registry.put_shard("other-in-flight", 0, 2, b"abc", None)
     for name in ("..", "."):
         with pytest.raises((UploadError, AdapterError)):
             registry.commit(name)
-        assert kept.is_file(), f"commit({name!r}) deleted a served adapter's files"
-        assert (registry.state_dir / "uploads" / "other-in-flight").is_dir()
+        assert registry.for_new_session("policy-v1") is served, f"commit({name!r}) touched a served adapter"
+        assert registry.staged() == ["other-in-flight"]
         with pytest.raises((UploadError, AdapterError)):
             registry.put_shard(name, 0, 1, b"x", None)
         with pytest.raises(AdapterError):
@@ -337,14 +334,12 @@ def test_commit_of_loaded_name_refused_without_touching_its_files(registry, adap
     manifest, shards = pack_adapter(adapter_dirs[0], 2, "policy-v1")
     _upload(registry, "policy-v1", manifest, shards)
     served = registry.commit("policy-v1")
-    before = _files(registry.state_dir / "adapters" / "policy-v1")
     manifest, shards = pack_adapter(adapter_dirs[1], 2, "policy-v1")
     _upload(registry, "policy-v1", manifest, shards)
     with pytest.raises((AdapterError, UploadError), match="already loaded"):
         registry.commit("policy-v1")
-    assert not _staging(registry, "policy-v1").exists()
+    assert not _staged(registry, "policy-v1") and registry.staged_bytes() == 0
     assert registry.for_new_session("policy-v1") is served
-    assert _files(registry.state_dir / "adapters" / "policy-v1") == before
 
 
 def test_unload_in_use_retires_then_collect_frees(registry, adapter_dirs):
@@ -400,8 +395,9 @@ def test_refused_tar_leaves_nothing_under_uploads(registry, adapter_dirs):
     _upload_blob(registry, "policy-v1", _tar(members))
     with pytest.raises(UploadError):
         registry.commit("policy-v1")
+    assert registry.staged() == [] and registry.staged_bytes() == 0
     left = sorted(str(p.relative_to(registry.state_dir)) for p in registry.state_dir.rglob("*"))
-    assert not [p for p in left if "policy-v1" in p], left  # no staging, unpacking or target dir
+    assert not [p for p in left if "policy-v1" in p], left  # nothing unpacked to disk
 
 
 def test_commit_does_not_touch_another_uploads_staging(registry, adapter_dirs):
@@ -564,12 +560,10 @@ def test_stale_staging_is_swept_and_fresh_kept(tmp_path, adapter_dirs):
     registry = AdapterRegistry(tmp_path / "state", LAYERS, torch.float32, CPU, upload_ttl_s=60)
     manifest, shards = pack_adapter(adapter_dirs[0], 2, "stale")
     _upload(registry, "stale", manifest, shards)
-    registry.put_shard("fresh", 0, 2, b"abc", None)
-    old = time.time() - 61
-    os.utime(_staging(registry, "stale"), (old, old))
-    registry.put_shard("other", 0, 1, b"x", None)  # any upload call sweeps
-    assert not _staging(registry, "stale").exists()
-    assert _staging(registry, "fresh").is_dir() and _staging(registry, "other").is_dir()
+    registry._uploads["stale"].touched -= 61  # idle for longer than the TTL
+    registry.put_shard("fresh", 0, 2, b"abc", None)  # any upload call sweeps
+    assert registry.staged() == ["fresh"]
+    assert registry.staged_bytes() == 3  # the stale upload's bytes are given back
     with pytest.raises(UploadError, match="manifest"):
         registry.commit("stale")
 
@@ -577,15 +571,58 @@ def test_stale_staging_is_swept_and_fresh_kept(tmp_path, adapter_dirs):
 def test_an_upload_in_progress_refreshes_its_idle_clock(tmp_path):
     registry = AdapterRegistry(tmp_path / "state", LAYERS, torch.float32, CPU, upload_ttl_s=60)
     registry.put_shard("slow", 0, 2, b"abc", None)
-    old = time.time() - 61
-    os.utime(_staging(registry, "slow"), (old, old))
-    registry.put_shard("slow", 1, 2, b"def", None)  # its own sweep runs first, then it is touched
-    assert registry.sweep_uploads() == []
-    assert registry.sweep_uploads(now=time.time() + 61) == ["slow"]
+    registry._uploads["slow"].touched -= 59
+    registry.put_shard("slow", 1, 2, b"def", None)  # touched again
+    assert registry.sweep_uploads(now=time.monotonic() + 30) == []
+    assert registry.sweep_uploads(now=time.monotonic() + 61) == ["slow"]
+    assert registry.staged_bytes() == 0
 
 
-def test_a_new_registry_clears_abandoned_uploads(tmp_path):
-    first = AdapterRegistry(tmp_path / "state", LAYERS, torch.float32, CPU)
-    first.put_shard("abandoned", 0, 2, b"abc", None)
+def test_a_new_registry_clears_uploads_staged_on_disk_by_older_versions(tmp_path):
+    (tmp_path / "state" / "uploads" / "abandoned").mkdir(parents=True)
     AdapterRegistry(tmp_path / "state", LAYERS, torch.float32, CPU)
     assert not (tmp_path / "state" / "uploads").exists()
+
+
+def test_staging_is_bounded_and_resent_shards_replace(tmp_path):
+    registry = AdapterRegistry(tmp_path / "state", LAYERS, torch.float32, CPU, max_staged_bytes=10)
+    registry.put_shard("a", 0, 2, b"12345", None)
+    registry.put_shard("a", 0, 2, b"12345", None)  # a retry replaces, it does not add
+    registry.put_shard("b", 0, 1, b"12345", None)
+    assert registry.staged_bytes() == 10
+    with pytest.raises(UploadError, match="exceed"):
+        registry.put_shard("c", 0, 1, b"x", None)
+    with pytest.raises(UploadError, match="exceed"):
+        registry.check_shard("a", 1, 2, 1)
+    with pytest.raises(UploadError, match="manifest"):
+        registry.commit("b")  # consumes b's staging, even refused
+    registry.put_shard("c", 0, 1, b"x", None)
+    assert registry.staged_bytes() == 6
+
+
+def test_duplicate_member_tar_refused(registry, adapter_dirs):
+    files = list(_files(adapter_dirs[0]).items())
+    _upload_blob(registry, "policy-v1", _tar(files + [files[0]]))
+    _refused(registry, "policy-v1", "exactly")
+
+
+def test_concurrent_commits_of_one_name_serve_one_adapter(registry, adapter_dirs):
+    manifest, shards = pack_adapter(adapter_dirs[0], 2, "policy-v1")
+    _upload(registry, "policy-v1", manifest, shards)
+    results, start = [], threading.Barrier(4)
+
+    def commit():
+        start.wait()
+        try:
+            results.append(registry.commit("policy-v1"))
+        except UploadError as exc:
+            results.append(exc)
+
+    threads = [threading.Thread(target=commit) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    served = [r for r in results if not isinstance(r, Exception)]
+    assert len(served) == 1 and registry.for_new_session("policy-v1") is served[0]
+    assert registry.staged() == []

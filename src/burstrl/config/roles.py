@@ -71,6 +71,10 @@ class HttpServerSection(Section):
     ssl_keyfile: str = Field("", description="TLS private key (PEM).")
     max_body_bytes: int = Field(8 << 20, ge=1024, description="Largest JSON request body.")
     max_shard_bytes: int = Field(2 << 30, ge=1024, description="Largest adapter shard upload.")
+    bulk_port: int = Field(
+        0, ge=-1, le=65535, description="Port of the bulk listener for adapter shards (same host and "
+        "token; `GET /v1/adapters/bulk` tells senders); 0 = any free port, -1 = off (shards over HTTP only)."
+    )
     dead_engine_exit_s: float = Field(
         5.0, ge=0, description="After its engine dies the replica answers 503 this long (so routers "
         "drop it on their next scrape, not after timeouts), then exits for the fleet to replace it."

@@ -1,37 +1,39 @@
-"""Adapter versions on a replica: load, retire, and assemble sharded uploads.
+"""Adapter versions on a replica: load, retire, and assemble sharded uploads in memory.
 
 Why retire instead of unload: a rollout is pinned to the version it started on. Unloading
 `policy-v3` while a session still uses it would strand that rollout, so an unloaded version stops
 taking new sessions at once and is freed when its last session is released.
 
-Sharded upload (packing and manifest in `burstrl.protocol.adapters`): the trainer ranks each `PUT`
-a byte range of the adapter directory packed as a tar (`/v1/adapters/{name}/shards/{i}?of={n}`),
-rank 0 `PUT`s a manifest with the sha256 of every shard and of the whole, and `POST .../commit`
-verifies everything and loads it. Nothing is served until all checks pass; a corrupt or incomplete
-upload is refused and its staging area deleted. An upload that is never committed (a trainer that
-died mid-push) is deleted once idle for `upload_ttl_s`, so abandoned shards cannot fill the
-replica's disk.
+Sharded upload (packing and manifest in `burstrl.protocol.adapters`): the trainer ranks each send
+a byte range of the adapter directory packed as a tar (to the bulk listener, `inference.bulk`, or
+`PUT /v1/adapters/{name}/shards/{i}?of={n}`), rank 0 `PUT`s a manifest with the sha256 of every
+shard and of the whole, and `POST .../commit` verifies everything and loads the adapter straight
+from the received bytes. Shards are staged in memory (hashed once, as they arrive), never on disk:
+a push is a few hundred MB at most and the volume, not the replica, keeps versions for late
+joiners. Nothing is served until all checks pass; a corrupt or incomplete upload is refused and
+its staging dropped. An upload that is never committed (a trainer that died mid-push) is dropped
+once idle for `upload_ttl_s`, and all staged uploads together may hold at most `max_staged_bytes`,
+so abandoned or hostile shards cannot exhaust the replica's memory.
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
-import json
-import os
 import re
 import shutil
 import tarfile
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from burstrl.inference.lora import AdapterError, LoraAdapter, Shapes, load_adapter, module_shapes
+from burstrl.inference.lora import AdapterError, LoraAdapter, Shapes, load_adapter, load_adapter_bytes, module_shapes
 from burstrl.protocol.adapters import ADAPTER_FILES, MAX_SHARDS, Manifest, UploadError
 
+MAX_STAGED_BYTES = 8 << 30  # all uploads in flight together; a push is a few hundred MB
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # used with fullmatch: no "..", no "\n"
 
 
@@ -43,14 +45,17 @@ class AdapterRegistry:
     """
 
     def __init__(self, state_dir: Path, num_layers: int, dtype: torch.dtype, device: torch.device,
-                 shapes: Shapes | None = None, upload_ttl_s: float = 600.0) -> None:
+                 shapes: Shapes | None = None, upload_ttl_s: float = 600.0,
+                 max_staged_bytes: int = MAX_STAGED_BYTES) -> None:
         self.state_dir = state_dir
         self.num_layers, self.dtype, self.device = num_layers, dtype, device
-        self.shapes, self.upload_ttl_s = shapes, upload_ttl_s
+        self.shapes, self.upload_ttl_s, self.max_staged_bytes = shapes, upload_ttl_s, max_staged_bytes
         self.active: dict[str, LoraAdapter] = {}
         self.retiring: dict[str, LoraAdapter] = {}
+        self._uploads: dict[str, _Upload] = {}
+        self._staged_bytes = 0
         self._lock = threading.Lock()
-        # a new process has no upload in flight: whatever a previous one staged is abandoned
+        # uploads staged on disk by an earlier version of this code are abandoned
         shutil.rmtree(self.state_dir / "uploads", ignore_errors=True)
 
     @classmethod
@@ -110,112 +115,178 @@ class AdapterRegistry:
             return done
 
     # ---- sharded upload ----
-    def _staging(self, name: str) -> Path:
-        if not NAME.fullmatch(name) or name == "base":
-            raise UploadError(f"adapter name must match {NAME.pattern} and not be 'base'")
-        return self.state_dir / "uploads" / name
+    def staged(self) -> list[str]:
+        """Names with an upload in flight (shards or a manifest staged, not committed)."""
+        with self._lock:
+            return list(self._uploads)
 
-    def _touch_staging(self, name: str) -> Path:
-        """Sweep abandoned uploads, then create or refresh this one's staging dir (its idle clock)."""
-        self.sweep_uploads()
-        staging = self._staging(name)
-        staging.mkdir(parents=True, exist_ok=True)
-        os.utime(staging)
-        return staging
+    def staged_bytes(self) -> int:
+        with self._lock:
+            return self._staged_bytes
 
     def sweep_uploads(self, now: float | None = None) -> list[str]:
-        """Delete staging dirs idle for `upload_ttl_s` (their mtime); returns the names removed."""
-        now = time.time() if now is None else now
-        try:
-            entries = list((self.state_dir / "uploads").iterdir())
-        except FileNotFoundError:
-            return []
-        removed = []
-        for entry in entries:
-            try:
-                stale = now - entry.stat().st_mtime > self.upload_ttl_s
-            except FileNotFoundError:  # removed by a concurrent sweep or commit
-                continue
-            if stale:
-                shutil.rmtree(entry, ignore_errors=True)
-                removed.append(entry.name)
-        return removed
+        """Drop uploads idle for `upload_ttl_s`; returns the names removed."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            stale = [n for n, up in self._uploads.items() if now - up.touched > self.upload_ttl_s]
+            for name in stale:
+                self._drop(name)
+        return stale
 
-    def put_shard(self, name: str, index: int, of: int, data: bytes, sha256: str | None) -> None:
+    def check_shard(self, name: str, index: int, of: int, size: int) -> None:
+        """Refuse a shard before its bytes are read (bad name or index, too large to stage)."""
+        _check_name(name)
         if not 0 <= index < of <= MAX_SHARDS:
             raise UploadError(f"shard index must satisfy 0 <= i < of <= {MAX_SHARDS}")
-        digest = hashlib.sha256(data).hexdigest()  # once, on arrival: commit compares, never rehashes
+        self.sweep_uploads()
+        with self._lock:
+            if self._staged_bytes + size > self.max_staged_bytes:
+                raise UploadError(f"staged uploads would exceed {self.max_staged_bytes} bytes; "
+                                  "commit or wait for abandoned uploads to expire")
+
+    def put_shard(self, name: str, index: int, of: int, data: bytes | bytearray, sha256: str | None,
+                  digest: str | None = None) -> None:
+        """Stage shard `index` of `of`; `digest` is its sha256 when the receiver hashed it while reading.
+
+        A shard sent again (a retry) replaces the earlier copy.
+        """
+        self.check_shard(name, index, of, len(data))
+        if digest is None:
+            digest = hashlib.sha256(data).hexdigest()  # once, on arrival: commit compares, never rehashes
         if sha256 is not None and digest != sha256.lower():
             raise UploadError(f"shard {index}: sha256 mismatch")
-        staging = self._touch_staging(name)
-        final = staging / f"shard-{index}.of-{of}"
-        tmp = final.with_name(final.name + ".tmp")
-        tmp.write_bytes(data)
-        final.with_name(final.name + ".sha256").write_text(digest)
-        tmp.rename(final)
+        with self._lock:
+            up = self._touch(name)
+            old = up.shards.pop((index, of), None)
+            added = len(data) - (len(old[0]) if old else 0)
+            if self._staged_bytes + added > self.max_staged_bytes:  # raced with another upload
+                raise UploadError(f"staged uploads would exceed {self.max_staged_bytes} bytes")
+            up.shards[(index, of)] = (data, digest)
+            self._staged_bytes += added
 
     def put_manifest(self, name: str, data: Any) -> Manifest:
+        _check_name(name)
         manifest = Manifest.parse(data)
         if manifest.name != name:
             raise UploadError(f"manifest names {manifest.name!r}, not {name!r}")
-        staging = self._touch_staging(name)
-        (staging / "manifest.json").write_text(json.dumps(manifest.to_json()))
+        self.sweep_uploads()
+        with self._lock:
+            self._touch(name).manifest = manifest
         return manifest
 
     def commit(self, name: str) -> LoraAdapter:
-        """Verify the staged shards against the manifest, unpack, load. Staging is always removed."""
-        staging = self._staging(name)
-        unpacked = self.state_dir / "unpacking" / name  # its own namespace: no staging dir collides
-        try:
-            with self._lock:
-                if name in self.active or name in self.retiring:
-                    raise UploadError(f"adapter {name!r} is already loaded; versions never change")
-            blob = self._assemble(staging)
-            shutil.rmtree(unpacked, ignore_errors=True)
-            unpacked.mkdir(parents=True)
-            _extract(blob, unpacked)
-            target = self.state_dir / "adapters" / name
-            shutil.rmtree(target, ignore_errors=True)  # a refused earlier attempt, never served
-            target.parent.mkdir(parents=True, exist_ok=True)
-            unpacked.rename(target)
-            return self.load(name, target)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-            shutil.rmtree(unpacked, ignore_errors=True)
+        """Verify the staged shards against the manifest, load from memory. Staging is always dropped.
 
-    def _assemble(self, staging: Path) -> bytes:
-        if not (staging / "manifest.json").is_file():
+        Runs in a worker thread; the lock is held only to take the staging and to register the
+        result, so other uploads and generation go on while the bytes are hashed and converted.
+        """
+        _check_name(name)
+        with self._lock:
+            up = self._uploads.get(name)
+            self._drop(name)
+            if name in self.active or name in self.retiring:
+                raise UploadError(f"adapter {name!r} is already loaded; versions never change")
+        if up is None or up.manifest is None:
             raise UploadError("no manifest uploaded")
-        manifest = Manifest.parse(json.loads((staging / "manifest.json").read_text()))
-        parts, whole = [], hashlib.sha256()
-        for i, want in enumerate(manifest.shard_sha256):
-            path = staging / f"shard-{i}.of-{manifest.num_shards}"
-            digest = path.with_name(path.name + ".sha256")
-            if not path.is_file() or not digest.is_file():
-                raise UploadError(f"shard {i} of {manifest.num_shards} missing")
-            if digest.read_text() != want:
-                raise UploadError(f"shard {i}: sha256 does not match the manifest")
-            data = path.read_bytes()
-            whole.update(data)
-            parts.append(data)
-        blob = b"".join(parts)
-        if len(blob) != manifest.total_bytes or whole.hexdigest() != manifest.sha256:
-            raise UploadError("assembled adapter does not match the manifest sha256/size")
-        return blob
+        blob = _assemble(up)
+        files = _members(blob)
+        adapter = load_adapter_bytes(name, f"upload:sha256:{up.manifest.sha256}",
+                                     bytes(files["adapter_config.json"]),
+                                     bytes(files["adapter_model.safetensors"]), self.num_layers, self.dtype,
+                                     self.device, self.shapes)
+        with self._lock:
+            if name in self.active or name in self.retiring:
+                raise UploadError(f"adapter {name!r} is already loaded; versions never change")
+            self.active[name] = adapter
+        return adapter
+
+    def _touch(self, name: str) -> _Upload:
+        """This name's staging (made on first use), its idle clock restarted. Lock held."""
+        up = self._uploads.setdefault(name, _Upload())
+        up.touched = time.monotonic()
+        return up
+
+    def _drop(self, name: str) -> None:
+        """Forget a staged upload and its bytes. Lock held."""
+        up = self._uploads.pop(name, None)
+        if up is not None:
+            self._staged_bytes -= sum(len(data) for data, _ in up.shards.values())
 
 
-def _extract(blob: bytes, target: Path) -> None:
-    """Unpack only the two PEFT files, as regular files (no links, no paths).
+@dataclass
+class _Upload:
+    """One name's upload in flight: shards by (index, of) -> (bytes, sha256 hex), the manifest."""
 
-    Bytes that match their manifest can still be no tar at all (or a truncated one): that is the
-    sender's error, refused like any other bad upload rather than a server error.
+    shards: dict[tuple[int, int], tuple[bytes | bytearray, str]] = field(default_factory=dict)
+    manifest: Manifest | None = None
+    touched: float = 0.0
+
+
+def _check_name(name: str) -> None:
+    if not NAME.fullmatch(name) or name == "base":
+        raise UploadError(f"adapter name must match {NAME.pattern} and not be 'base'")
+
+
+def _assemble(up: _Upload) -> bytes:
+    """The whole upload, every shard's digest compared with the manifest, the whole hashed once."""
+    manifest = up.manifest
+    parts = []
+    for i, want in enumerate(manifest.shard_sha256):
+        got = up.shards.get((i, manifest.num_shards))
+        if got is None:
+            raise UploadError(f"shard {i} of {manifest.num_shards} missing")
+        if got[1] != want.lower():
+            raise UploadError(f"shard {i}: sha256 does not match the manifest")
+        parts.append(got[0])
+    blob = parts[0] if len(parts) == 1 else b"".join(parts)
+    # one shard is the whole: its digest, computed on arrival, is the whole's
+    whole = up.shards[(0, 1)][1] if len(parts) == 1 else hashlib.sha256(blob).hexdigest()
+    if len(blob) != manifest.total_bytes or whole != manifest.sha256.lower():
+        raise UploadError("assembled adapter does not match the manifest sha256/size")
+    return blob
+
+
+def _members(blob: bytes | bytearray) -> dict[str, memoryview]:
+    """The two PEFT files of the tar as views into `blob` (nothing copied, nothing written).
+
+    Only regular files with exactly the two PEFT names are accepted. Bytes that match their
+    manifest can still be no tar at all (or a truncated one): that is the sender's error, refused
+    like any other bad upload rather than a server error.
     """
+    view = memoryview(blob)
     try:
-        with tarfile.open(fileobj=io.BytesIO(blob), mode="r:") as tar:
+        with tarfile.open(fileobj=_ViewReader(view), mode="r:") as tar:
             members = tar.getmembers()
-            names = {m.name for m in members}
-            if names != ADAPTER_FILES or not all(m.isfile() for m in members):
-                raise UploadError(f"upload must contain exactly {sorted(ADAPTER_FILES)} as files")
-            tar.extractall(target, filter="data")
-    except (tarfile.TarError, EOFError) as exc:  # FilterError and ReadError are TarErrors
+    except (tarfile.TarError, EOFError) as exc:
         raise UploadError(f"upload is not a readable tar archive: {exc!r}") from None
+    names = [m.name for m in members]
+    plain = all(m.type in (tarfile.REGTYPE, tarfile.AREGTYPE) for m in members)  # no links, no sparse
+    if sorted(names) != sorted(ADAPTER_FILES) or not plain:
+        raise UploadError(f"upload must contain exactly {sorted(ADAPTER_FILES)} as files")
+    out = {}
+    for m in members:
+        if m.offset_data + m.size > len(view):
+            raise UploadError(f"upload is not a readable tar archive: {m.name} is truncated")
+        out[m.name] = view[m.offset_data:m.offset_data + m.size]
+    return out
+
+
+class _ViewReader:
+    """A read-only file over a memoryview, for tarfile to read headers from (no copy of the data)."""
+
+    def __init__(self, view: memoryview) -> None:
+        self.view, self.pos = view, 0
+
+    def read(self, size: int = -1) -> bytes:
+        end = len(self.view) if size is None or size < 0 else min(len(self.view), self.pos + size)
+        out = bytes(self.view[self.pos:end])
+        self.pos = max(self.pos, end)
+        return out
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self.pos, 2: len(self.view)}[whence]
+        self.pos = max(0, base + offset)
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos

@@ -78,6 +78,16 @@ async def put_shard(name: str, index: int, request: Request, of: int) -> dict[st
     return {"name": name, "shard": index, "of": of, "bytes": len(data)}
 
 
+@router.get("/v1/adapters/bulk")
+async def bulk_listener(request: Request) -> dict[str, Any]:
+    """Where to send shards in bulk (`inference.bulk`): the port on this host, or null if off."""
+    rep = replica_of(request)
+    require_admin(rep, request)
+    if rep.bulk is None:
+        return {"port": None, "tls": False}
+    return {"port": rep.bulk.port, "tls": rep.bulk.tls}
+
+
 @router.put("/v1/adapters/{name}/manifest")
 async def put_manifest(name: str, request: Request) -> dict[str, Any]:
     rep = replica_of(request)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load, load_file
 from torch import nn
 
 ATTN_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -82,8 +82,37 @@ def load_adapter(name: str, path: str | Path, num_layers: int, dtype: torch.dtyp
     cfg_file, weights_file = path / "adapter_config.json", path / "adapter_model.safetensors"
     if not cfg_file.is_file() or not weights_file.is_file():
         raise AdapterError(f"{path}: expected adapter_config.json and adapter_model.safetensors")
-    rank, scale = _read_config(cfg_file)
-    pairs = _read_pairs(weights_file, num_layers, shapes)
+    try:
+        cfg_text = cfg_file.read_bytes()
+    except OSError as exc:
+        raise AdapterError(f"{cfg_file}: unreadable ({exc})") from None
+    rank, scale = _read_config(cfg_file, cfg_text)
+    try:
+        tensors = load_file(str(weights_file))
+    except Exception as exc:  # noqa: BLE001 - safetensors raises several types for a bad file
+        raise AdapterError(f"{weights_file}: cannot be read as safetensors ({exc})") from None
+    return _build(name, str(path), weights_file, rank, scale, tensors, num_layers, dtype, device, shapes)
+
+
+def load_adapter_bytes(name: str, label: str, config: bytes, weights: bytes, num_layers: int,
+                       dtype: torch.dtype, device: torch.device, shapes: Shapes | None = None) -> LoraAdapter:
+    """`load_adapter` from the two files' bytes (a pushed version, never written to disk).
+
+    The same checks as `load_adapter`; `label` stands for the path in errors and in `adapter.path`.
+    """
+    where = Path(label)
+    rank, scale = _read_config(where / "adapter_config.json", config)
+    weights_file = where / "adapter_model.safetensors"
+    try:
+        tensors = load(weights)
+    except Exception as exc:  # noqa: BLE001 - safetensors raises several types for bad bytes
+        raise AdapterError(f"{weights_file}: cannot be read as safetensors ({exc})") from None
+    return _build(name, label, weights_file, rank, scale, tensors, num_layers, dtype, device, shapes)
+
+
+def _build(name: str, path: str, weights_file: Path, rank: int, scale: float, tensors: dict[str, torch.Tensor],
+           num_layers: int, dtype: torch.dtype, device: torch.device, shapes: Shapes | None) -> LoraAdapter:
+    pairs = _read_pairs(weights_file, tensors, num_layers, shapes)
     weights = {}
     for where, ab in pairs.items():
         a, b = ab["A"].to(device, dtype), ab["B"].to(device, dtype)
@@ -91,14 +120,14 @@ def load_adapter(name: str, path: str | Path, num_layers: int, dtype: torch.dtyp
         weights[where] = (a, b, scale)
     if not weights:
         raise AdapterError(f"{weights_file}: no LoRA weights")
-    return LoraAdapter(name=name, path=str(path), rank=rank, weights=weights)
+    return LoraAdapter(name=name, path=path, rank=rank, weights=weights)
 
 
-def _read_config(cfg_file: Path) -> tuple[int, float]:
+def _read_config(cfg_file: Path, text: bytes) -> tuple[int, float]:
     """The adapter's rank and scale, from a config that must be a JSON object with sane values."""
     try:
-        cfg = json.loads(cfg_file.read_text())
-    except (OSError, ValueError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        cfg = json.loads(text)
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise AdapterError(f"{cfg_file}: unreadable or not valid JSON ({exc})") from None
     if not isinstance(cfg, dict):
         raise AdapterError(f"{cfg_file}: must be a JSON object, not {type(cfg).__name__}")
@@ -119,13 +148,9 @@ def _finite_positive(x: float) -> bool:
         return False
 
 
-def _read_pairs(weights_file: Path, num_layers: int,
+def _read_pairs(weights_file: Path, tensors: dict[str, torch.Tensor], num_layers: int,
                 shapes: Shapes | None) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
     """The file's tensors grouped by (layer, module) into {"A": ..., "B": ...}, both present."""
-    try:
-        tensors = load_file(str(weights_file))
-    except Exception as exc:  # noqa: BLE001 - safetensors raises several types for a bad file
-        raise AdapterError(f"{weights_file}: cannot be read as safetensors ({exc})") from None
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         m = _KEY.search(key)

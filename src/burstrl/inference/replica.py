@@ -22,6 +22,7 @@ from typing import Any
 
 from burstrl.config import ServeConfig
 from burstrl.inference.adapters import AdapterRegistry
+from burstrl.inference.bulk import BulkReceiver, tls_context
 from burstrl.inference.chat import ChatError, ChatTokenizer
 from burstrl.inference.engine import Engine
 from burstrl.inference.openai_api import TokenText
@@ -39,6 +40,9 @@ class ReplicaCounters:
     bad_requests: int = 0
     adapters_loaded: int = 0
     uploads_refused: int = 0
+
+    def refused_upload(self) -> None:
+        self.uploads_refused += 1
 
 
 @dataclass
@@ -58,6 +62,7 @@ class InferenceReplica:
     state_dir: Path
     owns_state_dir: bool = False  # a temp dir made for this replica: removed on close
     counters: ReplicaCounters = field(default_factory=ReplicaCounters)
+    bulk: BulkReceiver | None = None  # the shard listener (inference.bulk); stopped on close
 
     def collect_retired(self) -> None:
         """Free retiring adapter versions whose last session is gone."""
@@ -65,6 +70,8 @@ class InferenceReplica:
             log.info("adapter %s freed (last session released)", name)
 
     def close(self) -> None:
+        if self.bulk is not None:
+            self.bulk.close()
         self.engine.stop()
         if self.owns_state_dir:
             shutil.rmtree(self.state_dir, ignore_errors=True)
@@ -106,6 +113,11 @@ def build_replica(cfg: ServeConfig) -> InferenceReplica:
         registry.load(name, path)
     if cfg.adapter_volume:
         _load_newest_version(registry, Path(cfg.adapter_volume))
+    if cfg.server.bulk_port >= 0:
+        replica.bulk = BulkReceiver(registry, replica.admin_token, cfg.server.host, cfg.server.bulk_port,
+                                    cfg.server.max_shard_bytes,
+                                    tls_context(cfg.server.ssl_certfile, cfg.server.ssl_keyfile),
+                                    on_refused=replica.counters.refused_upload)
     engine.start()
     return replica
 

@@ -13,8 +13,8 @@ shard and of the whole; the receiver refuses anything that does not add up.
 from __future__ import annotations
 
 import hashlib
-import io
 import tarfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,18 +58,26 @@ def pack_adapter(directory: str | Path, num_shards: int, name: str) -> tuple[Man
 
     The tar depends only on the files' contents: every trainer rank packs the same version on its
     own and sends its own shard, so the ranks' bytes (and the manifest rank 0 sends) must agree
-    even when their copies differ in mtime, owner or permissions.
+    even when their copies differ in mtime, owner or permissions. Built by hand (the header blocks
+    tarfile writes, each file read once, one join) and hashed on several threads (sha256 releases
+    the GIL): through tarfile and one thread it cost 0.2 s for a 105 MB adapter.
     """
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for fname in sorted(ADAPTER_FILES):
-            tar.add(Path(directory) / fname, arcname=fname, recursive=False, filter=_plain_member)
-    blob = buf.getvalue()
+    parts = []
+    for fname in sorted(ADAPTER_FILES):
+        data = (Path(directory) / fname).read_bytes()
+        info = _plain_member(tarfile.TarInfo(fname))
+        info.size = len(data)
+        parts += [info.tobuf(tarfile.PAX_FORMAT, tarfile.ENCODING, "surrogateescape"), data,
+                  bytes(-len(data) % tarfile.BLOCKSIZE)]
+    size = sum(len(p) for p in parts) + 2 * tarfile.BLOCKSIZE  # two zero blocks end the archive
+    parts.append(bytes(2 * tarfile.BLOCKSIZE + -size % tarfile.RECORDSIZE))
+    blob = b"".join(parts)
     step = -(-len(blob) // num_shards)
     shards = [blob[i * step:(i + 1) * step] for i in range(num_shards)]
-    manifest = Manifest(name=name, num_shards=num_shards, total_bytes=len(blob),
-                        sha256=hashlib.sha256(blob).hexdigest(),
-                        shard_sha256=[hashlib.sha256(s).hexdigest() for s in shards])
+    with ThreadPoolExecutor(max_workers=min(4, num_shards + 1)) as pool:
+        digests = list(pool.map(lambda b: hashlib.sha256(b).hexdigest(), [blob] * (num_shards > 1) + shards))
+    manifest = Manifest(name=name, num_shards=num_shards, total_bytes=len(blob), sha256=digests[0],
+                        shard_sha256=digests[-num_shards:])
     return manifest, shards
 
 

@@ -2,9 +2,10 @@
 
 Flow for version `policy-vN` and W trainer ranks:
 
-1. every rank packs the version directory into the same tar (`pack_adapter` is deterministic) cut
-   into W shards, and `push_shards` sends its shards r, r+W, ... to all replicas in parallel
-   (`PUT /v1/adapters/{name}/shards/{i}?of=W` with `X-Shard-SHA256`);
+1. every rank packs the version directory into the same tar in memory (`pack_adapter` is
+   deterministic) cut into W shards, and `push_shards` sends its shards r, r+W, ... to all replicas
+   in parallel (`PUT /v1/adapters/{name}/shards/{i}?of=W` with `X-Shard-SHA256`), to each
+   replica's bulk listener (`GET /v1/adapters/bulk` names its port) or, without one, its main server;
 2. after a barrier (the caller's), rank 0 calls `push_commit`: `PUT .../manifest`, `POST .../commit`
    on every replica that got all shards. A replica serves the version once its commit returns 200.
 
@@ -113,22 +114,55 @@ def push_shards(version_dir: Path, name: str, targets: list[ReplicaTarget], rank
 
 def send_shards(manifest: Manifest, shards: list[bytes], targets: list[ReplicaTarget], rank: int,
                 world_size: int, retries: int = 3, backoff_s: float = 0.2,
-                timeout_s: float = 120.0) -> PushReport:
-    """`push_shards` for an already packed version (so one process can pack once for all senders)."""
+                timeout_s: float = 120.0, bulk: bool = True) -> PushReport:
+    """`push_shards` for an already packed version (so one process can pack once for all senders).
+
+    `bulk=False` sends over the replicas' main servers even where a bulk listener is up (to
+    compare the two paths).
+    """
     mine = list(range(rank, manifest.num_shards, world_size))
 
     def send(target: ReplicaTarget, client: httpx.Client, report: PushReport) -> None:
         if _serves(client, manifest.name, report, retries, backoff_s):
             report.already.append(target.url)
             return
-        for i in mine:
-            call_with_retries(
-                client, "PUT", f"/v1/adapters/{manifest.name}/shards/{i}", report, retries,
-                backoff_s, TRANSIENT, body=shards[i], params={"of": manifest.num_shards},
-                headers={"X-Shard-SHA256": manifest.shard_sha256[i]})
-            report.bytes_sent += len(shards[i])
+        fast = bulk_client(target, client, timeout_s) if bulk else None
+        try:
+            for i in mine:
+                call_with_retries(
+                    fast or client, "PUT", f"/v1/adapters/{manifest.name}/shards/{i}", report, retries,
+                    backoff_s, TRANSIENT, body=shards[i], params={"of": manifest.num_shards},
+                    headers={"X-Shard-SHA256": manifest.shard_sha256[i]})
+                report.bytes_sent += len(shards[i])
+        finally:
+            if fast is not None:
+                fast.close()
 
     return for_each_target(targets, timeout_s, send)
+
+
+def bulk_client(target: ReplicaTarget, client: httpx.Client, timeout_s: float) -> httpx.Client | None:
+    """A client for the replica's bulk shard listener (`inference.bulk`), None to use its main server.
+
+    The listener is on the replica's host at the port `GET /v1/adapters/bulk` names; a replica
+    without one (turned off, or an older version answering 404) takes shards on its main server.
+    """
+    try:
+        r = client.get("/v1/adapters/bulk")
+    except httpx.HTTPError as exc:
+        raise TargetFailed(f"GET /v1/adapters/bulk: {type(exc).__name__}: {exc}") from None
+    if r.status_code == 404:
+        return None
+    if r.status_code != 200:
+        raise TargetFailed(f"GET /v1/adapters/bulk: HTTP {r.status_code}: {_message(r)}")
+    try:
+        port = r.json().get("port")
+    except (ValueError, AttributeError):
+        raise TargetFailed(f"GET /v1/adapters/bulk: not a JSON object: {r.text[:200]!r}") from None
+    if type(port) is not int:
+        return None
+    url = httpx.URL(target.url).copy_with(port=port)
+    return ReplicaTarget(str(url), target.token, target.verify).client(timeout_s)
 
 
 def for_each_target(targets: list[ReplicaTarget], timeout_s: float,
