@@ -626,3 +626,58 @@ def test_concurrent_commits_of_one_name_serve_one_adapter(registry, adapter_dirs
     served = [r for r in results if not isinstance(r, Exception)]
     assert len(served) == 1 and registry.for_new_session("policy-v1") is served[0]
     assert registry.staged() == []
+
+
+# ---- safetensors read in place (a pushed version is never written to disk) ----
+
+def _st(header, data=b""):
+    raw = json.dumps(header).encode()
+    return memoryview(len(raw).to_bytes(8, "little") + raw + data)
+
+
+def test_read_safetensors_matches_the_library(adapter_dirs):
+    from safetensors.torch import load
+
+    from burstrl.inference.adapters import read_safetensors
+
+    raw = (adapter_dirs[0] / "adapter_model.safetensors").read_bytes()
+    ours, theirs = read_safetensors(memoryview(bytearray(raw)), "x"), load(raw)
+    assert set(ours) == set(theirs)
+    for key, t in theirs.items():
+        assert ours[key].dtype == t.dtype and torch.equal(ours[key], t)
+
+
+@pytest.mark.parametrize("view,why", [
+    (memoryview(b"\x01\x00"), "shorter"),
+    (memoryview((10**9).to_bytes(8, "little") + b"{}"), "header of"),
+    (_st([1, 2]), "not a JSON object"),
+    (memoryview((4).to_bytes(8, "little") + b"{x:1"), "not JSON"),
+    (_st({"a": {"dtype": "F99", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4), "unknown dtype"),
+    (_st({"a": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}, b"\0" * 4), "bad shape"),
+    (_st({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0]}}, b"\0" * 4), "bad shape"),
+    (_st({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 4), "do not fit"),
+    (_st({"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 0]}}, b"\0" * 4), "do not fit"),
+    (_st({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 8]}}, b"\0" * 8), "do not fit"),
+    (_st({"a": {"dtype": "F32", "shape": [10**6, 10**6], "data_offsets": [0, 4]}}, b"\0" * 4), "do not fit"),
+    (_st({"a": "F32"}), "unknown dtype"),
+])
+def test_read_safetensors_refuses_hostile_headers(view, why):
+    from burstrl.inference.adapters import read_safetensors
+
+    with pytest.raises(AdapterError, match=why):
+        read_safetensors(view, "x")
+
+
+def test_pushed_safetensors_with_a_lying_header_is_refused(registry, adapter_dirs):
+    files = _files(adapter_dirs[0])
+    weights = files["adapter_model.safetensors"]
+    size = int.from_bytes(weights[:8], "little")
+    header = json.loads(weights[8:8 + size])
+    key = next(k for k in header if k != "__metadata__")
+    header[key]["data_offsets"][1] += 4  # one element more than its shape, reading past its bytes
+    raw = json.dumps(header).encode()
+    files["adapter_model.safetensors"] = len(raw).to_bytes(8, "little") + raw + weights[8 + size:]
+    _upload_blob(registry, "policy-v1", _tar(list(files.items())))
+    with pytest.raises(AdapterError, match="safetensors"):
+        registry.commit("policy-v1")
+    assert registry.names() == [] and registry.staged() == []

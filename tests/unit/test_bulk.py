@@ -185,3 +185,42 @@ def test_close_stops_the_listener(registry):
     receiver.close()
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", port), timeout=5).close()
+
+
+def test_the_senders_raw_connection_keeps_alive_and_reports_refusals(bulk, registry, adapter_dir):
+    from burstrl.weights.bulk_send import BulkConnection
+    from burstrl.weights.push import PushReport, TargetFailed, bulk_put
+
+    manifest, shards = pack_adapter(adapter_dir, 3, "policy-v1")
+    conn = BulkConnection("127.0.0.1", bulk.port, TOKEN, tls=False)
+    for i, shard in enumerate(shards):
+        status, answer = conn.put(f"/v1/adapters/policy-v1/shards/{i}", {"of": 3}, shard,
+                                  {"X-Shard-SHA256": manifest.shard_sha256[i]})
+        assert status == 200, answer
+    sock = conn._sock
+    assert sock is not None  # one connection for all three
+    conn.close()
+    registry.put_manifest("policy-v1", manifest.to_json())
+    registry.commit("policy-v1")
+    report = PushReport()
+    with pytest.raises(TargetFailed, match="HTTP 401: bulk listener: missing or wrong bearer token"):
+        bulk_put(BulkConnection("127.0.0.1", bulk.port, "wrong", tls=False), "/v1/adapters/policy-v2/shards/0",
+                 {"of": 1}, b"abc", {}, report, retries=2, backoff_s=0.01)
+    assert report.retries == 0  # a 4xx is final
+    with pytest.raises(TargetFailed, match="sha256 mismatch"):
+        bulk_put(BulkConnection("127.0.0.1", bulk.port, TOKEN, tls=False), "/v1/adapters/policy-v2/shards/0",
+                 {"of": 1}, b"abc", {"X-Shard-SHA256": "0" * 64}, report, retries=2, backoff_s=0.01)
+
+
+def test_a_closed_bulk_port_fails_the_target_at_once(registry):
+    from burstrl.weights.bulk_send import BulkConnection
+    from burstrl.weights.push import PushReport, TargetFailed, bulk_put
+
+    receiver = BulkReceiver(registry, TOKEN)
+    port = receiver.port
+    receiver.close()
+    report = PushReport()
+    with pytest.raises(TargetFailed, match="ConnectionRefused"):
+        bulk_put(BulkConnection("127.0.0.1", port, TOKEN, tls=False), "/v1/adapters/x/shards/0", {"of": 1},
+                 b"abc", {}, report, retries=3, backoff_s=0.01)
+    assert report.retries == 0

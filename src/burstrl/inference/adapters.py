@@ -19,11 +19,14 @@ so abandoned or hostile shards cannot exhaust the replica's memory.
 from __future__ import annotations
 
 import hashlib
+import json
+import math
 import re
 import shutil
 import tarfile
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -190,10 +193,10 @@ class AdapterRegistry:
             raise UploadError("no manifest uploaded")
         blob = _assemble(up)
         files = _members(blob)
-        adapter = load_adapter_bytes(name, f"upload:sha256:{up.manifest.sha256}",
-                                     bytes(files["adapter_config.json"]),
-                                     bytes(files["adapter_model.safetensors"]), self.num_layers, self.dtype,
-                                     self.device, self.shapes)
+        label = f"upload:sha256:{up.manifest.sha256}"
+        tensors = read_safetensors(files["adapter_model.safetensors"], f"{label}/adapter_model.safetensors")
+        adapter = load_adapter_bytes(name, label, bytes(files["adapter_config.json"]), tensors, self.num_layers,
+                                     self.dtype, self.device, self.shapes)
         with self._lock:
             if name in self.active or name in self.retiring:
                 raise UploadError(f"adapter {name!r} is already loaded; versions never change")
@@ -268,6 +271,57 @@ def _members(blob: bytes | bytearray) -> dict[str, memoryview]:
         if m.offset_data + m.size > len(view):
             raise UploadError(f"upload is not a readable tar archive: {m.name} is truncated")
         out[m.name] = view[m.offset_data:m.offset_data + m.size]
+    return out
+
+
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                      "U8": torch.uint8, "BOOL": torch.bool}
+MAX_SAFETENSORS_HEADER = 100 << 20  # the format's own limit
+
+
+def read_safetensors(view: memoryview, where: str) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file held in `view`, as tensors over its bytes (no copy).
+
+    Why not `safetensors.torch.load`: it copies every tensor out of a `bytes` (and the caller would
+    first copy the view into one); the loader copies once anyway, when it converts to the serving
+    dtype. Every header field is checked against the buffer, so hostile bytes are an `AdapterError`,
+    never a read outside the file.
+    """
+    def bad(why: str) -> AdapterError:
+        return AdapterError(f"{where}: cannot be read as safetensors ({why})")
+
+    if len(view) < 8:
+        raise bad("shorter than its header length")
+    size = int.from_bytes(view[:8], "little")
+    if size > min(len(view) - 8, MAX_SAFETENSORS_HEADER):
+        raise bad(f"header of {size} bytes in a file of {len(view)}")
+    try:
+        header = json.loads(bytes(view[8:8 + size]))
+    except ValueError as exc:
+        raise bad(f"header is not JSON: {exc}") from None
+    if not isinstance(header, dict):
+        raise bad("header is not a JSON object")
+    data, out = view[8 + size:], {}
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        if not isinstance(info, dict) or info.get("dtype") not in SAFETENSORS_DTYPES:
+            raise bad(f"tensor {key!r}: unknown dtype")
+        shape, offsets = info.get("shape"), info.get("data_offsets")
+        if (not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape)
+                or not isinstance(offsets, list) or len(offsets) != 2
+                or not all(type(o) is int for o in offsets)):
+            raise bad(f"tensor {key!r}: bad shape or data_offsets")
+        dtype, (begin, end) = SAFETENSORS_DTYPES[info["dtype"]], offsets
+        count = math.prod(shape)
+        if not 0 <= begin <= end <= len(data) or end - begin != count * dtype.itemsize:
+            raise bad(f"tensor {key!r}: data_offsets {offsets} do not fit shape {shape} in {len(data)} bytes")
+        with warnings.catch_warnings():  # a read-only buffer: the loader only reads (and copies) it
+            warnings.simplefilter("ignore", UserWarning)
+            flat = (torch.frombuffer(data, dtype=dtype, count=count, offset=begin) if count
+                    else torch.empty(0, dtype=dtype))
+        out[key] = flat.view(shape)
     return out
 
 

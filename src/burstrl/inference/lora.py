@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load, load_file
+from safetensors.torch import load_file
 from torch import nn
 
 ATTN_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -94,20 +94,17 @@ def load_adapter(name: str, path: str | Path, num_layers: int, dtype: torch.dtyp
     return _build(name, str(path), weights_file, rank, scale, tensors, num_layers, dtype, device, shapes)
 
 
-def load_adapter_bytes(name: str, label: str, config: bytes, weights: bytes, num_layers: int,
+def load_adapter_bytes(name: str, label: str, config: bytes, tensors: dict[str, torch.Tensor], num_layers: int,
                        dtype: torch.dtype, device: torch.device, shapes: Shapes | None = None) -> LoraAdapter:
-    """`load_adapter` from the two files' bytes (a pushed version, never written to disk).
+    """`load_adapter` from the config's bytes and the weights already read (a pushed version, never
+    written to disk; `inference.adapters` reads the safetensors bytes in place).
 
     The same checks as `load_adapter`; `label` stands for the path in errors and in `adapter.path`.
     """
     where = Path(label)
     rank, scale = _read_config(where / "adapter_config.json", config)
-    weights_file = where / "adapter_model.safetensors"
-    try:
-        tensors = load(weights)
-    except Exception as exc:  # noqa: BLE001 - safetensors raises several types for bad bytes
-        raise AdapterError(f"{weights_file}: cannot be read as safetensors ({exc})") from None
-    return _build(name, label, weights_file, rank, scale, tensors, num_layers, dtype, device, shapes)
+    return _build(name, label, where / "adapter_model.safetensors", rank, scale, tensors, num_layers, dtype,
+                  device, shapes)
 
 
 def _build(name: str, path: str, weights_file: Path, rank: int, scale: float, tensors: dict[str, torch.Tensor],
@@ -115,7 +112,8 @@ def _build(name: str, path: str, weights_file: Path, rank: int, scale: float, te
     pairs = _read_pairs(weights_file, tensors, num_layers, shapes)
     weights = {}
     for where, ab in pairs.items():
-        a, b = ab["A"].to(device, dtype), ab["B"].to(device, dtype)
+        # a copy even when device and dtype match: the source may be a view of a received buffer
+        a, b = ab["A"].to(device, dtype, copy=True), ab["B"].to(device, dtype, copy=True)
         _check_pair(weights_file, where, a, b, rank, shapes)
         weights[where] = (a, b, scale)
     if not weights:

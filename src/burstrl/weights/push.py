@@ -16,6 +16,7 @@ it is left out of this version (the report says why) and catches up from the vol
 
 from __future__ import annotations
 
+import json
 import ssl
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -27,6 +28,7 @@ from typing import Any, TypeVar
 import httpx
 
 from burstrl.protocol.adapters import Manifest, pack_adapter
+from burstrl.weights.bulk_send import BulkConnection
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -126,13 +128,16 @@ def send_shards(manifest: Manifest, shards: list[bytes], targets: list[ReplicaTa
         if _serves(client, manifest.name, report, retries, backoff_s):
             report.already.append(target.url)
             return
-        fast = bulk_client(target, client, timeout_s) if bulk else None
+        fast = bulk_connection(target, client, timeout_s) if bulk else None
         try:
             for i in mine:
-                call_with_retries(
-                    fast or client, "PUT", f"/v1/adapters/{manifest.name}/shards/{i}", report, retries,
-                    backoff_s, TRANSIENT, body=shards[i], params={"of": manifest.num_shards},
-                    headers={"X-Shard-SHA256": manifest.shard_sha256[i]})
+                path, params = f"/v1/adapters/{manifest.name}/shards/{i}", {"of": manifest.num_shards}
+                headers = {"X-Shard-SHA256": manifest.shard_sha256[i]}
+                if fast is not None:
+                    bulk_put(fast, path, params, shards[i], headers, report, retries, backoff_s)
+                else:
+                    call_with_retries(client, "PUT", path, report, retries, backoff_s, TRANSIENT,
+                                      body=shards[i], params=params, headers=headers)
                 report.bytes_sent += len(shards[i])
         finally:
             if fast is not None:
@@ -141,8 +146,8 @@ def send_shards(manifest: Manifest, shards: list[bytes], targets: list[ReplicaTa
     return for_each_target(targets, timeout_s, send)
 
 
-def bulk_client(target: ReplicaTarget, client: httpx.Client, timeout_s: float) -> httpx.Client | None:
-    """A client for the replica's bulk shard listener (`inference.bulk`), None to use its main server.
+def bulk_connection(target: ReplicaTarget, client: httpx.Client, timeout_s: float) -> BulkConnection | None:
+    """A connection to the replica's bulk shard listener (`inference.bulk`), None to use its main server.
 
     The listener is on the replica's host at the port `GET /v1/adapters/bulk` names; a replica
     without one (turned off, or an older version answering 404) takes shards on its main server.
@@ -161,8 +166,32 @@ def bulk_client(target: ReplicaTarget, client: httpx.Client, timeout_s: float) -
         raise TargetFailed(f"GET /v1/adapters/bulk: not a JSON object: {r.text[:200]!r}") from None
     if type(port) is not int:
         return None
-    url = httpx.URL(target.url).copy_with(port=port)
-    return ReplicaTarget(str(url), target.token, target.verify).client(timeout_s)
+    url = httpx.URL(target.url)
+    return BulkConnection(url.host, port, target.token, url.scheme == "https", target.verify, timeout_s,
+                          CONNECT_TIMEOUT_S)
+
+
+def bulk_put(conn: BulkConnection, path: str, params: dict[str, Any], body: bytes, headers: dict[str, str],
+             report: PushReport, retries: int, backoff_s: float) -> None:
+    """`call_with_retries` for a shard PUT on the bulk listener: the same backoff, 4xx fails at once."""
+    reason = ""
+    for attempt in range(retries + 1):
+        if attempt:
+            report.retries += 1
+            time.sleep(backoff_s * 2 ** (attempt - 1))
+        try:
+            status, answer = conn.put(path, params, body, headers)
+        except (ConnectionRefusedError, ssl.SSLCertVerificationError) as exc:  # retrying cannot help
+            raise TargetFailed(f"PUT {path} (bulk): {type(exc).__name__}: {exc}") from None
+        except OSError as exc:  # reset, timeout, a broken answer: the PUT is idempotent
+            reason = f"PUT {path} (bulk): {type(exc).__name__}: {exc}"
+            continue
+        if status < 400:
+            return
+        reason = f"PUT {path} (bulk): HTTP {status}: {_error_text(answer)}"
+        if status < 500:
+            raise TargetFailed(reason)
+    raise TargetFailed(f"{reason} (after {retries} retries)")
 
 
 def for_each_target(targets: list[ReplicaTarget], timeout_s: float,
@@ -322,7 +351,11 @@ def _slices(data: bytes) -> Iterator[memoryview]:
 
 def _message(r: httpx.Response) -> str:
     """The replica's error message (OpenAI error shape), else the start of the body."""
+    return _error_text(r.content)
+
+
+def _error_text(body: bytes) -> str:
     try:
-        return str(r.json()["error"]["message"])
+        return str(json.loads(body)["error"]["message"])
     except (ValueError, KeyError, TypeError):
-        return r.text[:200]
+        return body[:200].decode("utf-8", "replace")
