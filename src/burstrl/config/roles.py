@@ -83,7 +83,7 @@ class HttpServerSection(Section):
         600.0, gt=0, description="An adapter upload not committed and idle this long is deleted."
     )
     state_dir: str = Field(
-        "", description="Where uploaded adapters and the admin token live; empty = a temp dir."
+        "", description="Where the generated admin token lives (uploads are staged in memory); empty = a temp dir."
     )
 
 

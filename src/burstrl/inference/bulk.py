@@ -63,7 +63,7 @@ class BulkReceiver:
         self.on_refused = on_refused or (lambda: None)
         self.counters = BulkCounters()
         self.tls = ssl_context is not None
-        self._server = _Server((host, port), _ShardHandler, self, max_connections)
+        self._server = _BulkServer((host, port), _BulkShardHandler, self, max_connections)
         if ssl_context is not None:  # handshake in the connection's thread, never in accept()
             self._server.socket = ssl_context.wrap_socket(self._server.socket, server_side=True,
                                                           do_handshake_on_connect=False)
@@ -83,7 +83,7 @@ class BulkReceiver:
         self.on_refused()
 
 
-class _Server(ThreadingHTTPServer):
+class _BulkServer(ThreadingHTTPServer):
     daemon_threads = True  # a stalled connection ends at idle_timeout_s; none outlives the process
     block_on_close = False
 
@@ -113,9 +113,9 @@ class _Server(ThreadingHTTPServer):
         """A connection that broke mid-request (reset, TLS garbage) is the sender's problem; no traceback."""
 
 
-class _ShardHandler(BaseHTTPRequestHandler):
+class _BulkShardHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
-    server: _Server
+    server: _BulkServer
 
     def setup(self) -> None:
         self.timeout = self.server.owner.idle_timeout_s  # StreamRequestHandler sets it on the socket
@@ -128,7 +128,7 @@ class _ShardHandler(BaseHTTPRequestHandler):
         owner = self.server.owner
         try:
             name, index, of, size = self._check(owner)
-        except _Refusal as exc:
+        except _BulkRefusal as exc:
             owner.refused()
             self.close_connection = True  # the body (if any) is left unread
             self._answer(exc.status, {"error": {"message": exc.message, "type": exc.kind, "param": None,
@@ -162,27 +162,27 @@ class _ShardHandler(BaseHTTPRequestHandler):
                                      "type": "invalid_request_error", "param": None, "code": 405}})
 
     def _check(self, owner: BulkReceiver) -> tuple[str, int, int, int]:
-        """The shard's name, index, count and size, or a `_Refusal`; no body byte read yet."""
+        """The shard's name, index, count and size, or a `_BulkRefusal`; no body byte read yet."""
         if not bearer_matches(self.headers, owner.token):
-            raise _Refusal(401, "bulk listener: missing or wrong bearer token", "authentication_error")
+            raise _BulkRefusal(401, "bulk listener: missing or wrong bearer token", "authentication_error")
         url = urlsplit(self.path)
         m = SHARD_PATH.fullmatch(url.path)
         of = parse_qs(url.query).get("of", [""])[0]
         if m is None or not of.isdigit() or len(of) > 6:
-            raise _Refusal(404, "expected PUT /v1/adapters/{name}/shards/{i}?of={n}")
+            raise _BulkRefusal(404, "expected PUT /v1/adapters/{name}/shards/{i}?of={n}")
         if self.headers.get("transfer-encoding") is not None:
-            raise _Refusal(411, "a shard needs Content-Length (no Transfer-Encoding)")
+            raise _BulkRefusal(411, "a shard needs Content-Length (no Transfer-Encoding)")
         length = self.headers.get("content-length", "")
         if not length.isdigit():
-            raise _Refusal(411, "a shard needs Content-Length")
+            raise _BulkRefusal(411, "a shard needs Content-Length")
         size = int(length)
         if size > owner.max_shard_bytes:
-            raise _Refusal(413, f"shard of {size} bytes exceeds {owner.max_shard_bytes}")
+            raise _BulkRefusal(413, f"shard of {size} bytes exceeds {owner.max_shard_bytes}")
         name, index = m.group(1), int(m.group(2))
         try:
             owner.registry.check_shard(name, index, int(of), size)
         except UploadError as exc:
-            raise _Refusal(400, str(exc)) from None
+            raise _BulkRefusal(400, str(exc)) from None
         return name, index, int(of), size
 
     def _read_body(self, size: int) -> tuple[bytearray | None, str]:
@@ -214,7 +214,7 @@ class _ShardHandler(BaseHTTPRequestHandler):
             self.close_connection = True
 
 
-class _Refusal(Exception):
+class _BulkRefusal(Exception):
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error") -> None:
         super().__init__(message)
         self.status, self.message, self.kind = status, message, kind
