@@ -207,3 +207,41 @@ def test_unload_old_retires_old_versions(pair: list[Server], volume: Path) -> No
     assert httpx.delete(pair[0].url + "/v1/traces/pinned-v6", headers=pair[0].admin()).status_code == 200
     assert "policy-v6" not in pair[0].get("/v1/loads")["retiring_versions"]
 
+
+def test_shards_go_to_the_bulk_listener_while_the_replica_keeps_serving(pair: list[Server], volume: Path) -> None:
+    bulk = pair[0].get("/v1/adapters/bulk")
+    assert isinstance(bulk["port"], int) and bulk["tls"] is False
+    assert httpx.get(pair[0].url + "/v1/adapters/bulk", timeout=30).status_code == 401  # admin only
+    path = publish(volume, 8, volume / "policy-v4")
+    answers: list[int] = []
+    done = threading.Event()
+
+    def poll() -> None:
+        while not done.is_set():
+            answers.append(httpx.get(pair[0].url + "/health", timeout=60).status_code)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        report = push(path, "policy-v8", targets(pair), senders=2)
+    finally:
+        done.set()
+        poller.join()
+    assert report.failed == {} and sorted(report.ok) == [s.url for s in pair], report
+    assert answers and set(answers) == {200}
+    assert "policy-v8" in models(pair[0]) and "policy-v8" in models(pair[1])
+    root = {m["id"]: m["root"] for m in pair[0].get("/v1/models")["data"]}["policy-v8"]
+    assert root.startswith("upload:sha256:")  # loaded from the pushed bytes, not from a directory
+
+
+def test_a_replica_without_a_bulk_listener_takes_shards_on_its_main_server(tiny_model_dir: Path, volume: Path,
+                                                                          tmp_path: Path) -> None:
+    srv = start_server(tiny_model_dir, tmp_path / "nobulk", "--server.bulk_port", "-1")
+    try:
+        assert srv.get("/v1/adapters/bulk") == {"port": None, "tls": False}
+        report = push(volume / "policy-v2", "policy-v2", [ReplicaTarget(srv.url, ADMIN_TOKEN)], senders=2)
+        assert report.ok == [srv.url] and report.failed == {}, report
+        ids, _ = greedy(srv, "policy-v2")
+        assert len(ids) == 8
+    finally:
+        stop_server(srv)

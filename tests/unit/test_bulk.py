@@ -224,3 +224,19 @@ def test_a_closed_bulk_port_fails_the_target_at_once(registry):
         bulk_put(BulkConnection("127.0.0.1", port, TOKEN, tls=False), "/v1/adapters/x/shards/0", {"of": 1},
                  b"abc", {}, report, retries=3, backoff_s=0.01)
     assert report.retries == 0
+
+
+def test_an_unreachable_bulk_port_falls_back_to_the_main_server(registry):
+    import httpx
+
+    from burstrl.weights.push import ReplicaTarget, bulk_connection
+
+    receiver = BulkReceiver(registry, TOKEN)
+    port = receiver.port
+    receiver.close()  # nothing listens there now, as behind a proxy that forwards only the main port
+
+    def main_server(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"port": port, "tls": False})
+
+    with httpx.Client(transport=httpx.MockTransport(main_server), base_url="http://127.0.0.1:1") as client:
+        assert bulk_connection(ReplicaTarget("http://127.0.0.1:1", TOKEN), client, 30.0) is None

@@ -25,6 +25,8 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import socket
+import socketserver
 import ssl
 import threading
 from collections.abc import Callable
@@ -90,7 +92,14 @@ class _BulkServer(ThreadingHTTPServer):
     def __init__(self, addr: tuple[str, int], handler: type, owner: BulkReceiver, max_connections: int) -> None:
         self.owner = owner
         self.slots = threading.BoundedSemaphore(max_connections)
+        if ":" in addr[0]:
+            self.address_family = socket.AF_INET6
         super().__init__(addr, handler)
+
+    def server_bind(self) -> None:
+        """Bind without HTTPServer's `getfqdn` (a reverse DNS lookup that can hang where DNS is slow)."""
+        socketserver.TCPServer.server_bind(self)
+        self.server_name, self.server_port = str(self.server_address[0]), int(self.server_address[1])
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self.slots.acquire(blocking=False):

@@ -38,7 +38,7 @@ class BulkConnection:
         """PUT `body` to `path?params`; (status, answer body). OSError (connection refused among
         them) when the request could not be sent or answered; the connection is then closed."""
         try:
-            sock = self._connect()
+            sock = self.connect()
             head = [f"PUT {path}?{urlencode(params)} HTTP/1.1", f"Host: {self.host}:{self.port}",
                     f"Authorization: Bearer {self.token}", f"Content-Length: {len(body)}",
                     *(f"{k}: {v}" for k, v in headers.items()), "", ""]
@@ -54,7 +54,8 @@ class BulkConnection:
             self._sock.close()
         self._sock = self._reader = None
 
-    def _connect(self) -> socket.socket:
+    def connect(self) -> socket.socket:
+        """The open connection, made (and TLS-wrapped) if there is none."""
         if self._sock is None:
             sock = socket.create_connection((self.host, self.port), timeout=self.connect_timeout_s)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

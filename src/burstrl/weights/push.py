@@ -150,7 +150,8 @@ def bulk_connection(target: ReplicaTarget, client: httpx.Client, timeout_s: floa
     """A connection to the replica's bulk shard listener (`inference.bulk`), None to use its main server.
 
     The listener is on the replica's host at the port `GET /v1/adapters/bulk` names; a replica
-    without one (turned off, or an older version answering 404) takes shards on its main server.
+    without one (turned off, or an older version answering 404), or whose bulk port cannot be
+    reached from here, takes shards on its main server.
     """
     try:
         r = client.get("/v1/adapters/bulk")
@@ -167,8 +168,14 @@ def bulk_connection(target: ReplicaTarget, client: httpx.Client, timeout_s: floa
     if type(port) is not int:
         return None
     url = httpx.URL(target.url)
-    return BulkConnection(url.host, port, target.token, url.scheme == "https", target.verify, timeout_s,
+    conn = BulkConnection(url.host, port, target.token, url.scheme == "https", target.verify, timeout_s,
                           CONNECT_TIMEOUT_S)
+    try:
+        conn.connect()
+    except OSError:  # the port is not reachable from here (only the main one forwarded, a firewall)
+        conn.close()
+        return None
+    return conn
 
 
 def bulk_put(conn: BulkConnection, path: str, params: dict[str, Any], body: bytes, headers: dict[str, str],
