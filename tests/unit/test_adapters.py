@@ -681,3 +681,22 @@ def test_pushed_safetensors_with_a_lying_header_is_refused(registry, adapter_dir
     with pytest.raises(AdapterError, match="safetensors"):
         registry.commit("policy-v1")
     assert registry.names() == [] and registry.staged() == []
+
+
+def test_receive_buffers_are_reused_after_commit_and_drop(tmp_path, adapter_dirs):
+    registry = AdapterRegistry(tmp_path / "state", LAYERS, torch.float32, CPU, max_free_bytes=1 << 20)
+    manifest, shards = pack_adapter(adapter_dirs[0], 1, "policy-v1")
+    buf = registry.take_buffer(len(shards[0]))
+    buf[:] = shards[0]
+    registry.put_shard("policy-v1", 0, 1, buf, None)
+    registry.put_manifest("policy-v1", manifest.to_json())
+    served = registry.commit("policy-v1")
+    assert registry.take_buffer(len(shards[0])) is buf  # given back by the commit
+    buf[:] = b"\0" * len(buf)  # reusing it must not change the served adapter (it holds copies)
+    _same_weights(served, load_adapter("x", adapter_dirs[0], LAYERS, torch.float32, CPU))
+    registry.put_shard("abandoned", 0, 2, buf, None)
+    registry.sweep_uploads(now=time.monotonic() + 10**6)
+    assert registry.take_buffer(len(buf)) is buf  # given back by the sweep
+    assert registry.take_buffer(len(buf)) is not buf
+    registry.give_back(bytearray(2 << 20))  # larger than the pool: not kept
+    assert registry._free_bytes == 0

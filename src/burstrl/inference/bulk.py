@@ -143,8 +143,10 @@ class _BulkShardHandler(BaseHTTPRequestHandler):
             self._answer(exc.status, {"error": {"message": exc.message, "type": exc.kind, "param": None,
                                                 "code": exc.status}})
             return
-        data, digest = self._read_body(size)
-        if data is None:
+        data = owner.registry.take_buffer(size)
+        digest = self._read_body(data)
+        if digest is None:
+            owner.registry.give_back(data)
             owner.counters.truncated += 1
             owner.refused()
             self.close_connection = True
@@ -152,6 +154,7 @@ class _BulkShardHandler(BaseHTTPRequestHandler):
         try:
             owner.registry.put_shard(name, index, of, data, self.headers.get("x-shard-sha256"), digest=digest)
         except UploadError as exc:
+            owner.registry.give_back(data)
             owner.refused()
             self._answer(400, {"error": {"message": str(exc), "type": "invalid_request_error",
                                          "param": None, "code": 400}})
@@ -194,20 +197,19 @@ class _BulkShardHandler(BaseHTTPRequestHandler):
             raise _BulkRefusal(400, str(exc)) from None
         return name, index, int(of), size
 
-    def _read_body(self, size: int) -> tuple[bytearray | None, str]:
-        """The body in one buffer and its sha256, hashed chunk by chunk; None if it ended early."""
-        data, hasher = bytearray(size), hashlib.sha256()
-        view, got = memoryview(data), 0
+    def _read_body(self, data: bytearray) -> str | None:
+        """Read the body into `data` (its exact size), hashing chunk by chunk: its sha256, None if it ended early."""
+        hasher, view, got, size = hashlib.sha256(), memoryview(data), 0, len(data)
         try:
             while got < size:
                 n = self.rfile.readinto(view[got:min(size, got + CHUNK)])
                 if not n:
-                    return None, ""
+                    return None
                 hasher.update(view[got:got + n])
                 got += n
         except (OSError, ValueError):  # reset, timeout (socket.timeout is an OSError), TLS error
-            return None, ""
-        return data, hasher.hexdigest()
+            return None
+        return hasher.hexdigest()
 
     def _answer(self, status: int, body: dict[str, Any]) -> None:
         raw = json.dumps(body).encode()
