@@ -1,4 +1,4 @@
-"""A replica killed without `close()` leaves its temp state dir (upload shards, unpacked adapters);
+"""A replica killed without `close()` leaves its temp state dir (its admin token);
 the next replica on the host removes it, and only it."""
 
 import json

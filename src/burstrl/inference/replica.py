@@ -136,8 +136,9 @@ def make_state_dir(parent: Path) -> Path:
 
 
 def sweep_dead_state_dirs(parent: Path, min_age_s: float = 60.0) -> list[Path]:
-    """Remove temp state dirs of replicas that died without `close()` (each holds upload shards
-    and unpacked adapters: ~10 MB per death, forever, on a host whose replicas are preempted).
+    """Remove temp state dirs of replicas that died without `close()`: each holds the replica's
+    generated admin token (a secret left behind per death, forever, on a host whose replicas are
+    preempted; before uploads were staged in memory, also ~10 MB of shards and adapters).
 
     A dir without an owner record is left alone for `min_age_s` (its owner may be creating it);
     dirs of other users are never touched. Returns the dirs removed.
