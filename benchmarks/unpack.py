@@ -11,8 +11,9 @@ the machine's noise falls on both), the median of `--repeats` runs of:
 - `parse_s`: the same plus parsing the tar and reading every member's data (no files made);
 - `unpack_serial_s`: `unpack_blob(..., workers=0)`: every file written by the reading thread;
 - `unpack_s`: `unpack_blob` as a node runs it (a pool of writer threads).
-The difference unpack - parse is what creating the files costs; the codec only changes
-`decompress_s`.
+Each also as CPU seconds of the process (`*_cpu_s`, all threads): on a busy machine the wall
+times carry the wait for a core, the CPU times do not. The difference unpack - parse is what
+creating the files costs; the codec only changes `decompress_s`.
 
     .venv/bin/python benchmarks/unpack.py                # --repeats 5 (~2 min here)
 """
@@ -77,33 +78,41 @@ def compress_tree(src_dir: Path, blob: Path, kind: str, media_type: str) -> Desc
     return Descriptor(media_type, f"sha256:{sha}", blob.stat().st_size)
 
 
-def decompress(desc: Descriptor, blob: Path) -> float:
-    start = time.perf_counter()
+def _clock() -> tuple[float, float]:
+    return time.perf_counter(), time.process_time()
+
+
+def _since(start: tuple[float, float]) -> tuple[float, float]:
+    return time.perf_counter() - start[0], time.process_time() - start[1]
+
+
+def decompress(desc: Descriptor, blob: Path) -> tuple[float, float]:
+    start = _clock()
     with open(blob, "rb") as fh:
         stream = decompressor(desc.media_type, _HashingReader(fh))  # type: ignore[arg-type]
         while stream.read(1 << 20):
             pass
-    return time.perf_counter() - start
+    return _since(start)
 
 
-def parse(desc: Descriptor, blob: Path) -> float:
-    start = time.perf_counter()
+def parse(desc: Descriptor, blob: Path) -> tuple[float, float]:
+    start = _clock()
     with open(blob, "rb") as fh, tarfile.open(fileobj=decompressor(desc.media_type, _HashingReader(fh)),  # type: ignore[arg-type]
                                               mode="r|", bufsize=1 << 20) as tar:
         for member in tar:
             if member.isreg():
                 tar.extractfile(member).read()  # type: ignore[union-attr]
-    return time.perf_counter() - start
+    return _since(start)
 
 
-def unpack(desc: Descriptor, blob: Path, work: Path, workers: int | None) -> float:
+def unpack(desc: Descriptor, blob: Path, work: Path, workers: int | None) -> tuple[float, float]:
     target = Path(tempfile.mkdtemp(dir=work))
-    start = time.perf_counter()
+    start = _clock()
     if workers is None:
         unpack_blob(desc, blob, target)
     else:
         unpack_blob(desc, blob, target, workers=workers)
-    seconds = time.perf_counter() - start
+    seconds = _since(start)
     force_rmtree(target)
     return seconds
 
@@ -112,21 +121,21 @@ def measure(src_dir: Path, work: Path, repeats: int) -> dict[str, Any]:
     """The split for one layer, both codecs, alternating within each repeat."""
     descs = {kind: compress_tree(src_dir, work / f"layer.{kind}", kind, mt) for kind, mt, _ in CODECS}
     files = sum(1 for p in src_dir.rglob("*") if p.is_file())
-    times: dict[str, dict[str, list[float]]] = {k: {"decompress_s": [], "parse_s": [], "unpack_serial_s": [],
-                                                    "unpack_s": []} for k in descs}
+    times: dict[str, dict[str, list[float]]] = {k: {} for k in descs}
     for _ in range(repeats):
         for kind, desc in descs.items():
             blob = work / f"layer.{kind}"
-            times[kind]["decompress_s"].append(decompress(desc, blob))
-            times[kind]["parse_s"].append(parse(desc, blob))
-            times[kind]["unpack_serial_s"].append(unpack(desc, blob, work, 0))
-            times[kind]["unpack_s"].append(unpack(desc, blob, work, None))
+            for key, (wall, cpu) in (("decompress", decompress(desc, blob)), ("parse", parse(desc, blob)),
+                                     ("unpack_serial", unpack(desc, blob, work, 0)),
+                                     ("unpack", unpack(desc, blob, work, None))):
+                times[kind].setdefault(f"{key}_s", []).append(wall)
+                times[kind].setdefault(f"{key}_cpu_s", []).append(cpu)
     out: dict[str, Any] = {"files": files, "tar_bytes": sum(p.stat().st_size for p in src_dir.rglob("*")
                                                             if p.is_file())}
     for kind, desc in descs.items():
         out[kind] = {"bytes": desc.size, **{k: round(statistics.median(v), 4) for k, v in times[kind].items()},
                      "unpack_s_all": [round(x, 4) for x in times[kind]["unpack_s"]]}
-    for key in ("decompress_s", "parse_s", "unpack_serial_s", "unpack_s"):
+    for key in times["zstd"]:
         out[f"zstd_vs_gzip_{key[:-2]}"] = round(out["zstd"][key] / out["gzip"][key], 3)
     return out
 
