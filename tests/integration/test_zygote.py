@@ -125,3 +125,25 @@ def test_a_launcher_killed_with_sigkill_leaves_no_zygote_or_replica(tiny_model_d
             owner.kill()
             owner.wait()
         owner.stdout.close()
+
+
+WRITER = """
+import json, sys
+from burstrl.providers.zygote import line_stdout
+sys.stdout = line_stdout()
+for i in range(3000):
+    print(json.dumps({"event": "ready", "url": "http://127.0.0.1:%d" % i, "pid": int(sys.argv[1])}), flush=True)
+"""
+
+
+def test_siblings_sharing_stdout_write_whole_lines_even_unbuffered() -> None:
+    """Regression: with PYTHONUNBUFFERED=1, two forked replicas printing their ready lines at once
+    produced `{...}{...}` lines, so neither was seen ready and both starts failed."""
+    read, write = os.pipe()
+    env = {**os.environ, "PYTHONPATH": SRC, "PYTHONUNBUFFERED": "1"}
+    writers = [subprocess.Popen([sys.executable, "-c", WRITER, str(n)], stdout=write, env=env) for n in range(3)]
+    os.close(write)
+    with os.fdopen(read) as lines:
+        events = [json.loads(line) for line in lines]
+    assert [w.wait() for w in writers] == [0, 0, 0]
+    assert sorted(e["pid"] for e in events) == sorted([0, 1, 2] * 3000)

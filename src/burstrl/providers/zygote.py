@@ -41,7 +41,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from burstrl.protocol.process import die_with_parent_signal
 
@@ -69,6 +69,13 @@ def _preload(model_path: str) -> None:
 
         config = AutoConfig.from_pretrained(model_path)
         MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]  # noqa: B018 - the lookup imports the model's module
+
+
+def line_stdout() -> TextIO:
+    """A stdout that writes each line with ONE write(2): forked siblings share the pipe, and with
+    PYTHONUNBUFFERED (the launcher sets it) `print` writes the text and its newline separately,
+    so two replicas ready at once interleaved into `{..}{..}` and both ready lines were lost."""
+    return open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - the process's stdout, never closed
 
 
 def fork_safe() -> str:
@@ -138,6 +145,7 @@ def _child(req: dict[str, Any], zygote: int, sel: selectors.BaseSelector) -> Non
                       0o644)
         os.dup2(log, 2)
         os.close(log)
+        sys.stdout = line_stdout()
         import random
 
         random.seed()  # a fresh process would have fresh state; siblings must not share it
