@@ -36,6 +36,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
+from burstrl.sandbox.extract import TAR_BUFSIZE  # noqa: E402
 from burstrl.sandbox.images import (  # noqa: E402
     GZIP_LEVEL,
     LAYER_GZIP,
@@ -98,7 +99,7 @@ def decompress(desc: Descriptor, blob: Path) -> tuple[float, float]:
 def parse(desc: Descriptor, blob: Path) -> tuple[float, float]:
     start = _clock()
     with open(blob, "rb") as fh, tarfile.open(fileobj=decompressor(desc.media_type, _HashingReader(fh)),  # type: ignore[arg-type]
-                                              mode="r|", bufsize=1 << 20) as tar:
+                                              mode="r|", bufsize=TAR_BUFSIZE) as tar:
         for member in tar:
             if member.isreg():
                 tar.extractfile(member).read()  # type: ignore[union-attr]
