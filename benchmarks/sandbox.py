@@ -26,7 +26,6 @@ Prints one JSON object, then the comparison as a markdown table.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -46,20 +45,16 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from sandbox_client import BenchClient, burstrl_client, burstrl_exec_true  # noqa: E402
 from swerex_side import SwerexServer, execute_true, session_true  # noqa: E402
+from unpack import measure as measure_unpack  # noqa: E402
 
 from burstrl.sandbox.backends import SandboxSpec, make_backend  # noqa: E402
 from burstrl.sandbox.backends.oci import runtime_works  # noqa: E402
 from burstrl.sandbox.images import (  # noqa: E402
     GZIP_LEVEL,
-    LAYER_GZIP,
-    LAYER_ZSTD,
     ZSTD_LEVEL,
-    Descriptor,
     build_image,
-    compressor,
-    write_tree_tar,
 )
-from burstrl.sandbox.layercache import LayerCache, force_rmtree, unpack_blob  # noqa: E402
+from burstrl.sandbox.layercache import LayerCache, force_rmtree  # noqa: E402
 
 
 def percentiles(ms: list[float]) -> dict[str, float]:
@@ -306,39 +301,19 @@ def concurrency(root: Path, sizes: list[int]) -> dict:
 def unpack_benchmark(src_dir: Path, repeats: int = 5, work: Path | None = None) -> dict[str, Any]:
     """Time unpacking the same tar of `src_dir` as tar+zstd (level 3) vs tar+gzip (level 6).
 
-    End to end, as a node does on a cache miss: read the blob, decompress, verify the digest,
-    extract. Reports compressed bytes and the median of `repeats` runs for each.
+    End to end, as a node does on a cache miss (read the blob, decompress, verify the digest,
+    extract), with decompression, tar parsing and file creation split (benchmarks/unpack.py).
+    Reports compressed bytes and the median of `repeats` runs for each.
     """
     work_dir = Path(tempfile.mkdtemp(prefix="unpack-bench-", dir=work))
     try:
-        out: dict[str, Any] = {"src": str(src_dir), "repeats": repeats}
-        for kind, media_type, level in (("zstd", LAYER_ZSTD, ZSTD_LEVEL), ("gzip", LAYER_GZIP, GZIP_LEVEL)):
-            desc = _compress_tree(src_dir, work_dir / f"layer.{kind}", kind, media_type)
-            times = [_time_unpack(desc, work_dir / f"layer.{kind}", work_dir) for _ in range(repeats)]
-            out[kind] = {"level": level, "bytes": desc.size, "seconds": times,
-                         "median_s": statistics.median(times)}
+        out: dict[str, Any] = {"src": str(src_dir), "repeats": repeats, **measure_unpack(src_dir, work_dir, repeats)}
+        for kind, level in (("zstd", ZSTD_LEVEL), ("gzip", GZIP_LEVEL)):
+            out[kind].update(level=level, seconds=out[kind].pop("unpack_s_all"), median_s=out[kind]["unpack_s"])
         out["zstd_vs_gzip_time_ratio"] = out["zstd"]["median_s"] / out["gzip"]["median_s"]
         return out
     finally:
         force_rmtree(work_dir)
-
-
-def _compress_tree(src_dir: Path, blob: Path, kind: str, media_type: str) -> Descriptor:
-    with open(blob, "wb") as fh:
-        comp = compressor(kind, fh)
-        write_tree_tar(src_dir, "/", comp)
-        comp.close()
-    sha = hashlib.sha256(blob.read_bytes()).hexdigest()
-    return Descriptor(media_type, f"sha256:{sha}", blob.stat().st_size)
-
-
-def _time_unpack(desc: Descriptor, blob: Path, work_dir: Path) -> float:
-    target = Path(tempfile.mkdtemp(dir=work_dir))
-    start = time.perf_counter()
-    unpack_blob(desc, blob, target)
-    seconds = time.perf_counter() - start
-    force_rmtree(target)
-    return seconds
 
 
 def main() -> None:

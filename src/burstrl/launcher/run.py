@@ -98,8 +98,13 @@ class Launcher:
     # ---- the run ----
     def run(self) -> int:
         """Run to the last step; returns the exit status (0 done, 1 a role failed, 130 stopped)."""
-        done = self.prepare()
+        try:
+            done = self.prepare()
+        except BaseException:
+            self.provider.close()  # the local provider's zygote started with it
+            raise
         if done:
+            self.provider.close()
             print(f"{self.run_dir}: all {self.cfg.trainer.steps} steps are already committed", file=sys.stderr)
             return 0
         previous = {s: signal.signal(s, _raise_stopped) for s in (signal.SIGTERM, signal.SIGINT)}

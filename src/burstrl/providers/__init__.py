@@ -65,7 +65,7 @@ def make_provider(cfg: RunConfig, run_dir: Path, env: dict[str, str]) -> Provide
     if cfg.provider == "local":
         from burstrl.providers.local import LocalProvider
 
-        return LocalProvider(run_dir / "logs", env)
+        return LocalProvider(run_dir / "logs", env, zygote_model=cfg.model.path if cfg.fleet.zygote else None)
     if cfg.provider == "ray":
         from burstrl.providers.ray_provider import RayProvider
 

@@ -26,123 +26,30 @@ import json
 import os
 import shutil
 import stat
-import tarfile
 import tempfile
 import threading
 import time
 from collections.abc import Collection, Iterator
-from pathlib import Path, PurePosixPath
-from typing import Any, BinaryIO
+from pathlib import Path
+from typing import Any
 
+from burstrl.sandbox.extract import WORKERS, apply_dir_modes, extract_layer, remove
 from burstrl.sandbox.images import Descriptor, Image, ImageError, _HashingReader, decompressor
 
 WHITEOUT = ".wh."
 OPAQUE = ".wh..wh..opq"
-_CHUNK = 1 << 20
 
 
-# ------------------------------------------------------------------------------- safe extraction
+# ------------------------------------------------------------------------------- unpacking
 
 
-def _safe_name(name: str) -> str:
-    """A member name as a relative path inside the layer; absolute paths and `..` are refused."""
-    if name.startswith("/"):
-        raise ImageError(f"layer entry {name!r}: absolute paths are refused")
-    parts = [p for p in PurePosixPath(name).parts if p != "."]
-    if ".." in parts:
-        raise ImageError(f"layer entry {name!r}: '..' is refused")
-    return "/".join(parts)
-
-
-def _check_parents(root: Path, rel: str) -> None:
-    """Refuse to write through a symlink a previous entry planted (`lib -> /etc`, then `lib/x`)."""
-    path = root
-    for part in PurePosixPath(rel).parts[:-1]:
-        path = path / part
-        if path.is_symlink():
-            raise ImageError(f"layer entry {rel!r} goes through the symlink {part!r}: refused")
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    elif path.exists() or path.is_symlink():
-        path.unlink()
-
-
-def _extract_member(tar: tarfile.TarFile, member: tarfile.TarInfo, root: Path,
-                    dir_modes: dict[Path, int]) -> int:
-    """Extract one member under `root`; return the file bytes written."""
-    rel = _safe_name(member.name)
-    if not rel:
-        return 0
-    _check_parents(root, rel)
-    target = root / rel
-    target.parent.mkdir(parents=True, exist_ok=True)
-    if member.isdir():
-        if target.is_symlink() or (target.exists() and not target.is_dir()):
-            _remove(target)
-        target.mkdir(exist_ok=True)
-        dir_modes[target] = member.mode & 0o7777  # applied last: a 0555 dir must stay writable now
-        return 0
-    if target.exists() or target.is_symlink():
-        _remove(target)
-    if member.issym():
-        os.symlink(member.linkname, target)  # never followed on the host: resolved in the sandbox
-        return 0
-    if member.islnk():
-        link_rel = _safe_name(member.linkname)
-        _check_parents(root, link_rel + "/x")
-        source = root / link_rel
-        if not link_rel or source.is_symlink() or not source.is_file():
-            raise ImageError(f"layer entry {rel!r}: hardlink to {member.linkname!r} is not a file in the layer")
-        os.link(source, target)
-        return 0
-    if not member.isreg():
-        raise ImageError(f"layer entry {rel!r}: device nodes, fifos and other special files are refused")
-    return _write_file(tar, member, target)
-
-
-def _write_file(tar: tarfile.TarFile, member: tarfile.TarInfo, target: Path) -> int:
-    src = tar.extractfile(member)
-    assert src is not None  # isreg() members always have data
-    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "wb") as out:
-        shutil.copyfileobj(src, out, _CHUNK)
-    os.chmod(target, member.mode & 0o7777)
-    if os.geteuid() == 0:
-        os.chown(target, member.uid, member.gid)
-    os.utime(target, (member.mtime, member.mtime))
-    return member.size
-
-
-def _apply_dir_modes(dir_modes: dict[Path, int]) -> None:
-    for path in sorted(dir_modes, key=lambda p: len(p.parts), reverse=True):
-        if path.is_dir() and not path.is_symlink():  # a later entry may have replaced or removed it
-            os.chmod(path, dir_modes[path])
-
-
-def extract_layer(stream: BinaryIO, root: Path) -> int:
-    """Extract an uncompressed tar stream into the existing dir `root`, safely; return file bytes.
-
-    Refused (ImageError): absolute names, `..`, writing through a symlink, hardlinks to anything
-    but an earlier file of the layer, device nodes and fifos. Whiteout files are kept as plain
-    empty files: they only mean something when layers are merged.
-    """
-    total, dir_modes = 0, {}
-    with tarfile.open(fileobj=stream, mode="r|", bufsize=_CHUNK) as tar:
-        for member in tar:
-            total += _extract_member(tar, member, root, dir_modes)
-    _apply_dir_modes(dir_modes)
-    return total
-
-
-def unpack_blob(desc: Descriptor, blob: Path, root: Path) -> int:
-    """Decompress + extract a layer blob into `root`, verifying the blob's digest as it streams."""
+def unpack_blob(desc: Descriptor, blob: Path, root: Path, workers: int = WORKERS) -> int:
+    """Decompress + extract a layer blob into `root`, verifying the blob's digest as it streams
+    (`workers`: threads writing files, see `extract.extract_layer`)."""
     with open(blob, "rb") as fh:
         reader = _HashingReader(fh)
         try:
-            total = extract_layer(decompressor(desc.media_type, reader), root)  # type: ignore[arg-type]
+            total = extract_layer(decompressor(desc.media_type, reader), root, workers)  # type: ignore[arg-type]
         except Exception as exc:
             if isinstance(exc, ImageError):
                 raise
@@ -174,23 +81,23 @@ def _apply_layer(layer: Path, merged: Path, dir_modes: dict[Path, int]) -> None:
     names = {e.name for e in entries}
     if OPAQUE in names:
         for child in list(merged.iterdir()):
-            _remove(child)
+            remove(child)
     for e in entries:
         if e.name.startswith(WHITEOUT) and e.name != OPAQUE:
-            _remove(merged / e.name[len(WHITEOUT):])
+            remove(merged / e.name[len(WHITEOUT):])
     for e in entries:
         if e.name.startswith(WHITEOUT):
             continue
         target = merged / e.name
         if e.is_dir(follow_symlinks=False):
             if target.is_symlink() or (target.exists() and not target.is_dir()):
-                _remove(target)
+                remove(target)
             target.mkdir(mode=0o755, exist_ok=True)
             dir_modes[target] = stat.S_IMODE(e.stat(follow_symlinks=False).st_mode)
             _apply_layer(Path(e.path), target, dir_modes)
             continue
         if target.exists() or target.is_symlink():
-            _remove(target)
+            remove(target)
         if e.is_symlink():
             os.symlink(os.readlink(e.path), target)
         else:
@@ -202,7 +109,7 @@ def merge_layers(layers: list[Path], merged: Path) -> None:
     dir_modes: dict[Path, int] = {}
     for layer in layers:
         _apply_layer(layer, merged, dir_modes)
-    _apply_dir_modes(dir_modes)
+    apply_dir_modes(dir_modes)
     os.chmod(merged, 0o755)
 
 
