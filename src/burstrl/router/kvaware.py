@@ -51,24 +51,35 @@ def overlap_blocks(replica: ReplicaView, hashes: tuple[int, ...]) -> int:
 
 
 class KvAwarePolicy:
-    """Lowest (prefill left after cached overlap - projected headroom + overflow penalty) / weight."""
+    """Lowest prefill left after the cached overlap + (overflow charge - load_weight * headroom) / weight.
+
+    Prefill is fleet work (GPU-seconds scale with tokens wherever they run), so it is not divided
+    by weight; headroom per weight is the balance term. On traffic without shared prefixes the
+    prefill term is the same everywhere and the choice is `headroom`'s (with the overflow charge
+    and the roomiest candidate), whatever `load_weight`. `load_weight` 0.03 and `overflow_weight` 4
+    were picked on the Mooncake trace (seed 0, per request, default fleet 1x, uniform fleet 4x;
+    docs/benchmarks.md says so): at 1.0 a replica's headroom outweighs any cached prefix.
+    """
 
     name = "kv"
     rehomes = True  # a session evicted from an overflowing home is placed again (Registry.place, the simulator)
 
-    def __init__(self, k: int = 2, sizes: SizeModel | None = None, overflow_weight: float = 4.0) -> None:
+    def __init__(self, k: int = 2, sizes: SizeModel | None = None, load_weight: float = 0.03,
+                 overflow_weight: float = 4.0) -> None:
         if k < 1:
             raise ValueError("k must be >= 1")
         self.k = k
         self.sizes = sizes if sizes is not None else SizeModel()
-        self.overflow_weight = overflow_weight
+        self.load_weight, self.overflow_weight = load_weight, overflow_weight
 
     def cost(self, replica: ReplicaView, session: NewSession) -> float:
         headroom = projected_headroom(replica, session, self.sizes)
         hit = overlap_blocks(replica, session.prefix_hashes) * session.block_tokens
-        prefill_left = max(0, session.expected_tokens - hit)
+        prompt = max(session.expected_tokens, len(session.prefix_hashes) * session.block_tokens)
+        prefill_left = max(0, prompt - hit)
         overflow = max(0.0, -headroom)
-        return (prefill_left - headroom + self.overflow_weight * overflow) / max(replica.weight, 1e-9)
+        balance = (self.overflow_weight * overflow - self.load_weight * headroom) / max(replica.weight, 1e-9)
+        return prefill_left + balance
 
     def candidates(self, session: NewSession, pool: list[ReplicaView], rng: random.Random) -> list[ReplicaView]:
         sample = weighted_sample(pool, min(self.k, len(pool)), rng)

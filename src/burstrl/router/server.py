@@ -119,10 +119,22 @@ def first_call_tokens(body: dict[str, Any]) -> int:
     Why: at placement the size model only knows the task kind; a token-in call already says how
     large the session is, so headroom need not guess for the part it can see. Text prompts give 0.
     """
-    ids = body.get("input_ids")
+    ids = prompt_ids(body)
     max_tokens = body.get("max_tokens")
-    n = len(ids) if isinstance(ids, list) else 0
+    n = len(ids)
     return min(MAX_TOKENS_HINT, n + (max_tokens if isinstance(max_tokens, int) and max_tokens > 0 and n else 0))
+
+
+def prompt_ids(body: dict[str, Any]) -> list[int]:
+    """The token ids of a token-in call (`input_ids`, or `prompt` as ids or a one-element batch); else []."""
+    ids = body.get("input_ids")
+    if ids is None:
+        ids = body.get("prompt")
+    if isinstance(ids, list) and len(ids) == 1 and isinstance(ids[0], list):
+        ids = ids[0]
+    if not isinstance(ids, list) or not all(type(t) is int and 0 <= t < 1 << 31 for t in ids):
+        return []
+    return ids
 
 
 def prompt_blocks(body: dict[str, Any], version: str) -> tuple[int, ...]:
@@ -130,14 +142,7 @@ def prompt_blocks(body: dict[str, Any], version: str) -> tuple[int, ...]:
 
     Text and chat prompts give none: the router holds no tokenizer, so their placement is by load.
     """
-    ids = body.get("input_ids")
-    if ids is None:
-        ids = body.get("prompt")
-    if isinstance(ids, list) and len(ids) == 1 and isinstance(ids[0], list):
-        ids = ids[0]
-    if not isinstance(ids, list) or not all(type(t) is int and 0 <= t < 1 << 31 for t in ids):
-        return ()
-    return tuple(prefix_block_hashes(ids, version))
+    return tuple(prefix_block_hashes(prompt_ids(body), version))
 
 
 class Router:

@@ -194,6 +194,8 @@ class RouterSimulator:
         self.stats = {"input_tokens": 0, "output_tokens": 0, "hit_tokens": 0, "reusable_tokens": 0, "evicted_tokens": 0,
                           "refill_tokens": 0, "thrash_tokens": 0, "rehomes": 0}
         self.rollout_s: list[float] = []
+        self.call_start: dict[tuple[str, int], float] = {}  # (session, call) -> when it reached its replica
+        self.call_s: list[float] = []  # per call: queueing + prefill + decode
         self.live_fraction_sum = [0.0] * len(self.replicas)  # summed over scrapes, for the imbalance
         self.fleet_live: list[float] = []  # live tokens / fleet capacity at each scrape
         self.total_capacity = sum(r.view.capacity_tokens for r in self.replicas)
@@ -258,6 +260,7 @@ class RouterSimulator:
     def enqueue(self, t: float, r: SimReplica, s: TraceSession, idx: int) -> None:
         """A call reaches its replica: the router counts it in flight until it is answered."""
         r.view.in_flight += 1
+        self.call_start[(s.id, idx)] = t
         r.queue.append((s, idx))
         self.try_start(t, r)
 
@@ -331,6 +334,7 @@ class RouterSimulator:
         call = s.calls[idx]
         r.running -= 1
         r.view.in_flight -= 1
+        self.call_s.append(t - self.call_start.pop((s.id, idx)))
         if pinned:
             unpin(r, call.input_hashes + call.output_hashes)
         size = call.input_tokens + call.output_tokens
@@ -369,6 +373,8 @@ class RouterSimulator:
             "throughput_tok_s": (st["input_tokens"] + st["output_tokens"]) / makespan,
             "p50_rollout_s": percentile(times, 0.50),
             "p99_rollout_s": percentile(times, 0.99),
+            "p50_call_s": percentile(sorted(self.call_s), 0.50),
+            "p99_call_s": percentile(sorted(self.call_s), 0.99),
             "imbalance": imbalance,
             "makespan_s": makespan,
             "kv_live_mean": statistics.fmean(self.fleet_live) if self.fleet_live else 0.0,
