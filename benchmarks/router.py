@@ -16,7 +16,7 @@ median and worst over seeds; each run is one JSON line as it finishes, then a su
 `--live` (or `--part live`): real replicas (`burstrl serve`, tiny model) behind the real router,
 multi-turn token-in sessions with tool gaps, groups of sessions sharing a first prompt (GRPO), on
 an equal pool and a heterogeneous one (different KV budgets and weights); `kv` vs `round_robin`
-vs `cache_aware`, a fresh router each, the same workload.
+vs `cache_aware`, a fresh router each, the same workload, after one unmeasured warm-up pass.
 
     .venv/bin/python benchmarks/router.py --part generated --workers 2     # ~1 h on 2 busy cores
     .venv/bin/python benchmarks/router.py --part mooncake --workers 2
@@ -262,6 +262,7 @@ def run_live(seed: int = 0) -> None:
                     "--engine.num_threads", "1", "--engine.max_total_num_tokens", str(pool[i][0])), range(len(pool))))
             try:
                 urls = [p.url for p in procs]
+                run_policy("round_robin", urls, pool, root / f"{name}-warmup", seed + 1000)  # first calls are slow: not measured
                 for policy in LIVE_POLICIES:
                     t0 = time.perf_counter()
                     figures[f"{name}/{policy}"] = run_policy(policy, urls, pool, root / name, seed)
