@@ -1,24 +1,27 @@
-"""Router benchmark, simulator part: `headroom` (K = 2, 3, 4) against every baseline on one trace.
+"""Router benchmark: the default `kv` policy against every baseline, simulated and live.
 
-Same generated agentic trace for all policies; mixed pool (a few 8x-capacity reserved replicas and
-many 1x on-demand ones); the arrival rate puts the fleet near KV saturation (see `kv_live_peak`).
-Goal: `headroom` session-cache hit rate >= 0.996 for every K, and higher throughput or lower p99
-rollout time than every baseline. Prints one JSON line: the config, each policy's figures, and
-headroom's ratios vs each baseline (hit rate, throughput: higher is better; p99: lower is better).
+Simulated (`--part generated`, `--part mooncake`), every figure per seed (0-4 by default), then the
+median and worst over seeds; each run is one JSON line as it finishes, then a summary line.
 
-`hit_rate` = cached tokens / tokens computed before (the session's earlier context): the part a
-router can influence. `prefix_hit_rate` = cached tokens / all input tokens (first prompts and new
-tool output can never hit) is reported too.
+- generated: agentic rollouts (`burstrl.router.sim.generate_trace`, 4000 sessions at 5 new/s) on a
+  mixed fleet (4 reserved replicas of weight 8 and 1.6M KV tokens, 32 on-demand of weight 1 and
+  200k) and a uniform one (64 x 200k, the same total KV). `kv` and `headroom` at K = 2, 3, 4.
+  `hit_rate` = cached / previously computed context tokens.
+- mooncake: Mooncake's production conversation trace (`../shared/traces`, 512-token blocks), per
+  request and with sessions inferred from hash chains, 1x and 4x its rate, on the default fleet
+  (2 x weight 8 / 1.6M + 8 x weight 1 / 200k) and a uniform one (24 x 200k, the same KV), plus the
+  pooled reference (one replica with the whole fleet's KV and weight). `prefix_hit_rate` = cached /
+  all input tokens; latency is per call (`p99_call_s`), since inferred sessions span minutes.
 
-`--live` runs the issue's live part instead: 3 real replicas (`burstrl serve` on the tiny model, a
-small KV budget so that placement matters) behind the real router, once with `headroom` and once
-with `round_robin` (a fresh router each), the same multi-turn token-in workload through both;
-reports the replicas' cache hit rate, evictions and thrashing (deltas of their `/v1/loads`), mean
-and p99 rollout time, and headroom / round_robin ratios.
+`--live` (or `--part live`): real replicas (`burstrl serve`, tiny model) behind the real router,
+multi-turn token-in sessions with tool gaps, groups of sessions sharing a first prompt (GRPO), on
+an equal pool and a heterogeneous one (different KV budgets and weights); `kv` vs `round_robin`
+vs `cache_aware`, a fresh router each, the same workload, after one unmeasured warm-up pass.
 
-    .venv/bin/python benchmarks/router.py              # full run, ~1 min on 2 cores
-    .venv/bin/python benchmarks/router.py --quick      # smoke test
-    .venv/bin/python benchmarks/router.py --live       # live run, ~30 s on 2 cores
+    .venv/bin/python benchmarks/router.py --part generated --workers 2     # ~1 h on 2 busy cores
+    .venv/bin/python benchmarks/router.py --part mooncake --workers 2
+    .venv/bin/python benchmarks/router.py --live
+    .venv/bin/python benchmarks/router.py --part generated --quick          # smoke test
 """
 
 from __future__ import annotations
@@ -30,80 +33,166 @@ import statistics
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 import httpx
 
 from burstrl.protocol import process
 from burstrl.protocol.process import RoleProcess, start_replica
-from burstrl.router.sim import (
-    PoolSpec,
-    RouterSimulator,
-    config_dict,
-    generate_trace,
-    load_config,
-)
+from burstrl.router.replay import load_mooncake
+from burstrl.router.sim import PoolSpec, RouterSimulator, generate_trace, load_config
 
-BASELINES = ("random", "round_robin", "least_loaded", "cache_aware")
+MOONCAKE = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+GEN_FLEETS = {"mixed": [("reserved", 4, 8, 1_600_000), ("on_demand", 32, 1, 200_000)],
+              "uniform": [("on_demand", 64, 1, 200_000)]}
+MC_FLEETS = {"default": [("reserved", 2, 8, 1_600_000), ("on_demand", 8, 1, 200_000)],
+             "uniform": [("on_demand", 24, 1, 200_000)], "pooled": [("reserved", 1, 24, 4_800_000)]}
+KEYS = ("hit_rate", "prefix_hit_rate", "throughput_tok_s", "p99_rollout_s", "p99_call_s", "p50_call_s",
+        "evicted_tokens", "rehomes", "kv_live_peak")
+
+
+def pools(spec: list[tuple]) -> list[PoolSpec]:
+    return [PoolSpec(*p) for p in spec]
+
+
+def gen_job(fleet: str, seed: int, policy: str, k: int, sessions: int, rate: float) -> dict:
+    cfg = load_config(seed=seed, sessions=sessions, arrival_rate=rate, size_prior_tokens=32768,
+                      pools=pools(GEN_FLEETS[fleet]))
+    t0 = time.perf_counter()
+    fig = RouterSimulator(cfg, generate_trace(cfg), policy, k=k).run()
+    label = f"{policy}_k{k}" if policy in ("kv", "headroom") else policy
+    return {"part": "generated", "fleet": fleet, "seed": seed, "policy": label,
+            "wall_s": round(time.perf_counter() - t0, 1), **{key: fig[key] for key in KEYS}}
+
+
+def mc_job(mode: str, fleet: str, scale: float, seed: int, policy: str, trace_path: str) -> dict:
+    trace = load_mooncake(trace_path, sessions=mode, rate_scale=scale)
+    pooled = policy == "pooled"
+    cfg = load_config(seed=seed, block_size=512, pools=pools(MC_FLEETS["pooled" if pooled else fleet]))
+    t0 = time.perf_counter()
+    fig = RouterSimulator(cfg, trace, "round_robin" if pooled else policy).run()
+    return {"part": "mooncake", "mode": mode, "fleet": fleet, "rate_scale": scale, "seed": seed, "policy": policy,
+            "wall_s": round(time.perf_counter() - t0, 1), **{key: fig[key] for key in KEYS}}
+
+
+def run_jobs(jobs: list[tuple], workers: int) -> list[dict]:
+    """Every job in a process pool; each result printed as one JSON line as soon as it is done."""
+    results = []
+    with ProcessPoolExecutor(workers) as pool:
+        futures = [pool.submit(fn, *args) for fn, *args in jobs]
+        for future in as_completed(futures):
+            results.append(future.result())
+            print(json.dumps(results[-1]), flush=True)
+    return results
+
+
+def spread(values: list[float], higher_better: bool) -> dict:
+    return {"median": statistics.median(values), "worst": min(values) if higher_better else max(values)}
+
+
+def summarize(results: list[dict], cell_keys: tuple[str, ...], metrics: dict[str, bool], default: str) -> dict:
+    """Per cell and policy: median and worst over seeds; and whether `default` is at least as good as
+    every other policy (a baseline) on every metric, at the median and at every seed."""
+    cells: dict[tuple, dict[str, dict[int, dict]]] = {}
+    for r in results:
+        cells.setdefault(tuple(r[k] for k in cell_keys), {}).setdefault(r["policy"], {})[r["seed"]] = r
+    out = {}
+    for cell, by_policy in sorted(cells.items(), key=lambda kv: str(kv[0])):
+        figures = {p: {m: spread([s[m] for s in seeds.values()], hb) for m, hb in metrics.items()}
+                   for p, seeds in by_policy.items()}
+        losses = []
+        mine = by_policy.get(default, {})
+        for p, seeds in by_policy.items():
+            if p == default or p == "pooled" or p.startswith(default.split("_")[0] + "_"):
+                continue
+            for m, hb in metrics.items():
+                for seed, r in seeds.items():
+                    if seed in mine and (mine[seed][m] < r[m] if hb else mine[seed][m] > r[m]):
+                        losses.append(f"{m} vs {p} seed {seed}: {mine[seed][m]:.4g} vs {r[m]:.4g}")
+        out["/".join(map(str, cell))] = {"figures": figures, "default_losses": losses}
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=("generated", "mooncake", "live"), default="generated")
+    parser.add_argument("--seeds", default="0,1,2,3,4")
     parser.add_argument("--sessions", type=int, default=4000)
-    parser.add_argument("--rate", type=float, default=5.0, help="new sessions per second")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quick", action="store_true", help="a small trace (smoke test)")
-    parser.add_argument("--live", action="store_true", help="real replicas and router (headroom vs round_robin)")
+    parser.add_argument("--rate", type=float, default=5.0, help="new sessions per second (generated)")
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--fleets", default="", help="comma-separated fleets (default: all of the part's)")
+    parser.add_argument("--policies", default="", help="comma-separated policies (default: kv and every baseline)")
+    parser.add_argument("--trace", default=str(MOONCAKE))
+    parser.add_argument("--ks", default="2,3,4", help="K values of kv (generated; baselines and headroom: K = 2)")
+    parser.add_argument("--quick", action="store_true", help="a small generated trace, seed 0 only")
+    parser.add_argument("--live", action="store_true", help="= --part live")
+    parser.add_argument("--seed", type=int, default=0, help="live: workload seed")
     args = parser.parse_args()
-    if args.live:
+    if args.live or args.part == "live":
         run_live(seed=args.seed)
         return
-    sessions = 600 if args.quick else args.sessions
-    cfg = load_config(seed=args.seed, sessions=sessions, arrival_rate=args.rate, size_prior_tokens=32768,
-                      pools=[PoolSpec("reserved", 4, 8, 1_600_000), PoolSpec("on_demand", 32, 1, 200_000)])
-    trace = generate_trace(cfg)
-    figures: dict[str, dict] = {}
-    for name in BASELINES:
-        t0 = time.perf_counter()
-        figures[name] = RouterSimulator(cfg, trace, name).run()
-        print(f"{name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    for k in (2, 3, 4):
-        t0 = time.perf_counter()
-        figures[f"headroom_k{k}"] = RouterSimulator(cfg, trace, "headroom", k=k).run()
-        print(f"headroom k={k}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    ratios, goals = {}, {}
-    for k in (2, 3, 4):
-        h = figures[f"headroom_k{k}"]
-        per = {}
-        wins = True
-        for name in BASELINES:
-            b = figures[name]
-            per[name] = {
-                "hit_rate": h["hit_rate"] / max(b["hit_rate"], 1e-12),
-                "throughput": h["throughput_tok_s"] / b["throughput_tok_s"],
-                "p99_rollout": h["p99_rollout_s"] / b["p99_rollout_s"],
-            }
-            wins &= per[name]["throughput"] > 1 or per[name]["p99_rollout"] < 1
-        ratios[f"k{k}"] = per
-        goals[f"k{k}"] = {"hit_rate_ge_0.996": h["hit_rate"] >= 0.996, "beats_every_baseline": wins}
-    print(json.dumps({"benchmark": "router_sim", "config": config_dict(cfg), "figures": figures,
-                      "headroom_vs_baseline": ratios, "goals": goals}))
+    seeds = [0] if args.quick else [int(s) for s in args.seeds.split(",")]
+    policies = args.policies.split(",") if args.policies else ["kv", "least_sessions", "headroom", "cache_aware",
+                                                               "least_requests", "smooth_wrr", "weighted_random",
+                                                               "round_robin", "random"]
+    jobs: list[tuple] = []
+    if args.part == "generated":
+        sessions = 600 if args.quick else args.sessions
+        fleets = args.fleets.split(",") if args.fleets else list(GEN_FLEETS)
+        runs = [(p, 2) for p in policies] + [("kv", k) for k in map(int, args.ks.split(",")) if k != 2]
+        for policy, k in runs:  # policy-major: a run cut short still has whole policies over seeds
+            for fleet in fleets:
+                for seed in seeds:
+                    jobs.append((gen_job, fleet, seed, policy, k, sessions, args.rate))
+        results = run_jobs(jobs, args.workers)
+        metrics = {"hit_rate": True, "throughput_tok_s": True, "p99_rollout_s": False}
+        summary = summarize(results, ("fleet",), metrics, "kv_k2")
+        goals = {f"{r['fleet']} seed {r['seed']} {r['policy']}": r["hit_rate"]
+                 for r in results if r["policy"].startswith("kv_") and r["hit_rate"] < 0.996}
+        print(json.dumps({"benchmark": "router_generated", "seeds": seeds, "sessions": sessions, "rate": args.rate,
+                          "summary": summary, "kv_below_0.996": goals}))
+        return
+    mc_policies = args.policies.split(",") if args.policies else ["kv", "cache_aware", "pooled", "least_requests",
+                                                                  "headroom", "least_sessions", "smooth_wrr",
+                                                                  "weighted_random", "round_robin", "random"]
+    for policy in mc_policies:  # policy-major: a run cut short still has whole policies over every cell
+        for mode in ("request", "infer"):
+            for fleet in args.fleets.split(",") if args.fleets else ("default", "uniform"):
+                for scale in (1.0, 4.0):
+                    for seed in seeds:
+                        jobs.append((mc_job, mode, fleet, scale, seed, policy, args.trace))
+    results = run_jobs(jobs, args.workers)
+    metrics = {"prefix_hit_rate": True, "p99_call_s": False}
+    summary = summarize(results, ("mode", "fleet", "rate_scale"), metrics, "kv")
+    for cell in summary.values():
+        figs = cell["figures"]
+        if "kv" in figs and "pooled" in figs:
+            cell["kv_vs_pooled_hit"] = figs["kv"]["prefix_hit_rate"]["median"] / max(
+                figs["pooled"]["prefix_hit_rate"]["median"], 1e-12)
+    print(json.dumps({"benchmark": "router_mooncake", "seeds": seeds, "summary": summary}))
 
 
-# --- live: 3 real replicas behind the real router ----------------------------------------
+# --- live: real replicas behind the real router --------------------------------------------
 
 ADMIN = "bench-admin-token"
 CLUSTER = "bench-cluster-token"
-LIVE = {"replicas": 3, "kv_tokens": 3000, "sessions": 48, "turns": 6, "concurrency": 12,
-        "first_prompt": (150, 700), "new_ids_per_turn": 30, "max_tokens": 16, "k": 2, "scrape_s": 0.5}
+LIVE = {"sessions": 48, "group": 4, "turns": 6, "concurrency": 12, "first_prompt": (150, 700),
+        "new_ids_per_turn": 30, "max_tokens": 16, "tool_gap_s": (0.0, 0.4), "k": 2, "scrape_s": 0.5}
+# (KV tokens, weight) per replica; the heterogeneous pool has the equal pool's total KV
+POOLS = {"equal": [(3000, 1), (3000, 1), (3000, 1)], "hetero": [(5000, 2), (2000, 1), (2000, 1)]}
+LIVE_POLICIES = ("kv", "round_robin", "cache_aware")
 COUNTERS = ("prefix_cache_hit_tokens", "prefix_cache_queries_tokens", "evictions", "thrash", "refills")
 
 
-def start_router(workdir: Path, policy: str, replicas: list[str]) -> RoleProcess:
-    """`burstrl route serve` as a child process; returns once it prints its ready line."""
-    return process.start_router(workdir, "--cluster_token", CLUSTER, "--policy", policy, "--k", str(LIVE["k"]),
-                                "--scrape_s", str(LIVE["scrape_s"]), "--replicas", json.dumps(replicas))
+def start_router(workdir: Path, policy: str, replicas: list[str], pool: list[tuple[int, int]]) -> RoleProcess:
+    """`burstrl route serve` as a child process, replicas registered with their weight and KV budget."""
+    router = process.start_router(workdir, "--cluster_token", CLUSTER, "--policy", policy, "--k", str(LIVE["k"]),
+                                  "--scrape_s", str(LIVE["scrape_s"]))
+    for url, (kv, weight) in zip(replicas, pool, strict=True):
+        httpx.post(router.url + "/v1/replicas", json={"url": url, "weight": weight, "capacity_tokens": kv},
+                   headers={"Authorization": f"Bearer {CLUSTER}"}, timeout=30).raise_for_status()
+    return router
 
 
 def replica_counters(urls: list[str]) -> dict[str, dict[str, int]]:
@@ -111,11 +200,13 @@ def replica_counters(urls: list[str]) -> dict[str, dict[str, int]]:
 
 
 def run_session(router_url: str, sid: str, first: list[int], rng: random.Random) -> tuple[float, str]:
-    """One rollout: `turns` token-in calls, each prompt = previous prompt + completion + new ids."""
+    """One rollout: `turns` token-in calls, each prompt = previous prompt + completion + tool ids, a tool gap between."""
     client = httpx.Client(timeout=300)
     ids = list(first)
     t0 = time.perf_counter()
-    for _ in range(LIVE["turns"]):
+    for turn in range(LIVE["turns"]):
+        if turn:
+            time.sleep(rng.uniform(*LIVE["tool_gap_s"]))
         body = {"model": "base", "prompt": "", "input_ids": ids, "max_tokens": LIVE["max_tokens"],
                 "temperature": 0, "ignore_eos": True, "return_token_ids": True, "session_id": sid}
         r = client.post(router_url + "/v1/completions", json=body)
@@ -128,21 +219,24 @@ def run_session(router_url: str, sid: str, first: list[int], rng: random.Random)
     return elapsed, home
 
 
-def run_policy(policy: str, replicas: list[str], workdir: Path, seed: int) -> dict:
+def run_policy(policy: str, replicas: list[str], pool: list[tuple[int, int]], workdir: Path, seed: int) -> dict:
     """The workload through a fresh router with `policy`; figures from the replicas' counter deltas."""
-    rng = random.Random(seed)  # the same prompts for every policy
+    rng = random.Random(seed)  # the same prompts for every policy; a group of sessions shares its first prompt
     lo, hi = LIVE["first_prompt"]
-    firsts = [[rng.randrange(100, 2000) for _ in range(rng.randint(lo, hi))] for _ in range(LIVE["sessions"])]
-    router = start_router(workdir / policy, policy, replicas)
+    groups = [[rng.randrange(100, 2000) for _ in range(rng.randint(lo, hi))]
+              for _ in range(LIVE["sessions"] // LIVE["group"])]
+    firsts = [groups[i // LIVE["group"]] for i in range(LIVE["sessions"])]
+    router = start_router(workdir / policy, policy, replicas, pool)
     try:
         before = replica_counters(replicas)
         t0 = time.perf_counter()
-        with ThreadPoolExecutor(LIVE["concurrency"]) as pool:
-            results = list(pool.map(lambda i: run_session(router.url, f"{policy}-{i}", firsts[i], random.Random(seed + i)),
-                                    range(LIVE["sessions"])))
+        with ThreadPoolExecutor(LIVE["concurrency"]) as threads:
+            results = list(threads.map(
+                lambda i: run_session(router.url, f"{policy}-{i}", firsts[i], random.Random(seed + i)),
+                range(LIVE["sessions"])))
         wall = time.perf_counter() - t0
         after = replica_counters(replicas)
-        rehomes = httpx.get(router.url + "/v1/stats", timeout=30).json()["totals"]["rehomes"]
+        totals = httpx.get(router.url + "/v1/stats", timeout=30).json()["totals"]
     finally:
         router.stop()
     delta = {k: sum(after[u][k] - before[u][k] for u in replicas) for k in COUNTERS}
@@ -150,7 +244,7 @@ def run_policy(policy: str, replicas: list[str], workdir: Path, seed: int) -> di
     return {"hit_rate": delta["prefix_cache_hit_tokens"] / max(delta["prefix_cache_queries_tokens"], 1),
             "evictions": delta["evictions"], "thrash": delta["thrash"], "refills": delta["refills"],
             "mean_rollout_s": statistics.mean(times), "p99_rollout_s": times[min(len(times) - 1, int(0.99 * len(times)))],
-            "wall_s": wall, "rehomes": rehomes,
+            "wall_s": wall, "rehomes": totals["rehomes"], "rehomes_overflow": totals.get("rehomes_overflow", 0),
             "sessions_per_replica": [sum(1 for _, home in results if home == u) for u in replicas]}
 
 
@@ -158,28 +252,35 @@ def run_live(seed: int = 0) -> None:
     from burstrl.model.tiny import ensure_tiny_model
 
     model = ensure_tiny_model(Path(".cache/tiny-qwen3"))
+    figures: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        with ThreadPoolExecutor(LIVE["replicas"]) as pool:
-            procs = list(pool.map(lambda i: start_replica(
-                model, root / f"r{i}", "--server.admin_token", ADMIN, "--engine.num_threads", "1",
-                "--engine.max_total_num_tokens", str(LIVE["kv_tokens"])), range(LIVE["replicas"])))
-        try:
-            urls = [p.url for p in procs]
-            figures = {}
-            for policy in ("headroom", "round_robin"):
-                t0 = time.perf_counter()
-                figures[policy] = run_policy(policy, urls, root, seed)
-                print(f"{policy}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-        finally:
-            for p in procs:
-                p.stop()
-    h, b = figures["headroom"], figures["round_robin"]
-    ratios = {"hit_rate": h["hit_rate"] / max(b["hit_rate"], 1e-12),
-              "mean_rollout": h["mean_rollout_s"] / b["mean_rollout_s"],
-              "p99_rollout": h["p99_rollout_s"] / b["p99_rollout_s"]}
-    print(json.dumps({"benchmark": "router_live", "config": LIVE, "seed": seed, "figures": figures,
-                      "headroom_vs_round_robin": ratios}))
+        for name, pool in POOLS.items():
+            with ThreadPoolExecutor(len(pool)) as threads:
+                procs = list(threads.map(lambda i, name=name, pool=pool: start_replica(
+                    model, root / f"{name}{i}", "--server.admin_token", ADMIN, "--server.cluster_token", CLUSTER,
+                    "--engine.num_threads", "1", "--engine.max_total_num_tokens", str(pool[i][0])), range(len(pool))))
+            try:
+                urls = [p.url for p in procs]
+                run_policy("round_robin", urls, pool, root / f"{name}-warmup", seed + 1000)  # first calls are slow: not measured
+                for policy in LIVE_POLICIES:
+                    t0 = time.perf_counter()
+                    figures[f"{name}/{policy}"] = run_policy(policy, urls, pool, root / name, seed)
+                    print(f"{name}/{policy}: {time.perf_counter() - t0:.1f} s {json.dumps(figures[f'{name}/{policy}'])}",
+                          file=sys.stderr, flush=True)
+            finally:
+                for p in procs:
+                    p.stop()
+    ratios = {}
+    for name in POOLS:
+        kv = figures[f"{name}/kv"]
+        for other in LIVE_POLICIES[1:]:
+            b = figures[f"{name}/{other}"]
+            ratios[f"{name}/kv_vs_{other}"] = {"hit_rate": kv["hit_rate"] / max(b["hit_rate"], 1e-12),
+                                               "p99_rollout": kv["p99_rollout_s"] / b["p99_rollout_s"],
+                                               "mean_rollout": kv["mean_rollout_s"] / b["mean_rollout_s"]}
+    print(json.dumps({"benchmark": "router_live", "config": LIVE, "pools": POOLS, "seed": seed, "figures": figures,
+                      "ratios": ratios}))
 
 
 if __name__ == "__main__":

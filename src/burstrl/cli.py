@@ -92,10 +92,16 @@ def make_tiny(
 def route_sim(
     ctx: typer.Context,
     config: Path | None = typer.Option(None, "--config", help="Sim parameters, TOML or JSON (= a CONFIG file)."),
-    policies: str = typer.Option("headroom,random,round_robin,least_loaded,cache_aware", "--policies",
+    policies: str = typer.Option(",".join(("kv", "headroom", "random", "round_robin", "weighted_random", "smooth_wrr",
+                                          "least_sessions", "least_requests", "cache_aware")), "--policies",
                                  help="Comma-separated policies, all run on the same trace."),
-    k: int = typer.Option(2, "--k", min=1, help="Replicas sampled per new session (headroom)."),
+    k: int = typer.Option(2, "--k", min=1, help="Replicas sampled per new session (kv, headroom)."),
     trace: Path | None = typer.Option(None, "--trace", help="Replay a Mooncake JSONL trace instead of generating one."),
+    sessions: str | None = typer.Option(None, "--sessions", help="With --trace: `request` (one session per request) "
+                                        "or `infer` (turns grouped from hash chains); else the generated sessions."),
+    block_size: int | None = typer.Option(None, "--block-size", min=1, help="Tokens per block (default 512 with "
+                                          "--trace, Mooncake's; else the config's block_size)."),
+    rate_scale: float = typer.Option(1.0, "--rate-scale", help="With --trace: replay at this multiple of the rate."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the resolved sim config and exit."),
 ) -> None:
@@ -103,24 +109,25 @@ def route_sim(
     [CONFIG.toml|json ...] then --key value overrides of the sim's parameters."""
     import json
 
-    from burstrl.router.policies import POLICY_NAMES
-    from burstrl.router.sim import (
-        RouterSimConfig,
-        format_table,
-        load_mooncake,
-        simulate,
-    )
+    from burstrl.router.catalog import POLICY_NAMES
+    from burstrl.router.replay import TraceError, load_mooncake
+    from burstrl.router.sim import RouterSimConfig, format_table, simulate
 
     names = [p.strip() for p in policies.split(",") if p.strip()]
     unknown = [p for p in names if p not in POLICY_NAMES]
     if unknown or not names:
         _fail(f"unknown policy {', '.join(unknown) or '(none given)'}; choose from {', '.join(POLICY_NAMES)}")
-    cfg = _config(RouterSimConfig, ctx, [], files=[str(config)] if config is not None else [])
+    extra = []
+    if sessions is not None and trace is None:
+        extra += ["--sessions", sessions]  # the generated trace's session count
+    if block_size is not None or trace is not None:
+        extra += ["--block_size", str(block_size or 512)]
+    cfg = _config(RouterSimConfig, ctx, extra, files=[str(config)] if config is not None else [])
     if dry_run:
         return _print_config(cfg)
     try:
-        replay = load_mooncake(trace) if trace is not None else None
-    except (OSError, ValueError, TypeError, KeyError) as exc:
+        replay = None if trace is None else load_mooncake(trace, sessions or "request", cfg.block_size, rate_scale)
+    except (OSError, UnicodeError, TraceError) as exc:
         _fail(f"{exc}")
     results = simulate(cfg, names, k=k, trace=replay)
     typer.echo(json.dumps(results) if as_json else format_table(results))

@@ -138,7 +138,7 @@ def test_openai_client_sync_and_streaming(cluster: Cluster) -> None:
     text = "".join(ch.delta.content or "" for chunk in stream for ch in chunk.choices)
     assert text == r.choices[0].message.content
     assert len(cluster.home_of("oa-stream").get("/v1/traces/oa-stream")["calls"]) == 1
-    legacy = client.completions.create(model="base", prompt="Hello", max_tokens=3)  # no session: least loaded
+    legacy = client.completions.create(model="base", prompt="Hello", max_tokens=3)  # no session: placed by the policy
     assert legacy.usage.completion_tokens == 3
 
 

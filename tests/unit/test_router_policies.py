@@ -4,17 +4,23 @@ import random
 
 import pytest
 
-from burstrl.router.policies import (
+from burstrl.router.baselines import (
     CacheAwarePolicy,
+    LeastRequestsPolicy,
+    LeastSessionsPolicy,
+    SmoothWeightedRoundRobinPolicy,
+    WeightedRandomPolicy,
+)
+from burstrl.router.catalog import POLICY_NAMES, make_policy
+from burstrl.router.kvaware import KvAwarePolicy, overlap_blocks
+from burstrl.router.policies import (
     HeadroomPolicy,
-    LeastLoadedPolicy,
     NewSession,
     NoReplicaError,
     RandomPolicy,
     ReplicaView,
     RoundRobinPolicy,
     SizeModel,
-    make_policy,
     newest_routable_version,
     projected_headroom,
     record_assignment,
@@ -104,7 +110,7 @@ def test_weighted_sampling_offers_big_replicas_more_often():
 def test_version_gating_and_error():
     views = [replica("old", versions=("v1",)), replica("new", versions=("v1", "v2"))]
     rng = random.Random(0)
-    for name in ("headroom", "random", "round_robin", "least_loaded", "cache_aware"):
+    for name in POLICY_NAMES:
         policy = make_policy(name)
         for _ in range(5):
             assert policy.choose(NewSession("s", version="v2"), views, rng).id == "new"
@@ -136,26 +142,80 @@ def test_random_and_round_robin():
     assert {RandomPolicy().choose(NewSession("s"), views, rng).id for _ in range(50)} == {"a", "b", "c"}
 
 
-def test_least_loaded_uses_fraction_and_recent_sends():
-    a = replica("a", capacity=100_000, used=50_000)
-    b = replica("b", capacity=400_000, used=100_000)
-    policy = LeastLoadedPolicy()
-    assert policy.choose(NewSession("s"), [a, b], random.Random(0)).id == "b"  # 0.25 < 0.5
-    record_assignment(b, NewSession("big", expected_tokens=200_000))
-    assert policy.choose(NewSession("s"), [a, b], random.Random(0)).id == "a"  # 0.75 > 0.5
+def test_weighted_random_and_smooth_wrr_follow_weights():
+    big, small = replica("big", weight=8), replica("small", weight=1)
+    rng = random.Random(0)
+    picks = [WeightedRandomPolicy().choose(NewSession("s"), [big, small], rng).id for _ in range(4500)]
+    assert 3800 <= picks.count("big") <= 4200  # 8/9 of 4500 = 4000
+    wrr = SmoothWeightedRoundRobinPolicy()
+    a, b, c = replica("a", weight=5), replica("b", weight=1), replica("c", weight=1)
+    seq = [wrr.choose(NewSession("s"), [a, b, c], rng).id for _ in range(7)]
+    assert seq == ["a", "a", "b", "a", "c", "a", "a"]  # nginx's smooth interleaving for 5:1:1
 
 
-def test_cache_aware_follows_prefix_when_balanced_else_least_loaded():
-    policy = CacheAwarePolicy(match_threshold=0.5, balance_threshold=0.2)
-    a, b = replica("a", used=10_000), replica("b", used=20_000)
+def test_least_sessions_and_least_requests_per_weight():
+    big = replica("big", weight=8, live={f"b{i}": 1 for i in range(10)})
+    small = replica("small", weight=1, live={"s0": 1, "s1": 1})
+    rng = random.Random(0)
+    assert LeastSessionsPolicy().choose(NewSession("n"), [big, small], rng).id == "big"  # 10/8 < 2/1
+    for i in range(7):
+        record_assignment(big, NewSession(f"new{i}"))
+    assert LeastSessionsPolicy().choose(NewSession("n"), [big, small], rng).id == "small"  # 17/8 > 2
+    big.in_flight, small.in_flight = 9, 1
+    assert LeastRequestsPolicy().choose(NewSession("n"), [big, small], rng).id == "small"  # 9/8 > 1/1
+    big.in_flight = 7
+    assert LeastRequestsPolicy().choose(NewSession("n"), [big, small], rng).id == "big"
+
+
+def test_cache_aware_is_sglangs_algorithm():
+    policy = CacheAwarePolicy(cache_threshold=0.5, balance_abs=4, balance_rel=1.5)
+    a, b = replica("a"), replica("b")
     rng = random.Random(0)
     first = policy.choose(NewSession("s1", prefix_hashes=(1, 2, 3, 4)), [a, b], rng)
-    assert first.id == "a"  # no match anywhere: least loaded
-    a.used_tokens = 25_000  # balanced (0.25 vs 0.2): the prefix match wins
-    assert policy.choose(NewSession("s2", prefix_hashes=(1, 2, 3, 9)), [a, b], rng).id == "a"
-    assert policy.choose(NewSession("s3", prefix_hashes=(7, 8)), [a, b], rng).id == "b"  # no match
-    a.used_tokens = 90_000  # unbalanced: least loaded despite the match
-    assert policy.choose(NewSession("s4", prefix_hashes=(1, 2, 3, 4)), [a, b], rng).id == "b"
+    other = b if first is a else a
+    # no match above the threshold: the smallest tree (the one that got nothing yet)
+    assert policy.choose(NewSession("s2", prefix_hashes=(7, 8)), [a, b], rng) is other
+    # balanced: the best match wins when it covers more than the threshold
+    assert policy.choose(NewSession("s3", prefix_hashes=(1, 2, 3, 9)), [a, b], rng) is first
+    # imbalanced by both the absolute and the relative test: least in-flight despite the match
+    first.in_flight, other.in_flight = 10, 2
+    assert policy.choose(NewSession("s5", prefix_hashes=(1, 2, 3, 4)), [a, b], rng) is other
+    first.in_flight, other.in_flight = 10, 7  # diff 3 <= 4: balanced, the longer match wins again
+    assert policy.choose(NewSession("s6", prefix_hashes=(1, 2, 3, 9, 10)), [a, b], rng) is first
+
+
+def test_cache_aware_trees_are_lru_trimmed_leaves_first():
+    policy = CacheAwarePolicy(max_tree_blocks=3, eviction_every=1, cache_threshold=0.0)
+    a = replica("a")
+    policy.choose(NewSession("s1", prefix_hashes=(1, 2, 3)), [a], random.Random(0))
+    policy.choose(NewSession("s2", prefix_hashes=(1, 9)), [a], random.Random(0))
+    tree = policy.trees["a"]
+    assert len(tree) == 3 and 3 not in tree  # the oldest leaf went; the shared root stayed
+    assert policy.match_length("a", (1, 2, 7)) == 2 and policy.match_length("a", (1, 9)) == 2
+
+
+def test_kv_follows_cached_prefix_unless_it_overflows():
+    sizes = SizeModel(prior_tokens=10_000)
+    policy = KvAwarePolicy(k=1, sizes=sizes)
+    warm, cold = replica("warm", capacity=100_000), replica("cold", capacity=100_000)
+    warm.cached_blocks = frozenset({11, 12, 13})
+    s = NewSession("n", expected_tokens=4000, prefix_hashes=(11, 12, 13, 14), block_tokens=1000)
+    assert overlap_blocks(warm, s.prefix_hashes) == 3 and overlap_blocks(cold, s.prefix_hashes) == 0
+    for seed in range(10):  # the warm replica is always a candidate, whatever K samples
+        assert policy.choose(s, [warm, cold], random.Random(seed)) is warm
+    warm.live_sessions = {f"x{i}": 10_000 for i in range(10)}  # projected full: headroom beats 3000 cached tokens
+    assert policy.choose(s, [warm, cold], random.Random(0)) is cold
+
+
+def test_kv_counts_recent_placements_as_cached_and_finds_the_roomiest():
+    policy = KvAwarePolicy(k=1, sizes=SizeModel(prior_tokens=10_000))
+    a = replica("a")
+    record_assignment(a, NewSession("first", prefix_hashes=(5, 6)))
+    s = NewSession("n", expected_tokens=2000, prefix_hashes=(5, 6), block_tokens=1000)
+    assert overlap_blocks(a, s.prefix_hashes) == 2
+    views = [replica(f"r{i}", live={f"s{i}{j}": 10_000 for j in range(5)}) for i in range(30)] + [replica("empty")]
+    for seed in range(5):  # one roomy replica among 31 is always found, K = 1 notwithstanding
+        assert policy.choose(NewSession(f"x{seed}"), views, random.Random(seed)).id == "empty"
 
 
 def test_make_policy_rejects_unknown():

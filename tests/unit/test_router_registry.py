@@ -127,13 +127,68 @@ def test_session_never_lands_on_a_replica_lacking_its_version():
         assert reg.place(f"v2-{i}", "policy-v2").id == url
 
 
-def test_no_session_goes_to_least_loaded():
-    reg = fleet(3)
+def test_no_session_goes_through_the_policy():
+    reg = fleet(3, policy="round_robin")
     urls = list(reg.replicas)
-    for i, url in enumerate(urls):
-        reg.apply_scrape(url, loads(used=[5000, 100, 3000][i]), models("base"))
-    assert reg.place(None, "base").id == urls[1]
+    assert [reg.place(None, "base").id for _ in range(4)] == [urls[0], urls[1], urls[2], urls[0]]
     assert reg.homes == {}
+    kv = fleet(3, policy="kv")
+    urls = list(kv.replicas)
+    for i, url in enumerate(urls):
+        kv.apply_scrape(url, loads(*[(f"x{i}{j}", 4000) for j in range([2, 0, 1][i])]), models("base"))
+    assert kv.place(None, "base", expected_tokens=500).id == urls[1]  # the emptiest, by projected size
+
+
+def test_kv_places_by_the_replicas_block_summary():
+    from burstrl.protocol.blocks import BLOCK_TOKENS, prefix_block_hashes
+
+    prompt = list(range(100, 100 + 10 * BLOCK_TOKENS))
+    hashes = tuple(prefix_block_hashes(prompt, "base"))
+    summary = {"block_tokens": BLOCK_TOKENS, "hashes": list(hashes[:8])}
+    for sid in ("s0", None):  # a session and a one-off call alike go where 8 of 10 blocks are cached
+        reg = fleet(3, policy="kv")
+        warm = list(reg.replicas)[2]
+        reg.apply_scrape(warm, {**loads(), "prefix_blocks": summary}, models("base"))
+        assert reg.replicas[warm].cached_blocks == frozenset(hashes[:8])
+        assert reg.place(sid, "base", len(prompt), prefix_hashes=hashes, block_tokens=BLOCK_TOKENS).id == warm
+    with pytest.raises(ValueError, match="prefix_blocks"):
+        reg.apply_scrape(warm, {**loads(), "prefix_blocks": {"hashes": "nope"}}, models("base"))
+
+
+def test_kv_rehomes_a_session_its_overflowing_home_evicted():
+    reg = fleet(2, policy="kv")
+    a, b = list(reg.replicas)
+    home = reg.place("s", "base").id
+    other = b if home == a else a
+    evicted = {"session_id": "s", "tokens": 0, "context_tokens": 3000, "busy": False}
+    crowd = [{"session_id": f"c{i}", "tokens": 4000} for i in range(3)]  # 12k live on a 10k budget
+    reg.apply_scrape(home, {**loads(), "sessions": [evicted, *crowd]}, models("base"))
+    reg.apply_scrape(other, loads(), models("base"))
+    assert reg.place("s", "base").id == other
+    assert reg.counters.rehomes == reg.counters.rehomes_overflow == 1
+    assert reg.place("s", "base").id == other  # affinity again on the new home
+    # a home with room keeps an evicted session (moving would not help), and so does any other policy
+    reg.apply_scrape(other, {**loads(), "sessions": [evicted]}, models("base"))
+    assert reg.place("s", "base").id == other
+    rr = fleet(2, policy="round_robin")
+    first = rr.place("s", "base").id
+    rr.apply_scrape(first, {**loads(), "sessions": [evicted, *crowd]}, models("base"))
+    assert rr.place("s", "base").id == first and rr.counters.rehomes == 0
+
+
+def test_in_flight_counts_follow_calls():
+    reg = fleet(2)
+    url = list(reg.replicas)[0]
+    reg.call_started(url)
+    reg.call_started(url)
+    reg.call_ended(url)
+    assert reg.replicas[url].in_flight == 1
+    reg.call_ended(url)
+    reg.call_ended(url)  # never below zero
+    reg.call_ended("http://gone:1")  # a dropped replica: ignored
+    assert reg.replicas[url].in_flight == 0
+    reg.apply_scrape(url, {**loads(), "num_running_reqs": 3, "num_waiting_reqs": 2}, models("base"))
+    assert reg.replicas[url].running_requests == 5
 
 
 def test_no_replica_at_all_is_an_error_not_a_crash():
@@ -284,3 +339,26 @@ def test_bad_bodies_are_400_not_500():
     for bad in (5, "", "k" * 200, None):
         with pytest.raises(RouteError):
             task_kind_of({"task_kind": bad}, {})
+
+
+def test_prefix_block_keys_are_the_same_in_every_process():
+    import subprocess
+    import sys
+
+    from burstrl.protocol.blocks import prefix_block_hashes
+    from burstrl.router.server import prompt_blocks
+
+    tokens = list(range(5, 5 + 100))
+    code = "from burstrl.protocol.blocks import prefix_block_hashes as h; print(h(list(range(5, 105)), 'base'))"
+    for seed in ("1", "2"):  # str hashing differs per process; these keys must not
+        out = subprocess.run([sys.executable, "-c", code], env={**__import__("os").environ, "PYTHONHASHSEED": seed},
+                             capture_output=True, text=True, check=True).stdout
+        assert out.strip() == str(prefix_block_hashes(tokens, "base"))
+    keys = prefix_block_hashes(tokens, "base")
+    assert len(keys) == 3 and keys != prefix_block_hashes(tokens, "policy-v1")  # per version
+    assert prefix_block_hashes(tokens[:64] + [0] * 36, "base")[:2] == keys[:2]  # chained: a prefix's keys
+    assert prompt_blocks({"input_ids": tokens}, "base") == tuple(keys)
+    assert prompt_blocks({"prompt": [tokens]}, "base") == tuple(keys)
+    for body in ({"prompt": "text"}, {"input_ids": [1, -2] * 40}, {"input_ids": [1 << 40] * 40},
+                 {"input_ids": [True] * 40}, {"messages": []}):
+        assert prompt_blocks(body, "base") == ()

@@ -184,8 +184,9 @@ class RouteConfig(Section):
         "", description="Bearer token replicas register with; empty = $BURSTRL_CLUSTER_TOKEN, else "
         "generated and printed to stderr."
     )
-    policy: Literal["headroom", "random", "round_robin", "least_loaded", "cache_aware"] = Field(
-        "headroom", description="Placement policy for new sessions."
+    policy: Literal["kv", "headroom", "random", "round_robin", "weighted_random", "smooth_wrr", "least_sessions",
+                    "least_requests", "cache_aware"] = Field(
+        "kv", description="Placement policy for new sessions (router/catalog.py; benchmarks in docs/benchmarks.md)."
     )
     k: int = Field(2, ge=1, description="Replicas sampled per new session (headroom).")
     scrape_s: float = Field(1.0, gt=0, description="Seconds between load scrapes of every replica.")

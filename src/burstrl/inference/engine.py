@@ -32,6 +32,7 @@ from burstrl.inference.request import EngineCounters, Request
 from burstrl.inference.runner import ModelRunner
 from burstrl.inference.sampling import History, sample
 from burstrl.inference.sessions import CallRecord, SessionTable
+from burstrl.protocol.blocks import BLOCK_TOKENS, prefix_block_hashes
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.eos_ids = set(eos_ids)
         self.sessions = sessions
+        self._summary_memo: dict[tuple, list[int]] = {}  # prefix_summary's hashes of the last scrape
         self.max_model_len = max_model_len
         self.on_release = on_release
         self.on_fatal = on_fatal
@@ -455,6 +457,27 @@ class Engine:
         )
 
     # ---- load reporting (read from any thread; values are a snapshot) ----
+    def prefix_summary(self, max_blocks: int = 16384) -> dict:
+        """Keys (protocol.blocks) of every session's cached full blocks: the router's exact prefix index.
+
+        Memoised per (session, version, blocks, prompt length) between calls, so a scrape re-hashes
+        only sessions that changed; at most `max_blocks` keys.
+        """
+        keys: set[int] = set()
+        memo: dict[tuple, list[int]] = {}
+        for s in self.sessions.snapshot():
+            n = (s.kv_tokens if s.busy else self.cache.cached_length(s.id)) // BLOCK_TOKENS
+            if n == 0 or len(keys) >= max_blocks:
+                continue
+            key = (s.id, s.version, n, len(s.prompt_ids))
+            hashes = self._summary_memo.get(key)
+            if hashes is None:
+                hashes = prefix_block_hashes((s.prompt_ids + s.completion_ids)[: n * BLOCK_TOKENS], s.version)
+            memo[key] = hashes
+            keys.update(hashes[: max_blocks - len(keys)])
+        self._summary_memo = memo
+        return {"block_tokens": BLOCK_TOKENS, "hashes": sorted(keys)}
+
     def loads(self) -> dict:
         c, stats = self.cache, self.cache.stats
         sessions = [{"session_id": s.id, "version": s.version,

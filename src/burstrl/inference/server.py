@@ -169,6 +169,8 @@ async def loads(request: Request) -> dict[str, Any]:
     out = rep.engine.loads()
     if not is_reader(rep, request):  # session ids and sizes are for the fleet, not for anyone
         out.pop("sessions")
+    else:  # which prefixes are cached, for the router's index (keys only, no tokens)
+        out["prefix_blocks"] = rep.engine.prefix_summary()
     out["versions"] = [rep.cfg.served_model_name, *rep.registry.names()]
     out["retiring_versions"] = list(rep.registry.retiring)
     return out

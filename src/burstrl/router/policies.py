@@ -5,8 +5,8 @@ simulator both hold a list of `ReplicaView`s (refreshed by periodic load scrapes
 to swap policies to compare them on the same trace. A policy never mutates the views; the caller
 records the placement with `record_assignment` (until the next scrape clears it), which is what
 keeps a policy from herding every new session onto the replica that looked emptiest at the last
-scrape. `cache_aware` is the one stateful policy: like SGLang's router it keeps its own prefix tree
-per replica of what it has sent there.
+scrape. This module holds the interface, the session size model and `headroom`; the baselines are
+in `baselines.py`, the default (`kv`) in `kvaware.py`, and `catalog.make_policy` builds one by name.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import bisect
 import random
 import statistics
 from collections import defaultdict, deque
+from collections.abc import Container
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -35,7 +36,8 @@ class NewSession:
     kind: str = "default"
     version: str = "v0"
     expected_tokens: int = 0  # caller's hint (a lower bound on the final size); 0 = unknown
-    prefix_hashes: tuple[int, ...] = ()  # block hashes of the first prompt (cache_aware only)
+    prefix_hashes: tuple[int, ...] = ()  # chained block hashes of the first prompt (prefix-aware policies)
+    block_tokens: int = 0  # tokens per prefix block (0: unknown, prefix overlap is not scored)
 
 
 @dataclass
@@ -53,6 +55,12 @@ class ReplicaView:
     healthy: bool = True
     draining: bool = False  # being removed: keeps its sessions, gets no new ones
     recent_assignments: list[NewSession] = field(default_factory=list)
+    # Load as production routers read it: calls the router sent and has not seen answered (its own
+    # count, exact), running+waiting requests the replica reported at the last scrape, and the
+    # chained block hashes of its prefix cache (the replica's summary; empty if it sends none).
+    in_flight: int = 0
+    running_requests: int = 0
+    cached_blocks: Container[int] = field(default_factory=frozenset, repr=False)
     # (live_sessions, session_kinds, size model generation, size model, projected total): scrapes replace
     # those dicts (never mutate them), so a placement between scrapes reuses the sum.
     live_projection: tuple | None = field(default=None, repr=False, compare=False)
@@ -261,82 +269,3 @@ class RoundRobinPolicy:
         chosen = pool[self._next % len(pool)]
         self._next += 1
         return chosen
-
-
-def load_fraction(replica: ReplicaView) -> float:
-    """Used KV fraction at the last scrape plus the hinted sizes of sessions sent since."""
-    recent = sum(s.expected_tokens for s in replica.recent_assignments if s.id not in replica.live_sessions)
-    return (replica.used_tokens + recent) / max(replica.capacity_tokens, 1)
-
-
-class LeastLoadedPolicy:
-    """Lowest used/capacity (baseline); counts its own recent sends so it is not trivially herding."""
-
-    name = "least_loaded"
-
-    def choose(self, session: NewSession, replicas: list[ReplicaView], rng: random.Random) -> ReplicaView:
-        pool = eligible(session, replicas)
-        return min(pool, key=lambda r: (load_fraction(r), rng.random()))
-
-
-class CacheAwarePolicy:
-    """SGLang-router-like: longest prefix match when load is balanced, else least loaded (baseline).
-
-    The policy keeps, per replica, a prefix tree (nested dicts) of the prompt block hashes it sent
-    there. When the spread of load fractions is within `balance_threshold` and the best match
-    covers at least `match_threshold` of the prompt, the best-matching replica wins; otherwise the
-    least loaded one does.
-    """
-
-    name = "cache_aware"
-
-    def __init__(self, match_threshold: float = 0.5, balance_threshold: float = 0.2) -> None:
-        self.match_threshold = match_threshold
-        self.balance_threshold = balance_threshold
-        self.trees: dict[str, dict] = defaultdict(dict)
-
-    def match_length(self, replica_id: str, hashes: tuple[int, ...]) -> int:
-        node = self.trees[replica_id]
-        n = 0
-        for h in hashes:
-            if h not in node:
-                break
-            node = node[h]
-            n += 1
-        return n
-
-    def insert(self, replica_id: str, hashes: tuple[int, ...]) -> None:
-        node = self.trees[replica_id]
-        for h in hashes:
-            node = node.setdefault(h, {})
-
-    def choose(self, session: NewSession, replicas: list[ReplicaView], rng: random.Random) -> ReplicaView:
-        pool = eligible(session, replicas)
-        loads = {r.id: load_fraction(r) for r in pool}
-        least = min(pool, key=lambda r: (loads[r.id], rng.random()))
-        chosen = least
-        hashes = session.prefix_hashes
-        if hashes and max(loads.values()) - min(loads.values()) <= self.balance_threshold:
-            best = max(pool, key=lambda r: (self.match_length(r.id, hashes), -loads[r.id]))
-            if self.match_length(best.id, hashes) / len(hashes) >= self.match_threshold:
-                chosen = best
-        self.insert(chosen.id, hashes)
-        return chosen
-
-
-POLICY_NAMES = ("headroom", "random", "round_robin", "least_loaded", "cache_aware")
-
-
-def make_policy(name: str, k: int = 2, sizes: SizeModel | None = None) -> RoutingPolicy:
-    """A fresh policy by name (fresh state: round-robin counter, prefix trees)."""
-    if name == "headroom":
-        return HeadroomPolicy(k=k, sizes=sizes)
-    if name == "random":
-        return RandomPolicy()
-    if name == "round_robin":
-        return RoundRobinPolicy()
-    if name == "least_loaded":
-        return LeastLoadedPolicy()
-    if name == "cache_aware":
-        return CacheAwarePolicy()
-    raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICY_NAMES)}")

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from burstrl.router.catalog import DEFAULT_POLICY, make_policy
 from burstrl.router.policies import (
     POOLS,
     NewSession,
@@ -26,9 +27,7 @@ from burstrl.router.policies import (
     ReplicaView,
     RoutingPolicy,
     SizeModel,
-    eligible,
-    load_fraction,
-    make_policy,
+    live_projection,
     newest_routable_version,
     projected_headroom,
     record_assignment,
@@ -40,6 +39,18 @@ LATEST = "latest"  # the model name that asks the router to pick the version
 SESSION_GRACE_S = 1800.0
 MAX_SESSIONS = 1_000_000
 MAX_CAPACITY_TOKENS = 1 << 53  # beyond this a capacity is not a KV budget, and float math on it overflows
+
+
+MAX_SUMMARY_BLOCKS = 1 << 20  # a replica's block summary beyond this is not a cache, it is an attack
+
+
+def block_summary(loads: dict[str, Any]) -> frozenset[int]:
+    """The prefix block keys a replica reports cached (`/v1/loads` `prefix_blocks.hashes`); empty if none."""
+    summary = loads.get("prefix_blocks")
+    hashes = summary.get("hashes", []) if isinstance(summary, dict) else []
+    if not isinstance(hashes, list) or len(hashes) > MAX_SUMMARY_BLOCKS:
+        raise ValueError("prefix_blocks.hashes must be a list of at most 2^20 integers")
+    return frozenset(h for h in hashes if isinstance(h, int) and not isinstance(h, bool))
 
 
 class RouteError(Exception):
@@ -73,6 +84,7 @@ class RouterCounters:
     requests: int = 0
     errors: int = 0
     rehomes: int = 0
+    rehomes_overflow: int = 0  # of `rehomes`: moved off a home over its KV budget that had evicted them
     replicas_dropped: int = 0
     sessions_pruned: int = 0  # forgotten without a DELETE: finished, expired, or over `max_sessions`
 
@@ -90,7 +102,7 @@ class Registry:
     ended, and a router that runs for days must not grow with every session it ever placed.
     """
 
-    def __init__(self, policy: str = "headroom", k: int = 2, health_failures: int = 2, seed: int | None = None,
+    def __init__(self, policy: str = DEFAULT_POLICY, k: int = 2, health_failures: int = 2, seed: int | None = None,
                  version_pools: tuple[str, ...] = (), max_sessions: int = MAX_SESSIONS,
                  grace_s: float = SESSION_GRACE_S, clock: Callable[[], float] = time.monotonic) -> None:
         self.sizes = SizeModel()
@@ -104,6 +116,7 @@ class Registry:
         self.cache_hit_rate: dict[str, float] = {}
         self.cache_counts: dict[str, dict[str, int]] = {}  # replica -> thrash, evictions, hit/query tokens
         self.live_versions: dict[str, dict[str, str]] = {}  # replica -> live session id -> version
+        self.evicted: dict[str, set[str]] = {}  # replica -> idle live sessions whose cache it dropped
         self.pinned: dict[str, str] = {}  # session id -> the version it started on
         self.kinds: dict[str, str] = {}  # session id -> task kind (sizes it in the size model)
         self.seen: OrderedDict[str, float] = OrderedDict()  # session id -> last call or live report, oldest first
@@ -133,6 +146,7 @@ class Registry:
         self.cache_hit_rate.pop(url, None)
         self.cache_counts.pop(url, None)
         self.live_versions.pop(url, None)
+        self.evicted.pop(url, None)
         return self.replicas.pop(url, None) is not None
 
     def mark_dead(self, url: str) -> None:
@@ -173,6 +187,11 @@ class Registry:
         self.cache_counts[url] = {name: int(loads.get(name, 0)) for name in
                                   ("thrash", "evictions", "prefix_cache_hit_tokens", "prefix_cache_queries_tokens")}
         self.live_versions[url] = {s["session_id"]: str(s.get("version", "")) for s in loads.get("sessions", [])}
+        self.evicted[url] = {s["session_id"] for s in loads.get("sessions", [])
+                             if not s.get("busy") and int(s.get("tokens", 0)) == 0 and int(s.get("context_tokens", 0)) > 0}
+        waiting = int(loads.get("num_running_reqs", 0)) + int(loads.get("num_waiting_reqs", 0))
+        view.running_requests = waiting
+        view.cached_blocks = block_summary(loads)
 
     def scrape_failed(self, url: str, status: int | None = None) -> bool:
         """Count a failed scrape; True when the replica is dropped.
@@ -216,25 +235,28 @@ class Registry:
             raise RouteError(409, f"session {session_id!r} is pinned to {pinned!r}, not {version!r}", "conflict_error")
         return version
 
-    def place(self, session_id: str | None, version: str, expected_tokens: int = 0,
-              kind: str = "default") -> ReplicaView:
+    def place(self, session_id: str | None, version: str, expected_tokens: int = 0, kind: str = "default",
+              prefix_hashes: tuple[int, ...] = (), block_tokens: int = 0) -> ReplicaView:
         """The replica for one call (or one `/v1/assign`) of `session_id` on `version`.
 
-        A session stays where it lives while that replica is healthy and serves the version. A
-        session whose home is gone is re-homed (counted) and gets 503 if nothing serves its
-        version; a new session on a version nobody serves is 404 (bad input, not an outage).
-        Calls without a session go to the least loaded replica, unrecorded.
+        A session stays where it lives while that replica is healthy and serves the version, unless
+        the policy re-homes (`kv`) and the home both dropped the session's cache and is over its KV
+        budget: moving then costs nothing and relieves the home. A session whose home is gone is
+        re-homed (counted) and gets 503 if nothing serves its version; a new session on a version
+        nobody serves is 404 (bad input, not an outage). A call without a session is placed by the
+        policy too (`prefix_hashes` are its prompt's blocks), and not remembered.
         """
-        live = list(self.replicas.values())
         kind = self.kinds.get(session_id, kind) if session_id else kind  # a session keeps its first kind
         session = NewSession(id=session_id or "", kind=self.sizes.admit(kind), version=version,
-                          expected_tokens=expected_tokens)
+                             expected_tokens=expected_tokens, prefix_hashes=prefix_hashes, block_tokens=block_tokens)
         home = self.homes.get(session_id) if session_id else None
         if home is not None:
             self._touch((session_id,))
             view = self.replicas.get(home)
             if view is not None and view.healthy and version in view.versions:
-                return view
+                if not self._overflowed(view, session_id):
+                    return view
+                self.counters.rehomes_overflow += 1
             self.homes.pop(session_id, None)
             self.counters.rehomes += 1
             return self._assign(session)
@@ -242,15 +264,36 @@ class Registry:
             raise RouteError(404, f"model {version!r} not found; served: {sorted(self.models())}",
                              "not_found_error")
         if not session_id:
-            return min(eligible(session, live), key=lambda r: (load_fraction(r), self.rng.random()))
+            return self._choose(session)
         return self._assign(session)
 
-    def _assign(self, session: NewSession) -> ReplicaView:
+    def _overflowed(self, view: ReplicaView, session_id: str) -> bool:
+        """The home evicted the (idle) session and its live sessions project past its KV budget."""
+        if not getattr(self.policy, "rehomes", False) or session_id not in self.evicted.get(view.id, ()):
+            return False
+        return view.capacity_tokens > 0 and live_projection(view, self.sizes) > view.capacity_tokens
+
+    def _choose(self, session: NewSession) -> ReplicaView:
         try:
             view = self.policy.choose(session, list(self.replicas.values()), self.rng)
         except NoReplicaError as exc:
             raise RouteError(503, str(exc), "server_error") from None
         record_assignment(view, session)
+        return view
+
+    def call_started(self, url: str) -> None:
+        """The router sent a call to `url`: one more in flight there until `call_ended`."""
+        view = self.replicas.get(url)
+        if view is not None:
+            view.in_flight += 1
+
+    def call_ended(self, url: str) -> None:
+        view = self.replicas.get(url)
+        if view is not None and view.in_flight > 0:
+            view.in_flight -= 1
+
+    def _assign(self, session: NewSession) -> ReplicaView:
+        view = self._choose(session)
         self.homes[session.id] = view.id
         self.pinned[session.id] = session.version
         self.kinds[session.id] = session.kind
@@ -336,6 +379,7 @@ class Registry:
         return {"replicas": per_replica, "versions": {"live_sessions": spread, "in_use": len(spread),
                                                       "latest": newest_routable_version(list(self.replicas.values()))},
                 "totals": {"replicas": len(per_replica), "sessions": len(self.homes), "rehomes": c.rehomes,
+                           "rehomes_overflow": c.rehomes_overflow,
                            "requests": c.requests, "errors": c.errors, "replicas_dropped": c.replicas_dropped,
                            "sessions_pruned": c.sessions_pruned,
                            "thrash": sum(r["thrash"] for r in per_replica),

@@ -35,6 +35,7 @@ from fastapi.responses import (
 from starlette.exceptions import HTTPException
 
 from burstrl.config import RouteConfig
+from burstrl.protocol.blocks import BLOCK_TOKENS, prefix_block_hashes
 from burstrl.protocol.http import (
     SESSION_HEADERS,
     SESSION_ID,
@@ -118,10 +119,30 @@ def first_call_tokens(body: dict[str, Any]) -> int:
     Why: at placement the size model only knows the task kind; a token-in call already says how
     large the session is, so headroom need not guess for the part it can see. Text prompts give 0.
     """
-    ids = body.get("input_ids")
+    ids = prompt_ids(body)
     max_tokens = body.get("max_tokens")
-    n = len(ids) if isinstance(ids, list) else 0
+    n = len(ids)
     return min(MAX_TOKENS_HINT, n + (max_tokens if isinstance(max_tokens, int) and max_tokens > 0 and n else 0))
+
+
+def prompt_ids(body: dict[str, Any]) -> list[int]:
+    """The token ids of a token-in call (`input_ids`, or `prompt` as ids or a one-element batch); else []."""
+    ids = body.get("input_ids")
+    if ids is None:
+        ids = body.get("prompt")
+    if isinstance(ids, list) and len(ids) == 1 and isinstance(ids[0], list):
+        ids = ids[0]
+    if not isinstance(ids, list) or not all(type(t) is int and 0 <= t < 1 << 31 for t in ids):
+        return []
+    return ids
+
+
+def prompt_blocks(body: dict[str, Any], version: str) -> tuple[int, ...]:
+    """Prefix block keys of a token-in prompt, as the replicas summarise their caches (protocol.blocks).
+
+    Text and chat prompts give none: the router holds no tokenizer, so their placement is by load.
+    """
+    return tuple(prefix_block_hashes(prompt_ids(body), version))
 
 
 class Router:
@@ -347,12 +368,14 @@ async def proxy(router: Router, request: Request, path: str) -> Response:
     for _ in range(2):
         async with router.lock:
             version = reg.resolve(sid, body["model"])
-            url = reg.place(sid, version, first_call_tokens(body), kind).id
+            blocks = prompt_blocks(body, version) if sid is None or sid not in reg.homes else ()
+            url = reg.place(sid, version, first_call_tokens(body), kind, blocks, BLOCK_TOKENS).id
+            reg.call_started(url)
         if version != body["model"]:  # `latest`: the replica must see the concrete version
             body["model"] = version
             raw = json.dumps(body).encode()
         try:
-            response = await _forward(router, url, path, raw, headers, bool(body.get("stream")))
+            response = await _counted_forward(router, url, path, raw, headers, bool(body.get("stream")))
         except NEVER_SENT as exc:
             log.warning("replica %s refused a call (%s); re-homing session %s", url, type(exc).__name__, sid)
             await _drop(router, url)
@@ -369,6 +392,22 @@ async def proxy(router: Router, request: Request, path: str) -> Response:
         response.headers[VERSION_HEADER] = version
         return response
     raise RouteError(503, "replicas refused the connection twice in a row; try again", "server_error")
+
+
+async def _counted_forward(router: Router, replica: str, path: str, raw: bytes, headers: dict[str, str],
+                           stream: bool) -> Response:
+    """`_forward`, ending the call's in-flight count (started at placement) when it is answered.
+
+    A stream's count ends when its relay ends (its `finally`), not when its headers arrive.
+    """
+    try:
+        response = await _forward(router, replica, path, raw, headers, stream)
+    except BaseException:
+        router.registry.call_ended(replica)
+        raise
+    if not isinstance(response, StreamingResponse):
+        router.registry.call_ended(replica)
+    return response
 
 
 async def _drop(router: Router, url: str) -> None:
@@ -450,6 +489,7 @@ async def relay(router: Router, replica: str, upstream: httpx.Response) -> Async
                          "answer is void. Retrying is safe: the replica is dropped and the session's next "
                          "call goes to another replica")
     finally:
+        router.registry.call_ended(replica)
         await upstream.aclose()
 
 

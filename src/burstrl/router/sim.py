@@ -17,7 +17,6 @@ a scrape every `scrape_interval_s` (stale in between, as in a real router).
 from __future__ import annotations
 
 import heapq
-import json
 import math
 import random
 import statistics
@@ -25,15 +24,16 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, model_validator
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from burstrl.config.loading import Section, read_config_file, validate
+from burstrl.router.catalog import make_policy
 from burstrl.router.policies import (
     NewSession,
     ReplicaView,
     SizeModel,
-    make_policy,
+    live_projection,
     record_assignment,
 )
 
@@ -55,9 +55,9 @@ class TaskKind:
 @pydantic_dataclass(config=ConfigDict(extra="forbid"))
 class PoolSpec:
     pool: str = "on_demand"
-    count: int = 1
-    weight: float = 1.0
-    capacity_tokens: int = 200_000
+    count: int = Field(1, ge=0)
+    weight: float = Field(1.0, gt=0, allow_inf_nan=False)
+    capacity_tokens: int = Field(200_000, gt=0)
 
 
 class RouterSimConfig(Section):
@@ -65,8 +65,8 @@ class RouterSimConfig(Section):
     `--key value` overrides like every burstrl config (lists of tables as JSON, e.g. `--pools '[...]'`)."""
 
     seed: int = Field(0, description="Seed of the generated trace and of the policies' sampling.")
-    sessions: int = Field(400, ge=0, description="Sessions in the generated trace.")
-    arrival_rate: float = Field(4.0, gt=0, description="New sessions per second (Poisson).")
+    sessions: int = Field(400, ge=1, description="Sessions in the generated trace.")
+    arrival_rate: float = Field(4.0, gt=0, allow_inf_nan=False, description="New sessions per second (Poisson).")
     block_size: int = Field(256, ge=1, description="Tokens per KV block (hash per block, as a prefix cache).")
     kinds: list[TaskKind] = Field(default_factory=lambda: [
         TaskKind(),
@@ -75,7 +75,7 @@ class RouterSimConfig(Section):
     pools: list[PoolSpec] = Field(default_factory=lambda: [
         PoolSpec(pool="reserved", count=2, weight=8, capacity_tokens=1_600_000),
         PoolSpec(pool="on_demand", count=8, weight=1, capacity_tokens=200_000)],
-        description="The fleet: replicas per pool, their weight and KV capacity in tokens.")
+        min_length=1, description="The fleet: replicas per pool, their weight and KV capacity in tokens.")
     prefill_s_per_token: float = Field(1 / 20000, ge=0, description="Prefill seconds per uncached token.")
     decode_base_s: float = Field(0.02, ge=0, description="Seconds of one decode step of a batch.")
     decode_per_seq_s: float = Field(0.0005, ge=0, description="Extra seconds per sequence in the batch.")
@@ -83,6 +83,12 @@ class RouterSimConfig(Section):
     scrape_interval_s: float = Field(2.0, gt=0, description="Seconds between the router's load scrapes.")
     thrash_window_s: float = Field(60.0, gt=0, description="An eviction re-filled within this window thrashes.")
     size_prior_tokens: int = Field(8192, ge=1, description="Projected session size before any has finished.")
+
+    @model_validator(mode="after")
+    def _some_replica(self) -> RouterSimConfig:
+        if sum(p.count for p in self.pools) < 1:
+            raise ValueError("pools must hold at least one replica (every count is 0)")
+        return self
 
 
 def load_config(path: str | Path | None = None, **overrides: object) -> RouterSimConfig:
@@ -98,6 +104,7 @@ class Call:
     input_tokens: int
     output_tokens: int
     gap_after_s: float = 0.0
+    not_before_s: float = 0.0  # a replayed turn arrives no earlier than its timestamp
 
 
 @dataclass
@@ -130,22 +137,6 @@ def generate_trace(cfg: RouterSimConfig) -> list[TraceSession]:
                               (ctx + new) * bs, out * bs, rng.expovariate(1 / kind.tool_time_s)))
             ctx += new + out
         trace.append(TraceSession(f"s{i}", kind.name, t, calls))
-    return trace
-
-
-def load_mooncake(path: str | Path) -> list[TraceSession]:
-    """A Mooncake request trace (JSONL: timestamp ms, input_length, output_length, hash_ids).
-
-    Each request is a one-call session; requests sharing leading hash_ids share a prefix.
-    """
-    trace = []
-    for i, line in enumerate(Path(path).read_text().splitlines()):
-        if not line.strip():
-            continue
-        row = json.loads(line)
-        call = Call(tuple(row["hash_ids"]), (), int(row["input_length"]), int(row["output_length"]))
-        trace.append(TraceSession(f"r{i}", "mooncake", float(row["timestamp"]) / 1000, [call]))
-    trace.sort(key=lambda s: s.arrival_s)
     return trace
 
 
@@ -190,7 +181,9 @@ class RouterSimulator:
         for p in cfg.pools:
             for j in range(p.count):
                 view = ReplicaView(f"{p.pool}-{j}", p.pool, p.weight, p.capacity_tokens, versions={"v1"})
-                self.replicas.append(SimReplica(view, cfg))
+                replica = SimReplica(view, cfg)
+                view.cached_blocks = replica.cache  # the replica's block summary; here exact and live
+                self.replicas.append(replica)
         self.views = [r.view for r in self.replicas]
         self.by_view = {id(r.view): r for r in self.replicas}
         self.home: dict[str, SimReplica] = {}
@@ -199,8 +192,10 @@ class RouterSimulator:
         self.seq = 0
         self.seen: set[int] = set()
         self.stats = {"input_tokens": 0, "output_tokens": 0, "hit_tokens": 0, "reusable_tokens": 0, "evicted_tokens": 0,
-                          "refill_tokens": 0, "thrash_tokens": 0}
+                          "refill_tokens": 0, "thrash_tokens": 0, "rehomes": 0}
         self.rollout_s: list[float] = []
+        self.call_start: dict[tuple[str, int], float] = {}  # (session, call) -> when it reached its replica
+        self.call_s: list[float] = []  # per call: queueing + prefill + decode
         self.live_fraction_sum = [0.0] * len(self.replicas)  # summed over scrapes, for the imbalance
         self.fleet_live: list[float] = []  # live tokens / fleet capacity at each scrape
         self.total_capacity = sum(r.view.capacity_tokens for r in self.replicas)
@@ -220,9 +215,7 @@ class RouterSimulator:
                 self.arrive(t, payload)
             elif what == "call":
                 session, idx = payload
-                replica = self.home[session.id]
-                replica.queue.append((session, idx))
-                self.try_start(t, replica)
+                self.enqueue(t, self.home_for_call(session, idx), session, idx)
             elif what == "done":
                 self.done(t, *payload)
             elif what == "scrape":
@@ -232,14 +225,44 @@ class RouterSimulator:
 
     def arrive(self, t: float, s: TraceSession) -> None:
         first = s.calls[0]
-        session = NewSession(s.id, s.kind, "v1", expected_tokens=first.input_tokens, prefix_hashes=first.input_hashes)
+        session = NewSession(s.id, s.kind, "v1", expected_tokens=first.input_tokens, prefix_hashes=first.input_hashes,
+                             block_tokens=self.cfg.block_size)
         view = self.policy.choose(session, self.views, self.rng)
         record_assignment(view, session)
         replica = self.by_view[id(view)]
         self.home[s.id] = replica
         replica.live[s.id] = 0
-        replica.queue.append((s, 0))
-        self.try_start(t, replica)
+        self.enqueue(t, replica, s, 0)
+
+    def home_for_call(self, s: TraceSession, idx: int) -> SimReplica:
+        """The session's home, or a new one if the policy re-homes and the home evicted it while overflowing.
+
+        Mirrors `Registry.place`: a session whose context is gone from a home that is over its KV
+        budget (projected) loses nothing by moving, and the move relieves the home.
+        """
+        home = self.home[s.id]
+        call = s.calls[idx]
+        if not getattr(self.policy, "rehomes", False) or not call.input_hashes or call.input_hashes[0] in home.cache:
+            return home
+        if live_projection(home.view, self.sizes) <= home.view.capacity_tokens:
+            return home
+        session = NewSession(s.id, s.kind, "v1", expected_tokens=call.input_tokens, prefix_hashes=call.input_hashes,
+                             block_tokens=self.cfg.block_size)
+        view = self.policy.choose(session, [v for v in self.views if v is not home.view] or self.views, self.rng)
+        record_assignment(view, session)
+        new = self.by_view[id(view)]
+        if new is not home:
+            new.live[s.id] = home.live.pop(s.id)
+            self.home[s.id] = new
+            self.stats["rehomes"] += 1
+        return new
+
+    def enqueue(self, t: float, r: SimReplica, s: TraceSession, idx: int) -> None:
+        """A call reaches its replica: the router counts it in flight until it is answered."""
+        r.view.in_flight += 1
+        self.call_start[(s.id, idx)] = t
+        r.queue.append((s, idx))
+        self.try_start(t, r)
 
     def try_start(self, t: float, r: SimReplica) -> None:
         while r.queue and r.running < r.slots:
@@ -310,12 +333,14 @@ class RouterSimulator:
     def done(self, t: float, r: SimReplica, s: TraceSession, idx: int, pinned: bool) -> None:
         call = s.calls[idx]
         r.running -= 1
+        r.view.in_flight -= 1
+        self.call_s.append(t - self.call_start.pop((s.id, idx)))
         if pinned:
             unpin(r, call.input_hashes + call.output_hashes)
         size = call.input_tokens + call.output_tokens
         if idx + 1 < len(s.calls):
             r.live[s.id] = size
-            self.push(t + call.gap_after_s, "call", (s, idx + 1))
+            self.push(max(t + call.gap_after_s, s.calls[idx + 1].not_before_s), "call", (s, idx + 1))
         else:
             del r.live[s.id]
             self.sizes.observe(s.kind, size)
@@ -329,6 +354,7 @@ class RouterSimulator:
             r.view.live_sessions = dict(r.live)
             r.view.session_kinds = {sid: self.kind_by_id[sid] for sid in r.live}
             r.view.recent_assignments.clear()
+            r.view.running_requests = r.running + len(r.queue)
             self.live_fraction_sum[i] += sum(r.live.values()) / r.view.capacity_tokens
         self.fleet_live.append(sum(sum(r.live.values()) for r in self.replicas) / self.total_capacity)
 
@@ -347,11 +373,14 @@ class RouterSimulator:
             "throughput_tok_s": (st["input_tokens"] + st["output_tokens"]) / makespan,
             "p50_rollout_s": percentile(times, 0.50),
             "p99_rollout_s": percentile(times, 0.99),
+            "p50_call_s": percentile(sorted(self.call_s), 0.50),
+            "p99_call_s": percentile(sorted(self.call_s), 0.99),
             "imbalance": imbalance,
             "makespan_s": makespan,
             "kv_live_mean": statistics.fmean(self.fleet_live) if self.fleet_live else 0.0,
             "kv_live_peak": max(self.fleet_live, default=0.0),
             "sessions": len(times),
+            "rehomes": st["rehomes"],
         }
 
 
