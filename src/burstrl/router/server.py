@@ -19,7 +19,7 @@ import os
 import re
 import secrets
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -398,7 +398,7 @@ async def _counted_forward(router: Router, replica: str, path: str, raw: bytes, 
                            stream: bool) -> Response:
     """`_forward`, ending the call's in-flight count (started at placement) when it is answered.
 
-    A stream's count ends when its relay ends (its `finally`), not when its headers arrive.
+    A stream's count ends when its `RelayResponse` ends (however it ends), not when its headers arrive.
     """
     try:
         response = await _forward(router, replica, path, raw, headers, stream)
@@ -455,8 +455,33 @@ async def _forward(router: Router, replica: str, path: str, raw: bytes, headers:
                         media_type=r.headers.get("content-type", "application/json"))
     upstream = await client.send(client.build_request("POST", replica + path, content=raw, headers=headers),
                                  stream=True)
-    return StreamingResponse(relay(router, replica, upstream), status_code=upstream.status_code,
-                             media_type=upstream.headers.get("content-type", "text/event-stream"))
+    async def cleanup() -> None:
+        router.registry.call_ended(replica)
+        await upstream.aclose()
+
+    return RelayResponse(relay(router, replica, upstream), cleanup, status_code=upstream.status_code,
+                         media_type=upstream.headers.get("content-type", "text/event-stream"))
+
+
+class RelayResponse(StreamingResponse):
+    """A relayed stream whose cleanup (the call's in-flight count, the upstream connection) runs
+    however the response ends.
+
+    Why not the relay generator's `finally`: a client gone before the headers are sent makes
+    Starlette's first `send` raise, so the generator is never iterated and an un-started generator
+    runs no `finally`: each such client leaked an in-flight count (skewing placement) and an
+    upstream connection from the pool, while the replica went on generating for nobody.
+    """
+
+    def __init__(self, content: AsyncIterator[bytes], cleanup: Callable[[], Awaitable[None]], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._cleanup = cleanup
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._cleanup()
 
 
 async def relay(router: Router, replica: str, upstream: httpx.Response) -> AsyncIterator[bytes]:
@@ -488,9 +513,6 @@ async def relay(router: Router, replica: str, upstream: httpx.Response) -> Async
         yield _sse_error(503, f"replica {replica} failed mid-stream ({type(exc).__name__}); the partial "
                          "answer is void. Retrying is safe: the replica is dropped and the session's next "
                          "call goes to another replica")
-    finally:
-        router.registry.call_ended(replica)
-        await upstream.aclose()
 
 
 def _end_after(data: bytes, separator: bytes, start: int) -> int:
