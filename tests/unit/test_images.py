@@ -228,3 +228,24 @@ def test_cli_build_and_inspect(tmp_path: Path) -> None:
     bad = runner.invoke(app, ["image", "inspect", str(tmp_path / "nope")])
     assert bad.exit_code == 2 and "OCI image layout" in bad.output
 
+
+
+def test_layers_from_another_boot_are_unpacked_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host crash can leave a layer's files truncated under an intact record: after a reboot the
+    cache unpacks (and merges) again from the digest-checked blob instead of serving them."""
+    from burstrl.sandbox import layercache
+
+    boot = tmp_path / "boot_id"
+    boot.write_text("boot-1\n")
+    monkeypatch.setattr(layercache, "BOOT_ID", boot)
+    build_image(_tree(tmp_path / "src"), tmp_path / "img")
+    image = read_image(tmp_path / "img")
+    cache = LayerCache(tmp_path / "cache", 10**9)
+    readme = cache.rootfs(image) / "work" / "README.md"
+    (cache.layer_dir(image.layers[0]) / "work" / "README.md").write_bytes(b"")  # a write the crash lost
+    assert cache.rootfs(image) == readme.parents[1] and readme.read_text() == ""  # same boot: trusted
+    boot.write_text("boot-2\n")
+    root = cache.rootfs(image)
+    assert (root / "work" / "README.md").read_text() == "hello\n"
+    assert cache.stats()["stale_after_reboot"] == 2 and cache.stats()["misses"] == 2  # the layer and the root
+    assert cache.rootfs(image) == root and cache.stats()["rootfs_hits"] == 2

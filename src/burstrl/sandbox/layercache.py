@@ -16,6 +16,11 @@ sandbox runs so eviction leaves it alone.
 On-disk layout under `root`: `layers/<hex>/` (a layer's tree as in its tar, whiteout files
 kept) + `layers/<hex>.json` (size; its mtime is the last use), `rootfs/<hex>/` + `rootfs/<hex>.json`
 (layer list), `locks/` (flock files, never deleted: deleting a lock file breaks flock).
+
+Durability without an fsync per file: each `.json` record names the boot it was written in, and a
+layer or root recorded in another boot is unpacked or merged again (from its digest-checked blob)
+on first use. Files written before a host crash may be truncated with their record intact; after
+any reboot the cache trusts nothing it cannot re-check, at the price of one unpack per layer used.
 """
 
 from __future__ import annotations
@@ -41,6 +46,24 @@ OPAQUE = ".wh..wh..opq"
 
 
 # ------------------------------------------------------------------------------- unpacking
+
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+
+
+def boot_id() -> str:
+    """This boot's id ("" where the kernel does not say: records are then always trusted)."""
+    try:
+        return BOOT_ID.read_text().strip()
+    except OSError:
+        return ""
+
+
+def _this_boot(meta: Path) -> bool:
+    """Whether a record was written since the last boot (else its files may have lost unsynced writes)."""
+    try:
+        return json.loads(meta.read_text()).get("boot", "") == boot_id()
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def unpack_blob(desc: Descriptor, blob: Path, root: Path, workers: int = WORKERS) -> int:
@@ -156,7 +179,7 @@ class LayerCache:
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._counts = {"hits": 0, "misses": 0, "bytes_unpacked": 0, "unpack_seconds": 0.0,
-                        "evictions": 0, "rootfs_hits": 0, "rootfs_builds": 0}
+                        "evictions": 0, "rootfs_hits": 0, "rootfs_builds": 0, "stale_after_reboot": 0}
         self._pins: dict[str, list[int]] = {}
 
     def _count(self, **deltas: float) -> None:
@@ -197,9 +220,11 @@ class LayerCache:
         final, meta = self.layer_dir(desc), self.layer_dir(desc).with_suffix(".json")
         with _flock(self._lockfile(f"layer-{desc.hex}"), fcntl.LOCK_EX):
             if meta.exists():
-                os.utime(meta)
-                self._count(hits=1)
-                return final
+                if _this_boot(meta):
+                    os.utime(meta)
+                    self._count(hits=1)
+                    return final
+                self._drop_stale(meta, final)
             start = time.perf_counter()
             tmp = Path(tempfile.mkdtemp(prefix=f".{desc.hex[:16]}.", dir=self.root / "layers"))
             try:
@@ -210,9 +235,16 @@ class LayerCache:
                 force_rmtree(tmp)
                 raise
             seconds = time.perf_counter() - start
-            meta.write_text(json.dumps({"digest": desc.digest, "bytes": size, "unpack_seconds": seconds}))
+            meta.write_text(json.dumps({"digest": desc.digest, "bytes": size, "unpack_seconds": seconds,
+                                        "boot": boot_id()}))
             self._count(misses=1, bytes_unpacked=size, unpack_seconds=seconds)
             return final
+
+    def _drop_stale(self, meta: Path, final: Path) -> None:
+        """A record from another boot: its tree goes (the caller holds its lock) and is made again."""
+        meta.unlink(missing_ok=True)
+        force_rmtree(final)
+        self._count(stale_after_reboot=1)
 
     def _layer_metas(self) -> dict[str, dict[str, Any]]:
         out = {}
@@ -232,12 +264,14 @@ class LayerCache:
         with _flock(self._lockfile(".cache"), fcntl.LOCK_SH):
             layers = [self._unpack_locked(d, image.blob_path(d)) for d in image.layers]
             with _flock(self._lockfile(f"rootfs-{key}"), fcntl.LOCK_EX):
-                if meta.exists():
+                if meta.exists() and _this_boot(meta):
                     self._count(rootfs_hits=1)
                 else:
+                    if meta.exists():
+                        self._drop_stale(meta, final)
                     self._build_root(layers, final)
                     meta.write_text(json.dumps({"manifest": image.manifest_digest,
-                                                "layers": [d.hex for d in image.layers]}))
+                                                "layers": [d.hex for d in image.layers], "boot": boot_id()}))
                     self._count(rootfs_builds=1)
                 os.utime(meta)
         self.evict(protect={d.hex for d in image.layers})
