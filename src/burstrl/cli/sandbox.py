@@ -1,0 +1,108 @@
+"""`burstrl sandbox sim|node`: the sandbox cluster simulator and the node agent."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+from burstrl.cli.app import (
+    fail,
+    sandbox_app,
+)
+
+
+@sandbox_app.command("sim")
+def sandbox_sim(
+    policies: str = typer.Option("reference,image_affinity,ours", "--policies", help="Comma-separated policies."),
+    nodes: int = typer.Option(8, "--nodes", help="Sandbox nodes (16 vCPU, 64 GiB each)."),
+    seeds: str = typer.Option("0,1,2", "--seeds", help="Comma-separated seeds (the same trace per seed)."),
+    duration: int = typer.Option(3600, "--duration", help="Simulated seconds."),
+    warmup: int = typer.Option(900, "--warmup", help="Seconds before figures count (caches fill)."),
+    concurrency: float = typer.Option(26.0, "--concurrency", help="Rollouts wanting to run, per node."),
+    sweep: str | None = typer.Option(None, "--sweep", help="LO:HI:STEP loads per node: find each policy's "
+                                     "max density at 0 evictions and 0 OOM, then compare at the reference's."),
+    codec: str = typer.Option("zstd", "--codec", help="Layer compression: zstd or gzip."),
+    pull_mbps: float = typer.Option(300.0, "--pull-mbps", help="Registry pull rate, MB/s."),
+    zstd_mbps: float = typer.Option(800.0, "--zstd-mbps", help="zstd unpack rate, MB/s of compressed input."),
+    gzip_mbps: float = typer.Option(120.0, "--gzip-mbps", help="gzip unpack rate, MB/s of compressed input."),
+    cache_gb: float = typer.Option(70.0, "--cache-gb", help="Layer cache per node, GB."),
+) -> None:
+    """Simulate sandbox placement on a cluster (1 s ticks, generated rollouts); print a JSON report."""
+
+    from burstrl.sandbox.placement import POLICY_NAMES
+    from burstrl.sandbox.sim import SimConfig, compare, run_seeds
+
+    names = [p.strip() for p in policies.split(",") if p.strip()]
+    unknown = [p for p in names if p not in POLICY_NAMES]
+    if unknown or not names:
+        fail(f"unknown policy {', '.join(unknown) or '(none given)'}; choose from {', '.join(POLICY_NAMES)}")
+    try:
+        seed_list = [int(x) for x in seeds.split(",") if x.strip()]
+    except ValueError:
+        fail(f"--seeds {seeds!r}: expected comma-separated integers, e.g. 0,1,2")
+    try:
+        loads = _sweep_loads(sweep) if sweep else None
+        cfg = SimConfig(nodes=nodes, duration_s=duration, warmup_s=warmup, concurrency=concurrency, codec=codec,
+                        pull_mbps=pull_mbps, zstd_mbps=zstd_mbps, gzip_mbps=gzip_mbps, cache_gb=cache_gb)
+        cfg.validate()
+    except ValueError as exc:
+        fail(f"{exc}")
+    if not seed_list:
+        fail("--seeds: give at least one seed")
+    if loads is not None:
+        report = compare(cfg, {name: {} for name in names}, seed_list, loads)
+    else:
+        report = {name: run_seeds(cfg, name, {}, seed_list) for name in names}
+    typer.echo(json.dumps(report, indent=1))
+
+
+@sandbox_app.command("node")
+def sandbox_node(
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to serve on; sandboxes' ports bind here too."),
+    port: int = typer.Option(0, "--port", help="Port (0 = any free port; the ready line says which)."),
+    backend: str = typer.Option("auto", "--backend", help="namespace, oci, runsc or auto."),
+    state_dir: Path | None = typer.Option(None, "--state-dir", help="Sandbox dirs (short: socket paths <= 107 bytes)."),
+    layer_cache: Path | None = typer.Option(None, "--layer-cache", help="The node's layer cache dir."),
+    cache_gb: float = typer.Option(20.0, "--cache-gb", help="Layer cache size, GB."),
+    name: str | None = typer.Option(None, "--name", help="Node name in reports (default: the hostname)."),
+    token_file: str | None = typer.Option(None, "--token-file", help="Bearer token file (else env BURSTRL_NODE_TOKEN)."),
+    cpus: float | None = typer.Option(None, "--cpus", help="Allocatable vCPU (default: the CPUs this process may use)."),
+    memory_mb: int | None = typer.Option(None, "--memory-mb", help="Allocatable memory (default: MemTotal)."),
+    max_sandboxes: int | None = typer.Option(None, "--max-sandboxes", help="At most this many at once."),
+    sample_s: float = typer.Option(1.0, "--sample-s", help="Seconds between usage samples."),
+) -> None:
+    """Run the agent of one sandbox node: create/close sandboxes, report usage and cached layers (HTTP)."""
+    import os
+    import socket
+
+    from burstrl.sandbox.layercache import LayerCache
+    from burstrl.sandbox.node import NodeAgent, read_token, serve
+    from burstrl.sandbox.nodeusage import node_allocatable
+
+    try:
+        token = read_token(token_file)
+    except (ValueError, OSError) as exc:
+        fail(str(exc))
+    if cpus is not None and cpus <= 0 or memory_mb is not None and memory_mb <= 0 or sample_s <= 0:
+        fail("--cpus, --memory-mb and --sample-s must be positive")
+    cache_root = layer_cache or Path(os.environ.get("BURSTRL_CACHE") or Path.home() / ".cache" / "burstrl") / "sandbox-layers"
+    cache = LayerCache(cache_root, max_bytes=int(cache_gb * 1e9))
+    alloc = node_allocatable(cpus, memory_mb << 20 if memory_mb else None)
+    agent = NodeAgent(name or socket.gethostname(), backend, state_dir or Path("/tmp") / f"burstrl-node-{os.getuid()}",
+                      cache, host, alloc, max_sandboxes, sample_s)
+    serve(agent, host, port, token)
+
+
+def _sweep_loads(spec: str) -> list[float]:
+    """'LO:HI:STEP' -> [LO, LO+STEP, ..., <= HI]."""
+    parts = spec.split(":")
+    if len(parts) != 3:
+        raise ValueError(f"--sweep {spec!r}: expected LO:HI:STEP, e.g. 20:40:2")
+    lo, hi, step = (float(x) for x in parts)
+    if not (0 < lo <= hi and step > 0):
+        raise ValueError(f"--sweep {spec!r}: need 0 < LO <= HI and STEP > 0")
+    return [lo + i * step for i in range(int((hi - lo) / step + 1e-9) + 1)]
+
+
