@@ -2,7 +2,9 @@
 sandboxes and three nodes carrying `sandbox_node`. One node-agent actor per sandbox node; a
 `ClusterPool` over them holds many sandboxes at once; one node is removed mid-run, its sandboxes are
 confirmed lost (the SWE env's infra error) while the others keep working, and new sandboxes go to
-the two nodes left. A cluster without `sandbox_node` gets no agents.
+the two nodes left. A node added after that gets an agent (`SandboxAgents.poll`, as the launcher's
+supervision loop calls it), the nodes file follows, and the pool, watching the file, places there.
+A cluster without `sandbox_node` gets no agents.
 
 `BURSTRL_RAY_SANDBOXES` sets how many sandboxes are held at once (default 24: what a busy 2-core
 machine starts in a few minutes; benchmarks/sandbox_cluster.py measures 64).
@@ -15,8 +17,10 @@ import os
 import shutil
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -53,7 +57,7 @@ def test_sandboxes_across_ray_sandbox_nodes_survive_a_node_loss(tmp_path: Path) 
         by_node = {r.name: node for r in refs for node in nodes if r.name.endswith(node.node_id[:6])}
         assert len(by_node) == 3
 
-        pool = ClusterPool(refs, "ours", max_concurrent=n + 8, refresh_s=0.5, dead_after_s=5)
+        pool = ClusterPool(refs, "ours", max_concurrent=n + 8, refresh_s=0.5, dead_after_s=5, nodes_file=path)
         spec = SandboxSpec(cpu_limit=1, memory_limit_mb=1024, start_timeout_s=300)
         t0 = time.monotonic()
         with ThreadPoolExecutor(8) as ex:
@@ -84,6 +88,26 @@ def test_sandboxes_across_ray_sandbox_nodes_survive_a_node_loss(tmp_path: Path) 
         assert victim_name not in {sb.node for sb in more}
         stats = pool.stats()
         assert stats["nodes_lost"] == 1 and stats["sandboxes_lost"] == len(lost) and stats["close_errors"] == 0
+
+        def names() -> set[str]:
+            agents.poll()
+            return {r.name for r in load_nodes(path, allow_empty=True)}
+
+        wait(lambda: victim_name not in names(), 120, "the removed node's agent leaves the nodes file")
+        joined = cluster.add_node(num_cpus=8, memory=8 * 2**30, resources={"sandbox_node": 1},
+                                  object_store_memory=80 * 2**20)
+        cluster.wait_for_nodes()
+        new_name = wait(lambda: next((x for x in names() if x.endswith(joined.node_id[:6])), None), 300,
+                        "an agent on the node that joined")
+        assert oct(path.stat().st_mode & 0o777) == "0o600" and len(names()) == 3
+        wait(lambda: any(x.name == new_name and x.state is not None for x in pool.nodes), 60,
+             "the pool reads the new node from the file and its first report")
+        pool.policy = _emptiest()  # which node wins is not the point here (packing may prefer the old ones)
+        late = [pool.create(spec, timeout=900) for _ in range(3)]
+        assert new_name in {sb.node for sb in late}
+        assert all(sb.exec("echo late", timeout=120).stdout == "late\n" for sb in late)
+        stats = pool.stats()
+        assert stats["nodes_joined"] == 1 and not stats["nodes"][new_name]["dead"]
         print(json.dumps(stats))
     finally:
         if pool is not None:
@@ -92,6 +116,28 @@ def test_sandboxes_across_ray_sandbox_nodes_survive_a_node_loss(tmp_path: Path) 
             agents.stop()
         ray.shutdown()
         cluster.shutdown()
+
+
+def _emptiest() -> Any:
+    from burstrl.sandbox.placement import NodeState, OursPolicy, SandboxRequest
+
+    class Emptiest(OursPolicy):
+        """`ours` admission, but the node with the fewest sandboxes wins."""
+
+        def evaluate(self, node: NodeState, request: SandboxRequest) -> float | None:
+            return None if super().evaluate(node, request) is None else -float(len(node.sandboxes))
+
+    return Emptiest()
+
+
+def wait(cond: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"not within {timeout}s: {what}")
 
 
 def test_toy_swe_run_on_ray_sandbox_nodes_survives_a_node_loss(tmp_path: Path, tiny_model_dir: Path) -> None:

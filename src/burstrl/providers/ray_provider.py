@@ -315,6 +315,10 @@ class RayProvider:
                                             timeout_s=self.cfg.placement_timeout_s + 60)
         return self.sandbox_agents.start()
 
+    def poll_sandbox_nodes(self) -> list[str]:
+        """Agents for sandbox nodes that joined since, none for those that left (the nodes file follows)."""
+        return self.sandbox_agents.poll() if self.sandbox_agents is not None else []
+
     def request_capacity(self, replicas: dict[str, int]) -> None:
         if not self.cfg.request_resources:
             return
