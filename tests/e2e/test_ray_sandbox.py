@@ -143,7 +143,8 @@ def wait(cond: Callable[[], Any], timeout: float, what: str) -> Any:
 def test_toy_swe_run_on_ray_sandbox_nodes_survives_a_node_loss(tmp_path: Path, tiny_model_dir: Path) -> None:
     """`burstrl run examples/toy-swe.toml --provider ray` on a head (router, replica, trainer) and three
     `sandbox_node` nodes: the attempts' sandboxes go to the node agents; the first node seen holding
-    two is removed mid-run; the run finishes, the attempts there are requeued, nothing is lost."""
+    two is removed mid-run and a fresh one added; the run finishes, the attempts there are requeued,
+    nothing is lost, and the launcher dropped the removed node's agent and started one on the new node."""
     import sqlite3
     import subprocess
 
@@ -189,12 +190,22 @@ def test_toy_swe_run_on_ray_sandbox_nodes_survives_a_node_loss(tmp_path: Path, t
         victim = wait_until(busy_node, 900, "a sandbox on a node agent", proc, run_dir)
         node = next(n for n in nodes if victim.endswith(n.node_id[:6]))
         cluster.remove_node(node)
+        joined = cluster.add_node(num_cpus=4, memory=8 * 2**30, resources={"sandbox_node": 1},
+                                  object_store_memory=80 * 2**20)  # the launcher's poll gives it an agent
         finish(proc, run_dir, timeout=1800)
     finally:
         cluster.shutdown()
     audit(run_dir, 4, batch_groups=2, group_size=4)
     with sqlite3.connect(run_dir / "store.sqlite") as db:
         rows = db.execute("SELECT status, detail FROM attempts").fetchall()
+    events = [json.loads(line) for line in (run_dir / "fleet.jsonl").read_text().splitlines()]
+    changes = [e["detail"] for e in events if e.get("event") == "sandbox_nodes"]
+    print(f"sandbox node changes: {changes}")
+    # the launcher saw both mid-run (the run went on for tens of seconds: the requeued attempts re-ran)
+    assert f"agent on {victim} dropped (node gone)" in changes
+    assert any(c.startswith("agent on ") and joined.node_id[:6] in c and " ready at " in c for c in changes)
+    joined_name = next(c.split()[2] for c in changes if c.startswith("agent on ") and joined.node_id[:6] in c)
+    assert f"node agents joined: {joined_name}" in (run_dir / "logs" / "orchestrator.log").read_text()  # its pool
     requeued = [d for s, d in rows if s == "requeued"]
     print(f"attempts: {Counter(s for s, _ in rows)}; requeued: {requeued}")
     assert requeued, output(run_dir)[-3000:]  # the attempts on the removed node ran again elsewhere
