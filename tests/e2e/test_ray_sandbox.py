@@ -2,7 +2,9 @@
 sandboxes and three nodes carrying `sandbox_node`. One node-agent actor per sandbox node; a
 `ClusterPool` over them holds many sandboxes at once; one node is removed mid-run, its sandboxes are
 confirmed lost (the SWE env's infra error) while the others keep working, and new sandboxes go to
-the two nodes left. A cluster without `sandbox_node` gets no agents.
+the two nodes left. A node added after that gets an agent (`SandboxAgents.poll`, as the launcher's
+supervision loop calls it), the nodes file follows, and the pool, watching the file, places there.
+A cluster without `sandbox_node` gets no agents.
 
 `BURSTRL_RAY_SANDBOXES` sets how many sandboxes are held at once (default 24: what a busy 2-core
 machine starts in a few minutes; benchmarks/sandbox_cluster.py measures 64).
@@ -15,8 +17,10 @@ import os
 import shutil
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -53,7 +57,7 @@ def test_sandboxes_across_ray_sandbox_nodes_survive_a_node_loss(tmp_path: Path) 
         by_node = {r.name: node for r in refs for node in nodes if r.name.endswith(node.node_id[:6])}
         assert len(by_node) == 3
 
-        pool = ClusterPool(refs, "ours", max_concurrent=n + 8, refresh_s=0.5, dead_after_s=5)
+        pool = ClusterPool(refs, "ours", max_concurrent=n + 8, refresh_s=0.5, dead_after_s=5, nodes_file=path)
         spec = SandboxSpec(cpu_limit=1, memory_limit_mb=1024, start_timeout_s=300)
         t0 = time.monotonic()
         with ThreadPoolExecutor(8) as ex:
@@ -84,6 +88,26 @@ def test_sandboxes_across_ray_sandbox_nodes_survive_a_node_loss(tmp_path: Path) 
         assert victim_name not in {sb.node for sb in more}
         stats = pool.stats()
         assert stats["nodes_lost"] == 1 and stats["sandboxes_lost"] == len(lost) and stats["close_errors"] == 0
+
+        def names() -> set[str]:
+            agents.poll()
+            return {r.name for r in load_nodes(path, allow_empty=True)}
+
+        wait(lambda: victim_name not in names(), 120, "the removed node's agent leaves the nodes file")
+        joined = cluster.add_node(num_cpus=8, memory=8 * 2**30, resources={"sandbox_node": 1},
+                                  object_store_memory=80 * 2**20)
+        cluster.wait_for_nodes()
+        new_name = wait(lambda: next((x for x in names() if x.endswith(joined.node_id[:6])), None), 300,
+                        "an agent on the node that joined")
+        assert oct(path.stat().st_mode & 0o777) == "0o600" and len(names()) == 3
+        wait(lambda: any(x.name == new_name and x.state is not None for x in pool.nodes), 60,
+             "the pool reads the new node from the file and its first report")
+        pool.policy = _emptiest()  # which node wins is not the point here (packing may prefer the old ones)
+        late = [pool.create(spec, timeout=900) for _ in range(3)]
+        assert new_name in {sb.node for sb in late}
+        assert all(sb.exec("echo late", timeout=120).stdout == "late\n" for sb in late)
+        stats = pool.stats()
+        assert stats["nodes_joined"] == 1 and not stats["nodes"][new_name]["dead"]
         print(json.dumps(stats))
     finally:
         if pool is not None:
@@ -94,10 +118,33 @@ def test_sandboxes_across_ray_sandbox_nodes_survive_a_node_loss(tmp_path: Path) 
         cluster.shutdown()
 
 
+def _emptiest() -> Any:
+    from burstrl.sandbox.placement import NodeState, OursPolicy, SandboxRequest
+
+    class Emptiest(OursPolicy):
+        """`ours` admission, but the node with the fewest sandboxes wins."""
+
+        def evaluate(self, node: NodeState, request: SandboxRequest) -> float | None:
+            return None if super().evaluate(node, request) is None else -float(len(node.sandboxes))
+
+    return Emptiest()
+
+
+def wait(cond: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"not within {timeout}s: {what}")
+
+
 def test_toy_swe_run_on_ray_sandbox_nodes_survives_a_node_loss(tmp_path: Path, tiny_model_dir: Path) -> None:
     """`burstrl run examples/toy-swe.toml --provider ray` on a head (router, replica, trainer) and three
     `sandbox_node` nodes: the attempts' sandboxes go to the node agents; the first node seen holding
-    two is removed mid-run; the run finishes, the attempts there are requeued, nothing is lost."""
+    two is removed mid-run and a fresh one added; the run finishes, the attempts there are requeued,
+    nothing is lost, and the launcher dropped the removed node's agent and started one on the new node."""
     import sqlite3
     import subprocess
 
@@ -143,12 +190,22 @@ def test_toy_swe_run_on_ray_sandbox_nodes_survives_a_node_loss(tmp_path: Path, t
         victim = wait_until(busy_node, 900, "a sandbox on a node agent", proc, run_dir)
         node = next(n for n in nodes if victim.endswith(n.node_id[:6]))
         cluster.remove_node(node)
+        joined = cluster.add_node(num_cpus=4, memory=8 * 2**30, resources={"sandbox_node": 1},
+                                  object_store_memory=80 * 2**20)  # the launcher's poll gives it an agent
         finish(proc, run_dir, timeout=1800)
     finally:
         cluster.shutdown()
     audit(run_dir, 4, batch_groups=2, group_size=4)
     with sqlite3.connect(run_dir / "store.sqlite") as db:
         rows = db.execute("SELECT status, detail FROM attempts").fetchall()
+    events = [json.loads(line) for line in (run_dir / "fleet.jsonl").read_text().splitlines()]
+    changes = [e["detail"] for e in events if e.get("event") == "sandbox_nodes"]
+    print(f"sandbox node changes: {changes}")
+    # the launcher saw both mid-run (the run went on for tens of seconds: the requeued attempts re-ran)
+    assert f"agent on {victim} dropped (node gone)" in changes
+    assert any(c.startswith("agent on ") and joined.node_id[:6] in c and " ready at " in c for c in changes)
+    joined_name = next(c.split()[2] for c in changes if c.startswith("agent on ") and joined.node_id[:6] in c)
+    assert f"node agents joined: {joined_name}" in (run_dir / "logs" / "orchestrator.log").read_text()  # its pool
     requeued = [d for s, d in rows if s == "requeued"]
     print(f"attempts: {Counter(s for s, _ in rows)}; requeued: {requeued}")
     assert requeued, output(run_dir)[-3000:]  # the attempts on the removed node ran again elsewhere

@@ -161,6 +161,43 @@ def test_killed_node_marks_its_sandboxes_lost_and_new_ones_go_elsewhere(agents: 
         pool.close()
 
 
+def write_nodes(path: Path, refs: list[NodeRef]) -> None:
+    """As the Ray launcher does: a temp file renamed over the old one."""
+    path.with_suffix(".tmp").write_text(json.dumps([{"url": r.url, "token": r.token, "name": r.name} for r in refs]))
+    os.replace(path.with_suffix(".tmp"), path)
+
+
+@pytest.mark.slow
+def test_nodes_added_to_the_file_mid_run_take_sandboxes_and_a_dead_one_never_returns(agents: Agents,
+                                                                                     tmp_path: Path) -> None:
+    nodes = tmp_path / "nodes.json"
+    write_nodes(nodes, agents.refs[:1])
+    pool = ClusterPool(load_nodes(nodes), "ours", max_concurrent=12, refresh_s=0.5, dead_after_s=3,
+                       nodes_file=nodes)
+    try:
+        spec = SandboxSpec(cpu_limit=1, memory_limit_mb=2048, start_timeout_s=120)
+        first = [pool.create(spec, timeout=300) for _ in range(2)]  # node0 is now full (`--max-sandboxes 2`)
+        assert {sb.node for sb in first} == {"node0"}
+        nodes.write_text("[{not json")  # a bad edit is counted and changes nothing
+        wait_for(lambda: pool.stats()["nodes_file_errors"] == 1, 60, "the pool reads the broken file")
+        write_nodes(nodes, agents.refs[:2])
+        wait_for(lambda: "node1" in pool.stats()["nodes"], 60, "node1 joins the pool")
+        on1 = pool.create(spec, timeout=300)
+        assert on1.node == "node1" and on1.exec("echo joined").stdout == "joined\n"
+        agents.procs[1].kill()
+        wait_for(lambda: pool.stats()["nodes"]["node1"]["dead"], 60, "the monitor marks node1 dead")
+        on1.close()
+        write_nodes(nodes, agents.refs)  # still lists node1: a node marked dead is never added again
+        wait_for(lambda: "node2" in pool.stats()["nodes"], 60, "node2 joins the pool")
+        on2 = pool.create(spec, timeout=300)
+        assert on2.node == "node2" and on2.exec("echo ok").stdout == "ok\n"
+        stats = pool.stats()
+        assert len(pool.nodes) == 3 and stats["nodes"]["node1"]["dead"] and not stats["nodes"]["node2"]["dead"]
+        assert stats["nodes_joined"] == 2 and stats["nodes_lost"] == 1
+    finally:
+        pool.close()
+
+
 def test_nodes_file_is_validated(tmp_path: Path) -> None:
     good = tmp_path / "nodes.json"
     good.write_text(json.dumps([{"url": "http://127.0.0.1:1", "token": "t", "name": "a"}]))

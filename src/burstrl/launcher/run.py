@@ -35,6 +35,7 @@ from burstrl.store import RolloutStore
 
 log = logging.getLogger("burstrl.run")
 MAX_FAILED_STARTS = 5  # replica starts that may fail (beyond the first fleet) before the run gives up
+SANDBOX_NODE_POLL_S = 3.0  # how often the launcher looks for sandbox nodes that joined or left
 
 
 class LaunchError(RuntimeError):
@@ -93,6 +94,7 @@ class Launcher:
         self.chaos_done = False
         self.last_autoscale = 0.0
         self.last_sample = 0.0
+        self.last_node_poll = 0.0
         self.router_stats: dict[str, Any] = {}
 
     # ---- the run ----
@@ -188,6 +190,16 @@ class Launcher:
             orch.orchestrator.swe.nodes_file = str(path)
             self.event("sandbox_nodes", detail=str(path))
 
+    def poll_sandbox_nodes(self) -> None:
+        """Every few seconds: agents for sandbox nodes that joined the cluster mid-run (the SWE env's
+        pool reads the rewritten nodes file), none for nodes that left."""
+        poll = getattr(self.provider, "poll_sandbox_nodes", None)
+        if poll is None or time.monotonic() - self.last_node_poll < SANDBOX_NODE_POLL_S:
+            return
+        self.last_node_poll = time.monotonic()
+        for change in poll():
+            self.event("sandbox_nodes", detail=change)
+
     def _start(self, name: str, args: list[str], ready: bool, placement: Placement) -> RoleHandle:
         try:
             return self.provider.start(name, args, wait_ready=ready, timeout=120.0, append=self.resume,
@@ -214,6 +226,7 @@ class Launcher:
             self.autoscale()
             self.chaos()
             self.fleet.finish_drains()
+            self.poll_sandbox_nodes()
             self.sample()
             time.sleep(0.5)
         self.sample(force=True)

@@ -313,7 +313,14 @@ class RayProvider:
 
         self.sandbox_agents = SandboxAgents(self.run_dir, self.logs_dir, self.env, backend,
                                             timeout_s=self.cfg.placement_timeout_s + 60)
-        return self.sandbox_agents.start()
+        path = self.sandbox_agents.start()
+        if path is None:
+            self.sandbox_agents = None  # no sandbox node at launch: sandboxes stay local, none join later
+        return path
+
+    def poll_sandbox_nodes(self) -> list[str]:
+        """Agents for sandbox nodes that joined since, none for those that left (the nodes file follows)."""
+        return self.sandbox_agents.poll() if self.sandbox_agents is not None else []
 
     def request_capacity(self, replicas: dict[str, int]) -> None:
         if not self.cfg.request_resources:

@@ -21,11 +21,12 @@ import json
 import logging
 import os
 import secrets
+import time
 from pathlib import Path
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from burstrl.providers.ray_actors import ProcessSpec, RoleActor
@@ -42,7 +43,12 @@ def sandbox_nodes() -> list[dict[str, Any]]:
 
 
 class SandboxAgents:
-    """The node agents of a run: started together, written to the nodes file, stopped together."""
+    """The node agents of a run: one per live sandbox node, kept in the nodes file, stopped together.
+
+    `start` waits for the agents of the nodes there at launch; `poll` (called by the launcher's
+    supervision loop) starts agents on nodes that joined later without waiting for them, and drops
+    agents whose node left, rewriting the nodes file each time the set of ready agents changes.
+    """
 
     def __init__(self, run_dir: Path, logs_dir: Path, env: dict[str, str], backend: str = "auto",
                  timeout_s: float = 120.0) -> None:
@@ -50,29 +56,85 @@ class SandboxAgents:
         self.backend, self.timeout_s = backend, timeout_s
         self.token = secrets.token_urlsafe(24)
         self.actors: list[Any] = []
-        self.nodes: list[dict[str, str]] = []
+        self.agents: dict[str, dict[str, Any]] = {}  # by Ray node id: actor, ready ref, start time, row
+        self.failed: set[str] = set()  # node ids whose agent failed to start: not retried
+        self.path = self.run_dir / NODES_FILE
+
+    @property
+    def nodes(self) -> list[dict[str, str]]:
+        """The nodes file's rows: the ready agents, by node id."""
+        return [a["row"] for _, a in sorted(self.agents.items()) if a["row"] is not None]
 
     def start(self) -> Path | None:
         """One agent per sandbox node; the nodes file's path, or None when the cluster has no such node."""
         found = sandbox_nodes()
         if not found:
             return None
-        pending = [(node, self._actor(node)) for node in found]
-        for node, actor in pending:
-            name = _node_name(node)
+        for node in found:
+            self._launch(node)
+        for agent in self.agents.values():
             try:
-                url = ray.get(actor.ready.remote(self.timeout_s), timeout=self.timeout_s + 30)
+                url = ray.get(agent["ready"], timeout=self.timeout_s + 30)
             except (RayActorError, GetTimeoutError, RuntimeError) as exc:
                 self.stop()
-                raise RuntimeError(f"the sandbox node agent on {name} failed to start: {exc}") from None
-            self.nodes.append({"url": url, "token": self.token, "name": name})
-        path = self.run_dir / NODES_FILE
-        fd = os.open(path.with_suffix(".tmp"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                raise RuntimeError(f"the sandbox node agent on {agent['name']} failed to start: {exc}") from None
+            agent["row"] = {"url": url, "token": self.token, "name": agent["name"]}
+        self._write()
+        return self.path
+
+    def poll(self) -> list[str]:
+        """Start agents on new sandbox nodes, adopt those now ready, drop those whose node is gone.
+
+        Never blocks on an agent's start. Returns what changed (for the launcher's events)."""
+        alive = {n["NodeID"]: n for n in sandbox_nodes()}
+        changes, before = [], self.nodes
+        for node_id, node in alive.items():
+            if node_id not in self.agents and node_id not in self.failed:
+                self._launch(node)
+                changes.append(f"starting an agent on {_node_name(node)}")
+        pending = {a["ready"]: node_id for node_id, a in self.agents.items() if a["row"] is None}
+        done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0) if pending else ([], [])
+        for ref in done:
+            agent = self.agents[pending[ref]]
+            try:
+                agent["row"] = {"url": ray.get(ref), "token": self.token, "name": agent["name"]}
+                changes.append(f"agent on {agent['name']} ready at {agent['row']['url']}")
+            except (RayError, RuntimeError) as exc:
+                self._drop(pending[ref], failed=True)
+                changes.append(f"the agent on {agent['name']} failed to start: {exc}")
+        for node_id, agent in list(self.agents.items()):
+            overdue = agent["row"] is None and time.monotonic() - agent["t0"] > self.timeout_s + 30
+            if node_id not in alive or overdue:
+                self._drop(node_id, failed=overdue)
+                changes.append(f"agent on {agent['name']} dropped ({'start timed out' if overdue else 'node gone'})")
+        if self.nodes != before:
+            self._write()
+        return changes
+
+    def _launch(self, node: dict[str, Any]) -> None:
+        actor = self._actor(node)
+        self.agents[node["NodeID"]] = {"actor": actor, "ready": actor.ready.remote(self.timeout_s),
+                                       "t0": time.monotonic(), "row": None, "name": _node_name(node)}
+
+    def _drop(self, node_id: str, failed: bool) -> None:
+        """Forget a node's agent and kill its actor (its node may be gone: nothing waits on it)."""
+        agent = self.agents.pop(node_id)
+        if failed:
+            self.failed.add(node_id)
+        self.actors = [a for a in self.actors if a is not agent["actor"]]
+        try:
+            ray.kill(agent["actor"], no_restart=True)
+        except ValueError:
+            pass  # already gone
+
+    def _write(self) -> None:
+        """The nodes file, replaced atomically (temp + rename, mode 0600): a reader never sees half of it."""
+        tmp = self.path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             json.dump(self.nodes, f)
-        os.replace(path.with_suffix(".tmp"), path)
-        log.info("sandbox node agents: %s", ", ".join(f"{n['name']} {n['url']}" for n in self.nodes))
-        return path
+        os.replace(tmp, self.path)
+        log.info("sandbox node agents: %s", ", ".join(f"{n['name']} {n['url']}" for n in self.nodes) or "none")
 
     def _actor(self, node: dict[str, Any]) -> Any:
         """The agent's actor on `node`: allocatable from the node's Ray resources, a state dir of its own."""
@@ -104,6 +166,7 @@ class SandboxAgents:
             except ValueError:
                 pass  # already gone
         self.actors = []
+        self.agents = {}
 
 
 def _node_name(node: dict[str, Any]) -> str:

@@ -17,6 +17,10 @@ Its sandboxes died with it (they are the agent's children). `confirm_lost(sandbo
 whether a sandbox that stopped answering went down with its node (infrastructure: the attempt is
 re-run) or alone, on a live node (the model's doing). It probes the agent itself rather than trust
 the monitor's last view, since the harness sees a sandbox error before the monitor's deadline.
+
+Nodes that join: given `nodes_file`, the monitor re-reads it whenever it changes (its mtime, size or
+inode: the Ray launcher replaces it atomically) and adds the agents it does not know. An address the
+pool knows, dead or alive, is never added again; a node dropped from the file is left to the monitor.
 """
 
 from __future__ import annotations
@@ -49,10 +53,10 @@ class NodeRef:
     name: str = ""
 
 
-def load_nodes(path: Path | str) -> list[NodeRef]:
+def load_nodes(path: Path | str, allow_empty: bool = False) -> list[NodeRef]:
     """A nodes file: a JSON list of {"url", "token", "name"?} (the Ray launcher writes one, mode 0600)."""
     rows = json.loads(Path(path).read_text())
-    if not isinstance(rows, list) or not rows:
+    if not isinstance(rows, list) or not (rows or allow_empty):
         raise ValueError(f"{path}: expected a non-empty JSON list of {{url, token}}")
     return [NodeRef(str(r["url"]), str(r["token"]), str(r.get("name", ""))) for r in rows]
 
@@ -77,23 +81,28 @@ class ClusterPool:
 
     def __init__(self, nodes: Sequence[NodeRef], policy: str | Policy = "ours", max_concurrent: int | None = 64,
                  refresh_s: float = 1.0, dead_after_s: float = 10.0, probe_timeout_s: float = 5.0,
-                 create_timeout_s: float = 180.0, client_timeout_s: float = 60.0) -> None:
+                 create_timeout_s: float = 180.0, client_timeout_s: float = 60.0,
+                 nodes_file: Path | str | None = None) -> None:
         if not nodes:
             raise ValueError("a cluster pool needs at least one node agent")
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
         self.max_concurrent = max_concurrent
         self.refresh_s, self.dead_after_s, self.client_timeout_s = refresh_s, dead_after_s, client_timeout_s
-        self.nodes = [_Node(ref, NodeClient(ref.url, ref.token, create_timeout_s),
-                            NodeClient(ref.url, ref.token, probe_timeout_s), ref.name or ref.url) for ref in nodes]
+        self.create_timeout_s, self.probe_timeout_s = create_timeout_s, probe_timeout_s
+        # replaced, never mutated, when a node joins: a reader iterating the old list stays consistent
+        self.nodes = [self._node(ref) for ref in nodes]
+        self.nodes_file = Path(nodes_file) if nodes_file else None
+        self._file_seen: tuple[int, int, int] | None = None  # the first tick reads it (it may have changed)
         self._slots = threading.BoundedSemaphore(max_concurrent) if max_concurrent else None
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._seq = 0
         self.counts = {"created": 0, "closed": 0, "refused": 0, "create_errors": 0, "close_errors": 0,
-                       "report_errors": 0, "nodes_lost": 0, "sandboxes_lost": 0}
+                       "report_errors": 0, "nodes_lost": 0, "sandboxes_lost": 0, "nodes_joined": 0,
+                       "nodes_file_errors": 0}
         self.decision_s: deque[float] = deque(maxlen=10_000)  # placement decision latencies
         self._stop = threading.Event()
-        self._reader = ThreadPoolExecutor(max_workers=min(len(self.nodes), 16), thread_name_prefix="node-report")
+        self._reader = ThreadPoolExecutor(max_workers=16, thread_name_prefix="node-report")  # threads made lazily
         self.refresh()
         self._monitor = threading.Thread(target=self._monitor_loop, name="node-monitor", daemon=True)
         self._monitor.start()
@@ -263,7 +272,46 @@ class ClusterPool:
 
     def _monitor_loop(self) -> None:
         while not self._stop.wait(self.refresh_s):
+            self.watch_nodes_file()
             self.refresh()
+
+    def _node(self, ref: NodeRef) -> _Node:
+        return _Node(ref, NodeClient(ref.url, ref.token, self.create_timeout_s),
+                     NodeClient(ref.url, ref.token, self.probe_timeout_s), ref.name or ref.url)
+
+    def _file_key(self) -> tuple[int, int, int] | None:
+        if self.nodes_file is None:
+            return None
+        try:
+            st = self.nodes_file.stat()
+        except FileNotFoundError:
+            return None
+        return st.st_mtime_ns, st.st_size, st.st_ino
+
+    def watch_nodes_file(self) -> list[str]:
+        """Add the agents a changed nodes file lists that this pool never knew; their names.
+
+        A file that fails to parse is counted and read again on its next change (the launcher writes
+        it atomically, so that means a hand edit went wrong, not a torn read)."""
+        key = self._file_key()
+        if key is None or key == self._file_seen:
+            return []
+        self._file_seen = key
+        try:
+            refs = load_nodes(self.nodes_file, allow_empty=True)  # type: ignore[arg-type]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            with self._lock:
+                self.counts["nodes_file_errors"] += 1
+            log.warning("nodes file %s: %s", self.nodes_file, exc)
+            return []
+        known = {n.ref.url for n in self.nodes}
+        new = [self._node(ref) for ref in refs if ref.url not in known]
+        if new:
+            with self._changed:
+                self.nodes = [*self.nodes, *new]
+                self.counts["nodes_joined"] += len(new)
+            log.info("node agents joined: %s", ", ".join(n.name for n in new))
+        return [n.name for n in new]
 
     def _mark_dead(self, node: _Node, why: object) -> None:
         with self._changed:

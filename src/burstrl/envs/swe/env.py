@@ -135,7 +135,8 @@ class SweEnv:
             from burstrl.sandbox.cluster import ClusterPool, load_nodes
 
             return ClusterPool(load_nodes(self.cfg.nodes_file), self.cfg.placement,
-                               max_concurrent=self.cfg.max_sandboxes, dead_after_s=self.cfg.node_dead_after_s)
+                               max_concurrent=self.cfg.max_sandboxes, dead_after_s=self.cfg.node_dead_after_s,
+                               nodes_file=self.cfg.nodes_file)
         from burstrl.sandbox.pool import SandboxPool
 
         return SandboxPool(self.cfg.backend, max_concurrent=self.cfg.max_sandboxes)
