@@ -103,3 +103,35 @@ def test_ray_namespace_is_one_per_run_directory(tmp_path: Path) -> None:
 
     a, b = run_namespace(tmp_path / "run"), run_namespace(tmp_path / "other" / "run")
     assert a.startswith("burstrl-run-") and a != b and run_namespace(tmp_path / "run") == a
+
+
+class FlakyNodeProvider:
+    """A provider whose sandbox-node poll fails once (a Ray GCS hiccup), then finds a node."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def poll_sandbox_nodes(self) -> list[str]:
+        self.calls += 1
+        if self.calls == 1:
+            raise ConnectionError("GCS unavailable")
+        return ["agent on node-2 ready at http://10.0.0.2:1"]
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_failed_sandbox_node_poll_is_counted_and_retried_not_fatal(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from burstrl.launcher import run
+
+    cfg = RunConfig.model_validate({"run_dir": str(tmp_path / "run"), "fleet": {"zygote": False}})
+    launcher = run.Launcher(cfg)
+    launcher.run_dir.mkdir(parents=True)
+    launcher.provider = FlakyNodeProvider()
+    monkeypatch.setattr(run, "SANDBOX_NODE_POLL_S", 0.0)
+    launcher.poll_sandbox_nodes()
+    launcher.poll_sandbox_nodes()
+    events = [json.loads(line)["detail"] for line in (launcher.run_dir / "fleet.jsonl").read_text().splitlines()]
+    assert launcher.node_poll_errors == 1 and launcher.provider.calls == 2
+    assert events[0].startswith("poll failed (ConnectionError") and events[1].startswith("agent on node-2 ready")

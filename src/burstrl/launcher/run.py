@@ -95,6 +95,7 @@ class Launcher:
         self.last_autoscale = 0.0
         self.last_sample = 0.0
         self.last_node_poll = 0.0
+        self.node_poll_errors = 0  # sandbox-node polls that failed (each retried at the next poll)
         self.router_stats: dict[str, Any] = {}
 
     # ---- the run ----
@@ -197,7 +198,13 @@ class Launcher:
         if poll is None or time.monotonic() - self.last_node_poll < SANDBOX_NODE_POLL_S:
             return
         self.last_node_poll = time.monotonic()
-        for change in poll():
+        try:
+            changes = poll()
+        except Exception as exc:  # a Ray GCS hiccup must not end the run: the next poll retries
+            self.node_poll_errors += 1
+            self.event("sandbox_nodes", detail=f"poll failed ({type(exc).__name__}: {exc}); retrying")
+            return
+        for change in changes:
             self.event("sandbox_nodes", detail=change)
 
     def _start(self, name: str, args: list[str], ready: bool, placement: Placement) -> RoleHandle:
