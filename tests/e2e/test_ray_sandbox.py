@@ -17,12 +17,13 @@ import os
 import shutil
 import time
 from collections import Counter
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")]
@@ -93,15 +94,15 @@ def test_sandboxes_across_ray_sandbox_nodes_survive_a_node_loss(tmp_path: Path) 
             agents.poll()
             return {r.name for r in load_nodes(path, allow_empty=True)}
 
-        wait(lambda: victim_name not in names(), 120, "the removed node's agent leaves the nodes file")
+        wait_for(lambda: victim_name not in names(), 120, "the removed node's agent leaves the nodes file", interval=0.5)
         joined = cluster.add_node(num_cpus=8, memory=8 * 2**30, resources={"sandbox_node": 1},
                                   object_store_memory=80 * 2**20)
         cluster.wait_for_nodes()
-        new_name = wait(lambda: next((x for x in names() if x.endswith(joined.node_id[:6])), None), 300,
-                        "an agent on the node that joined")
+        new_name = wait_for(lambda: next((x for x in names() if x.endswith(joined.node_id[:6])), None), 300,
+                        "an agent on the node that joined", interval=0.5)
         assert oct(path.stat().st_mode & 0o777) == "0o600" and len(names()) == 3
-        wait(lambda: any(x.name == new_name and x.state is not None for x in pool.nodes), 60,
-             "the pool reads the new node from the file and its first report")
+        wait_for(lambda: any(x.name == new_name and x.state is not None for x in pool.nodes), 60,
+             "the pool reads the new node from the file and its first report", interval=0.5)
         pool.policy = _emptiest()  # which node wins is not the point here (packing may prefer the old ones)
         late = [pool.create(spec, timeout=900) for _ in range(3)]
         assert new_name in {sb.node for sb in late}
@@ -128,16 +129,6 @@ def _emptiest() -> Any:
             return None if super().evaluate(node, request) is None else -float(len(node.sandboxes))
 
     return Emptiest()
-
-
-def wait(cond: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"not within {timeout}s: {what}")
 
 
 def test_toy_swe_run_on_ray_sandbox_nodes_survives_a_node_loss(tmp_path: Path, tiny_model_dir: Path) -> None:

@@ -7,27 +7,18 @@ the engine any more, so the test reaches that path with `BURSTRL_CRASH=engine@N`
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from burstrl.protocol import process
+from tests.waiting import wait_for
 
 from .conftest import ADMIN_TOKEN, start_server, stop_server
 
 TOKEN = "death-cluster-token"
 pytestmark = pytest.mark.slow
-
-
-def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 def test_a_dead_engine_leaves_rotation_and_the_process_exits(tiny_model_dir: Path, tmp_path: Path,

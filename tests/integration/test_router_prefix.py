@@ -4,7 +4,6 @@ router's keys, and the default `kv` policy sends a prompt (with or without a ses
 from __future__ import annotations
 
 import random
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import pytest
 
 from burstrl.protocol import process
 from burstrl.protocol.blocks import BLOCK_TOKENS, prefix_block_hashes
+from tests.waiting import wait_for
 
 from .conftest import start_server, stop_server
 
@@ -55,14 +55,6 @@ def queried(urls: list[str]) -> list[int]:
     return [httpx.get(u + "/v1/loads", timeout=30).json()["prefix_cache_queries_tokens"] for u in urls]
 
 
-def wait_for(condition, what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
-
-
 def test_summary_holds_the_routers_keys_and_kv_follows_them(pair):
     router, servers = pair
     urls = [s.url for s in servers]
@@ -83,6 +75,6 @@ def test_summary_holds_the_routers_keys_and_kv_follows_them(pair):
         # and so does a call without a session (it is placed by the policy, not by load alone)
         before = queried(urls)
         complete(router.url, prompt + [10, 11], None)
-        wait_for(lambda b=before: queried(urls) != b, "the call to be counted")
+        wait_for(lambda b=before: queried(urls) != b, 60, "the call to be counted")
         after = queried(urls)
         assert after[urls.index(home)] > before[urls.index(home)] and after[urls.index(other)] == before[urls.index(other)]

@@ -15,7 +15,7 @@ import shutil
 import signal
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -31,20 +31,11 @@ from burstrl.sandbox.backends import SandboxSpec
 from burstrl.sandbox.client import SandboxError
 from burstrl.sandbox.cluster import ClusterPool, NodeRef, load_nodes
 from burstrl.sandbox.node_client import NodeClient
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None,
                                 reason="bubblewrap (bwrap) is not installed: `make system-deps` as root")
 TOKEN = "cluster-test-token"
-
-
-def wait_for(cond: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"not within {timeout}s: {what}")
 
 
 def entry_pids(sid: str) -> list[int]:

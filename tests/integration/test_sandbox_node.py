@@ -12,11 +12,9 @@ import http.client
 import json
 import shutil
 import tempfile
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
@@ -25,20 +23,11 @@ from burstrl.protocol.process import RoleProcess, start_role
 from burstrl.sandbox.client import SandboxError
 from burstrl.sandbox.node_client import NodeClient, NodeError, node_state
 from burstrl.sandbox.placement import Layer, OursPolicy, Resources, SandboxRequest
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None,
                                 reason="bubblewrap (bwrap) is not installed: `make system-deps` as root")
 TOKEN = "node-test-token"
-
-
-def wait_for(cond: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"not within {timeout}s: {what}")
 
 
 def alive(pid: int) -> bool:

@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -22,6 +21,7 @@ import pytest
 from burstrl.providers import Placement
 from burstrl.providers.local import REPLICA_LISTEN, LocalProvider
 from burstrl.providers.zygote import ForkedRole, fork_safe
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 REPLICA = Placement(listen=REPLICA_LISTEN, pool="on_demand")
@@ -36,15 +36,6 @@ def gone(pid: int) -> bool:
     except (FileNotFoundError, ProcessLookupError):
         return True
     return state == "Z"
-
-
-def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 def serve_args(model: Path) -> list[str]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import socket
-import time
 
 import httpx
 import pytest
@@ -14,6 +13,7 @@ from burstrl.inference.adapters import AdapterRegistry
 from burstrl.inference.bulk import BulkReceiver
 from burstrl.model.lora import make_random_adapter
 from burstrl.protocol.adapters import pack_adapter
+from tests.waiting import wait_for
 
 TOKEN = "bulk-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -48,14 +48,6 @@ def put(bulk: BulkReceiver, name: str, index: int, of: int, data: bytes, sha: st
         headers: dict | None = None) -> httpx.Response:
     h = {**AUTH, **({"X-Shard-SHA256": sha} if sha else {}), **(headers or {})}
     return httpx.put(url(bulk, name, index), params={"of": of}, content=data, headers=h, timeout=30)
-
-
-def wait_for(cond, what: str, deadline_s: float = 30.0) -> None:
-    end = time.monotonic() + deadline_s
-    while not cond():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def raw(bulk: BulkReceiver, head: bytes, body: bytes = b"") -> socket.socket:
@@ -127,7 +119,7 @@ def test_truncated_body_is_dropped(bulk, registry):
     s.shutdown(socket.SHUT_WR)
     with s:
         assert s.recv(4096) == b""  # closed without an answer: there is nothing to answer
-    wait_for(lambda: bulk.counters.truncated == 1, "the truncated shard to be counted")
+    wait_for(lambda: bulk.counters.truncated == 1, 30, "the truncated shard to be counted", interval=0.02)
     assert registry.staged() == []
 
 
@@ -176,7 +168,7 @@ def test_connections_past_the_limit_are_closed_and_stalled_ones_time_out(bulk, r
     for s in idle:  # idle_timeout_s (2 s) frees the slots held by stalled senders
         with s:
             assert s.recv(1) == b""
-    wait_for(lambda: put(bulk, "policy-v1", 0, 1, b"abc").status_code == 200, "a free slot")
+    wait_for(lambda: put(bulk, "policy-v1", 0, 1, b"abc").status_code == 200, 30, "a free slot", interval=0.02)
 
 
 def test_close_stops_the_listener(registry):
