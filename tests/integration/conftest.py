@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -9,6 +11,7 @@ import httpx
 import pytest
 
 from burstrl.protocol.process import RoleProcess, start_replica
+from burstrl.store import RolloutStore
 
 ADMIN_TOKEN = "test-admin-token"
 
@@ -110,3 +113,18 @@ def tls_cert(tmp_path: Path) -> tuple[Path, Path]:
                     "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
                     "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
     return cert, key
+
+
+def commit_step_one(store_path: Path, stop: threading.Event, ready: Callable[[RolloutStore], bool],
+                    max_groups: int) -> list:
+    """A stand-in trainer: once `ready(store)` (or `stop`), takes up to `max_groups` buffered groups and
+    commits step 1, which ends an orchestrator run of one step. Returns the groups taken."""
+    store = RolloutStore(store_path)
+    try:
+        while not stop.is_set() and not ready(store):
+            stop.wait(0.2)
+        taken = store.take(max_groups, trainer_version=0, max_staleness=1000)
+        store.commit_step(1, [g.id for g in taken], {"trainer_version": 0})
+        return taken
+    finally:
+        store.close()

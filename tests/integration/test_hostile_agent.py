@@ -31,7 +31,7 @@ from burstrl.protocol import process
 from burstrl.sandbox.client import SandboxError
 from burstrl.store import RolloutStore
 
-from .conftest import ADMIN_TOKEN, start_server, stop_server
+from .conftest import ADMIN_TOKEN, commit_step_one, start_server, stop_server
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")]
@@ -113,20 +113,13 @@ def cluster(tiny_model_dir: Path, tmp_path: Path):
 
 
 def trainer(store_path: Path, env: ScriptedSwe, stop: threading.Event) -> list:
-    """A stand-in trainer: once every script has a stored attempt, takes every buffered group and
-    commits step 1 (which ends the run)."""
-    store = RolloutStore(store_path)
-    try:
-        while not stop.is_set():
-            stored = {env.started.get(rid) for rid, (status, _) in store.attempts().items() if status == "stored"}
-            if stored >= set(ORDER):
-                break
-            stop.wait(0.2)
-        taken = store.take(1000, trainer_version=0, max_staleness=1000)
-        store.commit_step(1, [g.id for g in taken], {"trainer_version": 0})
-        return taken
-    finally:
-        store.close()
+    """Once every script has a stored attempt, every buffered group becomes step 1 (ending the run)."""
+
+    def every_script_stored(store: RolloutStore) -> bool:
+        stored = {env.started.get(rid) for rid, (status, _) in store.attempts().items() if status == "stored"}
+        return stored >= set(ORDER)
+
+    return commit_step_one(store_path, stop, every_script_stored, max_groups=1000)
 
 
 def test_a_hostile_agent_scores_0_and_the_run_finishes_with_nothing_lost(cluster, tmp_path: Path) -> None:

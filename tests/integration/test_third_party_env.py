@@ -21,9 +21,8 @@ import pytest
 from burstrl.config import OrchestrateConfig, OrchestratorSection
 from burstrl.orchestrator.loop import Orchestrator
 from burstrl.protocol import process
-from burstrl.store import RolloutStore
 
-from .conftest import ADMIN_TOKEN, start_server, stop_server
+from .conftest import ADMIN_TOKEN, commit_step_one, start_server, stop_server
 
 pytestmark = pytest.mark.slow
 
@@ -46,16 +45,8 @@ def router(tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 
 
 def take_first_group(store_path: Path, stop: threading.Event) -> list:
-    """A stand-in trainer: the first stored group becomes step 1 (the orchestrator then stops)."""
-    store = RolloutStore(store_path)
-    try:
-        while not stop.is_set() and store.buffered_count() < 1:
-            stop.wait(0.2)
-        taken = store.take(1, trainer_version=0, max_staleness=1000)
-        store.commit_step(1, [g.id for g in taken], {"trainer_version": 0})
-        return taken
-    finally:
-        store.close()
+    """The first stored group becomes step 1 (the orchestrator then stops)."""
+    return commit_step_one(store_path, stop, lambda store: store.buffered_count() >= 1, max_groups=1)
 
 
 def test_the_orchestrator_runs_groups_of_a_module_class_environment(router, tmp_path: Path) -> None:
