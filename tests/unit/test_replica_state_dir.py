@@ -8,8 +8,8 @@ import sys
 import time
 from pathlib import Path
 
-from burstrl.inference.replica import OWNER_FILE, STATE_PREFIX, make_state_dir, sweep_dead_state_dirs
-from burstrl.protocol.process import process_start_time
+from burstrl.inference.replica import STATE_PREFIX, make_state_dir, sweep_dead_state_dirs
+from burstrl.protocol.process import OWNER_FILE, process_start_time
 
 
 def _dead_pid() -> int:
@@ -32,8 +32,8 @@ def _dir(parent: Path, name: str, owner: dict | str | None, age_s: float = 0.0) 
 
 def test_live_owner_kept_dead_owner_removed(tmp_path: Path) -> None:
     mine = make_state_dir(tmp_path)
-    dead = _dir(tmp_path, "dead", {"pid": _dead_pid(), "start": 12345})
-    reused = _dir(tmp_path, "reused", {"pid": os.getpid(), "start": (process_start_time(os.getpid()) or 0) + 1})
+    dead = _dir(tmp_path, "dead", {"owner_pid": _dead_pid(), "owner_start": 12345})
+    reused = _dir(tmp_path, "reused", {"owner_pid": os.getpid(), "owner_start": (process_start_time(os.getpid()) or 0) + 1})
     removed = sweep_dead_state_dirs(tmp_path)
     assert sorted(removed) == sorted([dead, reused])
     assert mine.is_dir() and not dead.exists() and not reused.exists()

@@ -7,7 +7,6 @@ imports no HTTP code, so the route modules can import it without a cycle.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import secrets
@@ -27,7 +26,7 @@ from burstrl.inference.chat import ChatError, ChatTokenizer
 from burstrl.inference.engine import Engine
 from burstrl.inference.openai_api import TokenText
 from burstrl.inference.sessions import SessionTable
-from burstrl.protocol.process import pid_alive, process_start_time
+from burstrl.protocol.process import pid_alive, read_owner, write_owner
 from burstrl.protocol.versions import version_name
 from burstrl.weights.volume import latest
 
@@ -123,15 +122,13 @@ def build_replica(cfg: ServeConfig) -> InferenceReplica:
 
 
 STATE_PREFIX = "burstrl-replica-"
-OWNER_FILE = "owner.json"
 
 
 def make_state_dir(parent: Path) -> Path:
     """A private temp state dir recording its owner (pid + start time), so that when this replica is
     killed (SIGKILL, preemption) the next replica on the host can tell the dir is garbage."""
     path = Path(tempfile.mkdtemp(prefix=STATE_PREFIX, dir=parent))
-    pid = os.getpid()
-    (path / OWNER_FILE).write_text(json.dumps({"pid": pid, "start": process_start_time(pid)}))
+    write_owner(path)
     return path
 
 
@@ -158,10 +155,10 @@ def sweep_dead_state_dirs(parent: Path, min_age_s: float = 60.0) -> list[Path]:
 
 
 def _owner_alive(path: Path, st: os.stat_result, min_age_s: float) -> bool:
+    owner = read_owner(path)
     try:
-        owner = json.loads((path / OWNER_FILE).read_text())
-        return pid_alive(int(owner["pid"]), owner.get("start"))
-    except (OSError, ValueError, KeyError, TypeError):  # no or torn record: judge by age
+        return pid_alive(int(owner["owner_pid"]), owner.get("owner_start"))
+    except (KeyError, TypeError, ValueError, AttributeError):  # no or torn record: judge by age
         return time.time() - st.st_mtime < min_age_s
 
 

@@ -20,6 +20,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 @dataclass
@@ -173,3 +174,22 @@ def pid_alive(pid: int, start_time: int | None) -> bool:
     """Whether the process that had `pid` (and, if given, that start time) still runs."""
     now = process_start_time(pid)
     return now is not None and (start_time is None or now == start_time)
+
+
+OWNER_FILE = "owner.json"
+
+
+def write_owner(path: Path, **fields: Any) -> None:
+    """Record who owns a dir (a sandbox's, a replica's temp state), so a sweep can tell a dead owner's leftovers."""
+    pid = os.getpid()
+    data = {"owner_pid": pid, "owner_start": process_start_time(pid), **fields}
+    tmp = path / (OWNER_FILE + ".tmp")
+    tmp.write_text(json.dumps(data))
+    tmp.replace(path / OWNER_FILE)
+
+
+def read_owner(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((path / OWNER_FILE).read_text())
+    except (OSError, ValueError):
+        return None

@@ -26,8 +26,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import burstrl
+from burstrl.protocol.process import OWNER_FILE as OWNER_FILE
 from burstrl.protocol.process import pid_alive as pid_alive  # re-exported: pool and backends use it
 from burstrl.protocol.process import process_start_time as process_start_time
+from burstrl.protocol.process import read_owner as read_owner
+from burstrl.protocol.process import write_owner as write_owner
 
 if TYPE_CHECKING:
     from burstrl.sandbox.backends.quota import SizedDir
@@ -38,7 +41,6 @@ CODE_MOUNT = "/opt/burstrl"
 RUN_MOUNT = "/run/sandbox"
 SOCKET_NAME = "sandboxd.sock"
 TOKEN_NAME = "token"
-OWNER_FILE = "owner.json"
 # sun_path is 108 bytes including the terminating NUL.
 MAX_SOCKET_PATH = 107
 
@@ -247,22 +249,6 @@ def trusted_client(path: Path, token: str) -> Any:
 
     pid, uid, _ = socket_peer(str(path))
     return SandboxClient(socket_path=str(path), token=token, expected_pid=pid, expected_uid=uid)
-
-
-def write_owner(path: Path, **fields: Any) -> None:
-    """Record who owns the sandbox dir, so `sweep_stale` can tell a dead owner's leftovers."""
-    pid = os.getpid()
-    data = {"owner_pid": pid, "owner_start": process_start_time(pid), **fields}
-    tmp = path / (OWNER_FILE + ".tmp")
-    tmp.write_text(json.dumps(data))
-    tmp.replace(path / OWNER_FILE)
-
-
-def read_owner(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads((path / OWNER_FILE).read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def make_run_dir(path: Path, token_file: bool = True) -> tuple[Path, str]:
