@@ -135,7 +135,8 @@ def test_node_agent_end_to_end(dirs: tuple[Path, Path], tmp_path: Path) -> None:
         assert raw(agent.url, "DELETE", "/v1/node")[0] == 405
         assert node.health()["sandboxes"] == 3 and agent.poll() is None  # nothing crashed
 
-        pids = [a.daemon_pid for a in addrs]
+        pids = [a.pid for a in addrs]
+        assert None not in pids and agent.proc.pid not in pids  # the sandboxes' own processes, not the agent
         assert all(alive(p) for p in pids)
         agent.kill()  # SIGKILL: no chance to clean up; its sandboxes die with it
         wait_for(lambda: not any(alive(p) for p in pids), 30, "sandbox daemons gone after the agent's death")
@@ -153,4 +154,4 @@ def test_node_agent_end_to_end(dirs: tuple[Path, Path], tmp_path: Path) -> None:
         assert last.client(timeout=60).exec("echo ok").stdout == "ok\n"
     finally:
         again.stop()  # SIGTERM: the agent closes what it owns
-    assert not alive(last.daemon_pid) and list(state_dir.iterdir()) == []
+    assert not alive(last.pid) and list(state_dir.iterdir()) == []

@@ -175,8 +175,12 @@ class NodeAgent:
 
     def address(self, held: Held) -> dict[str, Any]:
         c = held.sandbox.client
+        owner = read_owner(held.sandbox.path) or {}
         return {"id": held.sandbox.id, "url": held.forward.url, "token": c.token, "socket": c.socket_path,
-                "daemon_pid": c.expected_pid, "daemon_uid": c.expected_uid,
+                # who listens on `socket` (checked per connection): the daemon, or where the agent made
+                # the listener and handed it in (namespace backend), the agent itself
+                "socket_pid": c.expected_pid, "socket_uid": c.expected_uid,
+                "pid": owner.get("pid"),  # the sandbox's own top process (bwrap / the OCI runtime)
                 "limits": {"cpu": held.sandbox.limits.cpu, "memory": held.sandbox.limits.memory,
                            "pids": held.sandbox.limits.pids, "disk": held.sandbox.limits.disk}}
 

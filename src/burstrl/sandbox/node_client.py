@@ -34,15 +34,16 @@ class SandboxAddress:
     url: str
     token: str
     socket: str | None = None
-    daemon_pid: int | None = None
-    daemon_uid: int | None = None
+    socket_pid: int | None = None  # the unix socket's listener, checked on each connection
+    socket_uid: int | None = None
+    pid: int | None = None  # the sandbox's top process on its node (not the agent)
     limits: dict[str, str] | None = None  # how the node enforced each limit (`LimitsReport` fields)
 
     def client(self, local: bool = False, timeout: float = 30.0) -> SandboxClient:
         """A daemon client: over the node's TCP port, or with `local` over the unix socket."""
         if local and self.socket:
             return SandboxClient(socket_path=self.socket, token=self.token, timeout=timeout,
-                                 expected_pid=self.daemon_pid, expected_uid=self.daemon_uid)
+                                 expected_pid=self.socket_pid, expected_uid=self.socket_uid)
         return SandboxClient(url=self.url, token=self.token, timeout=timeout)
 
 
@@ -79,8 +80,8 @@ class NodeClient:
     def create(self, **spec: Any) -> SandboxAddress:
         """Start a sandbox on the node; `spec`: `SandboxSpec` fields (`image` a layout path on the node)."""
         a = self._call("POST", "/v1/sandboxes", spec)
-        return SandboxAddress(a["id"], a["url"], a["token"], a.get("socket"), a.get("daemon_pid"), a.get("daemon_uid"),
-                              a.get("limits"))
+        return SandboxAddress(a["id"], a["url"], a["token"], socket=a.get("socket"), socket_pid=a.get("socket_pid"),
+                              socket_uid=a.get("socket_uid"), pid=a.get("pid"), limits=a.get("limits"))
 
     def delete(self, sid: str) -> None:
         self._call("DELETE", f"/v1/sandboxes/{sid}")
