@@ -162,12 +162,17 @@ def write_nodes(path: Path, refs: list[NodeRef]) -> None:
 def test_nodes_added_to_the_file_mid_run_take_sandboxes_and_a_dead_one_never_returns(agents: Agents,
                                                                                      tmp_path: Path) -> None:
     nodes = tmp_path / "nodes.json"
-    write_nodes(nodes, agents.refs[:1])
-    pool = ClusterPool(load_nodes(nodes), "ours", max_concurrent=12, refresh_s=0.5, dead_after_s=3,
-                       nodes_file=nodes)
+    nodes.write_text("[]")  # no sandbox node has joined yet (or, for a restarted orchestrator, none is left)
+    pool = ClusterPool(load_nodes(nodes, allow_empty=True), "ours", max_concurrent=12, refresh_s=0.5,
+                       dead_after_s=3, nodes_file=nodes)
     try:
         spec = SandboxSpec(cpu_limit=1, memory_limit_mb=2048, start_timeout_s=120)
-        first = [pool.create(spec, timeout=300) for _ in range(2)]  # node0 is now full (`--max-sandboxes 2`)
+        with pytest.raises(TimeoutError):  # waits for a node up to its timeout: never fails the run
+            pool.create(spec, timeout=1)
+        with ThreadPoolExecutor(1) as ex:
+            waiting = ex.submit(pool.create, spec, 300)
+            write_nodes(nodes, agents.refs[:1])
+            first = [waiting.result(timeout=300), pool.create(spec, timeout=300)]  # node0 now full (max 2)
         assert {sb.node for sb in first} == {"node0"}
         nodes.write_text("[{not json")  # a bad edit is counted and changes nothing
         wait_for(lambda: pool.stats()["nodes_file_errors"] == 1, 60, "the pool reads the broken file")
@@ -184,7 +189,7 @@ def test_nodes_added_to_the_file_mid_run_take_sandboxes_and_a_dead_one_never_ret
         assert on2.node == "node2" and on2.exec("echo ok").stdout == "ok\n"
         stats = pool.stats()
         assert len(pool.nodes) == 3 and stats["nodes"]["node1"]["dead"] and not stats["nodes"]["node2"]["dead"]
-        assert stats["nodes_joined"] == 2 and stats["nodes_lost"] == 1
+        assert stats["nodes_joined"] == 3 and stats["nodes_lost"] == 1
     finally:
         pool.close()
 
@@ -197,6 +202,10 @@ def test_nodes_file_is_validated(tmp_path: Path) -> None:
         good.write_text(bad)
         with pytest.raises((ValueError, KeyError)):
             load_nodes(good)
+    good.write_text("[]")
+    assert load_nodes(good, allow_empty=True) == []
+    with pytest.raises(ValueError, match="at least one node agent"):  # no node, and none can join
+        ClusterPool([])
 
 
 class Gated:

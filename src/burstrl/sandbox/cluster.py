@@ -21,6 +21,9 @@ the monitor's last view, since the harness sees a sandbox error before the monit
 Nodes that join: given `nodes_file`, the monitor re-reads it whenever it changes (its mtime, size or
 inode: the Ray launcher replaces it atomically) and adds the agents it does not know. An address the
 pool knows, dead or alive, is never added again; a node dropped from the file is left to the monitor.
+With a nodes file the pool may start empty (a run whose sandbox nodes have not joined, or an
+orchestrator restarted while none was left), and a create waits for a node to join up to its
+timeout (the env's attempt then fails as infrastructure and is re-run) rather than failing the run.
 """
 
 from __future__ import annotations
@@ -83,8 +86,8 @@ class ClusterPool:
                  refresh_s: float = 1.0, dead_after_s: float = 10.0, probe_timeout_s: float = 5.0,
                  create_timeout_s: float = 180.0, client_timeout_s: float = 60.0,
                  nodes_file: Path | str | None = None) -> None:
-        if not nodes:
-            raise ValueError("a cluster pool needs at least one node agent")
+        if not nodes and not nodes_file:
+            raise ValueError("a cluster pool needs at least one node agent, or a nodes file they join through")
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
         self.max_concurrent = max_concurrent
         self.refresh_s, self.dead_after_s, self.client_timeout_s = refresh_s, dead_after_s, client_timeout_s
@@ -156,12 +159,12 @@ class ClusterPool:
                     key = f"placing-{self._seq}"
                     node.placed[key] = self._placed(key, request)
                     return node, key
-                if all(n.dead for n in self.nodes):
+                if self.nodes_file is None and all(n.dead for n in self.nodes):  # and none can join
                     raise RuntimeError(f"every node agent is dead ({', '.join(n.name for n in self.nodes)})")
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise TimeoutError(f"no node admitted sandbox {request.name} in time "
-                                       f"({sum(not n.dead for n in self.nodes)} nodes alive)")
+                                       f"({sum(not n.dead for n in self.nodes)} of {len(self.nodes)} nodes alive)")
                 self._changed.wait(min(self.refresh_s * 2, left) if left is not None else self.refresh_s * 2)
                 refused.clear()  # a fresh report may show room again
 

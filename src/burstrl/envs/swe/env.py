@@ -134,7 +134,7 @@ class SweEnv:
         if self.cfg.nodes_file:
             from burstrl.sandbox.cluster import ClusterPool, load_nodes
 
-            return ClusterPool(load_nodes(self.cfg.nodes_file), self.cfg.placement,
+            return ClusterPool(load_nodes(self.cfg.nodes_file, allow_empty=True), self.cfg.placement,
                                max_concurrent=self.cfg.max_sandboxes, dead_after_s=self.cfg.node_dead_after_s,
                                nodes_file=self.cfg.nodes_file)
         from burstrl.sandbox.pool import SandboxPool
