@@ -4,7 +4,7 @@ sandboxes and three nodes carrying `sandbox_node`. One node-agent actor per sand
 confirmed lost (the SWE env's infra error) while the others keep working, and new sandboxes go to
 the two nodes left. A node added after that gets an agent (`SandboxAgents.poll`, as the launcher's
 supervision loop calls it), the nodes file follows, and the pool, watching the file, places there.
-A cluster without `sandbox_node` gets no agents.
+A cluster without `sandbox_node` gets no agents. An agent that dies alone is started again.
 
 `BURSTRL_RAY_SANDBOXES` sets how many sandboxes are held at once (default 24: what a busy 2-core
 machine starts in a few minutes; benchmarks/sandbox_cluster.py measures 64).
@@ -117,6 +117,67 @@ def test_sandboxes_across_ray_sandbox_nodes_survive_a_node_loss(tmp_path: Path) 
             agents.stop()
         ray.shutdown()
         cluster.shutdown()
+
+
+def test_an_agent_that_dies_on_a_live_node_is_started_again_then_given_up_on(tmp_path: Path, monkeypatch) -> None:
+    """One Ray node carrying `sandbox_node` (no multi-node cluster: the agent dies, not its node).
+    SIGKILL to the agent's group: the next polls start it again under a new name and port, the pool
+    counts its sandbox lost and places on the restarted agent; past `MAX_RESTARTS` it is given up on
+    and the nodes file empties (a pool reading it waits for a node instead of failing)."""
+    import signal
+    import subprocess
+
+    import ray
+
+    from burstrl.providers import ray_sandbox
+    from burstrl.providers.ray_sandbox import SandboxAgents
+    from burstrl.sandbox.backends import SandboxSpec
+    from burstrl.sandbox.cluster import ClusterPool, load_nodes
+
+    monkeypatch.setattr(ray_sandbox, "MAX_RESTARTS", 1)
+    ray.init(num_cpus=2, resources={"sandbox_node": 1}, include_dashboard=False, object_store_memory=80 * 2**20,
+             namespace="sandbox-restart-test", log_to_driver=False)
+    agents = pool = None
+    try:
+        agents = SandboxAgents(tmp_path, tmp_path / "logs", {}, backend="namespace", timeout_s=300)
+        path = agents.start()
+        assert path is not None
+        [first] = load_nodes(path)
+        pool = ClusterPool([first], "ours", max_concurrent=4, refresh_s=0.5, dead_after_s=5, nodes_file=path)
+        spec = SandboxSpec(cpu_limit=1, memory_limit_mb=1024, start_timeout_s=300)
+        sb = pool.create(spec, timeout=600)
+
+        def kill_agent(name: str) -> None:
+            pid = subprocess.run(["pgrep", "-f", "--", f"--name {name} "], capture_output=True, text=True,
+                                 check=True).stdout.split()[0]
+            os.killpg(int(pid), signal.SIGKILL)
+
+        def rows() -> list[str]:
+            agents.poll()
+            return [r.name for r in load_nodes(path, allow_empty=True)]
+
+        kill_agent(first.name)
+        restarted = f"{first.name}-r1"
+        wait_for(lambda: rows() == [restarted], 300, "the agent started again under a new name", interval=0.5)
+        assert agents.restarts == {next(iter(agents.agents)): 1}
+        assert pool.confirm_lost(sb)  # it died with its agent: the attempt is infrastructure's loss
+        sb.close()
+        wait_for(lambda: any(n.name == restarted and n.state is not None for n in pool.nodes), 60,
+                 "the pool adopts the restarted agent", interval=0.5)
+        again = pool.create(spec, timeout=600)
+        assert again.node == restarted and again.exec("echo again", timeout=120).stdout == "again\n"
+        assert pool.stats()["nodes"][first.name]["dead"]
+
+        kill_agent(restarted)  # past MAX_RESTARTS: given up on, the file empties
+        wait_for(lambda: rows() == [] and agents.failed, 120, "the agent given up on", interval=0.5)
+        with pytest.raises(TimeoutError):  # no node left: a create waits for one, it does not fail the run
+            pool.create(spec, timeout=3)
+    finally:
+        if pool is not None:
+            pool.close()
+        if agents is not None:
+            agents.stop()
+        ray.shutdown()
 
 
 def _emptiest() -> Any:

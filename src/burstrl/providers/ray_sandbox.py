@@ -13,6 +13,11 @@ the launcher, passed in the actor's environment (never argv) and written, mode 0
 nodes file in the run directory.
 
 A cluster without `sandbox_node` nodes gets no agents and no nodes file: sandboxes stay local.
+
+An agent that exits while its node stays alive (a crash, the OOM killer) is started again by the
+next poll, at most `MAX_RESTARTS` times per node: under a new name (`-r1`, `-r2`, ...) and a new
+port, so the pool, which never takes back an address it saw die, adopts it as a new node. Its
+sandboxes died with it; the attempts that held them are re-run (the pool confirms their node dead).
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ from burstrl.providers.ray_actors import ProcessSpec, RoleActor
 
 SANDBOX_RESOURCE = "sandbox_node"
 NODES_FILE = "sandbox-nodes.json"
+MAX_RESTARTS = 3  # per node and run: an agent that keeps dying on a live node is given up on
+ACTOR_GRACE_S = 60.0  # an agent's actor dead this long on a node Ray still lists: restarted there
 log = logging.getLogger("burstrl.ray")
 
 
@@ -58,6 +65,7 @@ class SandboxAgents:
         self.actors: list[Any] = []
         self.agents: dict[str, dict[str, Any]] = {}  # by Ray node id: actor, ready ref, start time, row
         self.failed: set[str] = set()  # node ids whose agent failed to start: not retried
+        self.restarts: dict[str, int] = {}  # by node id: agents started again after exiting on a live node
         self.path = self.run_dir / NODES_FILE
 
     @property
@@ -87,7 +95,8 @@ class SandboxAgents:
 
         Never blocks on an agent's start. Returns what changed (for the launcher's events)."""
         alive = {n["NodeID"]: n for n in sandbox_nodes()}
-        changes, before = [], self.nodes
+        before = self.nodes
+        changes = self._restart_exited(alive)
         for node_id, node in alive.items():
             if node_id not in self.agents and node_id not in self.failed:
                 self._launch(node)
@@ -111,10 +120,46 @@ class SandboxAgents:
             self._write()
         return changes
 
+    def _restart_exited(self, alive: dict[str, dict[str, Any]]) -> list[str]:
+        """Start again the ready agents that exited while their node is alive.
+
+        An agent whose process exited (its actor answers with the status) is restarted at once. One
+        whose actor died too is most often on a node that is going away: Ray lists a lost node as
+        alive for a while, so it is left to the node-gone check, and restarted only if its node is
+        still listed `ACTOR_GRACE_S` later (a worker that died alone)."""
+        watched = {a["exit"]: node_id for node_id, a in self.agents.items() if a["row"] is not None}
+        exited, _ = ray.wait(list(watched), num_returns=len(watched), timeout=0) if watched else ([], [])
+        changes = []
+        for ref in exited:
+            node_id = watched[ref]
+            agent = self.agents[node_id]
+            try:
+                why = f"exited with status {ray.get(ref)}"
+            except RayError:
+                agent["died_at"] = agent.get("died_at") or time.monotonic()
+                if node_id not in alive or time.monotonic() - agent["died_at"] < ACTOR_GRACE_S:
+                    continue
+                why = "lost its actor"
+            self._drop(node_id, failed=False)
+            if node_id not in alive:
+                changes.append(f"agent on {agent['name']} dropped (node gone)")
+            elif self.restarts.get(node_id, 0) >= MAX_RESTARTS:
+                self.failed.add(node_id)
+                changes.append(f"agent on {agent['name']} {why}; given up after {MAX_RESTARTS} restarts")
+            else:
+                self.restarts[node_id] = self.restarts.get(node_id, 0) + 1
+                self._launch(alive[node_id])
+                changes.append(f"agent on {agent['name']} {why}; starting it again "
+                               f"({self.restarts[node_id]}/{MAX_RESTARTS})")
+        return changes
+
     def _launch(self, node: dict[str, Any]) -> None:
-        actor = self._actor(node)
+        restarts = self.restarts.get(node["NodeID"], 0)
+        name = _node_name(node) + (f"-r{restarts}" if restarts else "")
+        actor = self._actor(node, name)
         self.agents[node["NodeID"]] = {"actor": actor, "ready": actor.ready.remote(self.timeout_s),
-                                       "t0": time.monotonic(), "row": None, "name": _node_name(node)}
+                                       "exit": actor.wait.remote(), "t0": time.monotonic(), "row": None,
+                                       "name": name}
 
     def _drop(self, node_id: str, failed: bool) -> None:
         """Forget a node's agent and kill its actor (its node may be gone: nothing waits on it)."""
@@ -136,11 +181,12 @@ class SandboxAgents:
         os.replace(tmp, self.path)
         log.info("sandbox node agents: %s", ", ".join(f"{n['name']} {n['url']}" for n in self.nodes) or "none")
 
-    def _actor(self, node: dict[str, Any]) -> Any:
-        """The agent's actor on `node`: allocatable from the node's Ray resources, a state dir of its own."""
+    def _actor(self, node: dict[str, Any], name: str) -> Any:
+        """The agent's actor on `node`: allocatable from the node's Ray resources, a state dir of its own
+        (an agent started again there sweeps what the one before it left)."""
         res, short = node["Resources"], node["NodeID"][:12]
         self.actors.append(None)  # reserve the index first: stop() must see every actor made
-        args = ["sandbox", "node", "--backend", self.backend, "--name", _node_name(node),
+        args = ["sandbox", "node", "--backend", self.backend, "--name", name,
                 "--state-dir", f"/tmp/burstrl-sbn-{os.getuid()}-{short}",  # short: socket paths <= 107 bytes
                 "--layer-cache", str(_cache_root() / f"node-{short}"),
                 "--cpus", f"{res.get('CPU', 0) or os.cpu_count() or 1:g}"]
