@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import replace
 
 from burstrl.sandbox.placement import POLICY_NAMES
 from burstrl.sandbox.sim import SimConfig, config_dict, max_density, run_seeds
@@ -46,7 +45,7 @@ def main() -> None:
     loads = [float(x) for x in args.loads.split(",")]
     cfg = SimConfig(nodes=args.nodes, duration_s=args.duration, warmup_s=args.warmup)
     if args.quick:
-        cfg, seeds, loads = replace(cfg, nodes=2, duration_s=600, warmup_s=200), seeds[:1], [26.0, 34.0]
+        cfg, seeds, loads = cfg.but(nodes=2, duration_s=600, warmup_s=200), seeds[:1], [26.0, 34.0]
     print(json.dumps(run(cfg, seeds, loads)))
 
 
@@ -56,10 +55,10 @@ def run(cfg: SimConfig, seeds: list[int], loads: list[float], fit_rollouts: int 
     equal_load = float(int(density["reference"]["max_density"]))
     at_equal = {}
     for codec in ("zstd", "gzip"):
-        at = replace(cfg, concurrency=equal_load, codec=codec)
+        at = cfg.but(concurrency=equal_load, codec=codec)
         at_equal[codec] = {name: pick(run_seeds(at, name, {}, seeds)) for name in POLICY_NAMES}
     # ours' CPU admission (predicted peak = mean + cpu_sigmas x sd within allocatable) trades density for throttling
-    top = replace(cfg, concurrency=max(loads))
+    top = cfg.but(concurrency=max(loads))
     sigmas = {str(sig): pick(run_seeds(top, "ours", {"cpu_sigmas": sig}, seeds)) for sig in SIGMAS}
     policies = {}
     for name in POLICY_NAMES:

@@ -109,25 +109,43 @@ def test_cli_prints_a_json_report_and_rejects_bad_input():
     from burstrl.cli import app
 
     runner = CliRunner()
-    res = runner.invoke(app, ["sandbox", "sim", "--nodes", "2", "--seeds", "0", "--duration", "300", "--warmup", "100",
-                              "--policies", "reference,ours"])
+    res = runner.invoke(app, ["sandbox", "sim", "--nodes", "2", "--seeds", "0", "--duration_s", "300",
+                              "--warmup-s", "100", "--policies", "reference,ours"])
     assert res.exit_code == 0, res.output
     report = json.loads(res.output)
     assert set(report) == {"reference", "ours"} and report["ours"]["seeds"] == [0]
     for args, message in ((["--policies", "spread"], "unknown policy spread"), (["--seeds", "a"], "--seeds"),
                           (["--codec", "lz4"], "codec"), (["--sweep", "30:20:2"], "--sweep"),
-                          (["--warmup", "400", "--duration", "300"], "warmup_s")):
+                          (["--warmup_s", "400", "--duration_s", "300"], "warmup_s"),
+                          (["--duration", "300"], "duration"), (["--nodes", "0"], "nodes"),
+                          (["--workload.zipff", "1"], "zipff")):
         res = runner.invoke(app, ["sandbox", "sim", *args])
         assert res.exit_code == 2 and message in res.output, (args, res.output)
 
 
-def test_benchmark_reports_every_policy_against_the_reference():
-    from dataclasses import replace
+def test_cli_config_file_overrides_and_dry_run(tmp_path):
+    import tomllib
+    from typer.testing import CliRunner
 
+    from burstrl.cli import app
+    from burstrl.config.loading import validate
+
+    cfg = tmp_path / "sim.toml"
+    cfg.write_text("nodes = 4\ncodec = \"gzip\"\n[workload]\nzipf = 1.2\n")
+    res = CliRunner().invoke(app, ["sandbox", "sim", str(cfg), "--nodes", "5", "--dry-run"])
+    assert res.exit_code == 0, res.output
+    resolved = validate(SimConfig, tomllib.loads(res.output))  # what it prints reads back as the same config
+    assert (resolved.nodes, resolved.codec, resolved.workload.zipf) == (5, "gzip", 1.2)
+    assert resolved.but(seed=3).seed == 3 and resolved.seed == 0
+    with pytest.raises(ValueError, match="warmup_s"):
+        resolved.but(warmup_s=resolved.duration_s)
+
+
+def test_benchmark_reports_every_policy_against_the_reference():
     from tests.benchmark_modules import load_benchmark
 
     bench = load_benchmark("sandbox_sim")
-    out = bench.run(replace(SimConfig(), nodes=2, duration_s=300, warmup_s=100), [0], [20.0, 34.0], fit_rollouts=50)
+    out = bench.run(SimConfig(nodes=2, duration_s=300, warmup_s=100), [0], [20.0, 34.0], fit_rollouts=50)
     assert set(out["policies"]) == {"reference", "image_affinity", "ours"}
     for figures in out["policies"].values():
         assert figures["max_density_0_evictions"] > 0

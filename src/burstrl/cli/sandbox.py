@@ -8,28 +8,25 @@ from pathlib import Path
 import typer
 
 from burstrl.cli.app import (
+    command_config,
     fail,
+    keys_help,
+    print_config,
     sandbox_app,
 )
 
 
-@sandbox_app.command("sim")
+@sandbox_app.command("sim", **keys_help("SimConfig in burstrl/sandbox/sim.py, its `workload` in burstrl/sandbox/simload.py"))
 def sandbox_sim(
+    ctx: typer.Context,
     policies: str = typer.Option("reference,image_affinity,ours", "--policies", help="Comma-separated policies."),
-    nodes: int = typer.Option(8, "--nodes", help="Sandbox nodes (16 vCPU, 64 GiB each)."),
     seeds: str = typer.Option("0,1,2", "--seeds", help="Comma-separated seeds (the same trace per seed)."),
-    duration: int = typer.Option(3600, "--duration", help="Simulated seconds."),
-    warmup: int = typer.Option(900, "--warmup", help="Seconds before figures count (caches fill)."),
-    concurrency: float = typer.Option(26.0, "--concurrency", help="Rollouts wanting to run, per node."),
     sweep: str | None = typer.Option(None, "--sweep", help="LO:HI:STEP loads per node: find each policy's "
                                      "max density at 0 evictions and 0 OOM, then compare at the reference's."),
-    codec: str = typer.Option("zstd", "--codec", help="Layer compression: zstd or gzip."),
-    pull_mbps: float = typer.Option(300.0, "--pull-mbps", help="Registry pull rate, MB/s."),
-    zstd_mbps: float = typer.Option(800.0, "--zstd-mbps", help="zstd unpack rate, MB/s of compressed input."),
-    gzip_mbps: float = typer.Option(120.0, "--gzip-mbps", help="gzip unpack rate, MB/s of compressed input."),
-    cache_gb: float = typer.Option(70.0, "--cache-gb", help="Layer cache per node, GB."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the resolved sim config and exit."),
 ) -> None:
-    """Simulate sandbox placement on a cluster (1 s ticks, generated rollouts); print a JSON report."""
+    """Simulate sandbox placement on a cluster (1 s ticks, generated rollouts); print a JSON report.
+    [CONFIG.toml|json ...] then --key value overrides (`--nodes 4 --duration_s 600 --workload.zipf 1.1`)."""
 
     from burstrl.sandbox.placement import POLICY_NAMES
     from burstrl.sandbox.sim import SimConfig, compare, run_seeds
@@ -42,15 +39,15 @@ def sandbox_sim(
         seed_list = [int(x) for x in seeds.split(",") if x.strip()]
     except ValueError:
         fail(f"--seeds {seeds!r}: expected comma-separated integers, e.g. 0,1,2")
-    try:
-        loads = _sweep_loads(sweep) if sweep else None
-        cfg = SimConfig(nodes=nodes, duration_s=duration, warmup_s=warmup, concurrency=concurrency, codec=codec,
-                        pull_mbps=pull_mbps, zstd_mbps=zstd_mbps, gzip_mbps=gzip_mbps, cache_gb=cache_gb)
-        cfg.validate()
-    except ValueError as exc:
-        fail(f"{exc}")
     if not seed_list:
         fail("--seeds: give at least one seed")
+    try:
+        loads = _sweep_loads(sweep) if sweep else None
+    except ValueError as exc:
+        fail(f"{exc}")
+    cfg = command_config(SimConfig, ctx, [])
+    if dry_run:
+        return print_config(cfg)
     if loads is not None:
         report = compare(cfg, {name: {} for name in names}, seed_list, loads)
     else:

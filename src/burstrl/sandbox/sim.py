@@ -21,10 +21,12 @@ Model, per node and per second:
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Literal
 
 import numpy as np
+from pydantic import Field, model_validator
 
+from burstrl.config.loading import Section
 from burstrl.sandbox.placement import (
     GIB,
     NodeState,
@@ -47,49 +49,48 @@ from burstrl.sandbox.simload import (
 BINS = 40  # per-sandbox histogram of use as a fraction of its limit (for its high percentile)
 
 
-@dataclass
-class SimConfig:
-    """Cluster, run length and cost model; `workload` is the generator's."""
+class SimConfig(Section):
+    """Cluster, run length and cost model; `workload` is the generator's. `burstrl sandbox sim` takes
+    these keys from CONFIG files and `--key value` overrides (`--dry-run` prints them resolved)."""
 
-    nodes: int = 8
-    concurrency: float = 26.0  # rollouts wanting to run, per node
-    duration_s: int = 3600
-    warmup_s: int = 900  # figures count from here
+    nodes: int = Field(8, gt=0)
+    concurrency: float = Field(26.0, gt=0)  # rollouts wanting to run, per node
+    duration_s: int = Field(3600, gt=0)
+    warmup_s: int = Field(900, ge=0)  # figures count from here
     seed: int = 0
-    node_cpu: float = 16.0
-    node_mem_gib: float = 64.0
-    reserved_cpu: float = 1.0  # system and kube reserved, daemonsets (log agent, node agent)
-    reserved_mem_gib: float = 1.5
-    eviction_threshold_gib: float = 0.5  # allocatable = capacity - reserved - threshold
-    eviction_interval_s: int = 10
-    pids_per_node: int = 32768
-    pids_per_sandbox: int = 512
-    cache_gb: float = 70.0  # layer cache per node (compressed bytes); with the image pool: image_affinity ~37%
-    pull_mbps: float = 300.0
-    zstd_mbps: float = 800.0  # unpack rates, MB/s of compressed input
-    gzip_mbps: float = 120.0
-    codec: str = "zstd"
-    create_s: float = 2.0  # a sandbox's start once its layers are there
-    history_weight_s: float = 120.0  # seconds of the prior blended into a sandbox's own history
-    percentile: float = 90.0
-    report_interval_s: int = 5  # how often node agents report measured usage to the scheduler
-    lookahead: int = 4  # waiting rollouts tried past one that fits nowhere
-    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    node_cpu: float = Field(16.0, gt=0)
+    node_mem_gib: float = Field(64.0, gt=0)
+    reserved_cpu: float = Field(1.0, ge=0)  # system and kube reserved, daemonsets (log agent, node agent)
+    reserved_mem_gib: float = Field(1.5, ge=0)
+    eviction_threshold_gib: float = Field(0.5, ge=0)  # allocatable = capacity - reserved - threshold
+    eviction_interval_s: int = Field(10, gt=0)
+    pids_per_node: int = Field(32768, gt=0)
+    pids_per_sandbox: int = Field(512, gt=0)
+    cache_gb: float = Field(70.0, gt=0)  # layer cache per node (compressed bytes); with the image pool: image_affinity ~37%
+    pull_mbps: float = Field(300.0, gt=0)
+    zstd_mbps: float = Field(800.0, gt=0)  # unpack rates, MB/s of compressed input
+    gzip_mbps: float = Field(120.0, gt=0)
+    codec: Literal["zstd", "gzip"] = "zstd"
+    create_s: float = Field(2.0, ge=0)  # a sandbox's start once its layers are there
+    history_weight_s: float = Field(120.0, ge=0)  # seconds of the prior blended into a sandbox's own history
+    percentile: float = Field(90.0, gt=0, le=100)
+    report_interval_s: int = Field(5, gt=0)  # how often node agents report measured usage to the scheduler
+    lookahead: int = Field(4, ge=0)  # waiting rollouts tried past one that fits nowhere
+    workload: WorkloadConfig = Field(default_factory=WorkloadConfig)
 
-    def validate(self) -> None:
+    @model_validator(mode="after")
+    def _runnable(self) -> SimConfig:
         """Reject settings the model cannot run (a clear message, not a numpy error)."""
-        if self.codec not in ("zstd", "gzip"):
-            raise ValueError(f"codec must be zstd or gzip, not {self.codec!r}")
-        positive = ("nodes", "concurrency", "duration_s", "node_cpu", "node_mem_gib", "cache_gb", "pull_mbps",
-                    "zstd_mbps", "gzip_mbps", "eviction_interval_s")
-        for name in positive:
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if not 0 <= self.warmup_s < self.duration_s:
+        if not self.warmup_s < self.duration_s:
             raise ValueError(f"warmup_s must be in [0, duration_s), got {self.warmup_s}")
         kept_mem = self.reserved_mem_gib + self.eviction_threshold_gib
         if self.node_cpu <= self.reserved_cpu or self.node_mem_gib <= kept_mem:
             raise ValueError("reserved resources leave nothing allocatable")
+        return self
+
+    def but(self, **changes: Any) -> SimConfig:
+        """A copy with `changes`, validated like the original (sweeps vary one key at a time)."""
+        return SimConfig.model_validate({**self.model_dump(), **changes})
 
 
 class SimLayerCache:
@@ -202,7 +203,6 @@ class Simulator:
     """One run: one policy, one seed, one load. `run()` returns the figures."""
 
     def __init__(self, cfg: SimConfig, policy: Policy) -> None:
-        cfg.validate()
         self.cfg, self.policy = cfg, policy
         self.n = cfg.nodes
         self.slots = max(1, round(cfg.concurrency * cfg.nodes))
@@ -445,14 +445,14 @@ def simulate(cfg: SimConfig, policy: Policy) -> dict:
 
 
 def config_dict(cfg: SimConfig) -> dict:
-    return asdict(cfg)
+    return cfg.model_dump(mode="json")
 
 
 # sweeps: the benchmark's and the CLI's figures -------------------------------------------------
 
 def run_seeds(cfg: SimConfig, policy: str, options: dict, seeds: list[int]) -> dict:
     """One policy at one load over several seeds: the mean of every figure, and whether all were clean."""
-    runs = [simulate(replace(cfg, seed=seed), make_policy(policy, **options)) for seed in seeds]
+    runs = [simulate(cfg.but(seed=seed), make_policy(policy, **options)) for seed in seeds]
     keys = [k for k, v in runs[0].items() if isinstance(v, (int, float)) and k != "seed"]
     out = {k: round(float(np.mean([r[k] for r in runs])), 4) for k in keys}
     out["policy"], out["seeds"] = policy, list(seeds)
@@ -470,7 +470,7 @@ def max_density(cfg: SimConfig, policy: str, options: dict, seeds: list[int], lo
     """
     best, sweep, previous = None, [], None
     for load in sorted(loads):
-        point = run_seeds(replace(cfg, concurrency=load), policy, options, seeds)
+        point = run_seeds(cfg.but(concurrency=load), policy, options, seeds)
         sweep.append({k: point[k] for k in ("concurrency", "density", "clean", "evictions", "ooms", "slowdown_mean")})
         if not point["clean"]:
             break
@@ -489,6 +489,6 @@ def compare(cfg: SimConfig, policies: dict[str, dict], seeds: list[int], loads: 
     if equal_load is None:
         base = dens.get("reference") or next(iter(dens.values()))
         equal_load = float(np.floor(base["max_density"])) or cfg.concurrency
-    equal = {name: run_seeds(replace(cfg, concurrency=equal_load), name, options, seeds)
+    equal = {name: run_seeds(cfg.but(concurrency=equal_load), name, options, seeds)
              for name, options in policies.items()}
     return {"max_density": dens, "equal_load": equal_load, "at_equal_load": equal}

@@ -17,14 +17,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from burstrl.config.loading import Section
 from burstrl.sandbox.placement import GIB, Layer
 
 GEN, CMD, TEST = 0, 1, 2
 
 
-@dataclass
-class WorkloadConfig:
-    """Fitted to the reference figures; every field can be overridden."""
+class WorkloadConfig(Section):
+    """Fitted to the reference figures; every field can be overridden (`--workload.zipf 1.1`)."""
 
     cpu_limits: tuple[int, ...] = (1, 2, 4, 8)
     cpu_limit_probs: tuple[float, ...] = (0.42, 0.36, 0.15, 0.07)  # mean 2.30 vCPU
