@@ -3,7 +3,9 @@
 Layers (built once from files installed on this machine, as deterministic tars):
 - `pyenv`: a Python env: numpy and pip copied from this venv's site-packages (thousands of small
   .py files, a few large .so files);
-- `repo`: a repo checkout: every file `git ls-files` lists in this repository.
+- `repo`: a repo checkout: every file `git ls-files` lists in this repository;
+- `binaries`: a few large files: the largest files of site-packages of 1-32 MiB each (shared
+  libraries: torch's, numpy's, ...) up to ~100 MB, as a layer of model weights or toolchains is.
 
 For each layer and codec (zstd level 3, gzip level 6; the codecs alternate within each repeat so
 the machine's noise falls on both), the median of `--repeats` runs of:
@@ -67,6 +69,20 @@ def repo_tree(dst: Path) -> Path:
         if src.is_file() and not src.is_symlink():
             (dst / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dst / rel)
+    return dst
+
+
+def binaries_tree(dst: Path, total: int = 100 * 10**6, largest: int = 32 << 20) -> Path:
+    site = Path(next(p for p in sys.path if p.endswith("site-packages")))
+    files = [(p.stat().st_size, str(p)) for p in site.rglob("*") if p.is_file() and not p.is_symlink()]
+    taken = 0
+    for size, path in sorted((f for f in files if 1 << 20 <= f[0] <= largest), key=lambda f: (-f[0], f[1])):
+        if taken + size > total:
+            continue
+        rel = Path(path).relative_to(site)
+        (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(path, dst / rel)
+        taken += size
     return dst
 
 
@@ -144,12 +160,17 @@ def measure(src_dir: Path, work: Path, repeats: int) -> dict[str, Any]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--layers", default="pyenv,repo,binaries", help="Comma-separated: pyenv, repo, binaries.")
     args = p.parse_args()
+    makers = {"pyenv": pyenv_tree, "repo": repo_tree, "binaries": binaries_tree}
+    names = [x.strip() for x in args.layers.split(",") if x.strip()]
+    if not names or any(x not in makers for x in names):
+        p.error(f"--layers {args.layers!r}: choose from {', '.join(makers)}")
     with tempfile.TemporaryDirectory(prefix="unpack-bench-") as tmp:
         root = Path(tmp)
         result = {}
-        for name, make in (("pyenv", pyenv_tree), ("repo", repo_tree)):
-            src = make(root / name)
+        for name in names:
+            src = makers[name](root / name)
             work = root / f"{name}-work"
             work.mkdir()
             result[name] = measure(src, work, args.repeats)
