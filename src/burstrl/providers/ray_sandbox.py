@@ -14,10 +14,11 @@ nodes file in the run directory.
 
 A cluster without `sandbox_node` nodes gets no agents and no nodes file: sandboxes stay local.
 
-An agent that exits while its node stays alive (a crash, the OOM killer) is started again by the
-next poll, at most `MAX_RESTARTS` times per node: under a new name (`-r1`, `-r2`, ...) and a new
-port, so the pool, which never takes back an address it saw die, adopts it as a new node. Its
-sandboxes died with it; the attempts that held them are re-run (the pool confirms their node dead).
+An agent that exits while its node stays alive (a crash, the OOM killer) is started again by a
+later poll (once its node is still listed `EXIT_GRACE_S` after), at most `MAX_RESTARTS` times per
+node: under a new name (`-r1`, `-r2`, ...) and a new port, so the pool, which never takes back an
+address it saw die, adopts it as a new node. Its sandboxes died with it; the attempts that held
+them are re-run (the pool confirms their node dead).
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ from burstrl.providers.ray_actors import ProcessSpec, RoleActor
 SANDBOX_RESOURCE = "sandbox_node"
 NODES_FILE = "sandbox-nodes.json"
 MAX_RESTARTS = 3  # per node and run: an agent that keeps dying on a live node is given up on
-ACTOR_GRACE_S = 60.0  # an agent's actor dead this long on a node Ray still lists: restarted there
+EXIT_GRACE_S = 10.0  # an agent exited this long ago on a node Ray still lists: restarted there
+ACTOR_GRACE_S = 60.0  # the same when its actor died too (most often with its node)
 log = logging.getLogger("burstrl.ray")
 
 
@@ -123,10 +125,11 @@ class SandboxAgents:
     def _restart_exited(self, alive: dict[str, dict[str, Any]]) -> list[str]:
         """Start again the ready agents that exited while their node is alive.
 
-        An agent whose process exited (its actor answers with the status) is restarted at once. One
-        whose actor died too is most often on a node that is going away: Ray lists a lost node as
-        alive for a while, so it is left to the node-gone check, and restarted only if its node is
-        still listed `ACTOR_GRACE_S` later (a worker that died alone)."""
+        A node going away takes its agent with it, and Ray lists a lost node as alive for a while,
+        so an exit is acted on only once its node is still listed a grace period later:
+        `EXIT_GRACE_S` when the agent's process exited (its actor answered with the status),
+        `ACTOR_GRACE_S` when its actor died too (most often with the node). Before that the
+        node-gone check may drop it first."""
         watched = {a["exit"]: node_id for node_id, a in self.agents.items() if a["row"] is not None}
         exited, _ = ray.wait(list(watched), num_returns=len(watched), timeout=0) if watched else ([], [])
         changes = []
@@ -134,12 +137,12 @@ class SandboxAgents:
             node_id = watched[ref]
             agent = self.agents[node_id]
             try:
-                why = f"exited with status {ray.get(ref)}"
+                why, grace = f"exited with status {ray.get(ref)}", EXIT_GRACE_S
             except RayError:
-                agent["died_at"] = agent.get("died_at") or time.monotonic()
-                if node_id not in alive or time.monotonic() - agent["died_at"] < ACTOR_GRACE_S:
-                    continue
-                why = "lost its actor"
+                why, grace = "lost its actor", ACTOR_GRACE_S
+            agent["exited_at"] = agent.get("exited_at") or time.monotonic()
+            if node_id in alive and time.monotonic() - agent["exited_at"] < grace:
+                continue
             self._drop(node_id, failed=False)
             if node_id not in alive:
                 changes.append(f"agent on {agent['name']} dropped (node gone)")
