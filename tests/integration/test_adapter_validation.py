@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from burstrl.protocol.adapters import Manifest
+from burstrl.protocol.adapters import Manifest, shard_root
 
 from .conftest import Server
 
@@ -120,8 +120,9 @@ def test_consistent_non_tar_upload_is_refused(server: Server) -> None:
     name, blob, n = "junk-upload", b"this is not a tar archive " * 100, 3
     step = -(-len(blob) // n)
     shards = [blob[i * step:(i + 1) * step] for i in range(n)]
-    manifest = Manifest(name=name, num_shards=n, total_bytes=len(blob), sha256=hashlib.sha256(blob).hexdigest(),
-                        shard_sha256=[hashlib.sha256(s).hexdigest() for s in shards])
+    digests = [hashlib.sha256(s).hexdigest() for s in shards]
+    manifest = Manifest(name=name, num_shards=n, total_bytes=len(blob), sha256=shard_root(digests),
+                        shard_sha256=digests)
     for i, data in enumerate(shards):
         r = httpx.put(f"{server.url}/v1/adapters/{name}/shards/{i}", params={"of": n}, content=data,
                       headers={**server.admin(), "X-Shard-SHA256": manifest.shard_sha256[i]}, timeout=60)

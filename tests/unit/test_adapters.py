@@ -12,7 +12,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from burstrl.inference.adapters import AdapterRegistry
 from burstrl.inference.lora import MLP_PROJ, AdapterError, load_adapter, module_shapes
-from burstrl.protocol.adapters import Manifest, UploadError, pack_adapter
+from burstrl.protocol.adapters import Manifest, Packer, UploadError, pack_adapter, shard_root
 
 CPU = torch.device("cpu")
 LAYERS = 2
@@ -64,7 +64,10 @@ def test_pack_upload_commit_round_trip(registry, adapter_dirs, num_shards):
     manifest, shards = pack_adapter(adapter_dirs[0], num_shards, "policy-v1")
     assert len(shards) == num_shards == manifest.num_shards
     assert sum(len(s) for s in shards) == manifest.total_bytes
-    assert hashlib.sha256(b"".join(shards)).hexdigest() == manifest.sha256
+    assert [hashlib.sha256(s).hexdigest() for s in shards] == manifest.shard_sha256
+    # the whole's digest is the root over the ordered shard digests (each byte hashed once)
+    digests = b"".join(hashlib.sha256(s).digest() for s in shards)
+    assert hashlib.sha256(digests).hexdigest() == manifest.sha256 == shard_root(manifest.shard_sha256)
     order = list(reversed(range(num_shards)))  # any arrival order
     _upload(registry, "policy-v1", manifest, shards, order=order)
     adapter = registry.commit("policy-v1")
@@ -99,6 +102,50 @@ def test_pack_depends_only_on_file_contents(adapter_dirs, tmp_path):
         assert all(m.mtime == 0 and m.uid == 0 and m.uname == "" for m in tar.getmembers())
 
 
+def test_tar_of_the_packer_is_what_tarfile_reads(adapter_dirs):
+    """The hand-built tar holds exactly the two files, byte for byte."""
+    _, shards = pack_adapter(adapter_dirs[0], 3, "x")
+    with tarfile.open(fileobj=io.BytesIO(b"".join(shards))) as tar:
+        got = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
+    assert got == _files(adapter_dirs[0])
+
+
+def test_packer_reuses_its_buffer_and_packs_each_version_afresh(adapter_dirs):
+    """The trainer keeps one Packer: the second version lands in the first one's buffer, with its own
+    bytes and digests (no byte of the first left over), and commits like a fresh pack."""
+    packer = Packer()
+    first, shards = packer.pack(adapter_dirs[0], 2, "policy-v1")
+    buffer = shards[0].obj
+    second, shards = packer.pack(adapter_dirs[1], 2, "policy-v2")
+    assert shards[0].obj is buffer  # no new buffer: no first touch of fresh pages per version
+    assert (second, [bytes(s) for s in shards]) == _as_bytes(pack_adapter(adapter_dirs[1], 2, "policy-v2"))
+    assert second.sha256 != first.sha256
+    with pytest.raises(TypeError):
+        shards[0][0] = 0  # senders get read-only views
+    registry = AdapterRegistry(adapter_dirs[0].parent / "state-packer", LAYERS, torch.float32, CPU)
+    _upload(registry, "policy-v2", second, shards)
+    _same_weights(registry.commit("policy-v2"), load_adapter("x", adapter_dirs[1], LAYERS, torch.float32, CPU))
+
+
+def _as_bytes(packed):
+    manifest, shards = packed
+    return manifest, [bytes(s) for s in shards]
+
+
+def test_packer_takes_a_version_of_another_size(adapter_dirs, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(adapter_dirs[0], copy)
+    packer = Packer()
+    packer.pack(copy, 1, "x")
+    with open(copy / "adapter_model.safetensors", "ab") as f:
+        f.write(b"more")
+    manifest, shards = packer.pack(copy, 1, "x")  # a new size: a new layout, still consistent
+    assert manifest.total_bytes == len(shards[0]) and shard_root([hashlib.sha256(shards[0]).hexdigest()]) == \
+        manifest.sha256
+
+
 def test_manifest_round_trips_json(adapter_dirs):
     manifest, _ = pack_adapter(adapter_dirs[0], 2, "policy-v1")
     again = Manifest.parse(json.loads(json.dumps(manifest.to_json())))
@@ -118,7 +165,7 @@ def test_shard_sha_header_mismatch_is_refused(registry, adapter_dirs):
     manifest, shards = pack_adapter(adapter_dirs[0], 3, "policy-v1")
     registry.put_shard("policy-v1", 0, 3, shards[0], manifest.shard_sha256[0])
     with pytest.raises(UploadError, match="shard 1: sha256 mismatch"):
-        registry.put_shard("policy-v1", 1, 3, shards[1] + b"x", manifest.shard_sha256[1])
+        registry.put_shard("policy-v1", 1, 3, bytes(shards[1]) + b"x", manifest.shard_sha256[1])
     with pytest.raises(UploadError, match="sha256 mismatch"):
         registry.put_shard("policy-v1", 2, 3, shards[2], "0" * 64)
     # the corrupt shard was never staged
@@ -176,6 +223,75 @@ def test_whole_sha_mismatch_refused(registry, adapter_dirs):
     _refused(registry, "policy-v1", "sha256/size")
 
 
+def test_tampered_shard_under_a_consistent_root_refused(registry, adapter_dirs):
+    """An attacker who changes a shard and rewrites its digest and the root in the manifest is caught
+    only if the replica checks its own digests: here the header is left out, so the commit must."""
+    manifest, shards = pack_adapter(adapter_dirs[0], 3, "policy-v1")
+    shards = [bytes(s) for s in shards]
+    shards[1] = shards[1][:-1] + bytes([shards[1][-1] ^ 1])
+    manifest.shard_sha256[1] = "0" * 64  # a digest that is not the tampered shard's
+    manifest.sha256 = shard_root(manifest.shard_sha256)
+    _upload(registry, "policy-v1", manifest, shards, with_sha=False)
+    _refused(registry, "policy-v1", "shard 1: sha256 does not match the manifest")
+
+
+def test_tampered_shard_with_its_digest_but_the_old_root_refused(registry, adapter_dirs):
+    """The shard's new digest in the manifest, the root left as packed: the root check refuses it."""
+    manifest, shards = pack_adapter(adapter_dirs[0], 3, "policy-v1")
+    shards = [bytes(s) for s in shards]
+    shards[2] = shards[2][:-1] + bytes([shards[2][-1] ^ 1])
+    manifest.shard_sha256[2] = hashlib.sha256(shards[2]).hexdigest()
+    _upload(registry, "policy-v1", manifest, shards)
+    _refused(registry, "policy-v1", "sha256/size")
+
+
+def test_reordered_shards_refused(registry, adapter_dirs):
+    """Shards sent under each other's index, the manifest's digests swapped to match: the root differs."""
+    manifest, shards = pack_adapter(adapter_dirs[0], 3, "policy-v1")
+    shards = [shards[1], shards[0], shards[2]]
+    d = manifest.shard_sha256
+    manifest.shard_sha256 = [d[1], d[0], d[2]]
+    _upload(registry, "policy-v1", manifest, shards)
+    _refused(registry, "policy-v1", "sha256/size")
+
+
+def test_extra_shard_refused(registry, adapter_dirs):
+    """One more shard (and its digest) than was packed: the root and the size refuse it."""
+    manifest, shards = pack_adapter(adapter_dirs[0], 2, "policy-v1")
+    extra = b"\0" * 1024
+    manifest.shard_sha256.append(hashlib.sha256(extra).hexdigest())
+    manifest.num_shards = 3
+    _upload(registry, "policy-v1", manifest, [*shards, extra])
+    _refused(registry, "policy-v1", "sha256/size")
+    manifest.total_bytes += len(extra)  # the size made to fit: the root still refuses
+    _upload(registry, "policy-v1", manifest, [*shards, extra])
+    _refused(registry, "policy-v1", "sha256/size")
+
+
+def test_manifest_of_an_older_sender_is_refused(registry, adapter_dirs):
+    """A manifest whose sha256 is of the joined bytes (no `root`) is refused, never misread."""
+    manifest, shards = pack_adapter(adapter_dirs[0], 2, "policy-v1")
+    old = {k: v for k, v in manifest.to_json().items() if k != "root"}
+    old["sha256"] = hashlib.sha256(b"".join(shards)).hexdigest()
+    with pytest.raises(UploadError, match="root must be"):
+        registry.put_manifest("policy-v1", old)
+    with pytest.raises(UploadError, match="64 hex digits"):
+        registry.put_manifest("policy-v1", {**manifest.to_json(), "sha256": "z" * 64})
+
+
+def test_multi_shard_commit_reuses_its_join_buffer(registry, adapter_dirs):
+    """Several shards are joined into a buffer given back after the commit and taken by the next one."""
+    for version in (1, 2):
+        manifest, shards = pack_adapter(adapter_dirs[0], 2, f"policy-v{version}")
+        received = []
+        for shard in shards:  # as the bulk listener receives: into buffers the registry hands out
+            received.append(registry.take_buffer(len(shard)))
+            received[-1][:] = shard
+        _upload(registry, f"policy-v{version}", manifest, received)
+        registry.commit(f"policy-v{version}")
+        assert registry._free_bytes == 2 * manifest.total_bytes  # the two shards and the join, no more
+
+
 def test_no_manifest_refused(registry, adapter_dirs):
     manifest, shards = pack_adapter(adapter_dirs[0], 2, "policy-v1")
     for i, shard in enumerate(shards):
@@ -229,9 +345,9 @@ def _tar(members):
 def _upload_blob(registry, name, blob, num_shards=2):
     step = -(-len(blob) // num_shards)
     shards = [blob[i * step:(i + 1) * step] for i in range(num_shards)]
-    manifest = Manifest(name=name, num_shards=num_shards, total_bytes=len(blob),
-                        sha256=hashlib.sha256(blob).hexdigest(),
-                        shard_sha256=[hashlib.sha256(s).hexdigest() for s in shards])
+    digests = [hashlib.sha256(s).hexdigest() for s in shards]
+    manifest = Manifest(name=name, num_shards=num_shards, total_bytes=len(blob), sha256=shard_root(digests),
+                        shard_sha256=digests)
     _upload(registry, name, manifest, shards)
 
 
@@ -521,6 +637,18 @@ def test_value_that_overflows_the_serving_dtype_is_refused(tiny_runner, tiny_ada
     _load_tiny(big, tiny_runner)  # finite in float32
     with pytest.raises(AdapterError, match="NaN or inf"):
         _load_tiny(big, tiny_runner, torch.float16)  # inf in float16
+
+
+def test_finite_values_whose_sum_overflows_still_load(tiny_runner, tiny_adapter, tmp_path):
+    """The finiteness check sums each tensor first (a NaN or inf makes the sum non-finite); a sum that
+    overflows from finite values must fall back to the exact check, not refuse a good adapter."""
+    huge = _edited(tiny_adapter, tmp_path / "huge", tensors=_set("q_proj", "B", lambda x: torch.full_like(x, 3e38)))
+    adapter = _load_tiny(huge, tiny_runner)
+    assert all(bool(torch.isfinite(a).all() and torch.isfinite(b).all()) for a, b, _ in adapter.weights.values())
+    for bad in (float("nan"), float("inf"), float("-inf")):  # one bad value among the huge ones
+        poisoned = _edited(huge, tmp_path / f"huge-{bad}", tensors=_poison("q_proj", "B", bad))
+        with pytest.raises(AdapterError, match="NaN or inf"):
+            _load_tiny(poisoned, tiny_runner)
 
 
 def test_shapes_survive_the_runners_fused_projections(tiny_model_dir, tiny_runner):

@@ -27,6 +27,7 @@ import tarfile
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ from typing import Any
 import torch
 
 from burstrl.inference.lora import AdapterError, LoraAdapter, Shapes, load_adapter, load_adapter_bytes, module_shapes
-from burstrl.protocol.adapters import ADAPTER_FILES, MAX_SHARDS, Manifest, UploadError
+from burstrl.protocol.adapters import ADAPTER_FILES, MAX_SHARDS, Manifest, UploadError, shard_root
 
 MAX_STAGED_BYTES = 8 << 30  # all uploads in flight together; a push is a few hundred MB
 MAX_FREE_BYTES = 1 << 30  # receive buffers kept for the next push
@@ -212,12 +213,16 @@ class AdapterRegistry:
         return adapter
 
     def _load_upload(self, name: str, up: _Upload) -> LoraAdapter:
-        blob = _assemble(up)
-        files = _members(blob)
-        label = f"upload:sha256:{up.manifest.sha256}"
-        tensors = read_safetensors(files["adapter_model.safetensors"], f"{label}/adapter_model.safetensors")
-        return load_adapter_bytes(name, label, bytes(files["adapter_config.json"]), tensors, self.num_layers,
-                                  self.dtype, self.device, self.shapes)
+        blob = _assemble(up, self.take_buffer)
+        try:
+            files = _members(blob)
+            label = f"upload:sha256:{up.manifest.sha256}"
+            tensors = read_safetensors(files["adapter_model.safetensors"], f"{label}/adapter_model.safetensors")
+            return load_adapter_bytes(name, label, bytes(files["adapter_config.json"]), tensors, self.num_layers,
+                                      self.dtype, self.device, self.shapes)
+        finally:
+            if len(up.shards) > 1 or blob is not next(iter(up.shards.values()))[0]:
+                self.give_back(blob)  # the joined copy; the shards themselves are recycled by commit
 
     def take_buffer(self, size: int) -> bytearray:
         """A buffer for a shard of `size` bytes: one a finished upload gave back, else a new one.
@@ -278,8 +283,15 @@ def _check_name(name: str) -> None:
         raise UploadError(f"adapter name must match {NAME.pattern} and not be 'base'")
 
 
-def _assemble(up: _Upload) -> bytes:
-    """The whole upload, every shard's digest compared with the manifest, the whole hashed once."""
+def _assemble(up: _Upload, take_buffer: Callable[[int], bytearray]) -> bytes | bytearray:
+    """The whole upload, every shard's digest compared with the manifest and the root checked.
+
+    No byte is hashed here: each shard was hashed as it arrived, and the whole's digest is the root
+    over those digests (`protocol.adapters.shard_root`), so a changed, missing, reordered or extra
+    shard is refused without a second pass. A one-shard upload is used as it is; several are
+    copied into one buffer (`take_buffer`, reused from push to push) for the tar and safetensors
+    readers, which need the bytes in one piece.
+    """
     manifest = up.manifest
     parts = []
     for i, want in enumerate(manifest.shard_sha256):
@@ -288,12 +300,16 @@ def _assemble(up: _Upload) -> bytes:
             raise UploadError(f"shard {i} of {manifest.num_shards} missing")
         if got[1] != want.lower():
             raise UploadError(f"shard {i}: sha256 does not match the manifest")
-        parts.append(got[0])
-    blob = parts[0] if len(parts) == 1 else b"".join(parts)
-    # one shard is the whole: its digest, computed on arrival, is the whole's
-    whole = up.shards[(0, 1)][1] if len(parts) == 1 else hashlib.sha256(blob).hexdigest()
-    if len(blob) != manifest.total_bytes or whole != manifest.sha256.lower():
+        parts.append(got)
+    size = sum(len(data) for data, _ in parts)
+    if size != manifest.total_bytes or shard_root([d for _, d in parts]) != manifest.sha256.lower():
         raise UploadError("assembled adapter does not match the manifest sha256/size")
+    if len(parts) == 1:
+        return parts[0][0]
+    blob, offset = take_buffer(size), 0
+    for data, _ in parts:
+        blob[offset:offset + len(data)] = data
+        offset += len(data)
     return blob
 
 
