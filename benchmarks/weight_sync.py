@@ -4,7 +4,8 @@ Prints one JSON object (one line) on stdout; progress goes to stderr. Contenders
 round by round on the same replicas and the same adapter bytes, medians over `--repeats` rounds:
 
 - sharded push (`burstrl.weights.push`) with W = 1, 2, 4 senders (threads playing trainer ranks):
-  pack the version as a tar cut into W shards, PUT shards to every replica's bulk listener
+  pack the version as a tar cut into W shards (one `Packer` kept from round to round, as the
+  trainer keeps one), PUT shards to every replica's bulk listener
   (`inference.bulk`) in parallel, commit; servable = every replica's commit returned 200 (the
   replica verified sha256s and loaded it from memory); `push_w1_main` is W = 1 with the shards sent
   over the replicas' main (uvicorn) servers instead, the path before the bulk listener;
@@ -44,7 +45,7 @@ from pathlib import Path
 
 import httpx
 
-from burstrl.protocol.adapters import pack_adapter
+from burstrl.protocol.adapters import Packer, pack_adapter
 from burstrl.protocol.process import RoleProcess, start_replica
 from burstrl.weights.gc import unload_old
 from burstrl.weights.push import SEND_CHUNK, PushReport, ReplicaTarget, in_parallel, push_commit, send_shards
@@ -181,10 +182,14 @@ def timed(fn: Callable[[], object]) -> tuple[float, object]:
     return time.perf_counter() - start, out
 
 
-def push_trial(src: Path, name: str, targets: list[ReplicaTarget], senders: int,
+def push_trial(src: Path, name: str, targets: list[ReplicaTarget], senders: int, packer: Packer,
                bulk: bool = True) -> dict[str, float]:
-    """`burstrl.weights.push.push`, with a clock on each phase."""
-    t_pack, (manifest, shards) = timed(lambda: pack_adapter(src, senders, name))
+    """`burstrl.weights.push.push`, with a clock on each phase.
+
+    `packer` is kept from round to round, as the trainer's `Publisher` keeps one from version to
+    version (the pack reads and hashes the files into the same buffer each time).
+    """
+    t_pack, (manifest, shards) = timed(lambda: packer.pack(src, senders, name))
     t_send, sent = timed(lambda: PushReport.merge(in_parallel(
         lambda r: send_shards(manifest, shards, targets, r, senders, bulk=bulk), list(range(senders)))))
     t_commit, done = timed(lambda: push_commit(src, name, sent.usable(targets), senders, manifest=manifest))
@@ -275,14 +280,14 @@ def main(argv: list[str] | None = None) -> int:
     src = ensure_adapter(model_dir, args.rank)
     adapter_bytes = (src / "adapter_model.safetensors").stat().st_size
     _, shards = pack_adapter(src, 1, "policy-v0")
-    blob = shards[0]
+    blob = bytes(shards[0])
     log(f"model {model_dir.name}; adapter {adapter_bytes / MB:.1f} MB (tar {len(blob) / MB:.1f} MB)")
 
     work = Path(tempfile.mkdtemp(prefix="bench-weight-sync-"))
     volume = work / "adapters"
     keys = ["loopback_tcp", "loopback_http", *(f"push_w{w}" for w in args.senders), "push_w1_main", "volume"]
     rows: dict[str, list[dict[str, float]]] = {key: [] for key in keys}
-    version, reps = 0, []
+    version, reps, packer = 0, [], Packer()
     sinks = Sinks(args.replicas)
     try:
         for mode in ("tcp", "http"):
@@ -301,9 +306,9 @@ def main(argv: list[str] | None = None) -> int:
                 if key == "volume":
                     row = volume_trial(src, volume, version, targets)
                 elif key == "push_w1_main":
-                    row = push_trial(src, name, targets, 1, bulk=False)
+                    row = push_trial(src, name, targets, 1, packer, bulk=False)
                 else:
-                    row = push_trial(src, name, targets, int(key.removeprefix("push_w")))
+                    row = push_trial(src, name, targets, int(key.removeprefix("push_w")), packer)
                 check_served(targets, name, chat=rnd == 0)
                 rows[key].append(row)
                 log(f"round {rnd}: {key} {row['total_s']:.2f}s")

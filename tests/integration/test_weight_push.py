@@ -107,11 +107,13 @@ def test_push_makes_a_version_servable_on_every_replica(pair: list[Server], volu
 def test_ranks_push_their_own_shards_then_rank_zero_commits(pair: list[Server], volume: Path) -> None:
     """The trainer's flow: W ranks each pack and send their shards; a barrier; rank 0 commits."""
     name, path, world = "policy-v3", volume / "policy-v3", 4
-    reports = [push_shards(path, name, targets(pair), rank=r, world_size=world) for r in range(world)]
+    packed = [push_shards(path, name, targets(pair), rank=r, world_size=world) for r in range(world)]
+    manifests, reports = [m for m, _ in packed], [r for _, r in packed]
     assert [len(r.ok) for r in reports] == [2] * world
+    assert all(m == manifests[0] for m in manifests)  # every rank packed the same bytes
     sent = PushReport.merge(reports)
     assert sent.ok == reports[0].ok and sent.failed == {}
-    committed = push_commit(path, name, sent.usable(targets(pair)), world_size=world)
+    committed = push_commit(path, name, sent.usable(targets(pair)), world_size=world, manifest=manifests[0])
     assert sorted(committed.ok) == [s.url for s in pair] and committed.failed == {}
     assert all(name in models(s) for s in pair)
     again = push(path, name, targets(pair), senders=2)  # a resumed trainer pushing the same version

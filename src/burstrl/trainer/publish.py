@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from burstrl.config import TrainConfig
+from burstrl.protocol.adapters import Packer
 from burstrl.protocol.versions import version_name
 from burstrl.trainer.dist import Dist
 
@@ -31,12 +32,13 @@ def volume_dir(cfg: TrainConfig) -> Path:
     return Path(cfg.weights.volume) if cfg.weights.volume else Path(cfg.run_dir) / "adapters"
 
 
-def publish_version(cfg: TrainConfig, step: int, adapter_dir: Path, dist: Dist) -> dict[str, Any]:
+def publish_version(cfg: TrainConfig, step: int, adapter_dir: Path, dist: Dist,
+                    packer: Packer | None = None) -> dict[str, Any]:
     """Make `policy-v{step}` servable; every rank calls this. Returns push figures (rank 0's view)."""
     refuse_non_finite(step, adapter_dir, dist)
     if dist.is_main:
         write_to_volume(cfg, step, adapter_dir)
-    return push_version(cfg, step, dist)
+    return push_version(cfg, step, dist, packer)
 
 
 def refuse_non_finite(step: int, adapter_dir: Path, dist: Dist) -> None:
@@ -72,8 +74,12 @@ def write_to_volume(cfg: TrainConfig, step: int, adapter_dir: Path) -> None:
     gc(volume_dir(cfg), keep=cfg.weights.keep_versions, protect={step})
 
 
-def push_version(cfg: TrainConfig, step: int, dist: Dist) -> dict[str, Any]:
-    """Push the published version to every replica: shards split across ranks, rank 0 commits."""
+def push_version(cfg: TrainConfig, step: int, dist: Dist, packer: Packer | None = None) -> dict[str, Any]:
+    """Push the published version to every replica: shards split across ranks, rank 0 commits.
+
+    Each rank packs (reads and hashes) the version once, into `packer`'s buffer when given (kept
+    from version to version); rank 0 commits with the manifest of that same pack.
+    """
     w = cfg.weights
     volume, name = volume_dir(cfg), version_name(step)
     targets = dist.broadcast(_targets(cfg) if dist.is_main else None)
@@ -82,11 +88,13 @@ def push_version(cfg: TrainConfig, step: int, dist: Dist) -> dict[str, Any]:
         return {"push_ok": 0, "push_failed": 0}
     from burstrl.weights.push import PushReport, push_commit, push_shards
 
-    mine = push_shards(volume / name, name, targets, dist.rank, dist.world, retries=w.push_retries)
+    manifest, mine = push_shards(volume / name, name, targets, dist.rank, dist.world, retries=w.push_retries,
+                                 packer=packer)
     sent = PushReport.merge(dist.gather(mine))  # every rank's shards are in (or failed)
     if not dist.is_main:
         return {}
-    final = push_commit(volume / name, name, sent.usable(targets), dist.world, retries=w.push_retries)
+    final = push_commit(volume / name, name, sent.usable(targets), dist.world, retries=w.push_retries,
+                        manifest=manifest)
     report = PushReport.merge([sent, final])
     from burstrl.weights.gc import unload_old
 
@@ -125,11 +133,12 @@ class Publisher:
         self.thread: threading.Thread | None = None
         self.figures: dict[str, Any] = {}
         self.error: BaseException | None = None
+        self.packer = Packer()  # one buffer for every version's pack; pushes never overlap (see wait)
 
     def publish(self, step: int, adapter_dir: Path) -> dict[str, Any]:
         done = self.wait()
         if not self.background:
-            return publish_version(self.cfg, step, adapter_dir, self.dist)
+            return publish_version(self.cfg, step, adapter_dir, self.dist, self.packer)
         refuse_non_finite(step, adapter_dir, self.dist)
         write_to_volume(self.cfg, step, adapter_dir)
         self.thread = threading.Thread(target=self._push, args=(step,), name=f"push-v{step}", daemon=True)
@@ -139,7 +148,7 @@ class Publisher:
     def _push(self, step: int) -> None:
         start = time.monotonic()
         try:
-            self.figures = {**push_version(self.cfg, step, self.dist), "push_version": step,
+            self.figures = {**push_version(self.cfg, step, self.dist, self.packer), "push_version": step,
                             "push_s": time.monotonic() - start}
         except BaseException as exc:  # re-raised by the trainer's thread in wait()
             self.error = exc

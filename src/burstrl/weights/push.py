@@ -2,8 +2,9 @@
 
 Flow for version `policy-vN` and W trainer ranks:
 
-1. every rank packs the version directory into the same tar in memory (`pack_adapter` is
-   deterministic) cut into W shards, and `push_shards` sends its shards r, r+W, ... to all replicas
+1. every rank packs the version directory into the same tar in memory (`Packer.pack` is
+   deterministic; a trainer keeps one packer, so each version lands in the same buffer and every
+   byte is read and hashed once per rank) cut into W shards, and `push_shards` sends its shards r, r+W, ... to all replicas
    in parallel (`PUT /v1/adapters/{name}/shards/{i}?of=W` with `X-Shard-SHA256`), to each
    replica's bulk listener (`GET /v1/adapters/bulk` names its port) or, without one, its main server;
 2. after a barrier (the caller's), rank 0 calls `push_commit`: `PUT .../manifest`, `POST .../commit`
@@ -27,7 +28,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from burstrl.protocol.adapters import Manifest, pack_adapter
+from burstrl.protocol.adapters import Manifest, Packer, pack_adapter
 from burstrl.weights.bulk_send import BulkConnection
 
 T = TypeVar("T")
@@ -106,15 +107,20 @@ class TargetFailed(Exception):
 
 
 def push_shards(version_dir: Path, name: str, targets: list[ReplicaTarget], rank: int, world_size: int,
-                retries: int = 3, backoff_s: float = 0.2, timeout_s: float = 120.0) -> PushReport:
-    """Rank `rank` of `world_size`: send shards rank, rank+W, ... of the packed version to all targets."""
+                retries: int = 3, backoff_s: float = 0.2, timeout_s: float = 120.0,
+                packer: Packer | None = None) -> tuple[Manifest, PushReport]:
+    """Rank `rank` of `world_size`: send shards rank, rank+W, ... of the packed version to all targets.
+
+    Returns the manifest too, so rank 0 commits without packing the version again; `packer` (kept
+    by the caller from version to version) reuses its buffer.
+    """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
-    manifest, shards = pack_adapter(version_dir, world_size, name)
-    return send_shards(manifest, shards, targets, rank, world_size, retries, backoff_s, timeout_s)
+    manifest, shards = (packer or Packer()).pack(version_dir, world_size, name)
+    return manifest, send_shards(manifest, shards, targets, rank, world_size, retries, backoff_s, timeout_s)
 
 
-def send_shards(manifest: Manifest, shards: list[bytes], targets: list[ReplicaTarget], rank: int,
+def send_shards(manifest: Manifest, shards: list[bytes] | list[memoryview], targets: list[ReplicaTarget], rank: int,
                 world_size: int, retries: int = 3, backoff_s: float = 0.2,
                 timeout_s: float = 120.0, bulk: bool = True) -> PushReport:
     """`push_shards` for an already packed version (so one process can pack once for all senders).
@@ -178,7 +184,7 @@ def bulk_connection(target: ReplicaTarget, client: httpx.Client, timeout_s: floa
     return conn
 
 
-def bulk_put(conn: BulkConnection, path: str, params: dict[str, Any], body: bytes, headers: dict[str, str],
+def bulk_put(conn: BulkConnection, path: str, params: dict[str, Any], body: bytes | memoryview, headers: dict[str, str],
              report: PushReport, retries: int, backoff_s: float) -> None:
     """`call_with_retries` for a shard PUT on the bulk listener: the same backoff, 4xx fails at once."""
     reason = ""
@@ -252,13 +258,13 @@ def push_commit(version_dir: Path, name: str, targets: list[ReplicaTarget], worl
 
 
 def push(version_dir: Path, name: str, targets: list[ReplicaTarget], senders: int = 1, retries: int = 3,
-         backoff_s: float = 0.2, timeout_s: float = 120.0) -> PushReport:
+         backoff_s: float = 0.2, timeout_s: float = 120.0, packer: Packer | None = None) -> PushReport:
     """One process playing `senders` ranks: pack once, send shards from `senders` threads, commit.
 
     For tests, benchmarks and single-process trainers; `seconds` is the wall time of it all.
     """
     start = time.monotonic()
-    manifest, shards = pack_adapter(version_dir, senders, name)
+    manifest, shards = (packer or Packer()).pack(version_dir, senders, name)
 
     def rank(r: int) -> PushReport:
         return send_shards(manifest, shards, targets, r, senders, retries, backoff_s, timeout_s)
@@ -305,7 +311,7 @@ def _serves(client: httpx.Client, name: str, report: PushReport, retries: int, b
 
 def call_with_retries(client: httpx.Client, method: str, path: str, report: PushReport, retries: int,
                       backoff_s: float, retry_on: tuple[type[Exception], ...], retry_5xx: bool = True,
-                      body: bytes | None = None, **kwargs: Any) -> httpx.Response:
+                      body: bytes | memoryview | None = None, **kwargs: Any) -> httpx.Response:
     """One request with exponential backoff on `retry_on` errors and 5xx; 4xx fails at once.
 
     `body` is sent in slices (`_slices`), afresh on every attempt.
@@ -344,7 +350,7 @@ def _refused(exc: Exception) -> bool:
     return isinstance(exc, httpx.ConnectError) and "refused" in str(exc).lower()
 
 
-def _slices(data: bytes) -> Iterator[memoryview]:
+def _slices(data: bytes | memoryview) -> Iterator[memoryview]:
     """`data` in 1 MiB views, for a body of known length.
 
     Why: given one large bytes body, httpcore re-slices `buffer[n:]` after every partial socket
