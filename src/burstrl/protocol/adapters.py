@@ -131,9 +131,14 @@ class Packer:
         return manifest, shards
 
 
-def pack_adapter(directory: str | Path, num_shards: int, name: str) -> tuple[Manifest, list[memoryview]]:
-    """`Packer.pack` into a buffer of its own (for a caller that packs once)."""
-    return Packer().pack(directory, num_shards, name)
+def pack_adapter(directory: str | Path, num_shards: int, name: str) -> tuple[Manifest, list[bytes]]:
+    """`Packer.pack` for a caller that packs once and wants plain `bytes` (one copy more).
+
+    Why not the views: an HTTP client given a memoryview as a body may iterate it as integers
+    (httpx does); the push sends the packer's views itself.
+    """
+    manifest, shards = Packer().pack(directory, num_shards, name)
+    return manifest, [bytes(s) for s in shards]
 
 
 def _read_exactly(f: Any, out: memoryview) -> None:
