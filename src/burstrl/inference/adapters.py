@@ -7,8 +7,9 @@ taking new sessions at once and is freed when its last session is released.
 Sharded upload (packing and manifest in `burstrl.protocol.adapters`): the trainer ranks each send
 a byte range of the adapter directory packed as a tar (to the bulk listener, `inference.bulk`, or
 `PUT /v1/adapters/{name}/shards/{i}?of={n}`), rank 0 `PUT`s a manifest with the sha256 of every
-shard and of the whole, and `POST .../commit` verifies everything and loads the adapter straight
-from the received bytes. Shards are staged in memory (hashed once, as they arrive), never on disk:
+shard and the root over them (`protocol.adapters.shard_root`), and `POST .../commit` verifies
+everything and loads the adapter straight from the received bytes. Shards are staged in memory
+(hashed once, as they arrive; nothing is hashed again at commit), never on disk:
 a push is a few hundred MB at most and the volume, not the replica, keeps versions for late
 joiners. Nothing is served until all checks pass; a corrupt or incomplete upload is refused and
 its staging dropped. An upload that is never committed (a trainer that died mid-push) is dropped
