@@ -9,6 +9,8 @@ round by round on the same replicas and the same adapter bytes, medians over `--
   (`inference.bulk`) in parallel, commit; servable = every replica's commit returned 200 (the
   replica verified sha256s and loaded it from memory); `push_w1_main` is W = 1 with the shards sent
   over the replicas' main (uvicorn) servers instead, the path before the bulk listener;
+  `push_w1_bf16` is W = 1 with the adapter cast to bfloat16 on the sender first (half the bytes,
+  the same served weights), cast and pack timed together;
 - the volume path: `publish` the version into a versions directory (copy, fsync, manifest, rename),
   then every replica `POST /v1/load_lora_adapter` from it, in parallel;
 - the physical limit: the same bytes sent to R trivial receiver processes over loopback, as raw TCP
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import shutil
 import socket
@@ -47,6 +50,7 @@ import httpx
 
 from burstrl.protocol.adapters import Packer, pack_adapter
 from burstrl.protocol.process import RoleProcess, start_replica
+from burstrl.trainer.publish import serving_files
 from burstrl.weights.gc import unload_old
 from burstrl.weights.push import SEND_CHUNK, PushReport, ReplicaTarget, in_parallel, push_commit, send_shards
 from burstrl.weights.volume import gc, publish
@@ -183,20 +187,43 @@ def timed(fn: Callable[[], object]) -> tuple[float, object]:
 
 
 def push_trial(src: Path, name: str, targets: list[ReplicaTarget], senders: int, packer: Packer,
-               bulk: bool = True) -> dict[str, float]:
-    """`burstrl.weights.push.push`, with a clock on each phase.
+               pids: list[int], bulk: bool = True, dtype: str = "") -> dict[str, float]:
+    """`burstrl.weights.push.push`, with a clock on each phase, and the CPU seconds spent in it.
 
     `packer` is kept from round to round, as the trainer's `Publisher` keeps one from version to
-    version (the pack reads and hashes the files into the same buffer each time).
+    version (the pack reads and hashes the files into the same buffer each time). CPU: the sender's
+    (this process, all threads) and the replicas' (`pids`, summed), so a phase's wall time on a
+    busy host can be told apart from its work. `dtype`: the trainer casts the adapter to the
+    replicas' serving dtype before packing (`trainer.publish.serving_files`, timed in the pack).
     """
-    t_pack, (manifest, shards) = timed(lambda: packer.pack(src, senders, name))
-    t_send, sent = timed(lambda: PushReport.merge(in_parallel(
+    row: dict[str, float] = {}
+    out: dict[str, object] = {}
+
+    def phase(key: str, fn: Callable[[], object]) -> None:
+        cpu, rep = time.process_time(), replica_cpu_s(pids)
+        row[f"{key}_s"], out[key] = timed(fn)
+        row[f"{key}_cpu_s"] = time.process_time() - cpu
+        row[f"{key}_replica_cpu_s"] = replica_cpu_s(pids) - rep
+
+    phase("pack", lambda: packer.pack_bytes(serving_files(src, dtype), senders, name) if dtype
+          else packer.pack(src, senders, name))
+    manifest, shards = out["pack"]
+    phase("send", lambda: PushReport.merge(in_parallel(
         lambda r: send_shards(manifest, shards, targets, r, senders, bulk=bulk), list(range(senders)))))
-    t_commit, done = timed(lambda: push_commit(src, name, sent.usable(targets), senders, manifest=manifest))
-    report = PushReport.merge([sent, done])
+    phase("commit", lambda: push_commit(src, name, out["send"].usable(targets), senders, manifest=manifest))
+    report = PushReport.merge([out["send"], out["commit"]])
     if report.failed or len(report.ok) != len(targets):
         raise RuntimeError(f"push failed: {report.to_json()}")
-    return {"total_s": t_pack + t_send + t_commit, "pack_s": t_pack, "send_s": t_send, "commit_s": t_commit}
+    return {"total_s": row["pack_s"] + row["send_s"] + row["commit_s"], **row}
+
+
+def replica_cpu_s(pids: list[int]) -> float:
+    """User + system CPU seconds of these processes so far (Linux /proc; 10 ms resolution)."""
+    total = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def volume_trial(src: Path, volume: Path, version: int, targets: list[ReplicaTarget]) -> dict[str, float]:
@@ -285,9 +312,10 @@ def main(argv: list[str] | None = None) -> int:
 
     work = Path(tempfile.mkdtemp(prefix="bench-weight-sync-"))
     volume = work / "adapters"
-    keys = ["loopback_tcp", "loopback_http", *(f"push_w{w}" for w in args.senders), "push_w1_main", "volume"]
+    keys = ["loopback_tcp", "loopback_http", *(f"push_w{w}" for w in args.senders), "push_w1_main",
+            "push_w1_bf16", "volume"]
     rows: dict[str, list[dict[str, float]]] = {key: [] for key in keys}
-    version, reps, packer = 0, [], Packer()
+    version, reps, packer, bf16_packer = 0, [], Packer(), Packer()
     sinks = Sinks(args.replicas)
     try:
         for mode in ("tcp", "http"):
@@ -296,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         reps = start_replicas(model_dir, work, args.replicas, args.device)
         log(f"{args.replicas} replicas up in {time.perf_counter() - t_rep:.1f}s")
         targets = [ReplicaTarget(r.url, TOKEN) for r in reps]
+        pids = [r.proc.pid for r in reps]
         for rnd in range(args.repeats):
             for key in keys:
                 if key.startswith("loopback"):
@@ -306,9 +335,11 @@ def main(argv: list[str] | None = None) -> int:
                 if key == "volume":
                     row = volume_trial(src, volume, version, targets)
                 elif key == "push_w1_main":
-                    row = push_trial(src, name, targets, 1, packer, bulk=False)
+                    row = push_trial(src, name, targets, 1, packer, pids, bulk=False)
+                elif key == "push_w1_bf16":
+                    row = push_trial(src, name, targets, 1, bf16_packer, pids, dtype="bfloat16")
                 else:
-                    row = push_trial(src, name, targets, int(key.removeprefix("push_w")), packer)
+                    row = push_trial(src, name, targets, int(key.removeprefix("push_w")), packer, pids)
                 check_served(targets, name, chat=rnd == 0)
                 rows[key].append(row)
                 log(f"round {rnd}: {key} {row['total_s']:.2f}s")
@@ -328,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         fig["MBps"] = delivered / fig["total_s"]
         if "send_s" in fig:
             fig["send_MBps"] = delivered / fig["send_s"]  # the shard transfer alone
-    pushes = {k: v for k, v in figures.items() if k.startswith("push") and k != "push_w1_main"}
+    pushes = {k: v for k, v in figures.items() if k.startswith("push") and k not in ("push_w1_main", "push_w1_bf16")}
     best = min(pushes, key=lambda k: pushes[k]["total_s"])
     tcp, http = figures["loopback_tcp"]["MBps"], figures["loopback_http"]["MBps"]
     push_vs_loopback = figures[best]["MBps"] / tcp
@@ -347,6 +378,9 @@ def main(argv: list[str] | None = None) -> int:
         "push_vs_http_put": round(figures[best]["MBps"] / http, 3),
         "send_vs_loopback": round(figures[best]["send_MBps"] / tcp, 3),
         "volume_over_push_time": round(push_vs_volume, 3),
+        # the same served weights, cast on the trainer: half the bytes; times, not MB/s, compared
+        "bf16_push_vs_loopback_time": round(figures["loopback_tcp"]["total_s"] / figures["push_w1_bf16"]["total_s"], 3),
+        "volume_over_bf16_push_time": round(figures["volume"]["total_s"] / figures["push_w1_bf16"]["total_s"], 3),
         "bulk_over_main_time": round(figures["push_w1_main"]["total_s"] / figures["push_w1"]["total_s"], 3)
         if "push_w1" in figures else None,
         "goals": {"push_vs_loopback": {"goal": ">= 0.5", "met": push_vs_loopback >= 0.5},

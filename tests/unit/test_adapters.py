@@ -127,6 +127,14 @@ def test_packer_reuses_its_buffer_and_packs_each_version_afresh(adapter_dirs):
     _same_weights(registry.commit("policy-v2"), load_adapter("x", adapter_dirs[1], LAYERS, torch.float32, CPU))
 
 
+def test_packing_from_memory_gives_the_same_bytes_as_from_files(adapter_dirs):
+    """A version the trainer holds in memory packs to exactly the tar of the same files on disk."""
+    from_files = _as_bytes(Packer().pack(adapter_dirs[0], 3, "policy-v1"))
+    assert _as_bytes(Packer().pack_bytes(_files(adapter_dirs[0]), 3, "policy-v1")) == from_files
+    with pytest.raises(ValueError, match="exactly"):
+        Packer().pack_bytes({**_files(adapter_dirs[0]), "extra.bin": b"x"}, 1, "policy-v1")
+
+
 def _as_bytes(packed):
     manifest, shards = packed
     return manifest, [bytes(s) for s in shards]

@@ -58,3 +58,34 @@ def test_finite_adapter_is_published(good_adapter, tmp_path):
     publisher.wait()
     published = load_file(str(tmp_path / "volume" / "policy-v1" / "adapter_model.safetensors"))
     assert all(torch.isfinite(t).all() for t in published.values())
+
+
+def test_adapter_cast_on_the_trainer_serves_the_same_weights(tiny_model_dir: Path, good_adapter: Path,
+                                                              tmp_path: Path) -> None:
+    """`serving_files` casts to bfloat16 before packing (half the bytes): the replica then serves
+    exactly what it served when it cast the float32 files itself."""
+    from transformers import AutoConfig
+
+    from burstrl.inference.adapters import AdapterRegistry
+    from burstrl.protocol.adapters import Packer, pack_adapter
+    from burstrl.trainer.publish import serving_files
+
+    layers = AutoConfig.from_pretrained(tiny_model_dir).num_hidden_layers
+    registry = AdapterRegistry(tmp_path / "state", layers, torch.bfloat16, torch.device("cpu"))
+    served = {}
+    for name, (manifest, shards) in {
+            "f32": pack_adapter(good_adapter, 2, "f32"),
+            "bf16": Packer().pack_bytes(serving_files(good_adapter, "bfloat16"), 2, "bf16")}.items():
+        for i, shard in enumerate(shards):
+            registry.put_shard(name, i, 2, bytes(shard), manifest.shard_sha256[i])
+        registry.put_manifest(name, manifest.to_json())
+        served[name] = (registry.commit(name), manifest.total_bytes)
+    (f32, f32_bytes), (bf16, bf16_bytes) = served["f32"], served["bf16"]
+    assert bf16_bytes < 0.6 * f32_bytes
+    assert set(f32.weights) == set(bf16.weights) and f32.rank == bf16.rank
+    for key, (a, b, scale) in f32.weights.items():
+        a2, b2, scale2 = bf16.weights[key]
+        assert a.dtype == a2.dtype == torch.bfloat16 and torch.equal(a, a2) and torch.equal(b, b2)
+        assert scale == scale2
+    with pytest.raises(ValueError, match="floating"):
+        serving_files(good_adapter, "int8")

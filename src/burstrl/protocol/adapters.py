@@ -96,32 +96,47 @@ class Packer:
         header blocks tarfile writes), each file read straight into its place in the buffer, and
         the shards hashed on several threads (sha256 releases the GIL).
         """
-        files = [open(Path(directory) / fname, "rb", buffering=0) for fname in sorted(ADAPTER_FILES)]
+        files = {fname: open(Path(directory) / fname, "rb", buffering=0) for fname in sorted(ADAPTER_FILES)}
         try:
-            layout, total = [], 0
-            for f in files:
-                info = _plain_member(tarfile.TarInfo(Path(f.name).name))
-                info.size = os.fstat(f.fileno()).st_size
-                head = info.tobuf(tarfile.PAX_FORMAT, tarfile.ENCODING, "surrogateescape")
-                layout.append((f, total, head, info.size))
-                total += len(head) + info.size + -info.size % tarfile.BLOCKSIZE
-            total += 2 * tarfile.BLOCKSIZE  # two zero blocks end the archive
-            total += -total % tarfile.RECORDSIZE
-            if len(self._buffer) != total:
-                self._buffer = bytearray(total)
-            view = memoryview(self._buffer)
-            end = 0
-            for f, offset, head, size in layout:
-                view[offset:offset + len(head)] = head
-                _read_exactly(f, view[offset + len(head):offset + len(head) + size])
-                end = offset + len(head) + size
-                pad = -size % tarfile.BLOCKSIZE
-                view[end:end + pad] = bytes(pad)
-                end += pad
-            view[end:] = bytes(total - end)
+            return self.pack_sources(files, num_shards, name)
         finally:
-            for f in files:
+            for f in files.values():
                 f.close()
+
+    def pack_bytes(self, files: dict[str, bytes | memoryview], num_shards: int,
+                   name: str) -> tuple[Manifest, list[memoryview]]:
+        """`pack` from the two files' contents in memory (a version the trainer made without writing it)."""
+        if set(files) != ADAPTER_FILES:
+            raise ValueError(f"an adapter is exactly {sorted(ADAPTER_FILES)}, got {sorted(files)}")
+        return self.pack_sources(files, num_shards, name)
+
+    def pack_sources(self, sources: dict[str, Any], num_shards: int, name: str) -> tuple[Manifest, list[memoryview]]:
+        """Lay out the tar of `sources` (file name -> open raw file or bytes) in the buffer, then hash."""
+        layout, total = [], 0
+        for fname in sorted(sources):
+            source = sources[fname]
+            info = _plain_member(tarfile.TarInfo(fname))
+            info.size = len(source) if isinstance(source, (bytes, memoryview)) else os.fstat(source.fileno()).st_size
+            head = info.tobuf(tarfile.PAX_FORMAT, tarfile.ENCODING, "surrogateescape")
+            layout.append((source, total, head, info.size))
+            total += len(head) + info.size + -info.size % tarfile.BLOCKSIZE
+        total += 2 * tarfile.BLOCKSIZE  # two zero blocks end the archive
+        total += -total % tarfile.RECORDSIZE
+        if len(self._buffer) != total:
+            self._buffer = bytearray(total)
+        view, end = memoryview(self._buffer), 0
+        for source, offset, head, size in layout:
+            view[offset:offset + len(head)] = head
+            data = view[offset + len(head):offset + len(head) + size]
+            if isinstance(source, (bytes, memoryview)):
+                data[:] = source
+            else:
+                _read_exactly(source, data)
+            end = offset + len(head) + size
+            pad = -size % tarfile.BLOCKSIZE
+            view[end:end + pad] = bytes(pad)
+            end += pad
+        view[end:] = bytes(total - end)
         step = -(-total // num_shards)
         shards = [view[i * step:(i + 1) * step].toreadonly() for i in range(num_shards)]
         with ThreadPoolExecutor(max_workers=min(4, num_shards)) as pool:

@@ -66,6 +66,27 @@ def first_non_finite(adapter_dir: Path) -> str | None:
     return None
 
 
+def serving_files(adapter_dir: Path, dtype: str) -> dict[str, bytes]:
+    """The adapter's two files with its floating tensors cast to the replicas' serving dtype, in memory.
+
+    Why: PEFT saves float32, replicas serve bfloat16 and cast on load; cast once here, the push
+    carries half the bytes (half the hashing, copying and receiving on every replica) and the
+    replica's cast becomes a copy. The values served are the same (torch rounds to nearest even
+    either way); a value that overflows the dtype becomes inf and the replica refuses the version,
+    as it would have after its own cast. The volume keeps the float32 files (late joiners, resumes).
+    """
+    import torch
+    from safetensors.torch import load_file, save
+
+    target = getattr(torch, dtype)
+    if not isinstance(target, torch.dtype) or not target.is_floating_point:
+        raise ValueError(f"not a floating torch dtype: {dtype!r}")
+    tensors = load_file(str(Path(adapter_dir) / "adapter_model.safetensors"))
+    cast = {k: t.to(target) if t.is_floating_point() else t for k, t in tensors.items()}
+    return {"adapter_config.json": (Path(adapter_dir) / "adapter_config.json").read_bytes(),
+            "adapter_model.safetensors": save(cast, metadata={"format": "pt"})}
+
+
 def write_to_volume(cfg: TrainConfig, step: int, adapter_dir: Path) -> None:
     """Rank 0: the version on the volume (atomic; late joiners load it from there), old ones pruned."""
     from burstrl.weights.volume import gc, publish

@@ -108,15 +108,17 @@ class TargetFailed(Exception):
 
 def push_shards(version_dir: Path, name: str, targets: list[ReplicaTarget], rank: int, world_size: int,
                 retries: int = 3, backoff_s: float = 0.2, timeout_s: float = 120.0,
-                packer: Packer | None = None) -> tuple[Manifest, PushReport]:
+                packer: Packer | None = None,
+                files: dict[str, bytes] | None = None) -> tuple[Manifest, PushReport]:
     """Rank `rank` of `world_size`: send shards rank, rank+W, ... of the packed version to all targets.
 
     Returns the manifest too, so rank 0 commits without packing the version again; `packer` (kept
-    by the caller from version to version) reuses its buffer.
+    by the caller from version to version) reuses its buffer; `files` (the two files' bytes, e.g.
+    `trainer.publish.serving_files`) are packed instead of reading `version_dir`.
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
-    manifest, shards = (packer or Packer()).pack(version_dir, world_size, name)
+    manifest, shards = _pack(packer or Packer(), version_dir, world_size, name, files)
     return manifest, send_shards(manifest, shards, targets, rank, world_size, retries, backoff_s, timeout_s)
 
 
@@ -258,13 +260,15 @@ def push_commit(version_dir: Path, name: str, targets: list[ReplicaTarget], worl
 
 
 def push(version_dir: Path, name: str, targets: list[ReplicaTarget], senders: int = 1, retries: int = 3,
-         backoff_s: float = 0.2, timeout_s: float = 120.0, packer: Packer | None = None) -> PushReport:
+         backoff_s: float = 0.2, timeout_s: float = 120.0, packer: Packer | None = None,
+         files: dict[str, bytes] | None = None) -> PushReport:
     """One process playing `senders` ranks: pack once, send shards from `senders` threads, commit.
 
     For tests, benchmarks and single-process trainers; `seconds` is the wall time of it all.
+    `packer` and `files` as in `push_shards`.
     """
     start = time.monotonic()
-    manifest, shards = (packer or Packer()).pack(version_dir, senders, name)
+    manifest, shards = _pack(packer or Packer(), version_dir, senders, name, files)
 
     def rank(r: int) -> PushReport:
         return send_shards(manifest, shards, targets, r, senders, retries, backoff_s, timeout_s)
@@ -275,6 +279,13 @@ def push(version_dir: Path, name: str, targets: list[ReplicaTarget], senders: in
     report = PushReport.merge([sent, committed])
     report.seconds = time.monotonic() - start
     return report
+
+
+def _pack(packer: Packer, version_dir: Path, num_shards: int, name: str,
+          files: dict[str, bytes] | None) -> tuple[Manifest, list[memoryview]]:
+    if files is not None:
+        return packer.pack_bytes(files, num_shards, name)
+    return packer.pack(version_dir, num_shards, name)
 
 
 def read_targets(urls: list[str], urls_file: str, token: str,
