@@ -6,6 +6,8 @@ work itself. Measured, interleaved round by round, medians:
 
 - the sender's pack with W = 1 and W = 4 shards (read the two PEFT files, tar them, sha256); the
   new side keeps one `Packer` from round to round, as the trainer does;
+- `bf16`: the new code with the adapter cast to bfloat16 on the sender first
+  (`trainer.publish.serving_files`: read, cast, serialize, then `Packer.pack_bytes`);
 - one replica's side, in process, without HTTP: `receive` (copy the shard into the buffer the
   bulk listener reads into, hashing it as it goes: the listener's `readinto` + sha256) and
   `commit` (stage, manifest, verify, unpack, load to bfloat16), for W = 1 and W = 4.
@@ -37,6 +39,7 @@ import torch
 
 import burstrl.inference.adapters as new_reg
 import burstrl.protocol.adapters as new_pack
+from burstrl.trainer.publish import serving_files
 
 REPO = Path(__file__).resolve().parents[1]
 CHUNK = 1 << 20  # as the bulk listener reads
@@ -97,8 +100,11 @@ def main() -> None:
     try:
         old_pack, old_reg = old_modules(args.old, tmp)
         src, packer = Path(args.adapter), new_pack.Packer()
+        bf16_packer = new_pack.Packer()
         sides = {"old": (old_pack.pack_adapter, old_reg.AdapterRegistry),
-                 "new": (packer.pack, new_reg.AdapterRegistry)}
+                 "new": (packer.pack, new_reg.AdapterRegistry),
+                 "bf16": (lambda src, w, name: bf16_packer.pack_bytes(serving_files(src, "bfloat16"), w, name),
+                          new_reg.AdapterRegistry)}
         regs = {side: reg(tmp / side, args.layers, torch.bfloat16, torch.device("cpu"))
                 for side, (_, reg) in sides.items()}
         for rnd in range(args.rounds):
