@@ -226,10 +226,14 @@ def replica_cpu_s(pids: list[int]) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
-def volume_trial(src: Path, volume: Path, version: int, targets: list[ReplicaTarget]) -> dict[str, float]:
-    """Publish into the versions directory, then every replica loads it from there."""
+def volume_trial(src: Path, volume: Path, version: int, targets: list[ReplicaTarget],
+                 pids: list[int]) -> dict[str, float]:
+    """Publish into the versions directory, then every replica loads it from there (CPU split as in
+    `push_trial`: the publisher's, then the replicas')."""
     name = f"policy-v{version}"
+    cpu = time.process_time()
     t_pub, path = timed(lambda: publish(volume, version, src))
+    publish_cpu, rep = time.process_time() - cpu, replica_cpu_s(pids)
 
     def load(t: ReplicaTarget) -> None:
         r = httpx.post(t.url + "/v1/load_lora_adapter", headers={"Authorization": f"Bearer {t.token}"},
@@ -237,7 +241,8 @@ def volume_trial(src: Path, volume: Path, version: int, targets: list[ReplicaTar
         r.raise_for_status()
 
     t_load, _ = timed(lambda: in_parallel(load, targets))
-    return {"total_s": t_pub + t_load, "publish_s": t_pub, "load_s": t_load}
+    return {"total_s": t_pub + t_load, "publish_s": t_pub, "publish_cpu_s": publish_cpu, "load_s": t_load,
+            "load_replica_cpu_s": replica_cpu_s(pids) - rep}
 
 
 def check_served(targets: list[ReplicaTarget], name: str, chat: bool) -> None:
@@ -338,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
                 version += 1
                 name = f"policy-v{version}"
                 if key == "volume":
-                    row = volume_trial(src, volume, version, targets)
+                    row = volume_trial(src, volume, version, targets, pids)
                 elif key == "push_w1_main":
                     row = push_trial(src, name, targets, 1, packer, pids, bulk=False)
                 elif key == "push_w1_bf16":
