@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from burstrl.protocol.adapters import Manifest, Packer, pack_adapter
+from burstrl.protocol.adapters import Manifest, Packer
 from burstrl.weights.bulk_send import BulkConnection
 
 T = TypeVar("T")
@@ -243,7 +243,7 @@ def push_commit(version_dir: Path, name: str, targets: list[ReplicaTarget], worl
     skips packing the version again when the caller already has it.
     """
     if manifest is None:
-        manifest, _ = pack_adapter(version_dir, world_size, name)
+        manifest, _ = Packer().pack(version_dir, world_size, name)  # the manifest only: no copies
     if manifest.name != name or manifest.num_shards != world_size:
         raise ValueError(f"manifest is for {manifest.name!r} in {manifest.num_shards} shards")
 
