@@ -194,7 +194,7 @@ def test_cache_aware_trees_are_lru_trimmed_leaves_first():
     assert policy.match_length("a", (1, 2, 7)) == 2 and policy.match_length("a", (1, 9)) == 2
 
 
-def test_kv_follows_cached_prefix_unless_it_overflows():
+def test_kv_follows_cached_prefix_until_its_load_outweighs_it():
     sizes = SizeModel(prior_tokens=10_000)
     policy = KvAwarePolicy(k=1, sizes=sizes)
     warm, cold = replica("warm", capacity=100_000), replica("cold", capacity=100_000)
@@ -203,8 +203,25 @@ def test_kv_follows_cached_prefix_unless_it_overflows():
     assert overlap_blocks(warm, s.prefix_hashes) == 3 and overlap_blocks(cold, s.prefix_hashes) == 0
     for seed in range(10):  # the warm replica is always a candidate, whatever K samples
         assert policy.choose(s, [warm, cold], random.Random(seed)) is warm
-    warm.live_sessions = {f"x{i}": 10_000 for i in range(10)}  # projected full: headroom beats 3000 cached tokens
+    # 3 sessions more (30k tokens of headroom, x 0.03 = 900) do not outweigh 3000 cached tokens ...
+    warm.live_sessions = {f"x{i}": 10_000 for i in range(3)}
+    assert policy.choose(s, [warm, cold], random.Random(0)) is warm
+    # ... 12 more do (3600 > 3000), even though both replicas would then be projected over budget
+    cold.live_sessions = {f"y{i}": 10_000 for i in range(9)}
+    warm.live_sessions = {f"x{i}": 10_000 for i in range(21)}
     assert policy.choose(s, [warm, cold], random.Random(0)) is cold
+
+
+def test_kv_prefers_a_cached_prefix_over_the_only_unloaded_replica_when_all_overflow():
+    """Regression (issue 19): a charge on projected overflow made every busy replica look alike
+    and sent prompts away from their cached prefix; only the headroom difference counts now."""
+    policy = KvAwarePolicy(k=1, sizes=SizeModel(prior_tokens=30_000))
+    warm, cold = replica("warm", capacity=100_000), replica("cold", capacity=100_000)
+    warm.cached_blocks = frozenset(range(1, 21))
+    warm.live_sessions = {f"x{i}": 1 for i in range(5)}  # 150k projected: over budget
+    cold.live_sessions = {f"y{i}": 1 for i in range(4)}  # 120k projected: over budget too
+    s = NewSession("n", expected_tokens=20_000, prefix_hashes=tuple(range(1, 21)), block_tokens=1000)
+    assert policy.choose(s, [warm, cold], random.Random(0)) is warm
 
 
 def test_kv_counts_recent_placements_as_cached_and_finds_the_roomiest():

@@ -6,10 +6,19 @@ first prompts share little and what matters is that a session's growing context 
 `headroom` (projected session growth) is the opposite. Dynamo scores a replica by the blocks it
 would have to prefill (prompt minus cached overlap) plus the blocks it already holds for running
 requests; here the second term is `headroom`'s projection (capacity minus the projected final
-sizes of its live sessions, this one included), which is what keeps agentic sessions hit, and a
-projected overflow is charged again on top, so a replica that would have to evict live sessions
-is avoided unless every other one would too. All in tokens per unit of weight (an 8-GPU replica
-prefills 8x faster and holds 8x the KV).
+sizes of its live sessions, this one included), per unit of weight (an 8-GPU replica prefills 8x
+faster and holds 8x the KV):
+
+    cost = prompt tokens left to prefill after the cached overlap - load_weight * headroom / weight
+
+One token of projected headroom is worth `load_weight` tokens of prefill. On traffic without
+shared prefixes the prefill term is the same on every replica and the choice is `headroom`'s (the
+roomiest per weight); on chat traffic a cached prefix wins until its replica is loaded by
+prefix / load_weight tokens more than another. An earlier form charged projected overflow (headroom
+below zero) again, 4x: the projection is a p90 of final sizes, so on a busy fleet every replica
+"overflows" and that charge outweighed any cached prefix (Mooncake uniform fleet at 4x: 0.159 vs
+0.192 prefix hit on the tuning half), while on prefix-free traffic it never changed a choice
+(headroom per weight ranks the same with or without it).
 
 Candidates are K replicas drawn by weight (power-of-K: robust to stale figures) plus the replica
 with the longest cached prefix and the one with the most projected headroom per weight, so neither
@@ -51,35 +60,29 @@ def overlap_blocks(replica: ReplicaView, hashes: tuple[int, ...]) -> int:
 
 
 class KvAwarePolicy:
-    """Lowest prefill left after the cached overlap + (overflow charge - load_weight * headroom) / weight.
+    """Lowest (prefill left after the cached overlap) - load_weight * projected headroom / weight.
 
     Prefill is fleet work (GPU-seconds scale with tokens wherever they run), so it is not divided
-    by weight; headroom per weight is the balance term. On traffic without shared prefixes the
-    prefill term is the same everywhere and the choice is `headroom`'s (with the overflow charge
-    and the roomiest candidate), whatever `load_weight`. `load_weight` 0.03 and `overflow_weight` 4
-    were picked on the Mooncake trace (seed 0, per request, default fleet 1x, uniform fleet 4x;
-    docs/benchmarks.md says so): at 1.0 a replica's headroom outweighs any cached prefix.
+    by weight; headroom per weight is the balance term. `load_weight` 0.03 was chosen on the first
+    half of the Mooncake trace (among 0.003, 0.01, 0.03, 0.1; docs/benchmarks.md, "Router, fifth
+    session"; 0.003 and 0.01 lost per-request hit rate at 1x, 0.1 lost it with inferred sessions).
     """
 
     name = "kv"
     rehomes = True  # a session evicted from an overflowing home is placed again (Registry.place, the simulator)
 
-    def __init__(self, k: int = 2, sizes: SizeModel | None = None, load_weight: float = 0.03,
-                 overflow_weight: float = 4.0) -> None:
+    def __init__(self, k: int = 2, sizes: SizeModel | None = None, load_weight: float = 0.03) -> None:
         if k < 1:
             raise ValueError("k must be >= 1")
         self.k = k
         self.sizes = sizes if sizes is not None else SizeModel()
-        self.load_weight, self.overflow_weight = load_weight, overflow_weight
+        self.load_weight = load_weight
 
     def cost(self, replica: ReplicaView, session: NewSession) -> float:
         headroom = projected_headroom(replica, session, self.sizes)
         hit = overlap_blocks(replica, session.prefix_hashes) * session.block_tokens
         prompt = max(session.expected_tokens, len(session.prefix_hashes) * session.block_tokens)
-        prefill_left = max(0, prompt - hit)
-        overflow = max(0.0, -headroom)
-        balance = (self.overflow_weight * overflow - self.load_weight * headroom) / max(replica.weight, 1e-9)
-        return prefill_left + balance
+        return max(0, prompt - hit) - self.load_weight * headroom / max(replica.weight, 1e-9)
 
     def candidates(self, session: NewSession, pool: list[ReplicaView], rng: random.Random) -> list[ReplicaView]:
         sample = weighted_sample(pool, min(self.k, len(pool)), rng)
