@@ -27,6 +27,7 @@ vs `cache_aware`, a fresh router each, the same workload, after one unmeasured w
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import statistics
@@ -41,7 +42,7 @@ import httpx
 from burstrl.protocol import process
 from burstrl.protocol.process import RoleProcess, start_replica
 from burstrl.router.replay import load_mooncake
-from burstrl.router.sim import PoolSpec, RouterSimulator, generate_trace, load_config
+from burstrl.router.sim import PoolSpec, RouterSimulator, TraceSession, generate_trace, load_config
 
 MOONCAKE = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 GEN_FLEETS = {"mixed": [("reserved", 4, 8, 1_600_000), ("on_demand", 32, 1, 200_000)],
@@ -56,23 +57,40 @@ def pools(spec: list[tuple]) -> list[PoolSpec]:
     return [PoolSpec(*p) for p in spec]
 
 
-def gen_job(fleet: str, seed: int, policy: str, k: int, sessions: int, rate: float) -> dict:
+def gen_job(fleet: str, seed: int, policy: str, k: int, sessions: int, rate: float, release: bool = True) -> dict:
     cfg = load_config(seed=seed, sessions=sessions, arrival_rate=rate, size_prior_tokens=32768,
-                      pools=pools(GEN_FLEETS[fleet]))
+                      pools=pools(GEN_FLEETS[fleet]), release_finished=release)
     t0 = time.perf_counter()
     fig = RouterSimulator(cfg, generate_trace(cfg), policy, k=k).run()
     label = f"{policy}_k{k}" if policy in ("kv", "headroom") else policy
-    return {"part": "generated", "fleet": fleet, "seed": seed, "policy": label,
+    return {"part": "generated", "fleet": fleet, "seed": seed, "policy": label, "release_finished": release,
             "wall_s": round(time.perf_counter() - t0, 1), **{key: fig[key] for key in KEYS}}
 
 
-def mc_job(mode: str, fleet: str, scale: float, seed: int, policy: str, trace_path: str) -> dict:
-    trace = load_mooncake(trace_path, sessions=mode, rate_scale=scale)
+def trace_half(trace: list[TraceSession], half: str) -> list[TraceSession]:
+    """`all`, or the first or second half of the sessions by arrival (the second re-timed to start at 0).
+
+    Why: `kv`'s weight was chosen on the first half; the second half is held out.
+    """
+    if half == "all":
+        return trace
+    mid = len(trace) // 2
+    if half == "first":
+        return trace[:mid]
+    rest = trace[mid:]
+    t0 = rest[0].arrival_s
+    return [TraceSession(s.id, s.kind, s.arrival_s - t0,
+                         [dataclasses.replace(c, not_before_s=c.not_before_s - t0) for c in s.calls]) for s in rest]
+
+
+def mc_job(mode: str, fleet: str, scale: float, seed: int, policy: str, trace_path: str, half: str = "all") -> dict:
+    trace = trace_half(load_mooncake(trace_path, sessions=mode, rate_scale=scale), half)
     pooled = policy == "pooled"
     cfg = load_config(seed=seed, block_size=512, pools=pools(MC_FLEETS["pooled" if pooled else fleet]))
     t0 = time.perf_counter()
     fig = RouterSimulator(cfg, trace, "round_robin" if pooled else policy).run()
-    return {"part": "mooncake", "mode": mode, "fleet": fleet, "rate_scale": scale, "seed": seed, "policy": policy,
+    return {"part": "mooncake", "mode": mode, "fleet": fleet, "rate_scale": scale, "half": half, "seed": seed,
+            "policy": policy,
             "wall_s": round(time.perf_counter() - t0, 1), **{key: fig[key] for key in KEYS}}
 
 
@@ -128,6 +146,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a small generated trace, seed 0 only")
     parser.add_argument("--live", action="store_true", help="= --part live")
     parser.add_argument("--seed", type=int, default=0, help="live: workload seed")
+    parser.add_argument("--keep-finished", action="store_true",
+                        help="generated: finished sessions' blocks stay in the LRU (the model before 2026-12-01's fifth session)")
+    parser.add_argument("--half", choices=("all", "first", "second"), default="all",
+                        help="mooncake: the whole trace, or its first (tuning) or second (held-out) half of sessions")
     args = parser.parse_args()
     if args.live or args.part == "live":
         run_live(seed=args.seed)
@@ -144,13 +166,14 @@ def main() -> None:
         for policy, k in runs:  # policy-major: a run cut short still has whole policies over seeds
             for fleet in fleets:
                 for seed in seeds:
-                    jobs.append((gen_job, fleet, seed, policy, k, sessions, args.rate))
+                    jobs.append((gen_job, fleet, seed, policy, k, sessions, args.rate, not args.keep_finished))
         results = run_jobs(jobs, args.workers)
         metrics = {"hit_rate": True, "throughput_tok_s": True, "p99_rollout_s": False}
         summary = summarize(results, ("fleet",), metrics, "kv_k2")
         goals = {f"{r['fleet']} seed {r['seed']} {r['policy']}": r["hit_rate"]
                  for r in results if r["policy"].startswith("kv_") and r["hit_rate"] < 0.996}
         print(json.dumps({"benchmark": "router_generated", "seeds": seeds, "sessions": sessions, "rate": args.rate,
+                          "release_finished": not args.keep_finished,
                           "summary": summary, "kv_below_0.996": goals}))
         return
     mc_policies = args.policies.split(",") if args.policies else ["kv", "cache_aware", "pooled", "least_requests",
@@ -161,7 +184,7 @@ def main() -> None:
             for fleet in args.fleets.split(",") if args.fleets else ("default", "uniform"):
                 for scale in (1.0, 4.0):
                     for seed in seeds:
-                        jobs.append((mc_job, mode, fleet, scale, seed, policy, args.trace))
+                        jobs.append((mc_job, mode, fleet, scale, seed, policy, args.trace, args.half))
     results = run_jobs(jobs, args.workers)
     metrics = {"prefix_hit_rate": True, "p99_call_s": False}
     summary = summarize(results, ("mode", "fleet", "rate_scale"), metrics, "kv")
@@ -170,7 +193,7 @@ def main() -> None:
         if "kv" in figs and "pooled" in figs:
             cell["kv_vs_pooled_hit"] = figs["kv"]["prefix_hit_rate"]["median"] / max(
                 figs["pooled"]["prefix_hit_rate"]["median"], 1e-12)
-    print(json.dumps({"benchmark": "router_mooncake", "seeds": seeds, "summary": summary}))
+    print(json.dumps({"benchmark": "router_mooncake", "seeds": seeds, "half": args.half, "summary": summary}))
 
 
 # --- live: real replicas behind the real router --------------------------------------------

@@ -6,8 +6,11 @@ import pytest
 
 from burstrl.router.replay import TraceError, load_mooncake
 from burstrl.router.sim import (
+    Call,
     PoolSpec,
+    RouterSimulator,
     TaskKind,
+    TraceSession,
     generate_trace,
     load_config,
     simulate,
@@ -49,6 +52,23 @@ def test_headroom_and_kv_beat_random_on_mixed_pool_near_saturation():
         assert res[name]["hit_rate"] > res["random"]["hit_rate"] + 0.05
         assert res[name]["hit_rate"] > res["round_robin"]["hit_rate"]
         assert res["random"]["evicted_tokens"] > res[name]["evicted_tokens"]
+
+
+def test_released_sessions_free_their_blocks_for_live_ones():
+    """A finished rollout's blocks are fresher than an idle live session's; kept in the LRU they push
+    the live one out, released (as the orchestrator does) they do not."""
+    trace = [
+        TraceSession("live", "swe", 0.0, [Call((100, 101, 102, 103), (), 4, 1, gap_after_s=10.0),
+                                          Call((100, 101, 102, 103, 104), (), 5, 1)]),
+        TraceSession("done", "swe", 1.0, [Call((200, 201, 202, 203), (), 4, 1)]),
+        TraceSession("new", "swe", 5.0, [Call((300, 301, 302, 303), (), 4, 1)]),
+    ]
+    figures = {}
+    for release in (False, True):
+        cfg = load_config(block_size=1, pools=[PoolSpec("on_demand", 1, 1, 10)], release_finished=release)
+        figures[release] = RouterSimulator(cfg, trace, "round_robin").run()
+    assert figures[False]["hit_rate"] == 0.5 and figures[False]["evicted_tokens"] > 0  # the live tail went
+    assert figures[True]["hit_rate"] == 1.0 and figures[True]["evicted_tokens"] == 0
 
 
 def test_mooncake_replay_shares_prefixes(tmp_path):

@@ -83,6 +83,9 @@ class RouterSimConfig(Section):
     scrape_interval_s: float = Field(2.0, gt=0, description="Seconds between the router's load scrapes.")
     thrash_window_s: float = Field(60.0, gt=0, description="An eviction re-filled within this window thrashes.")
     size_prior_tokens: int = Field(8192, ge=1, description="Projected session size before any has finished.")
+    release_finished: bool = Field(False, description=(
+        "Free a session's blocks when its last call ends, as the orchestrator releases a finished rollout "
+        "(DELETE /v1/traces); off: they stay in the LRU (chat traffic, where later requests reuse them)."))
 
     @model_validator(mode="after")
     def _some_replica(self) -> RouterSimConfig:
@@ -344,8 +347,16 @@ class RouterSimulator:
         else:
             del r.live[s.id]
             self.sizes.observe(s.kind, size)
+            if self.cfg.release_finished:
+                self.release(r, call.input_hashes + call.output_hashes)
             self.rollout_s.append(t - s.arrival_s)
         self.try_start(t, r)
+
+    def release(self, r: SimReplica, hashes: tuple[int, ...]) -> None:
+        """Drop a finished session's blocks (not an eviction); blocks a running call still holds stay."""
+        for h in hashes:
+            if h in r.cache and h not in r.pinned:
+                del r.cache[h]
 
     def scrape(self) -> None:
         """Refresh the views as a load scrape would, and sample each replica's live KV fraction."""
