@@ -6,12 +6,14 @@ median and worst over seeds; each run is one JSON line as it finishes, then a su
 - generated: agentic rollouts (`burstrl.router.sim.generate_trace`, 4000 sessions at 5 new/s) on a
   mixed fleet (4 reserved replicas of weight 8 and 1.6M KV tokens, 32 on-demand of weight 1 and
   200k) and a uniform one (64 x 200k, the same total KV). `kv` and `headroom` at K = 2, 3, 4.
-  `hit_rate` = cached / previously computed context tokens.
+  `hit_rate` = cached / previously computed context tokens. A finished rollout's blocks are freed
+  (the orchestrator releases it); `--keep-finished` keeps them in the LRU (the model before).
 - mooncake: Mooncake's production conversation trace (`../shared/traces`, 512-token blocks), per
   request and with sessions inferred from hash chains, 1x and 4x its rate, on the default fleet
   (2 x weight 8 / 1.6M + 8 x weight 1 / 200k) and a uniform one (24 x 200k, the same KV), plus the
   pooled reference (one replica with the whole fleet's KV and weight). `prefix_hit_rate` = cached /
   all input tokens; latency is per call (`p99_call_s`), since inferred sessions span minutes.
+  `--half first` (the half `kv`'s weight was chosen on) or `--half second` (held out).
 
 `--live` (or `--part live`): real replicas (`burstrl serve`, tiny model) behind the real router,
 multi-turn token-in sessions with tool gaps, groups of sessions sharing a first prompt (GRPO), on
