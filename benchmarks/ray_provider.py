@@ -63,9 +63,17 @@ def local_ray() -> str:
     import ray
 
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    ctx = ray.init(address="local", num_cpus=16, include_dashboard=False, object_store_memory=100 * 2**20,
-                   log_to_driver=False)
-    return ctx.address_info["gcs_address"]
+    for attempt in range(3):  # Ray gives its raylet 30 s to register: a loaded machine can miss that
+        try:
+            ctx = ray.init(address="local", num_cpus=16, include_dashboard=False, object_store_memory=100 * 2**20,
+                           log_to_driver=False)
+            return ctx.address_info["gcs_address"]
+        except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception for this timeout
+            if "timed out during startup" not in str(exc) or attempt == 2:
+                raise
+            print(f"ray.init timed out (load {os.getloadavg()[0]:.0f}); retrying", flush=True)
+            ray.shutdown()
+    raise AssertionError("unreachable")
 
 
 def ray_costs(kills: int) -> dict:

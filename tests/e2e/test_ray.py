@@ -91,12 +91,16 @@ def test_quickstart_on_ray_reward_rises(tmp_path: Path, warm_model: Path, ray_ad
     assert last >= first + 0.05, rewards
     assert len(events(run_dir, "replica_started")) == 3
     assert not pgrep(str(run_dir / "roles")), "role processes outlived the run"
+    assert not pgrep(str(run_dir / "logs" / "zygote")), "a zygote or a replica forked from it outlived the run"
 
 
 def test_ray_replicas_scale_die_and_come_back_on_the_current_version(tmp_path: Path, warm_model: Path,
                                                                      ray_address: str) -> None:
+    """Replicas started the ordinary way (each a child of its actor's worker); forked ones are
+    tested by test_replicas_fork_from_their_nodes_zygote_and_die_with_their_actor."""
     run_dir = tmp_path / "elastic"
-    proc = start_ray_run(run_dir, warm_model, ray_address, "--trainer.steps", "200", "--fleet.on_demand", "1")
+    proc = start_ray_run(run_dir, warm_model, ray_address, "--trainer.steps", "200", "--fleet.on_demand", "1",
+                         "--fleet.zygote", "false")
     try:
         wait_until(lambda: last_step(run_dir) >= 2 and (run_dir / "launcher.json").exists(), 300, "step 2", proc,
                    run_dir)
@@ -167,7 +171,10 @@ def test_kill_9_of_the_launcher_takes_every_actor_with_it_then_resume(tmp_path: 
     proc = start_ray_run(run_dir, warm_model, ray_address, "--trainer.steps", str(steps))
     wait_until(lambda: last_step(run_dir) >= 2, 300, "step 2", proc, run_dir)
     roles = pgrep(str(run_dir / "roles"))
-    assert len(roles) == 6, roles  # router, 3 replicas, trainer rank, orchestrator
+    assert len(roles) == 3, roles  # router, trainer rank, orchestrator
+    forked = pgrep(str(run_dir / "logs" / "zygote"))  # the node's zygote and 3 replicas (forks keep its argv)
+    assert len(forked) == 4, forked
+    roles += forked
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     wait_until(lambda: not any(alive(p) for p in roles), 60, "every role process to die with the driver")
