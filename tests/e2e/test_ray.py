@@ -302,9 +302,14 @@ def test_replicas_fork_from_their_nodes_zygote_and_die_with_their_actor(tmp_path
         d, d_pid, _ = start("replica-d")  # and the one after forks from a new zygote on the node
         second = zygote_pid()
         assert second != first and parent(d_pid) == second
-        starts = [json.loads(line)["how"] for line in (tmp_path / "logs" / "ray_starts.jsonl").read_text().splitlines()]
-        assert starts == ["fork", "fork", "fallback", "fork"]
+        starts = [json.loads(line) for line in (tmp_path / "logs" / "ray_starts.jsonl").read_text().splitlines()]
+        assert [s["how"] for s in starts] == ["fork", "fork", "fallback", "fork"]
+        # replicas that hold no resources: after the first, each takes the spare actor the one before left
+        assert [s["spare"] for s in starts] == [False, True, True, True]
+        spare = provider.spares.idle["on_demand"]
     finally:
         provider.close()
     wait_until(lambda: not alive(second) and not alive(d_pid) and not alive(c_pid), 60,
                "close() to stop the zygote and every replica")
+    with pytest.raises(ray.exceptions.RayActorError):  # and the spare actor
+        ray.get(spare.node.remote(), timeout=60)

@@ -10,8 +10,10 @@ fate: when the launcher exits or dies, Ray reclaims the actors and their childre
   (`preempted` when Ray drained the node for a preemption) and `ActorUnavailableError` all end the
   replica, and the launcher deregisters it and starts a replacement that loads the newest version.
   With `fleet.zygote`, a replica's process is forked by a zygote on its node (one per node, started
-  by the first replica there; providers/ray_zygote.py), so a replacement skips the imports. Each
-  start's phases (placement, process start to ready) go to `logs/ray_starts.jsonl`.
+  by the first replica there; providers/ray_zygote.py), so a replacement skips the imports, and
+  when replicas hold no resources a spare placed actor per pool waits for the next one, so it
+  skips Ray's worker start too. Each start's phases (placement, process start to ready) go to
+  `logs/ray_starts.jsonl`.
 - Router: an actor pinned to the driver's node with `max_restarts`; a restarted router listens at
   the same address, and the launcher re-sends the replica list (its `restarts` count goes up).
 - Trainer: `trainer.world_size` rank actors in one placement group (STRICT_PACK when the ranks fit
@@ -48,7 +50,7 @@ from burstrl.config import RayConfig
 from burstrl.providers import Placement
 from burstrl.providers.local import REPLICA_LISTEN, LocalProvider
 from burstrl.providers.ray_actors import ProcessSpec, RoleActor
-from burstrl.providers.ray_zygote import NodeZygotes, zygote_is_gone
+from burstrl.providers.ray_zygote import NodeZygotes, SpareActors, zygote_is_gone
 
 log = logging.getLogger("burstrl.ray")
 RANK_CODE = "from burstrl.trainer.launch import rank_main; rank_main()"
@@ -251,6 +253,7 @@ class RayProvider:
         self.sandbox_agents: Any = None
         self.zygotes = NodeZygotes(self.logs_dir, self.env, zygote_model) if zygote_model is not None else None
         self.zygote_fallbacks = 0  # replicas started the ordinary way because their node's zygote was gone
+        self.spares = SpareActors()  # with the zygote: a placed actor waiting for the next replica of a pool
         self.starts_lock = threading.Lock()
 
     # ---- placement ----
@@ -302,7 +305,8 @@ class RayProvider:
                            host_key=host_key, port_key=port_key, port=port)
         fork = self.zygotes is not None and wait_ready and bool(placement.pool) and placement.listen == REPLICA_LISTEN
         t0 = time.time()
-        actor = RoleActor.options(**opts).remote(None if fork else spec)
+        spare = self._spare(placement.pool) if fork else None
+        actor = spare or RoleActor.options(**opts).remote(None if fork else spec)
         try:
             node = self.wait_placed(actor, name, opts)
             placed = time.time()
@@ -316,12 +320,28 @@ class RayProvider:
         except RuntimeError:
             ray.kill(actor, no_restart=True)
             raise
-        self._record_start({"name": name, "t": t0, "how": how, "node": node["node_id"][:8],
+        self._record_start({"name": name, "t": t0, "how": how, "node": node["node_id"][:8], "spare": bool(spare),
                             "placed_s": round(placed - t0, 3), "ready_s": round(time.time() - placed, 3)})
+        if fork:
+            self.spares.refill(placement.pool, opts)
         role = RayRole(self, actor, name, log_path, placement.restartable)
         role.url = url
         self.roles.append(role)
         return role
+
+    def _spare(self, pool: str) -> Any | None:
+        """The pool's spare actor, unless it died (with its node): then None, for a fresh actor."""
+        spare = self.spares.take(pool)
+        if spare is None:
+            return None
+        try:
+            ray.get(spare.node.remote(), timeout=5)
+        except GetTimeoutError:
+            pass  # still being placed: it is ahead of a fresh actor
+        except RayActorError:
+            ray.kill(spare, no_restart=True)
+            return None
+        return spare
 
     def _fork(self, actor: Any, node_id: str, spec: ProcessSpec, name: str, timeout: float) -> tuple[str, str]:
         """The replica forked by its node's zygote: (url, "fork"); a zygote that is gone is
@@ -383,6 +403,7 @@ class RayProvider:
                 ray.kill(role.actor, no_restart=True)
             except ValueError:
                 pass  # already gone
+        self.spares.close()
         if self.zygotes is not None:
             self.zygotes.close()
         if self.started_ray:
