@@ -306,7 +306,7 @@ def test_replicas_fork_from_their_nodes_zygote_and_die_with_their_actor(tmp_path
         assert [s["how"] for s in starts] == ["fork", "fork", "fallback", "fork"]
         # replicas that hold no resources: after the first, each takes the spare actor the one before left
         assert [s["spare"] for s in starts] == [False, True, True, True]
-        spare = provider.spares.idle["on_demand"]
+        spare = provider.spares.idle["on_demand"][0]
     finally:
         provider.close()
     wait_until(lambda: not alive(second) and not alive(d_pid) and not alive(c_pid), 60,

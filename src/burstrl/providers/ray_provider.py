@@ -305,10 +305,12 @@ class RayProvider:
                            host_key=host_key, port_key=port_key, port=port)
         fork = self.zygotes is not None and wait_ready and bool(placement.pool) and placement.listen == REPLICA_LISTEN
         t0 = time.time()
-        spare = self._spare(placement.pool) if fork else None
-        actor = spare or RoleActor.options(**opts).remote(None if fork else spec)
+        actor, node = self._spare(placement.pool) if fork else (None, None)
+        spare = actor is not None
+        if actor is None:
+            actor = RoleActor.options(**opts).remote(None if fork else spec)
         try:
-            node = self.wait_placed(actor, name, opts)
+            node = node or self.wait_placed(actor, name, opts)
             placed = time.time()
             if fork:
                 url, how = self._fork(actor, node["node_id"], spec, name, timeout)
@@ -320,7 +322,7 @@ class RayProvider:
         except RuntimeError:
             ray.kill(actor, no_restart=True)
             raise
-        self._record_start({"name": name, "t": t0, "how": how, "node": node["node_id"][:8], "spare": bool(spare),
+        self._record_start({"name": name, "t": t0, "how": how, "node": node["node_id"][:8], "spare": spare,
                             "placed_s": round(placed - t0, 3), "ready_s": round(time.time() - placed, 3)})
         if fork:
             self.spares.refill(placement.pool, opts)
@@ -329,19 +331,17 @@ class RayProvider:
         self.roles.append(role)
         return role
 
-    def _spare(self, pool: str) -> Any | None:
-        """The pool's spare actor, unless it died (with its node): then None, for a fresh actor."""
-        spare = self.spares.take(pool)
-        if spare is None:
-            return None
+    def _spare(self, pool: str) -> tuple[Any, dict[str, Any] | None]:
+        """The pool's spare actor and its node, or (None, None): no spare, or it was lost (with its node)."""
+        got = self.spares.take(pool)
+        if got is None:
+            return None, None
+        actor, node = got
         try:
-            ray.get(spare.node.remote(), timeout=5)
-        except GetTimeoutError:
-            pass  # still being placed: it is ahead of a fresh actor
-        except RayActorError:
-            ray.kill(spare, no_restart=True)
-            return None
-        return spare
+            return actor, ray.get(node, timeout=self.cfg.placement_timeout_s)
+        except (RayActorError, GetTimeoutError):
+            ray.kill(actor, no_restart=True)
+            return None, None
 
     def _fork(self, actor: Any, node_id: str, spec: ProcessSpec, name: str, timeout: float) -> tuple[str, str]:
         """The replica forked by its node's zygote: (url, "fork"); a zygote that is gone is

@@ -128,9 +128,11 @@ class SpareActors:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.idle: dict[str, Any] = {}
+        self.idle: dict[str, tuple[Any, Any]] = {}  # pool -> (actor, its node() call, made with it)
 
-    def take(self, pool: str) -> Any | None:
+    def take(self, pool: str) -> tuple[Any, Any] | None:
+        """(actor, ref of its node() answer): asked when the spare was made, so that a replacement
+        does not wait for one more call to an actor that was placed long ago."""
         with self.lock:
             return self.idle.pop(pool, None)
 
@@ -143,10 +145,11 @@ class SpareActors:
 
         with self.lock:
             if pool not in self.idle:
-                self.idle[pool] = RoleActor.options(**opts).remote()
+                actor = RoleActor.options(**opts).remote()
+                self.idle[pool] = (actor, actor.node.remote())
 
     def close(self) -> None:
         with self.lock:
             idle, self.idle = list(self.idle.values()), {}
-        for actor in idle:
+        for actor, _ in idle:
             ray.kill(actor, no_restart=True)
