@@ -362,6 +362,7 @@ class RayProvider:
 
     def _record_start(self, row: dict[str, Any]) -> None:
         """One line per role start in logs/ray_starts.jsonl: where a start's time went."""
+        self.logs_dir.mkdir(parents=True, exist_ok=True)
         with self.starts_lock, open(self.logs_dir / "ray_starts.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
 
