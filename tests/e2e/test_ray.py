@@ -41,7 +41,8 @@ os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
 def ray_address():
     import ray
 
-    ctx = ray.init(num_cpus=16, num_gpus=4, include_dashboard=False, object_store_memory=100 * 2**20,
+    # address="local": a new instance even if another Ray runs on this machine (ray.init would join it)
+    ctx = ray.init(address="local", num_cpus=16, num_gpus=4, include_dashboard=False, object_store_memory=100 * 2**20,
                    namespace="burstrl-tests", log_to_driver=False)
     yield ctx.address_info["gcs_address"]
     ray.shutdown()
@@ -90,12 +91,16 @@ def test_quickstart_on_ray_reward_rises(tmp_path: Path, warm_model: Path, ray_ad
     assert last >= first + 0.05, rewards
     assert len(events(run_dir, "replica_started")) == 3
     assert not pgrep(str(run_dir / "roles")), "role processes outlived the run"
+    assert not pgrep(str(run_dir / "logs" / "zygote")), "a zygote or a replica forked from it outlived the run"
 
 
 def test_ray_replicas_scale_die_and_come_back_on_the_current_version(tmp_path: Path, warm_model: Path,
                                                                      ray_address: str) -> None:
+    """Replicas started the ordinary way (each a child of its actor's worker); forked ones are
+    tested by test_replicas_fork_from_their_nodes_zygote_and_die_with_their_actor."""
     run_dir = tmp_path / "elastic"
-    proc = start_ray_run(run_dir, warm_model, ray_address, "--trainer.steps", "200", "--fleet.on_demand", "1")
+    proc = start_ray_run(run_dir, warm_model, ray_address, "--trainer.steps", "200", "--fleet.on_demand", "1",
+                         "--fleet.zygote", "false")
     try:
         wait_until(lambda: last_step(run_dir) >= 2 and (run_dir / "launcher.json").exists(), 300, "step 2", proc,
                    run_dir)
@@ -166,7 +171,10 @@ def test_kill_9_of_the_launcher_takes_every_actor_with_it_then_resume(tmp_path: 
     proc = start_ray_run(run_dir, warm_model, ray_address, "--trainer.steps", str(steps))
     wait_until(lambda: last_step(run_dir) >= 2, 300, "step 2", proc, run_dir)
     roles = pgrep(str(run_dir / "roles"))
-    assert len(roles) == 6, roles  # router, 3 replicas, trainer rank, orchestrator
+    assert len(roles) == 3, roles  # router, trainer rank, orchestrator
+    forked = pgrep(str(run_dir / "logs" / "zygote"))  # the node's zygote and 3 replicas (forks keep its argv)
+    assert len(forked) == 4, forked
+    roles += forked
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     wait_until(lambda: not any(alive(p) for p in roles), 60, "every role process to die with the driver")
@@ -247,3 +255,61 @@ def test_losing_a_spot_node_mid_run_loses_no_rollout(tmp_path: Path, warm_model:
     assert samples[-1]["spot_losses"] == 2
     counts = audit(run_dir, steps)
     print("attempts by status:", counts, "deaths:", [e["detail"] for e in died])
+
+
+def test_replicas_fork_from_their_nodes_zygote_and_die_with_their_actor(tmp_path: Path, warm_model: Path,
+                                                                       ray_address: str) -> None:
+    """`fleet.zygote` on Ray: replicas are forks of their node's zygote actor's process; a killed
+    replica reports its status, a dead actor takes its forked replica with it (checked by pid), a
+    dead zygote makes the next start an ordinary one (counted) and a new zygote the one after, and
+    `close()` stops the zygotes."""
+    import ray
+
+    from burstrl.config import RayConfig
+    from burstrl.providers import Placement
+    from burstrl.providers.local import REPLICA_LISTEN
+    from burstrl.providers.ray_provider import RayProvider
+
+    provider = RayProvider(RayConfig(address=ray_address), tmp_path, {}, zygote_model=str(warm_model))
+    place = Placement(listen=REPLICA_LISTEN, pool="on_demand")
+
+    def start(name: str):
+        role = provider.start(name, ["serve", "--model", str(warm_model)], wait_ready=True, timeout=300,
+                              placement=place)
+        return role, ray.get(role.actor.child.remote()), ray.get(role.actor.node.remote())["pid"]
+
+    def zygote_pid() -> int:
+        [actor] = provider.zygotes.actors.values()
+        return ray.get(actor.pid.remote())
+
+    try:
+        (a, a_pid, _), (b, b_pid, b_worker) = start("replica-a"), start("replica-b")
+        first = zygote_pid()
+        assert parent(a_pid) == first and parent(b_pid) == first
+        for role in (a, b):
+            assert httpx.get(f"{role.url}/health", timeout=30).status_code == 200
+
+        os.kill(a_pid, signal.SIGKILL)  # the replica dies: its status comes through the zygote
+        assert wait_until(lambda: a.poll() is not None, 60, "replica-a's death") and a.returncode == -9
+        os.kill(b_worker, signal.SIGKILL)  # its actor's worker dies (as on a lost node): the replica with it
+        wait_until(lambda: not alive(b_pid), 60, "replica-b to die with its actor")
+        wait_until(lambda: b.poll() is not None, 60, "replica-b's actor death to be seen")
+        assert b.cause == "actor died"
+
+        os.kill(first, signal.SIGKILL)  # the zygote dies: the next start is an ordinary one, counted
+        c, c_pid, c_worker = start("replica-c")
+        assert provider.zygote_fallbacks == 1 and parent(c_pid) == c_worker
+        d, d_pid, _ = start("replica-d")  # and the one after forks from a new zygote on the node
+        second = zygote_pid()
+        assert second != first and parent(d_pid) == second
+        starts = [json.loads(line) for line in (tmp_path / "logs" / "ray_starts.jsonl").read_text().splitlines()]
+        assert [s["how"] for s in starts] == ["fork", "fork", "fallback", "fork"]
+        # replicas that hold no resources: after the first, each takes the spare actor the one before left
+        assert [s["spare"] for s in starts] == [False, True, True, True]
+        spare = provider.spares.idle["on_demand"][0]
+    finally:
+        provider.close()
+    wait_until(lambda: not alive(second) and not alive(d_pid) and not alive(c_pid), 60,
+               "close() to stop the zygote and every replica")
+    with pytest.raises(ray.exceptions.RayActorError):  # and the spare actor
+        ray.get(spare.node.remote(), timeout=60)

@@ -20,7 +20,7 @@ import pytest
 
 from burstrl.providers import Placement
 from burstrl.providers.local import REPLICA_LISTEN, LocalProvider
-from burstrl.providers.zygote import ForkedRole, fork_safe
+from burstrl.providers.zygote import ForkedRole, Zygote, fork_safe
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
@@ -87,6 +87,28 @@ def test_zygote_death_kills_its_replicas_and_the_provider_falls_back(tiny_model_
         b.stop()
     finally:
         provider.close()
+
+
+def test_a_forked_replica_dies_with_the_owner_it_watches(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A Ray replica's owner is its actor, not the zygote: the zygote kills it when that pid exits,
+    and refuses to fork for an owner already gone."""
+    zygote = Zygote(tmp_path / "logs", {}, str(tiny_model_dir))
+    owner = subprocess.Popen(["sleep", "600"])
+    try:
+        r = zygote.spawn(serve_args(tiny_model_dir), tmp_path / "r.log", 300, watch=owner.pid, env=dict(os.environ))
+        assert httpx.get(f"{r.url}/health", timeout=30).status_code == 200
+        owner.kill()
+        owner.wait()
+        assert r.exited.wait(60) and r.code == -signal.SIGKILL
+        wait_for(lambda: gone(r.pid), 60, "the replica to be gone")
+        with pytest.raises(RuntimeError, match=f"its owner {owner.pid} is gone"):
+            zygote.spawn(serve_args(tiny_model_dir), tmp_path / "r2.log", 300, watch=owner.pid)
+        assert zygote.alive()
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait()
+        zygote.close()
 
 
 OWNER = """

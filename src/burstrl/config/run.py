@@ -36,8 +36,8 @@ class FleetConfig(Section):
     on_demand_weight: float = Field(1.0, gt=0, description="Router weight of an on-demand replica.")
     replace_dead: bool = Field(True, description="Start a replacement when a replica dies.")
     start_timeout_s: float = Field(180.0, gt=0, description="A replica not ready in this time has failed.")
-    zygote: bool = Field(True, description="provider = local: fork replicas from one process that has torch and "
-                         "the model code imported (a replacement then only loads weights).")
+    zygote: bool = Field(True, description="Fork replicas from a process that has torch and the model code "
+                         "imported (a replacement then only loads weights): one per run (local), one per node (ray).")
 
 
 class AutoscaleConfig(Section):

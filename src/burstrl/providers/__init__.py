@@ -69,5 +69,5 @@ def make_provider(cfg: RunConfig, run_dir: Path, env: dict[str, str]) -> Provide
     if cfg.provider == "ray":
         from burstrl.providers.ray_provider import RayProvider
 
-        return RayProvider(cfg.ray, run_dir, env)
+        return RayProvider(cfg.ray, run_dir, env, zygote_model=cfg.model.path if cfg.fleet.zygote else None)
     raise ValueError(f"unknown provider {cfg.provider!r}; choose from local, ray")

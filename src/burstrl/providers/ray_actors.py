@@ -7,6 +7,10 @@ replica's work is its child's, not the actor's); it starts the child in its own 
 PR_SET_PDEATHSIG, so the child dies with the actor's worker process (`ray.kill`, a node loss), and
 `wait()` is the long-running call the provider watches with `ray.wait` to see either die.
 
+A replica may instead be forked by its node's zygote (`fork()`, providers/ray_zygote.py): the
+child is then the zygote's, not the actor's; the zygote kills it when this actor's worker exits,
+and the actor watches it through a pidfd and learns its exit status from the zygote.
+
 Kept free of torch (its one burstrl import is the standard-library-only process helpers): workers
 import this module to build the actor.
 """
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -22,8 +27,10 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import ray
+from ray.exceptions import RayActorError
 
 from burstrl.protocol.process import die_with_parent_signal, ready_url
 
@@ -43,25 +50,64 @@ class ProcessSpec:
     port: int = 0
 
 
+class ForkedChild:
+    """A role forked by this node's zygote: what `RoleActor` needs of a Popen, for a non-child.
+
+    Exit is seen through a pidfd (which cannot be waited on by a non-parent); the status comes from
+    the zygote, which reaped it (-9 if the zygote is gone: its children die with it)."""
+
+    def __init__(self, pid: int, zygote: Any) -> None:
+        self.pid, self.zygote = pid, zygote
+        self.returncode: int | None = None
+        try:
+            self.pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:  # already gone (and reaped)
+            self.pidfd = -1
+
+    def running(self) -> bool:
+        if self.returncode is not None or self.pidfd < 0:
+            return False
+        return not select.select([self.pidfd], [], [], 0)[0]
+
+    async def poll(self) -> int | None:
+        if self.returncode is not None:
+            return self.returncode
+        if self.running():
+            return None
+        try:
+            code = await self.zygote.exit_code.remote(self.pid, 30.0)
+        except RayActorError:
+            code = None
+        self.returncode = -signal.SIGKILL if code is None else code
+        if self.pidfd >= 0:
+            os.close(self.pidfd)
+            self.pidfd = -1
+        return self.returncode
+
+
 @ray.remote(num_cpus=0, max_restarts=0)
 class RoleActor:
     """One role process. Construct with a spec to start at once (a restarted actor restarts it)."""
 
     def __init__(self, spec: ProcessSpec | None = None) -> None:
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen | ForkedChild | None = None
         self.url = ""
         self.spec = spec
         self.stopping = False
         if spec is not None:
             self._spawn(spec)
 
-    def _spawn(self, spec: ProcessSpec) -> None:
+    def _args(self, spec: ProcessSpec) -> list[str]:
         args = list(spec.args)
         if spec.host_key:
             args += [f"--{spec.host_key}", ray.util.get_node_ip_address()]
         if spec.port_key:
             args += [f"--{spec.port_key}", str(spec.port)]
         Path(spec.log).parent.mkdir(parents=True, exist_ok=True)
+        return args
+
+    def _spawn(self, spec: ProcessSpec) -> None:
+        args = self._args(spec)
         with open(spec.log, "a" if spec.append else "w") as log:
             out = subprocess.PIPE if spec.ready_line else log
             self.proc = subprocess.Popen([sys.executable, "-c", spec.code, *args], stdout=out, stderr=log,
@@ -73,6 +119,25 @@ class RoleActor:
         self.spec = spec
         self._spawn(spec)
         return self.proc.pid
+
+    async def fork(self, spec: ProcessSpec, zygote: Any, timeout: float) -> dict[str, Any]:
+        """Have this node's zygote fork the child (a `burstrl` role with a ready line), tied to this
+        worker; {"pid", "url"} once it is ready, else the zygote's {"error", "zygote_alive"}."""
+        self.spec = spec
+        env = {**os.environ, **spec.env}  # what a child Popen'd here would get (CUDA_VISIBLE_DEVICES, ...)
+        try:
+            got = await zygote.spawn.remote(self._args(spec), spec.log, timeout, spec.append, env, os.getpid())
+        except RayActorError as exc:
+            return {"error": f"the zygote actor is gone: {exc}", "zygote_alive": False}
+        if "error" not in got:
+            self.proc = ForkedChild(got["pid"], zygote)
+            self.url = got["url"]
+        return got
+
+    async def _poll(self) -> int | None:
+        if isinstance(self.proc, ForkedChild):
+            return await self.proc.poll()
+        return self.proc.poll()
 
     async def ready(self, timeout: float) -> str:
         """The child's URL from its ready line ("" for roles without one); RuntimeError if it dies first."""
@@ -101,7 +166,7 @@ class RoleActor:
         `exit_with_child`: a child that fails takes the actor down with it, so that Ray restarts
         the actor (and the child, at the same address) when the actor has restarts left.
         """
-        while self.proc.poll() is None:
+        while await self._poll() is None:
             await asyncio.sleep(0.2)
         if exit_with_child and self.proc.returncode != 0 and not self.stopping:
             os._exit(1)
@@ -116,19 +181,23 @@ class RoleActor:
         return {"ip": ray.util.get_node_ip_address(), "node_id": ctx.get_node_id(), "free_port": port,
                 "pid": os.getpid()}
 
+    async def child(self) -> int | None:
+        """The child's pid (tests, `ps`); None before it started."""
+        return None if self.proc is None else self.proc.pid
+
     async def stop(self, timeout: float = 15.0) -> int | None:
         """SIGTERM the child's process group, SIGKILL after `timeout`; returns its status."""
         self.stopping = True
         if self.proc is None:
             return None
-        if self.proc.poll() is None:
+        if await self._poll() is None:
             _signal_group(self.proc.pid, signal.SIGTERM)
             deadline = time.monotonic() + timeout
-            while self.proc.poll() is None and time.monotonic() < deadline:
+            while await self._poll() is None and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)
-            if self.proc.poll() is None:
+            if await self._poll() is None:
                 _signal_group(self.proc.pid, signal.SIGKILL)
-                while self.proc.poll() is None:
+                while await self._poll() is None:
                     await asyncio.sleep(0.05)
         return self.proc.returncode
 

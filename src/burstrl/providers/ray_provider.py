@@ -9,6 +9,11 @@ fate: when the launcher exits or dies, Ray reclaims the actors and their childre
   long-running `wait()` call is watched with `ray.wait`: the child exiting, `ActorDiedError`
   (`preempted` when Ray drained the node for a preemption) and `ActorUnavailableError` all end the
   replica, and the launcher deregisters it and starts a replacement that loads the newest version.
+  With `fleet.zygote`, a replica's process is forked by a zygote on its node (one per node, started
+  by the first replica there; providers/ray_zygote.py), so a replacement skips the imports, and
+  when replicas hold no resources a spare placed actor per pool waits for the next one, so it
+  skips Ray's worker start too. Each start's phases (placement, process start to ready) go to
+  `logs/ray_starts.jsonl`.
 - Router: an actor pinned to the driver's node with `max_restarts`; a restarted router listens at
   the same address, and the launcher re-sends the replica list (its `restarts` count goes up).
 - Trainer: `trainer.world_size` rank actors in one placement group (STRICT_PACK when the ranks fit
@@ -27,9 +32,12 @@ filesystem): role configs, logs, checkpoints and the adapter volume live there.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import socket
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +48,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from burstrl.config import RayConfig
 from burstrl.providers import Placement
-from burstrl.providers.local import LocalProvider
+from burstrl.providers.local import REPLICA_LISTEN, LocalProvider
 from burstrl.providers.ray_actors import ProcessSpec, RoleActor
+from burstrl.providers.ray_zygote import NodeZygotes, SpareActors, zygote_is_gone
 
 log = logging.getLogger("burstrl.ray")
 RANK_CODE = "from burstrl.trainer.launch import rank_main; rank_main()"
@@ -233,7 +242,7 @@ class RayTrainer:
 
 
 class RayProvider:
-    def __init__(self, cfg: RayConfig, run_dir: Path, env: dict[str, str]) -> None:
+    def __init__(self, cfg: RayConfig, run_dir: Path, env: dict[str, str], zygote_model: str | None = None) -> None:
         self.cfg, self.run_dir = cfg, run_dir.absolute()
         self.logs_dir = self.run_dir / "logs"
         self.env = {**env, "PYTHONUNBUFFERED": "1"}
@@ -242,6 +251,10 @@ class RayProvider:
         self.driver_ip = ray.util.get_node_ip_address()
         self.roles: list[RayRole] = []
         self.sandbox_agents: Any = None
+        self.zygotes = NodeZygotes(self.logs_dir, self.env, zygote_model) if zygote_model is not None else None
+        self.zygote_fallbacks = 0  # replicas started the ordinary way because their node's zygote was gone
+        self.spares = SpareActors()  # with the zygote: a placed actor waiting for the next replica of a pool
+        self.starts_lock = threading.Lock()
 
     # ---- placement ----
     def wait_placed(self, actor: Any, what: str, resources: dict[str, Any]) -> dict[str, Any]:
@@ -290,19 +303,68 @@ class RayProvider:
         log_path = self.logs_dir / f"{name}.log"
         spec = ProcessSpec(args=list(args), log=str(log_path), env=self.env, ready_line=wait_ready, append=append,
                            host_key=host_key, port_key=port_key, port=port)
-        actor = RoleActor.options(**opts).remote(spec)
-        role = RayRole(self, actor, name, log_path, placement.restartable)
+        fork = self.zygotes is not None and wait_ready and bool(placement.pool) and placement.listen == REPLICA_LISTEN
+        t0 = time.time()
+        actor, node = self._spare(placement.pool) if fork else (None, None)
+        spare = actor is not None
+        if actor is None:
+            actor = RoleActor.options(**opts).remote(None if fork else spec)
         try:
-            self.wait_placed(actor, name, opts)
-            role.url = ray.get(actor.ready.remote(timeout), timeout=timeout + 30)
+            node = node or self.wait_placed(actor, name, opts)
+            placed = time.time()
+            if fork:
+                url, how = self._fork(actor, node["node_id"], spec, name, timeout)
+            else:
+                url, how = ray.get(actor.ready.remote(timeout), timeout=timeout + 30), "process"
         except (RayActorError, GetTimeoutError) as exc:
             ray.kill(actor, no_restart=True)
             raise RuntimeError(f"{name} failed to start: {exc}") from None
         except RuntimeError:
             ray.kill(actor, no_restart=True)
             raise
+        self._record_start({"name": name, "t": t0, "how": how, "node": node["node_id"][:8], "spare": spare,
+                            "placed_s": round(placed - t0, 3), "ready_s": round(time.time() - placed, 3)})
+        if fork:
+            self.spares.refill(placement.pool, opts)
+        role = RayRole(self, actor, name, log_path, placement.restartable)
+        role.url = url
         self.roles.append(role)
         return role
+
+    def _spare(self, pool: str) -> tuple[Any, dict[str, Any] | None]:
+        """The pool's spare actor and its node, or (None, None): no spare, or it was lost (with its node)."""
+        got = self.spares.take(pool)
+        if got is None:
+            return None, None
+        actor, node = got
+        try:
+            return actor, ray.get(node, timeout=self.cfg.placement_timeout_s)
+        except (RayActorError, GetTimeoutError):
+            ray.kill(actor, no_restart=True)
+            return None, None
+
+    def _fork(self, actor: Any, node_id: str, spec: ProcessSpec, name: str, timeout: float) -> tuple[str, str]:
+        """The replica forked by its node's zygote: (url, "fork"); a zygote that is gone is
+        forgotten and the replica started the ordinary way: (url, "fallback"), counted."""
+        zygote = self.zygotes.get(node_id)
+        got = ray.get(actor.fork.remote(spec, zygote, timeout), timeout=timeout + 30)
+        if "error" not in got:
+            return got["url"], "fork"
+        if not zygote_is_gone(got):
+            raise RuntimeError(f"{name} failed to start: {got['error']}")
+        self.zygotes.forget(node_id, zygote)
+        with self.starts_lock:
+            self.zygote_fallbacks += 1
+        log.warning("the zygote on node %s is gone (%s): starting %s the ordinary way", node_id[:8], got["error"],
+                    name)
+        ray.get(actor.start.remote(spec), timeout=self.cfg.placement_timeout_s)
+        return ray.get(actor.ready.remote(timeout), timeout=timeout + 30), "fallback"
+
+    def _record_start(self, row: dict[str, Any]) -> None:
+        """One line per role start in logs/ray_starts.jsonl: where a start's time went."""
+        self.logs_dir.mkdir(parents=True, exist_ok=True)
+        with self.starts_lock, open(self.logs_dir / "ray_starts.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
 
     def start_trainer(self, config: Path, world_size: int, resume: bool, append: bool) -> RayTrainer:
         return RayTrainer(self, config, world_size, resume, append)
@@ -342,6 +404,9 @@ class RayProvider:
                 ray.kill(role.actor, no_restart=True)
             except ValueError:
                 pass  # already gone
+        self.spares.close()
+        if self.zygotes is not None:
+            self.zygotes.close()
         if self.started_ray:
             ray.shutdown()
 

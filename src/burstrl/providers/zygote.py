@@ -20,9 +20,12 @@ Ownership: the launcher's `Zygote` starts it (own process group, SIGKILL when th
 thread dies) and `close()` stops it. Each child gets its own session (so `killpg` of its pid
 stops it and whatever it started, as for a plain role) and SIGKILL when the zygote dies, so
 nothing outlives the launcher. The zygote reaps its children (pidfds in the select loop) and
-reports each exit status to the launcher.
+reports each exit status to the launcher. A request may name a `watch` pid, the child's owner
+when that is not the launcher (the Ray actor that holds the replica, providers/ray_zygote.py):
+the zygote holds a pidfd of it and SIGKILLs the child's group the moment the owner exits.
 
-Wire format, one JSON object per line: launcher -> zygote stdin `{"id", "args", "log", "append"}`;
+Wire format, one JSON object per line: launcher -> zygote stdin `{"id", "args", "log", "append"}`
+plus optional `"env"` (the child's whole environment instead of the zygote's) and `"watch"`;
 zygote stdout -> launcher `{"event": "zygote_ready"}`, `{"event": "spawned", "id", "pid"}`,
 `{"event": "spawn_failed", "id", "error"}`, `{"event": "exit", "pid", "code"}`, and the child's
 own ready line `{"event": "ready", "url", "pid"}` (children write to the zygote's stdout; each
@@ -93,6 +96,7 @@ def zygote_main(model_path: str = "") -> None:
     _preload(model_path)
     sel = selectors.DefaultSelector()
     sel.register(0, selectors.EVENT_READ, "stdin")
+    watches: dict[int, int] = {}  # child pid -> pidfd of its owner (requests with "watch")
     buf = b""
     _emit({"event": "zygote_ready", "pid": os.getpid()})
     while True:
@@ -104,29 +108,62 @@ def zygote_main(model_path: str = "") -> None:
                 buf += data
                 while b"\n" in buf:
                     line, buf = buf.split(b"\n", 1)
-                    _spawn(json.loads(line), sel)
+                    _spawn(json.loads(line), sel, watches)
+            elif isinstance(key.data, tuple):  # ("owner", pid): the child's owner exited
+                child = key.data[1]
+                if child in watches:  # else reaped earlier in this round: its pid may be another's now
+                    _unwatch(sel, watches, child)
+                    _kill_child(child)
             else:
                 pid = key.data
                 sel.unregister(key.fd)
                 os.close(key.fd)
                 _, status = os.waitpid(pid, 0)
+                _unwatch(sel, watches, pid)
                 _emit({"event": "exit", "pid": pid, "code": os.waitstatus_to_exitcode(status)})
 
 
-def _spawn(req: dict[str, Any], sel: selectors.BaseSelector) -> None:
+def _spawn(req: dict[str, Any], sel: selectors.BaseSelector, watches: dict[int, int]) -> None:
     unsafe = fork_safe()
     if unsafe:
         _emit({"event": "spawn_failed", "id": req["id"], "error": f"zygote not fork-safe: {unsafe}"})
         return
+    owner = -1
+    if req.get("watch"):
+        try:  # opened before the fork: an owner that dies from here on is seen
+            owner = os.pidfd_open(int(req["watch"]))
+        except ProcessLookupError:
+            _emit({"event": "spawn_failed", "id": req["id"], "error": f"its owner {req['watch']} is gone"})
+            return
     zygote = os.getpid()
     pid = os.fork()
     if pid == 0:
-        _child(req, zygote, sel)
+        _child(req, zygote, sel, owner)
     sel.register(os.pidfd_open(pid), selectors.EVENT_READ, pid)
+    if owner >= 0:
+        watches[pid] = owner
+        sel.register(owner, selectors.EVENT_READ, ("owner", pid))
     _emit({"event": "spawned", "id": req["id"], "pid": pid})
 
 
-def _child(req: dict[str, Any], zygote: int, sel: selectors.BaseSelector) -> None:
+def _unwatch(sel: selectors.BaseSelector, watches: dict[int, int], child: int) -> None:
+    owner = watches.pop(child, -1)
+    if owner >= 0:
+        sel.unregister(owner)
+        os.close(owner)
+
+
+def _kill_child(pid: int) -> None:
+    """SIGKILL a child that is not reaped yet (so its pid and group id are still its own). The pid
+    too: a child killed before its setsid() has no group of its own yet."""
+    for kill in (os.killpg, os.kill):
+        try:
+            kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _child(req: dict[str, Any], zygote: int, sel: selectors.BaseSelector, owner: int) -> None:
     """In the forked child: become a role process, run `burstrl ARGS`, never return to the loop."""
     code = 1
     try:
@@ -136,8 +173,13 @@ def _child(req: dict[str, Any], zygote: int, sel: selectors.BaseSelector) -> Non
             os._exit(1)
         for key in list(sel.get_map().values()):
             if key.fd != 0:
-                os.close(key.fd)  # the siblings' pidfds
+                os.close(key.fd)  # the siblings' pidfds and their owners'
         sel.close()
+        if owner >= 0:
+            os.close(owner)
+        if "env" in req:  # the owner's environment (a Ray actor's CUDA_VISIBLE_DEVICES, ...), as a Popen'd child gets
+            os.environ.clear()
+            os.environ.update(req["env"])
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.close(null)
@@ -214,11 +256,12 @@ class Zygote:
     stdout; `close()` stops the children, the zygote and the reader.
     """
 
-    def __init__(self, logs_dir: Path, env: dict[str, str], model_path: str = "") -> None:
+    def __init__(self, logs_dir: Path, env: dict[str, str], model_path: str = "", name: str = "zygote") -> None:
         logs_dir.mkdir(parents=True, exist_ok=True)
-        self.log = logs_dir / "zygote.log"
+        self.log = logs_dir / f"{name}.log"
+        # The log's path is on the command line too: `ps`/`pgrep -f RUN_DIR` then show whose zygote it is.
         cmd = [sys.executable, "-c", "import sys; from burstrl.providers.zygote import zygote_main; "
-               "zygote_main(sys.argv[1])", model_path]
+               "zygote_main(sys.argv[1])", model_path, str(self.log)]
         with open(self.log, "a") as err:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
                                          start_new_session=True, env={**os.environ, **env},
@@ -276,9 +319,12 @@ class Zygote:
                     child.exited.set()
             self.changed.notify_all()
 
-    def spawn(self, args: list[str], log: Path, timeout: float, append: bool = False) -> ForkedRole:
+    def spawn(self, args: list[str], log: Path, timeout: float, append: bool = False,
+              env: dict[str, str] | None = None, watch: int = 0) -> ForkedRole:
         """Fork `burstrl ARGS` (stderr to `log`); return once it printed its ready line.
 
+        `env`: the child's whole environment (default: the zygote's). `watch`: a pid whose exit
+        SIGKILLs the child (its owner, when that is not this process).
         RuntimeError (quoting the log) if it exits first, is not ready within `timeout`, or the
         zygote is gone; the caller may then start the role the ordinary way."""
         deadline = time.monotonic() + timeout
@@ -288,9 +334,13 @@ class Zygote:
             self.next_id += 1
             rid = self.next_id
             assert self.proc.stdin is not None
+            req: dict[str, Any] = {"id": rid, "args": args, "log": str(log), "append": append}
+            if env is not None:
+                req["env"] = env
+            if watch:
+                req["watch"] = watch
             try:
-                self.proc.stdin.write((json.dumps({"id": rid, "args": args, "log": str(log), "append": append})
-                                       + "\n").encode())
+                self.proc.stdin.write((json.dumps(req) + "\n").encode())
                 self.proc.stdin.flush()
             except BrokenPipeError:
                 raise RuntimeError(f"the zygote is gone; log {self.log}") from None
