@@ -6,7 +6,8 @@ In one invocation on this machine:
    (`--seed`), checked with `burstrl tasks check`; with `--split test` also templates and words
    the training split never uses;
 2. before: `burstrl eval` of the warm-started tiny model (SFT on the generator's demonstration
-   trajectories), K attempts per task at the RL sampling temperature;
+   trajectories), K attempts per task at the RL sampling temperature and with the RL agent's limits
+   (turns, tokens per call); with `--before-alongside` at the same time as (3);
 3. RL: `burstrl run examples/toy-swe.toml` from that model;
 4. after: `burstrl eval` of the run's last adapter with `--compare` against (2): the paired
    bootstrap interval of the lift per metric (resampling tasks);
@@ -47,7 +48,7 @@ def burstrl(*args: str, timeout: float = 7200) -> str:
 
 def overall(out: Path) -> dict:
     results = json.loads((out / "results.json").read_text())
-    keep = ("pass@1", "pass@2", "pass@4", "f2p", "strict", "n_tasks", "attempts", "resolved", "apply_failures",
+    keep = ("pass@1", "pass@2", "pass@4", "pass@8", "f2p", "strict", "n_tasks", "attempts", "resolved", "apply_failures",
             "infra_failures")
     return {k: v for k, v in results["summary"]["overall"].items() if k in keep} | (
         {"comparison": {m: results["comparison"][m] for m in ("pass@1", "f2p", "strict") if m in results["comparison"]}}
@@ -100,6 +101,24 @@ def rl_overrides(pairs: list[str]) -> list[str]:
     return flags
 
 
+def agent_limits(overrides: list[str]) -> tuple[int, int]:
+    """(max_turns, max_tokens_per_call) of the RL run's agent: examples/toy-swe.toml with the overrides.
+
+    Why: the evals must give the agent the limits it is trained under (before 2026-12-01's fifth
+    session they used `burstrl eval`'s own defaults, 6 turns of 128 tokens, against RL's 2 of 160).
+    """
+    import tomllib
+
+    swe = tomllib.loads((REPO / "examples" / "toy-swe.toml").read_text())["orchestrator"]["swe"]
+    limits = {"max_turns": swe["max_turns"], "max_tokens_per_call": swe["max_tokens_per_call"]}
+    for pair in overrides:
+        key, _, value = pair.partition("=")
+        name = key.removeprefix("orchestrator.swe.")
+        if name != key and name in limits:
+            limits[name] = int(value)
+    return limits["max_turns"], limits["max_tokens_per_call"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", type=int, default=40)
@@ -117,6 +136,10 @@ def main() -> None:
     parser.add_argument("--no-throughput", action="store_true")
     parser.add_argument("--rl-override", action="append", default=[], metavar="KEY=VALUE",
                         help="A dotted override for the RL run (repeatable), e.g. trainer.lr=3e-3.")
+    parser.add_argument("--before-alongside", action="store_true", help="Run the before-eval at the same time "
+                        "as the RL run (both start from the warm start) instead of first.")
+    parser.add_argument("--work-dir", default="", help="Keep the tasks, evals and the run here (an empty or new "
+                        "dir) instead of a temporary dir.")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     if args.quick:
@@ -129,7 +152,8 @@ def main() -> None:
                     "attempts": args.attempts, "rl_steps": args.steps, "seed": args.seed, "split": args.split,
                     "difficulty": args.difficulty, "temperature": args.temperature, "rl_overrides": args.rl_override}
     with tempfile.TemporaryDirectory(prefix="bench-swe-") as tmp:
-        root = Path(tmp)
+        root = Path(args.work_dir).absolute() if args.work_dir else Path(tmp)
+        root.mkdir(parents=True, exist_ok=True)
         burstrl("tasks", "make-toy", str(root / "test"), "--n", str(args.tasks), "--split", args.split, "--seed",
                 str(args.seed), "--difficulty", str(args.difficulty))
         tasks = root / "test" / "tasks.jsonl"
@@ -139,15 +163,23 @@ def main() -> None:
         flawed = root / "flawed.txt"
         result["flawed_tasks"] = len(flawed.read_text().split()) if flawed.exists() else 0
         exclude = ["--exclude", str(flawed)] if result["flawed_tasks"] else []
+        max_turns, max_tokens = agent_limits(args.rl_override)
+        result["eval_agent_limits"] = {"max_turns": max_turns, "max_tokens_per_call": max_tokens}
         evals = ["--model", str(model), "--tasks", str(tasks), "--attempts", str(args.attempts), "--temperature",
-                 str(args.temperature), *exclude]
-        burstrl("eval", *evals, "--out", str(root / "before"))
-        result["before"] = overall(root / "before")
+                 str(args.temperature), "--max-turns", str(max_turns), "--swe.max_tokens_per_call", str(max_tokens), *exclude]
         t1 = time.monotonic()
-        burstrl("run", str(REPO / "examples" / "toy-swe.toml"), "--run_dir", str(root / "run"), "--model.path",
-                str(model), "--trainer.steps", str(args.steps), "--orchestrator.temperature", str(args.temperature),
-                *rl_overrides(args.rl_override))
-        result["rl_wall_s"] = round(time.monotonic() - t1, 1)
+        with ThreadPoolExecutor(max_workers=2, thread_name_prefix="bench") as ex:
+            # The before-eval depends only on the warm start: alongside the RL run it uses the cores the
+            # run leaves idle (the results do not depend on timing: sampling seeds are fixed).
+            before = ex.submit(burstrl, "eval", *evals, "--out", str(root / "before"))
+            if not args.before_alongside:
+                before.result()
+            ex.submit(burstrl, "run", str(REPO / "examples" / "toy-swe.toml"), "--run_dir", str(root / "run"),
+                      "--model.path", str(model), "--trainer.steps", str(args.steps), "--orchestrator.temperature",
+                      str(args.temperature), *rl_overrides(args.rl_override)).result()
+            before.result()
+        result["before"] = overall(root / "before")
+        result["before_and_rl_wall_s"] = round(time.monotonic() - t1, 1)
         metrics = [json.loads(line) for line in (root / "run" / "metrics.jsonl").read_text().splitlines()]
         result["rl_reward_first5"] = sum(m["reward_mean"] for m in metrics[:5]) / min(5, len(metrics))
         result["rl_reward_last5"] = sum(m["reward_mean"] for m in metrics[-5:]) / min(5, len(metrics))
@@ -155,8 +187,11 @@ def main() -> None:
         burstrl("eval", *evals, "--adapter", str(adapter), "--out", str(root / "after"), "--compare", str(root / "before"))
         result["after"] = overall(root / "after")
         result["rl_reward_by_step"] = [round(m["reward_mean"], 3) for m in metrics]
+        result["rl_kept_groups_by_step"] = [m["kept_groups"] for m in metrics]
         if not args.no_throughput:
             result["grading_per_minute"] = throughput(root, 16 if args.quick else 48)
+        if args.work_dir:
+            (root / "result.json").write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result))
 
 
