@@ -57,12 +57,15 @@ class ZygoteActor:
         return {"pid": child.pid, "url": child.url}
 
     async def exit_code(self, pid: int, timeout: float) -> int | None:
-        """A forked child's exit status once the zygote reaped it (None: unknown pid or not yet)."""
+        """A forked child's exit status once the zygote reaped it (None: unknown pid or not yet).
+
+        Exited children stay in `children` (a run forks a few hundred replicas per node at most): the
+        owning actor may ask from several calls at once (its `wait` and its `stop`), and each must get
+        the status, not a KeyError or an "unknown pid"."""
         child = self.children.get(pid)
         if child is None:
             return None
-        if await asyncio.to_thread(child.exited.wait, timeout):
-            del self.children[pid]
+        await asyncio.to_thread(child.exited.wait, timeout)
         return child.code
 
     async def pid(self) -> int:
