@@ -144,6 +144,7 @@ def test_a_wrong_token_is_reported_with_the_401(pair: list[Server], volume: Path
     assert "policy-v5" in models(good) and "policy-v5" not in models(bad)
 
 
+@pytest.mark.slow  # 2-6 s: kept out of the fast lane
 def test_a_late_joiner_serves_the_newest_version_at_once(tiny_model_dir: Path, volume: Path,
                                                          tmp_path: Path) -> None:
     from burstrl.model.lora import make_random_adapter
@@ -163,6 +164,7 @@ def test_a_late_joiner_serves_the_newest_version_at_once(tiny_model_dir: Path, v
         stop_server(srv)
 
 
+@pytest.mark.slow  # 2-6 s: kept out of the fast lane
 def test_a_replica_with_an_empty_volume_serves_the_base_model(tiny_model_dir: Path, tmp_path: Path) -> None:
     srv = start_server(tiny_model_dir, tmp_path / "empty", "--adapter_volume", str(tmp_path / "none"))
     try:
@@ -236,6 +238,7 @@ def test_shards_go_to_the_bulk_listener_while_the_replica_keeps_serving(pair: li
     assert root.startswith("upload:sha256:")  # loaded from the pushed bytes, not from a directory
 
 
+@pytest.mark.slow  # 2-6 s: kept out of the fast lane
 def test_a_replica_without_a_bulk_listener_takes_shards_on_its_main_server(tiny_model_dir: Path, volume: Path,
                                                                           tmp_path: Path) -> None:
     srv = start_server(tiny_model_dir, tmp_path / "nobulk", "--server.bulk_port", "-1")

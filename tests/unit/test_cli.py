@@ -3,6 +3,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 
 def burstrl(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     """Run the installed console script when there is one, else `python -m burstrl.cli`."""
@@ -60,6 +62,7 @@ def test_serve_missing_config_file_exits_2():
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow  # 2-6 s: kept out of the fast lane
 def test_make_tiny_writes_a_model_dir(tmp_path):
     out = tmp_path / "tiny"
     result = burstrl("model", "make-tiny", str(out), "--layers", "1", "--hidden", "64", "--vocab", "512")

@@ -313,6 +313,7 @@ def test_max_sessions_drops_the_longest_unseen_first():
     assert list(reg.homes) == ["a", "c", "d"] and reg.counters.sessions_pruned == 1
 
 
+@pytest.mark.slow  # 2-6 s: kept out of the fast lane
 def test_short_soak_keeps_the_session_maps_bounded():
     cfg = SoakConfig(hours=1.0, replica_ttl_s=300, grace_s=300, replace_every_s=600, samples=12)
     samples = soak_registry(cfg, trace_memory=False)["samples"]

@@ -82,6 +82,7 @@ def test_cpu_is_shared_by_requests_and_capped_by_demand():
     assert got[3] == pytest.approx(3.0)
 
 
+@pytest.mark.slow  # 2-6 s: kept out of the fast lane
 def test_reference_reaches_the_reference_density_and_ours_beats_it():
     cfg = small(nodes=4, duration_s=2400, warmup_s=900, concurrency=34.0)
     ref = simulate(cfg, make_policy("reference"))
