@@ -300,6 +300,24 @@ def test_multi_shard_commit_reuses_its_join_buffer(registry, adapter_dirs):
         assert registry._free_bytes == 2 * manifest.total_bytes  # the two shards and the join, no more
 
 
+def test_a_stray_shard_of_another_split_never_puts_a_buffer_back_twice(registry, adapter_dirs):
+    """Shards staged under two splits (0 of 1, and 0 of 2) with a one-shard manifest: the commit
+    serves the one-shard upload, and each received buffer goes back once (a buffer kept twice would
+    later be handed to two shard receivers at once, one overwriting the other after its hash)."""
+    manifest, [whole] = pack_adapter(adapter_dirs[0], 1, "policy-v1")
+    _, halves = pack_adapter(adapter_dirs[0], 2, "policy-v1")
+    one = registry.take_buffer(len(whole))
+    one[:] = whole
+    stray = registry.take_buffer(len(halves[0]))
+    stray[:] = halves[0]
+    registry.put_shard("policy-v1", 0, 2, stray, None)
+    registry.put_shard("policy-v1", 0, 1, one, None)
+    registry.put_manifest("policy-v1", manifest.to_json())
+    registry.commit("policy-v1")
+    kept = [id(b) for b in registry._free]
+    assert sorted(kept) == sorted({id(one), id(stray)}) and registry._free_bytes == len(one) + len(stray)
+
+
 def test_no_manifest_refused(registry, adapter_dirs):
     manifest, shards = pack_adapter(adapter_dirs[0], 2, "policy-v1")
     for i, shard in enumerate(shards):

@@ -221,9 +221,9 @@ class AdapterRegistry:
             tensors = read_safetensors(files["adapter_model.safetensors"], f"{label}/adapter_model.safetensors")
             return load_adapter_bytes(name, label, bytes(files["adapter_config.json"]), tensors, self.num_layers,
                                       self.dtype, self.device, self.shapes)
-        finally:
-            if len(up.shards) > 1 or blob is not next(iter(up.shards.values()))[0]:
-                self.give_back(blob)  # the joined copy; the shards themselves are recycled by commit
+        finally:  # the joined copy goes back here; the shards themselves are recycled by commit
+            if not any(blob is data for data, _ in up.shards.values()):
+                self.give_back(blob)  # (a shard given back twice would be handed to two receivers)
 
     def take_buffer(self, size: int) -> bytearray:
         """A buffer for a shard of `size` bytes: one a finished upload gave back, else a new one.
