@@ -16,6 +16,7 @@ In one invocation on this machine:
 
     .venv/bin/python benchmarks/swe.py                 # 40 tasks x 4 attempts, 20 RL steps
     .venv/bin/python benchmarks/swe.py --quick         # 6 tasks x 2 attempts, 3 RL steps
+    .venv/bin/python benchmarks/swe.py --warm forgetful   # from the warm start with a sampled flaw
 """
 
 from __future__ import annotations
@@ -133,6 +134,9 @@ def main() -> None:
                         "and of the RL run.")
     parser.add_argument("--model", default="", help="Warm-started model dir; default: the cached recipe "
                         "(`envs.swe.warm`, built on first use).")
+    parser.add_argument("--warm", choices=("plain", "forgetful"), default="plain", help="Which cached warm start "
+                        "when --model is empty: forgetful also leaves out the commit half the time "
+                        "(`envs.swe.warm`: a sampled flaw for RL to fix).")
     parser.add_argument("--no-throughput", action="store_true")
     parser.add_argument("--rl-override", action="append", default=[], metavar="KEY=VALUE",
                         help="A dotted override for the RL run (repeatable), e.g. trainer.lr=3e-3.")
@@ -147,8 +151,9 @@ def main() -> None:
     from burstrl.launcher.preflight import quickstart_swe_model
 
     t0 = time.monotonic()
-    model = Path(args.model) if args.model else quickstart_swe_model()
-    result: dict = {"model": str(model), "warm_start_s": round(time.monotonic() - t0, 1), "tasks": args.tasks,
+    model = Path(args.model) if args.model else quickstart_swe_model(forgetful=args.warm == "forgetful")
+    result: dict = {"model": str(model), "warm": "given" if args.model else args.warm,
+                    "warm_start_s": round(time.monotonic() - t0, 1), "tasks": args.tasks,
                     "attempts": args.attempts, "rl_steps": args.steps, "seed": args.seed, "split": args.split,
                     "difficulty": args.difficulty, "temperature": args.temperature, "rl_overrides": args.rl_override}
     with tempfile.TemporaryDirectory(prefix="bench-swe-") as tmp:

@@ -81,3 +81,17 @@ def test_cli_import_stays_light():
     assert result.returncode == 0, result.stderr
     for heavy in ("torch", "transformers", "fastapi", "pydantic"):
         assert f"'{heavy}'" not in result.stdout
+
+
+def test_run_dry_run_shows_which_cached_warm_start_an_empty_model_path_uses(tmp_path):
+    """`model.warm_start = forgetful` picks the SWE warm start with the sampled flaw (no build on --dry-run)."""
+    example = Path(__file__).resolve().parents[2] / "examples" / "toy-swe.toml"
+    env = {**os.environ, "BURSTRL_CACHE": str(tmp_path)}
+    for choice, name in (("plain", "tiny-qwen3-swe-warm"), ("forgetful", "tiny-qwen3-swe-forgetful")):
+        result = subprocess.run([sys.executable, "-m", "burstrl.cli", "run", str(example), "--model.warm_start", choice,
+                                 "--dry-run"], capture_output=True, text=True, timeout=60, env=env)
+        assert result.returncode == 0, result.stderr
+        assert f'path = "{tmp_path / name}"' in result.stdout and f'warm_start = "{choice}"' in result.stdout
+    assert list(tmp_path.iterdir()) == []  # nothing built
+    bad = burstrl("run", str(example), "--model.warm_start", "lazy", "--dry-run")
+    assert bad.returncode == 2 and "warm_start" in bad.stderr

@@ -156,8 +156,9 @@ def run_command(
     cfg = command_config(RunConfig, ctx, [], default_files=[str(QUICKSTART)])
     if not cfg.model.path:
         typer.echo("model.path is empty: using the warm-started tiny model (made and cached on first use)", err=True)
-        swe = "swe" in cfg.orchestrator.envs
-        cfg.model.path = str(quickstart_model_dir(swe) if dry_run else quickstart_swe_model() if swe else quickstart_model())
+        swe, forgetful = "swe" in cfg.orchestrator.envs, cfg.model.warm_start == "forgetful"
+        cfg.model.path = str(quickstart_model_dir(swe, forgetful) if dry_run else
+                             quickstart_swe_model(forgetful) if swe else quickstart_model())
     if dry_run:
         return print_run_config(cfg)
     try:

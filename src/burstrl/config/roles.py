@@ -20,6 +20,10 @@ class ModelConfig(Section):
         "auto", description="Weights dtype; auto = float32 on CPU, bfloat16 on GPU."
     )
     device: str = Field("auto", description="torch device; auto = cuda if available else cpu.")
+    warm_start: Literal["plain", "forgetful"] = Field(
+        "plain", description="With an empty path and the swe env, which cached SWE warm start: forgetful = "
+        "also taught to leave out the commit half the time, a sampled flaw RL can fix from reward alone."
+    )
 
 
 class EngineConfig(Section):

@@ -27,10 +27,11 @@ def cache_dir() -> Path:
     return Path(os.environ.get("BURSTRL_CACHE") or Path.home() / ".cache" / "burstrl")
 
 
-def quickstart_model_dir(swe: bool) -> Path:
+def quickstart_model_dir(swe: bool, forgetful: bool = False) -> Path:
     """Where the warm-started tiny model of `quickstart_model` (or, for swe, `quickstart_swe_model`)
     is cached: what `burstrl run --dry-run` shows as model.path without building it."""
-    return (cache_dir() / ("tiny-qwen3-swe-warm" if swe else "tiny-qwen3-warm")).absolute()
+    name = "tiny-qwen3-warm" if not swe else "tiny-qwen3-swe-forgetful" if forgetful else "tiny-qwen3-swe-warm"
+    return (cache_dir() / name).absolute()
 
 
 def quickstart_model() -> Path:
@@ -42,12 +43,14 @@ def quickstart_model() -> Path:
     return ensure_warm_model(base, quickstart_model_dir(swe=False))
 
 
-def quickstart_swe_model() -> Path:
-    """The tiny model warm-started on toy coding-task demonstrations (made and cached on first use)."""
-    from burstrl.envs.swe.warm import ensure_swe_warm_model
+def quickstart_swe_model(forgetful: bool = False) -> Path:
+    """The tiny model warm-started on toy coding-task demonstrations (made and cached on first use);
+    `forgetful`: then taught to leave out the commit half the time (`envs.swe.warm`)."""
+    from burstrl.envs.swe.warm import ensure_swe_forgetful_model, ensure_swe_warm_model
     from burstrl.model.tiny import ensure_tiny_model
 
-    return ensure_swe_warm_model(ensure_tiny_model(cache_dir() / "tiny-qwen3"), quickstart_model_dir(swe=True))
+    warm = ensure_swe_warm_model(ensure_tiny_model(cache_dir() / "tiny-qwen3"), quickstart_model_dir(swe=True))
+    return ensure_swe_forgetful_model(warm, quickstart_model_dir(True, forgetful=True)) if forgetful else warm
 
 
 def check(cfg: RunConfig) -> None:

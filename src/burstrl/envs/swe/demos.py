@@ -42,13 +42,14 @@ def fix_commands(task: SweTask) -> list[str]:
     return patch_commands(task)
 
 
-def demonstration_chat(task: SweTask, max_output_chars: int = 2000) -> list[dict[str, str]]:
-    """The full agent conversation of a correct attempt, ending with the submit command."""
+def demonstration_chat(task: SweTask, max_output_chars: int = 2000,
+                       commands: list[str] | None = None) -> list[dict[str, str]]:
+    """The full agent conversation of a correct attempt (or of `commands`), ending with the submit command."""
     messages = initial_messages(task)
     with tempfile.TemporaryDirectory(prefix="swe-demo-") as tmp:
         repo = Path(tmp) / "repo"
         export_base(task, repo)
-        for command in fix_commands(task):
+        for command in fix_commands(task) if commands is None else commands:
             messages.append({"role": "assistant", "content": f"```bash\n{command}\n```"})
             r = subprocess.run(["bash", "-c", command], cwd=repo, capture_output=True, text=True, timeout=120,
                                env={"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": tmp, **GIT_ENV})

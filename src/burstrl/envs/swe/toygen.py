@@ -276,6 +276,14 @@ def located_fix_command(task: SweTask) -> str:
     return f"{sed_command(edit['file'], edit)} && git commit -qam fix && {SUBMIT_COMMAND}"
 
 
+def forgetful_fix_command(task: SweTask) -> str:
+    """`located_fix_command` without the commit: the edit stays uncommitted, so the attempt scores 0."""
+    from burstrl.envs.swe.agent import SUBMIT_COMMAND
+
+    edit = task.extra["line_edit"]
+    return f"{sed_command(edit['file'], edit)} && {SUBMIT_COMMAND}"
+
+
 def demonstration_commands(task: SweTask, explore: bool = True) -> list[str]:
     """The bash commands an ideal agent runs to fix a toy task, one per turn, ending in a commit.
 
