@@ -250,3 +250,40 @@ def test_a_replica_without_a_bulk_listener_takes_shards_on_its_main_server(tiny_
         assert len(ids) == 8
     finally:
         stop_server(srv)
+
+
+def test_the_trainer_pushes_its_serving_dtype_and_the_replica_serves_those_values(
+        pair: list[Server], tiny_model_dir: Path, tmp_path: Path) -> None:
+    """`weights.serving_dtype = bfloat16` (auto with model.dtype bfloat16): the trainer casts before
+    packing, the push carries about half the bytes, the volume keeps float32, and each replica serves
+    exactly what loading the cast files directly serves."""
+    from burstrl.config import ModelConfig, TrainConfig, WeightsConfig
+    from burstrl.model.lora import make_random_adapter
+    from burstrl.trainer.dist import Dist
+    from burstrl.trainer.publish import publish_version, serving_dtype, serving_files
+
+    adapter = make_random_adapter(tiny_model_dir, tmp_path / "adapter", seed=21)
+    sent = {}
+    for step, dtype in ((31, "float32"), (32, "bfloat16")):
+        cfg = TrainConfig(run_dir=str(tmp_path / "run"), model=ModelConfig(dtype=dtype),
+                          weights=WeightsConfig(volume=str(tmp_path / "volume"), replicas=[s.url for s in pair],
+                                                admin_token=ADMIN_TOKEN, async_push=False))
+        assert serving_dtype(cfg) == dtype  # auto follows model.dtype
+        figures = publish_version(cfg, step, adapter, Dist())
+        assert figures["push_ok"] == 2, figures
+        sent[dtype] = figures["push_bytes"]
+    assert sent["bfloat16"] < 0.6 * sent["float32"]
+    volume_file = tmp_path / "volume" / "policy-v32" / "adapter_model.safetensors"
+    assert volume_file.read_bytes() == (adapter / "adapter_model.safetensors").read_bytes()  # float32 kept
+    cast_dir = tmp_path / "cast"
+    cast_dir.mkdir()
+    for name, data in serving_files(adapter, "bfloat16").items():
+        (cast_dir / name).write_bytes(data)
+    r = httpx.post(pair[0].url + "/v1/load_lora_adapter", headers=pair[0].admin(),
+                   json={"lora_name": "direct-bf16", "lora_path": str(cast_dir)}, timeout=60)
+    assert r.status_code == 200, r.text
+    ids_d, lp_d = greedy(pair[0], "direct-bf16")
+    for srv in pair:
+        ids, lp = greedy(srv, "policy-v32")
+        assert ids == ids_d and lp == pytest.approx(lp_d, abs=1e-5)
+    assert greedy(pair[0], "policy-v31")[1] != lp_d  # float32 serves other values: the cast really happened

@@ -161,6 +161,10 @@ class WeightsConfig(Section):
         True, description="With one trainer rank, push each version to the replicas in the background while "
         "the next step runs (the volume is always written first)."
     )
+    serving_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Dtype of the adapter tensors pushed to replicas, cast once on the trainer (half the "
+        "bytes at 16 bits; the volume keeps float32); auto = model.dtype when that is a 16-bit dtype, else float32."
+    )
 
 
 class TrainConfig(Section):

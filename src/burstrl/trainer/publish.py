@@ -87,6 +87,19 @@ def serving_files(adapter_dir: Path, dtype: str) -> dict[str, bytes]:
             "adapter_model.safetensors": save(cast, metadata={"format": "pt"})}
 
 
+def serving_dtype(cfg: TrainConfig) -> str:
+    """The dtype pushed to replicas: `weights.serving_dtype`, its auto resolved from `model.dtype`.
+
+    Why auto follows the model and not the device: the replicas serve `model.dtype` when it names
+    one, while "auto" there means float32 on CPU and bfloat16 on GPU, per replica, which the trainer
+    cannot see; pushing float32 is then always exact (the replica casts on load).
+    """
+    chosen = cfg.weights.serving_dtype
+    if chosen != "auto":
+        return chosen
+    return cfg.model.dtype if cfg.model.dtype in ("bfloat16", "float16") else "float32"
+
+
 def write_to_volume(cfg: TrainConfig, step: int, adapter_dir: Path) -> None:
     """Rank 0: the version on the volume (atomic; late joiners load it from there), old ones pruned."""
     from burstrl.weights.volume import gc, publish
@@ -109,8 +122,10 @@ def push_version(cfg: TrainConfig, step: int, dist: Dist, packer: Packer | None 
         return {"push_ok": 0, "push_failed": 0}
     from burstrl.weights.push import PushReport, push_commit, push_shards
 
+    dtype = serving_dtype(cfg)
+    files = serving_files(volume / name, dtype) if dtype != "float32" else None
     manifest, mine = push_shards(volume / name, name, targets, dist.rank, dist.world, retries=w.push_retries,
-                                 packer=packer)
+                                 packer=packer, files=files)
     sent = PushReport.merge(dist.gather(mine))  # every rank's shards are in (or failed)
     if not dist.is_main:
         return {}
