@@ -111,6 +111,26 @@ def test_a_forked_replica_dies_with_the_owner_it_watches(tiny_model_dir: Path, t
         zygote.close()
 
 
+def test_a_forked_replica_runs_with_the_environment_it_was_given(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """`spawn(env=...)` is the child's whole environment (a Ray actor passes its own: CUDA devices,
+    tokens), not the zygote's: the admin token from that env guards the replica's admin endpoints."""
+    zygote_env = {k: v for k, v in os.environ.items() if k != "BURSTRL_ADMIN_TOKEN"}
+    zygote = Zygote(tmp_path / "logs", {}, str(tiny_model_dir))
+    try:
+        given = zygote.spawn(serve_args(tiny_model_dir), tmp_path / "a.log", 300,
+                             env={**zygote_env, "BURSTRL_ADMIN_TOKEN": "token-from-the-owner"})
+        plain = zygote.spawn(serve_args(tiny_model_dir), tmp_path / "b.log", 300, env=zygote_env)
+
+        def status(r: ForkedRole, token: str) -> int:
+            return httpx.get(f"{r.url}/v1/traces/nobody", headers={"Authorization": f"Bearer {token}"},
+                             timeout=30).status_code
+
+        assert status(given, "token-from-the-owner") == 404 and status(given, "other") == 401
+        assert status(plain, "token-from-the-owner") == 401  # a generated token: the env was per child
+    finally:
+        zygote.close()
+
+
 OWNER = """
 import json, sys, time
 from pathlib import Path
