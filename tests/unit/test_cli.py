@@ -83,6 +83,7 @@ def test_cli_import_stays_light():
         assert f"'{heavy}'" not in result.stdout
 
 
+@pytest.mark.slow  # three CLI processes (~9 s)
 def test_run_dry_run_shows_which_cached_warm_start_an_empty_model_path_uses(tmp_path):
     """`model.warm_start = forgetful` picks the SWE warm start with the sampled flaw (no build on --dry-run)."""
     example = Path(__file__).resolve().parents[2] / "examples" / "toy-swe.toml"
