@@ -43,7 +43,6 @@ import httpx
 
 from burstrl.protocol import process
 from burstrl.protocol.process import RoleProcess, start_replica
-from burstrl.router.kvaware import KvAwarePolicy
 from burstrl.router.replay import load_mooncake
 from burstrl.router.sim import PoolSpec, RouterSimulator, TraceSession, generate_trace, load_config
 
@@ -60,20 +59,11 @@ def pools(spec: list[tuple]) -> list[PoolSpec]:
     return [PoolSpec(*p) for p in spec]
 
 
-def simulator(cfg, trace: list[TraceSession], policy: str, k: int, kv_request_tokens: float | None) -> RouterSimulator:
-    """The simulator for one run; `kv_request_tokens` overrides `kv`'s in-flight term (0: the cost without it)."""
-    sim = RouterSimulator(cfg, trace, policy, k=k)
-    if kv_request_tokens is not None and isinstance(sim.policy, KvAwarePolicy):
-        sim.policy.request_tokens = kv_request_tokens
-    return sim
-
-
-def gen_job(fleet: str, seed: int, policy: str, k: int, sessions: int, rate: float, release: bool = True,
-            kv_request_tokens: float | None = None) -> dict:
+def gen_job(fleet: str, seed: int, policy: str, k: int, sessions: int, rate: float, release: bool = True) -> dict:
     cfg = load_config(seed=seed, sessions=sessions, arrival_rate=rate, size_prior_tokens=32768,
                       pools=pools(GEN_FLEETS[fleet]), release_finished=release)
     t0 = time.perf_counter()
-    fig = simulator(cfg, generate_trace(cfg), policy, k, kv_request_tokens).run()
+    fig = RouterSimulator(cfg, generate_trace(cfg), policy, k=k).run()
     label = f"{policy}_k{k}" if policy in ("kv", "headroom") else policy
     return {"part": "generated", "fleet": fleet, "seed": seed, "policy": label, "release_finished": release,
             "wall_s": round(time.perf_counter() - t0, 1), **{key: fig[key] for key in KEYS}}
@@ -95,13 +85,12 @@ def trace_half(trace: list[TraceSession], half: str) -> list[TraceSession]:
                          [dataclasses.replace(c, not_before_s=c.not_before_s - t0) for c in s.calls]) for s in rest]
 
 
-def mc_job(mode: str, fleet: str, scale: float, seed: int, policy: str, trace_path: str, half: str = "all",
-           kv_request_tokens: float | None = None) -> dict:
+def mc_job(mode: str, fleet: str, scale: float, seed: int, policy: str, trace_path: str, half: str = "all") -> dict:
     trace = trace_half(load_mooncake(trace_path, sessions=mode, rate_scale=scale), half)
     pooled = policy == "pooled"
     cfg = load_config(seed=seed, block_size=512, pools=pools(MC_FLEETS["pooled" if pooled else fleet]))
     t0 = time.perf_counter()
-    fig = simulator(cfg, trace, "round_robin" if pooled else policy, 2, kv_request_tokens).run()
+    fig = RouterSimulator(cfg, trace, "round_robin" if pooled else policy).run()
     return {"part": "mooncake", "mode": mode, "fleet": fleet, "rate_scale": scale, "half": half, "seed": seed,
             "policy": policy,
             "wall_s": round(time.perf_counter() - t0, 1), **{key: fig[key] for key in KEYS}}
@@ -163,8 +152,6 @@ def main() -> None:
                         help="generated: finished sessions' blocks stay in the LRU (the model before 2026-12-01's fifth session)")
     parser.add_argument("--half", choices=("all", "first", "second"), default="all",
                         help="mooncake: the whole trace, or its first (tuning) or second (held-out) half of sessions")
-    parser.add_argument("--kv-request-tokens", type=float, default=None,
-                        help="kv's cost per in-flight request per weight (default: the policy's; 0: without the term)")
     args = parser.parse_args()
     if args.live or args.part == "live":
         run_live(seed=args.seed)
@@ -182,8 +169,7 @@ def main() -> None:
         for policy, k in runs:  # policy-major: a run cut short still has whole policies over seeds
             for fleet in fleets:
                 for seed in seeds:
-                    jobs.append((gen_job, fleet, seed, policy, k, sessions, args.rate, not args.keep_finished,
-                                 args.kv_request_tokens))
+                    jobs.append((gen_job, fleet, seed, policy, k, sessions, args.rate, not args.keep_finished))
         results = run_jobs(jobs, args.workers)
         metrics = {"hit_rate": True, "throughput_tok_s": True, "p99_rollout_s": False}
         summary = summarize(results, ("fleet",), metrics, "kv_k2")
@@ -201,8 +187,7 @@ def main() -> None:
             for fleet in args.fleets.split(",") if args.fleets else ("default", "uniform"):
                 for scale in (1.0, 4.0):
                     for seed in seeds:
-                        jobs.append((mc_job, mode, fleet, scale, seed, policy, args.trace, args.half,
-                                     args.kv_request_tokens))
+                        jobs.append((mc_job, mode, fleet, scale, seed, policy, args.trace, args.half))
     results = run_jobs(jobs, args.workers)
     metrics = {"prefix_hit_rate": True, "p99_call_s": False}
     summary = summarize(results, ("mode", "fleet", "rate_scale"), metrics, "kv")

@@ -7,8 +7,7 @@ policy further, check the goal is reachable at all on that load:
   the fleet's total capacity forces on every router);
 - `oracle`: `kv` given each session's true final size instead of the size model's projection (a
   clairvoyant router that still places greedily, one session at a time): the gap from `kv` to it is
-  what a better projection could win; it is a reference, not a proof of the optimum. (It runs
-  `kv` without the in-flight term, `request_tokens=0`, the cost its recorded figures were taken with.)
+  what a better projection could win; it is a reference, not a proof of the optimum.
 
     .venv/bin/python benchmarks/router_ceiling.py --fleet uniform --seeds 0,1,2,3,4
 """
@@ -54,7 +53,7 @@ def run(fleet: str, seed: int, what: str, sessions: int, rate: float) -> dict:
         final = {s.id: s.calls[-1].input_tokens + s.calls[-1].output_tokens for s in trace}
         sim = RouterSimulator(cfg, [TraceSession(s.id, s.id, s.arrival_s, s.calls) for s in trace], "kv")
         sim.sizes = ClairvoyantSizes(final)  # the simulator observes into it; the oracle ignores that
-        sim.policy = KvAwarePolicy(sizes=sim.sizes, request_tokens=0)  # the cost the figures in docs were taken with
+        sim.policy = KvAwarePolicy(sizes=sim.sizes)
     else:
         sim = RouterSimulator(cfg, trace, "round_robin" if what == "pooled" else what)
     fig = sim.run()

@@ -238,25 +238,3 @@ def test_kv_counts_recent_placements_as_cached_and_finds_the_roomiest():
 def test_make_policy_rejects_unknown():
     with pytest.raises(ValueError, match="unknown policy"):
         make_policy("nope")
-
-
-def test_kv_counts_in_flight_requests_per_weight():
-    """Regression (issue 19, p99 term): of two equally roomy replicas, the one with fewer calls in
-    flight per unit of weight wins (Dynamo's active-request load); a long cached prefix still
-    outweighs a few in-flight calls, and request_tokens=0 is the cost without the term."""
-    policy = KvAwarePolicy(k=2, sizes=SizeModel(prior_tokens=10_000))
-    busy, idle = replica("busy"), replica("idle")
-    busy.in_flight = 3
-    s = NewSession("n", expected_tokens=2000)
-    assert policy.cost(busy, s) - policy.cost(idle, s) == pytest.approx(3 * 1024)
-    assert policy.choose(s, [busy, idle], random.Random(0)) is idle
-    big = replica("big", weight=4)
-    big.in_flight = 3  # 0.75 per weight against 1 per weight, the same headroom per weight
-    big.capacity_tokens = 4 * idle.capacity_tokens
-    idle.in_flight = 1
-    assert policy.choose(s, [big, idle], random.Random(0)) is big
-    busy.cached_blocks = frozenset(range(1, 9))
-    cached = NewSession("c", expected_tokens=8000, prefix_hashes=tuple(range(1, 9)), block_tokens=1000)
-    assert policy.choose(cached, [busy, idle], random.Random(0)) is busy  # 8000 cached > 2 x 1024
-    flat = KvAwarePolicy(k=2, sizes=SizeModel(prior_tokens=10_000), request_tokens=0)
-    assert flat.cost(busy, s) == flat.cost(idle, s)

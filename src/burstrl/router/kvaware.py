@@ -9,21 +9,19 @@ requests; here the second term is `headroom`'s projection (capacity minus the pr
 sizes of its live sessions, this one included), per unit of weight (an 8-GPU replica prefills 8x
 faster and holds 8x the KV):
 
-    cost = prompt tokens left to prefill after the cached overlap
-           - load_weight * headroom / weight + request_tokens * in-flight requests / weight
+    cost = prompt tokens left to prefill after the cached overlap - load_weight * headroom / weight
 
-One token of projected headroom is worth `load_weight` tokens of prefill. The last term is
-Dynamo's active-request load: every call the router sent there and has not seen answered (its own
-count, exact between scrapes) lengthens that replica's decode batch and its queue, which is what
-per-call p99 latency is made of; one in-flight request per unit of weight costs `request_tokens`
-tokens of prefill (1024, chosen on the Mooncake tuning half among 0, 512, 1024, 2048, 4096). On traffic without
+One token of projected headroom is worth `load_weight` tokens of prefill. On traffic without
 shared prefixes the prefill term is the same on every replica and the choice is `headroom`'s (the
 roomiest per weight); on chat traffic a cached prefix wins until its replica is loaded by
 prefix / load_weight tokens more than another. An earlier form charged projected overflow (headroom
 below zero) again, 4x: the projection is a p90 of final sizes, so on a busy fleet every replica
 "overflows" and that charge outweighed any cached prefix (Mooncake uniform fleet at 4x: 0.159 vs
 0.192 prefix hit on the tuning half), while on prefix-free traffic it never changed a choice
-(headroom per weight ranks the same with or without it).
+(headroom per weight ranks the same with or without it). Dynamo's third term, in-flight requests
+per weight (1024 tokens each, chosen on the Mooncake tuning half for per-call p99), was tried and
+dropped: on the held-out figures it cut p99 in some Mooncake cells and raised it in others, and it
+cost session hit rate on the generated trace (docs/benchmarks.md, "Router, sixth session").
 
 Candidates are K replicas drawn by weight (power-of-K: robust to stale figures) plus the replica
 with the longest cached prefix and the one with the most projected headroom per weight, so neither
@@ -65,7 +63,7 @@ def overlap_blocks(replica: ReplicaView, hashes: tuple[int, ...]) -> int:
 
 
 class KvAwarePolicy:
-    """Lowest prefill left after the cached overlap + (request_tokens * in-flight - load_weight * headroom) / weight.
+    """Lowest (prefill left after the cached overlap) - load_weight * projected headroom / weight.
 
     Prefill is fleet work (GPU-seconds scale with tokens wherever they run), so it is not divided
     by weight; headroom per weight is the balance term. `load_weight` 0.03 was chosen on the first
@@ -76,21 +74,18 @@ class KvAwarePolicy:
     name = "kv"
     rehomes = True  # a session evicted from an overflowing home is placed again (Registry.place, the simulator)
 
-    def __init__(self, k: int = 2, sizes: SizeModel | None = None, load_weight: float = 0.03,
-                 request_tokens: float = 1024.0) -> None:
+    def __init__(self, k: int = 2, sizes: SizeModel | None = None, load_weight: float = 0.03) -> None:
         if k < 1:
             raise ValueError("k must be >= 1")
         self.k = k
         self.sizes = sizes if sizes is not None else SizeModel()
         self.load_weight = load_weight
-        self.request_tokens = request_tokens
 
     def cost(self, replica: ReplicaView, session: NewSession) -> float:
         headroom = projected_headroom(replica, session, self.sizes)
         hit = overlap_blocks(replica, session.prefix_hashes) * session.block_tokens
         prompt = max(session.expected_tokens, len(session.prefix_hashes) * session.block_tokens)
-        load = self.request_tokens * replica.in_flight - self.load_weight * headroom
-        return max(0, prompt - hit) + load / max(replica.weight, 1e-9)
+        return max(0, prompt - hit) - self.load_weight * headroom / max(replica.weight, 1e-9)
 
     def candidates(self, session: NewSession, pool: list[ReplicaView], rng: random.Random) -> list[ReplicaView]:
         sample = weighted_sample(pool, min(self.k, len(pool)), rng)
