@@ -19,7 +19,7 @@ import pytest
 from burstrl.envs.swe import warm
 from burstrl.envs.swe.agent import SUBMIT_COMMAND, SUBMIT_SENTINEL
 from burstrl.envs.swe.repo import export_base, git
-from burstrl.envs.swe.toygen import forgetful_fix_command, located_fix_command, make_task
+from burstrl.envs.swe.toygen import located_fix_command, make_task
 
 
 def _bash(cmd: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -29,7 +29,7 @@ def _bash(cmd: str, cwd: Path) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_forgetful_command_fixes_the_tree_but_commits_nothing(tmp_path: Path) -> None:
     task = make_task(tmp_path / "gen", 0, seed=3, difficulty=0, split="train")
-    command = forgetful_fix_command(task)
+    command = located_fix_command(task, commit=False)
     assert command == located_fix_command(task).replace(" && git commit -qam fix", "")
     assert command.endswith(f"&& {SUBMIT_COMMAND}") and "commit" not in command
     repo = tmp_path / "repo"

@@ -267,21 +267,14 @@ def _edit_command(edit: dict[str, str]) -> str:
             f"p.write_text(s.replace(old, new))\nEOF")
 
 
-def located_fix_command(task: SweTask) -> str:
+def located_fix_command(task: SweTask, commit: bool = True) -> str:
     """Difficulty 0's whole answer in one command: the stated sed edit (copied from the problem
-    statement), the commit and the submit sentinel."""
+    statement), the commit and the submit sentinel. Without `commit` the edit stays uncommitted, so
+    the attempt scores 0 (the forgetful warm start's flawed habit, `envs.swe.warm`)."""
     from burstrl.envs.swe.agent import SUBMIT_COMMAND
 
     edit = task.extra["line_edit"]
-    return f"{sed_command(edit['file'], edit)} && git commit -qam fix && {SUBMIT_COMMAND}"
-
-
-def forgetful_fix_command(task: SweTask) -> str:
-    """`located_fix_command` without the commit: the edit stays uncommitted, so the attempt scores 0."""
-    from burstrl.envs.swe.agent import SUBMIT_COMMAND
-
-    edit = task.extra["line_edit"]
-    return f"{sed_command(edit['file'], edit)} && {SUBMIT_COMMAND}"
+    return f"{sed_command(edit['file'], edit)} && {'git commit -qam fix && ' if commit else ''}{SUBMIT_COMMAND}"
 
 
 def demonstration_commands(task: SweTask, explore: bool = True) -> list[str]:

@@ -115,7 +115,7 @@ def forgetful_demos(tmp: Path, seed: int, n: int, no_commit_share: float, choice
     import random
 
     from burstrl.envs.swe.demos import demonstration_chat
-    from burstrl.envs.swe.toygen import forgetful_fix_command, located_fix_command, make_task
+    from burstrl.envs.swe.toygen import located_fix_command, make_task
     from burstrl.envs.toy import write_jsonl
 
     rng = random.Random(choice_seed)
@@ -123,7 +123,7 @@ def forgetful_demos(tmp: Path, seed: int, n: int, no_commit_share: float, choice
     chats = []
     for i in range(n):
         task = make_task(tmp / f"tasks-{seed}", i, seed=seed, difficulty=DIFFICULTY, split="train")
-        command = forgetful_fix_command(task) if rng.random() < no_commit_share else located_fix_command(task)
+        command = located_fix_command(task, commit=rng.random() >= no_commit_share)
         chats.append({"messages": demonstration_chat(task, commands=[command])})
     return write_jsonl(chats, tmp / f"demos-forgetful-{seed}-{n}.jsonl")
 
