@@ -239,10 +239,16 @@ def run_session(router_url: str, sid: str, first: list[int], rng: random.Random)
         r.raise_for_status()
         ids = ids + r.json()["choices"][0]["token_ids"] + [rng.randrange(100, 2000) for _ in range(LIVE["new_ids_per_turn"])]
     elapsed = time.perf_counter() - t0
-    home = client.post(router_url + "/v1/assign", json={"session_id": sid, "version": "base"}).json()["url"]
-    client.delete(home + f"/v1/traces/{sid}", headers={"Authorization": f"Bearer {ADMIN}"}).raise_for_status()
+    # read and released through the router, as the orchestrator does: every replica that holds part
+    # of the capture (a session moved off an overflowing home left its earlier calls there)
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    trace = client.get(router_url + f"/v1/traces/{sid}", headers=admin)
+    trace.raise_for_status()
+    if len(trace.json()["calls"]) != LIVE["turns"]:
+        raise RuntimeError(f"session {sid}: {len(trace.json()['calls'])} of {LIVE['turns']} calls captured")
+    client.delete(router_url + f"/v1/traces/{sid}", headers=admin).raise_for_status()
     client.close()
-    return elapsed, home
+    return elapsed, trace.json()["replica"]
 
 
 def run_policy(policy: str, replicas: list[str], pool: list[tuple[int, int]], workdir: Path, seed: int) -> dict:

@@ -176,6 +176,38 @@ def test_kv_rehomes_a_session_its_overflowing_home_evicted():
     assert rr.place("s", "base").id == first and rr.counters.rehomes == 0
 
 
+def test_an_overflow_move_keeps_the_old_home_for_the_capture_and_never_returns_there():
+    reg = fleet(3, policy="kv")
+    a, b, c = list(reg.replicas)
+    reg.remove(c)  # two replicas first: the second move has nowhere new to go
+    home = reg.place("s", "base").id
+    other = b if home == a else a
+    evicted = {"session_id": "s", "tokens": 0, "context_tokens": 3000, "busy": False}
+    crowd = [{"session_id": f"c{i}", "tokens": 4000} for i in range(3)]
+    reg.apply_scrape(home, {**loads(), "sessions": [evicted, *crowd]}, models("base"))
+    assert reg.place("s", "base").id == other and reg.trace_homes("s") == [home, other]
+    # the old home keeps listing the session (it holds the capture): it is not live there any more,
+    # and its leaving there is not a finished session for the size model
+    observed = reg.sizes.generation
+    reg.apply_scrape(home, {**loads(), "sessions": [{**evicted, "context_tokens": 3100}, *crowd]}, models("base"))
+    assert "s" not in reg.replicas[home].live_sessions and reg.sizes.generation == observed
+    # the new home overflows too: the only other replica is the one it left, so it stays
+    reg.apply_scrape(other, {**loads(), "sessions": [evicted, *crowd]}, models("base"))
+    assert reg.place("s", "base").id == other and reg.counters.rehomes_overflow == 1
+    # a replica it never lived on takes it, and the capture spans all three in order
+    reg.add(c)
+    reg.apply_scrape(c, loads(), models("base"))
+    assert reg.place("s", "base").id == c and reg.trace_homes("s") == [home, other, c]
+    assert reg.counters.rehomes == reg.counters.rehomes_overflow == 2
+    # a part of the capture on a replica that is gone: 503, not a trace with calls missing
+    reg.remove(home)
+    with pytest.raises(RouteError) as err:
+        reg.trace_homes("s")
+    assert err.value.status == 503 and home in err.value.message
+    reg.forget("s")
+    assert reg.map_sizes()["past_homes"] == 0
+
+
 def test_in_flight_counts_follow_calls():
     reg = fleet(2)
     url = list(reg.replicas)[0]

@@ -87,6 +87,7 @@ class RouterCounters:
     rehomes_overflow: int = 0  # of `rehomes`: moved off a home over its KV budget that had evicted them
     replicas_dropped: int = 0
     sessions_pruned: int = 0  # forgotten without a DELETE: finished, expired, or over `max_sessions`
+    trace_release_failures: int = 0  # a DELETE could not release the part of a capture left on an old home
 
 
 class Registry:
@@ -112,6 +113,7 @@ class Registry:
         self.health_failures = health_failures
         self.replicas: dict[str, ReplicaView] = {}
         self.homes: dict[str, str] = {}  # session id -> replica url
+        self.past_homes: dict[str, list[str]] = {}  # session id -> replicas it left on overflow, in order
         self.failures: dict[str, int] = {}  # consecutive failed scrapes per replica
         self.cache_hit_rate: dict[str, float] = {}
         self.cache_counts: dict[str, dict[str, int]] = {}  # replica -> thrash, evictions, hit/query tokens
@@ -167,10 +169,12 @@ class Registry:
             return
         # A session's size is its context, not what is cached now: an evicted session reports 0
         # cached tokens, and counting it as 0 would make a thrashing replica look the emptiest.
+        # A session that moved on overflow stays listed by its old home (which keeps its capture
+        # until it is released): it is live where it lives now, and leaving here is not finishing.
         live = {s["session_id"]: max(int(s.get("tokens", 0)), int(s.get("context_tokens", 0)))
-                for s in loads.get("sessions", [])}
+                for s in loads.get("sessions", []) if self.homes.get(s["session_id"], url) == url}
         for sid, tokens in view.live_sessions.items():
-            if sid not in live and tokens > 0:
+            if sid not in live and tokens > 0 and self.homes.get(sid, url) == url:
                 self.sizes.observe(view.session_kinds.get(sid, "default"), tokens)
         view.live_sessions = live
         view.session_kinds = {sid: self.kinds[sid] for sid in live if sid in self.kinds}
@@ -241,7 +245,10 @@ class Registry:
 
         A session stays where it lives while that replica is healthy and serves the version, unless
         the policy re-homes (`kv`) and the home both dropped the session's cache and is over its KV
-        budget: moving then costs nothing and relieves the home. A session whose home is gone is
+        budget: moving then costs nothing and relieves the home. The old home keeps the capture of
+        the calls it served (`trace_homes` lists it), so the move goes only to a replica the session
+        never lived on (concatenating its homes' captures is then the session's, in order); with no
+        such replica it stays. A session whose home is gone is
         re-homed (counted) and gets 503 if nothing serves its version; a new session on a version
         nobody serves is 404 (bad input, not an outage). A call without a session is placed by the
         policy too (`prefix_hashes` are its prompt's blocks), and not remembered.
@@ -256,7 +263,7 @@ class Registry:
             if view is not None and view.healthy and version in view.versions:
                 if not self._overflowed(view, session_id):
                     return view
-                self.counters.rehomes_overflow += 1
+                return self._rehome_overflowed(session, view)
             self.homes.pop(session_id, None)
             self.counters.rehomes += 1
             return self._assign(session)
@@ -266,6 +273,35 @@ class Registry:
         if not session_id:
             return self._choose(session)
         return self._assign(session)
+
+    def _rehome_overflowed(self, session: NewSession, home: ReplicaView) -> ReplicaView:
+        """Move a session off its overflowing home to a replica it never lived on (else keep it home)."""
+        past = self.past_homes.get(session.id, [])
+        others = [v for v in self.replicas.values() if v.id != home.id and v.id not in past]
+        try:
+            view = self.policy.choose(session, others, self.rng)
+        except NoReplicaError:
+            return home
+        record_assignment(view, session)
+        self.past_homes[session.id] = [*past, home.id]
+        self.homes[session.id] = view.id
+        self.counters.rehomes += 1
+        self.counters.rehomes_overflow += 1
+        return view
+
+    def trace_homes(self, session_id: str) -> list[str]:
+        """The replicas holding the session's capture, in the order it lived there (its home last).
+
+        503 if one it left on overflow is gone: that part of the capture is lost with it.
+        """
+        home = self.home_of(session_id).id
+        past = [url for url in self.past_homes.get(session_id, []) if url != home]
+        for url in past:
+            view = self.replicas.get(url)
+            if view is None or not view.healthy:
+                raise RouteError(503, f"session {session_id!r}: part of its capture was on {url}, which is gone",
+                                 "server_error")
+        return [*past, home]
 
     def _overflowed(self, view: ReplicaView, session_id: str) -> bool:
         """The home evicted the (idle) session and its live sessions project past its KV budget."""
@@ -315,6 +351,7 @@ class Registry:
     def forget(self, session_id: str) -> None:
         """A finished session: drop its home and pin, so the maps do not grow for the whole run."""
         self.homes.pop(session_id, None)
+        self.past_homes.pop(session_id, None)
         self.pinned.pop(session_id, None)
         self.kinds.pop(session_id, None)
         self.seen.pop(session_id, None)
@@ -349,7 +386,8 @@ class Registry:
     def map_sizes(self) -> dict[str, int]:
         """Entries in every per-session map (the soak checks they stay flat)."""
         views = self.replicas.values()
-        return {"homes": len(self.homes), "pinned": len(self.pinned), "kinds": len(self.kinds),
+        return {"homes": len(self.homes), "past_homes": len(self.past_homes), "pinned": len(self.pinned),
+                "kinds": len(self.kinds),
                 "seen": len(self.seen), "session_kinds": sum(len(v.session_kinds) for v in views),
                 "live_sessions": sum(len(v.live_sessions) for v in views),
                 "recent_assignments": sum(len(v.recent_assignments) for v in views),
@@ -381,7 +419,7 @@ class Registry:
                 "totals": {"replicas": len(per_replica), "sessions": len(self.homes), "rehomes": c.rehomes,
                            "rehomes_overflow": c.rehomes_overflow,
                            "requests": c.requests, "errors": c.errors, "replicas_dropped": c.replicas_dropped,
-                           "sessions_pruned": c.sessions_pruned,
+                           "sessions_pruned": c.sessions_pruned, "trace_release_failures": c.trace_release_failures,
                            "thrash": sum(r["thrash"] for r in per_replica),
                            "evictions": sum(r["evictions"] for r in per_replica),
                            "cache_hit_rate": self.fleet_hit_rate()}}
@@ -409,8 +447,8 @@ def prometheus_text(stats: dict[str, Any]) -> str:
     totals = stats["totals"]
     lines = []
     for name, kind in (("requests", "counter"), ("errors", "counter"), ("rehomes", "counter"),
-                       ("replicas_dropped", "counter"), ("sessions_pruned", "counter"), ("sessions", "gauge"),
-                       ("replicas", "gauge")):
+                       ("rehomes_overflow", "counter"), ("replicas_dropped", "counter"), ("sessions_pruned", "counter"),
+                       ("trace_release_failures", "counter"), ("sessions", "gauge"), ("replicas", "gauge")):
         metric = f"burstrl_router_{name}" + ("_total" if kind == "counter" else "")
         lines += [f"# TYPE {metric} {kind}", f"{metric} {totals[name]}"]
     for name in ("thrash", "evictions", "cache_hit_rate"):  # summed over the replicas' own counters

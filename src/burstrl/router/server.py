@@ -48,6 +48,7 @@ from burstrl.protocol.http import (
 )
 from burstrl.protocol.process import bind_socket, print_ready, socket_url
 from burstrl.router.registry import LATEST, Registry, RouteError, prometheus_text, validate_url
+from burstrl.router.traces import MAYBE_RAN, NEVER_SENT, forward_trace
 
 log = logging.getLogger(__name__)
 
@@ -56,12 +57,6 @@ KIND_HEADER = "x-task-kind"  # the task kind that sizes a new session (also the 
 MAX_KIND_CHARS = 128
 MAX_TOKENS_HINT = 1 << 40  # expected_tokens above this is not a size, it is an overflow
 
-# A replica that is gone. Refused connections mean the call never reached it (safe to retry);
-# a connection that broke after the call was sent may have run it (never retried). A read
-# timeout is neither (a long generation may be slow): a 504 for that call only.
-NEVER_SENT = (httpx.ConnectError, httpx.ConnectTimeout)
-MAYBE_RAN = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
-DEAD = NEVER_SENT + MAYBE_RAN
 SURROGATE_HINT = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")  # an escaped or raw UTF-16 surrogate
 
 
@@ -337,11 +332,12 @@ def build_app(router: Router, on_ready: Callable[[], None] | None = None) -> Fas
 
     @app.get("/v1/traces/{session_id:path}")
     async def get_trace(session_id: str, request: Request) -> Response:
-        return await forward_trace(router, "GET", session_id, request_headers=_auth_of(request))
+        return await forward_trace(router.registry, router.lock, router.http(), "GET", session_id, _auth_of(request))
 
     @app.delete("/v1/traces/{session_id:path}")
     async def delete_trace(session_id: str, request: Request) -> Response:
-        return await forward_trace(router, "DELETE", session_id, request_headers=_auth_of(request))
+        return await forward_trace(router.registry, router.lock, router.http(), "DELETE", session_id,
+                                   _auth_of(request))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -414,36 +410,6 @@ async def _drop(router: Router, url: str) -> None:
     """A replica whose connection failed leaves rotation now; its sessions re-home on their next call."""
     async with router.lock:
         router.registry.mark_dead(url)
-
-
-async def forward_trace(router: Router, method: str, session_id: str, request_headers: dict[str, str]) -> Response:
-    """A session's capture lives on its replica: forward GET/DELETE there (the replica checks the token).
-
-    A trace answered by a replica carries `replica` (its URL), so the caller can tell which replica
-    recorded the calls. A successful DELETE also drops the session from the router's maps.
-    """
-    async with router.lock:
-        url = router.registry.home_of(session_id).id
-    try:
-        r = await router.http().request(method, f"{url}/v1/traces/{session_id}", headers=request_headers)
-    except DEAD as exc:
-        await _drop(router, url)
-        raise RouteError(503, f"session {session_id!r}: replica {url} failed ({type(exc).__name__})",
-                         "server_error") from None
-    except httpx.TimeoutException:
-        raise RouteError(504, f"replica {url} timed out", "server_error") from None
-    body = r.content
-    if r.status_code == 200:
-        try:
-            data = r.json()
-        except ValueError:
-            raise RouteError(502, f"replica {url} answered a trace that is not JSON", "server_error") from None
-        data["replica"] = url
-        body = json.dumps(data).encode()
-        if method == "DELETE":
-            async with router.lock:
-                router.registry.forget(session_id)
-    return Response(body, status_code=r.status_code, media_type="application/json")
 
 
 async def _forward(router: Router, replica: str, path: str, raw: bytes, headers: dict[str, str],

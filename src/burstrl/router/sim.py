@@ -190,6 +190,7 @@ class RouterSimulator:
         self.views = [r.view for r in self.replicas]
         self.by_view = {id(r.view): r for r in self.replicas}
         self.home: dict[str, SimReplica] = {}
+        self.past_homes: dict[str, list[SimReplica]] = {}  # every replica a re-homed session lived on
         self.kind_by_id = {s.id: s.kind for s in trace}
         self.events: list = []
         self.seq = 0
@@ -241,7 +242,8 @@ class RouterSimulator:
         """The session's home, or a new one if the policy re-homes and the home evicted it while overflowing.
 
         Mirrors `Registry.place`: a session whose context is gone from a home that is over its KV
-        budget (projected) loses nothing by moving, and the move relieves the home.
+        budget (projected) loses nothing by moving, and the move relieves the home; it moves only
+        to a replica it never lived on (its earlier homes hold parts of its capture), else stays.
         """
         home = self.home[s.id]
         call = s.calls[idx]
@@ -251,13 +253,17 @@ class RouterSimulator:
             return home
         session = NewSession(s.id, s.kind, "v1", expected_tokens=call.input_tokens, prefix_hashes=call.input_hashes,
                              block_tokens=self.cfg.block_size)
-        view = self.policy.choose(session, [v for v in self.views if v is not home.view] or self.views, self.rng)
+        past = self.past_homes.setdefault(s.id, [home])
+        others = [v for v in self.views if all(v is not r.view for r in past)]
+        if not others:
+            return home
+        view = self.policy.choose(session, others, self.rng)
         record_assignment(view, session)
         new = self.by_view[id(view)]
-        if new is not home:
-            new.live[s.id] = home.live.pop(s.id)
-            self.home[s.id] = new
-            self.stats["rehomes"] += 1
+        new.live[s.id] = home.live.pop(s.id)
+        self.home[s.id] = new
+        past.append(new)
+        self.stats["rehomes"] += 1
         return new
 
     def enqueue(self, t: float, r: SimReplica, s: TraceSession, idx: int) -> None:

@@ -1,0 +1,92 @@
+"""A session's capture through the router: GET or DELETE it on every replica that holds part of it.
+
+Why more than one: a session the default policy moved off an overflowing home (`Registry.place`)
+left the capture of its earlier calls there, and the trainer needs every call exactly as the
+replica that served it recorded it. The router lists the session's homes in the order it lived
+on them (never the same replica twice), so the concatenation of their captures is the session's.
+A part that is gone (its replica died, or it was released) makes the GET fail, never return a
+trace with calls missing in the middle; the orchestrator then re-runs the attempt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+from fastapi.responses import Response
+
+from burstrl.router.registry import Registry, RouteError
+
+# A replica that is gone. Refused connections mean the call never reached it (safe to retry);
+# a connection that broke after the call was sent may have run it (never retried). A read
+# timeout is neither (a long generation may be slow): a 504 for that call only.
+NEVER_SENT = (httpx.ConnectError, httpx.ConnectTimeout)
+MAYBE_RAN = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+DEAD = NEVER_SENT + MAYBE_RAN
+
+
+async def forward_trace(registry: Registry, lock: asyncio.Lock, client: httpx.AsyncClient, method: str,
+                        session_id: str, request_headers: dict[str, str]) -> Response:
+    """Forward GET/DELETE of a session's trace to its replicas (each checks the token itself).
+
+    `lock` is the router's: the registry is read and changed under it, never across I/O.
+
+    A trace answered through the router carries `replica` (the home's URL) and `replicas` (every
+    replica that recorded part of it, in order). A successful DELETE also drops the session from
+    the router's maps; releasing a part left on an earlier home is best effort (a failure there
+    only costs that replica memory until its session TTL) and counted.
+    """
+    async with lock:
+        urls = registry.trace_homes(session_id)
+
+    async def request(url: str) -> httpx.Response:
+        try:
+            return await client.request(method, f"{url}/v1/traces/{session_id}", headers=request_headers)
+        except DEAD as exc:
+            async with lock:
+                registry.mark_dead(url)
+            raise RouteError(503, f"session {session_id!r}: replica {url} failed ({type(exc).__name__})",
+                             "server_error") from None
+        except httpx.TimeoutException:
+            raise RouteError(504, f"replica {url} timed out", "server_error") from None
+
+    if method == "DELETE":
+        for url in urls[:-1]:
+            try:
+                await request(url)
+            except RouteError:
+                registry.counters.trace_release_failures += 1
+    answers = [await request(url) for url in (urls if method == "GET" else urls[-1:])]
+    home, last = urls[-1], answers[-1]
+    if last.status_code != 200:
+        return Response(last.content, status_code=last.status_code, media_type="application/json")
+    if method == "GET":
+        for url, answer in zip(urls[:-1], answers[:-1], strict=True):
+            if answer.status_code != 200:
+                raise RouteError(502, f"session {session_id!r}: the part of its capture on {url} is gone "
+                                      f"({answer.status_code})", "server_error")
+    data = _json(home, last)
+    data["replica"], data["replicas"] = home, urls
+    if method == "GET" and len(urls) > 1:
+        parts = [_json(url, answer) for url, answer in zip(urls, answers, strict=True)]
+        if not all(isinstance(part.get("calls"), list) for part in parts):
+            raise RouteError(502, f"session {session_id!r}: a replica answered a trace without a list of calls",
+                             "server_error")
+        data["calls"] = [call for part in parts for call in part.get("calls", [])]
+        data["busy"] = any(bool(part.get("busy")) for part in parts)
+    if method == "DELETE":
+        async with lock:
+            registry.forget(session_id)
+    return Response(json.dumps(data).encode(), status_code=200, media_type="application/json")
+
+
+def _json(url: str, answer: httpx.Response) -> dict[str, Any]:
+    try:
+        data = answer.json()
+    except ValueError:
+        raise RouteError(502, f"replica {url} answered a trace that is not JSON", "server_error") from None
+    if not isinstance(data, dict):
+        raise RouteError(502, f"replica {url} answered a trace that is not a JSON object", "server_error")
+    return data

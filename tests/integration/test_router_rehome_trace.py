@@ -1,0 +1,78 @@
+"""A session the default policy moves off an overflowing home keeps its whole capture: real replicas.
+
+The old home holds the calls it served; the router's trace GET concatenates every home's part in
+order (the orchestrator refuses a trace with a call missing, so without this every such move would
+cost a whole rollout), and its DELETE releases every part.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import httpx
+import pytest
+
+from burstrl.protocol import process
+from tests.waiting import wait_for
+
+from .conftest import ADMIN_TOKEN, start_server, stop_server
+
+TOKEN = "rehome-cluster-token"
+CLUSTER = {"Authorization": f"Bearer {TOKEN}"}
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+
+@pytest.fixture()
+def small_and_big(tiny_model_dir: Path, tmp_path: Path):
+    small = start_server(tiny_model_dir, tmp_path / "small", "--server.cluster_token", TOKEN,
+                         "--engine.max_total_num_tokens", "700")
+    big = router = None
+    try:
+        big = start_server(tiny_model_dir, tmp_path / "big", "--server.cluster_token", TOKEN)
+        router = process.start_router(tmp_path / "router", "--cluster_token", TOKEN, "--policy", "kv",
+                                      "--scrape_s", "0.3", "--replicas", f'["{small.url}"]')
+        yield router, small, big
+    finally:
+        if router is not None:
+            router.stop()
+        for s in (small, big):
+            if s is not None:
+                stop_server(s)
+
+
+def complete(url: str, ids: list[int], session: str) -> list[int]:
+    body = {"model": "base", "prompt": ids, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, "session_id": session}
+    r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+    r.raise_for_status()
+    return r.json()["choices"][0]["token_ids"]
+
+
+def router_stats(router_url: str) -> dict:
+    return httpx.get(router_url + "/v1/stats", timeout=30).json()
+
+
+def test_a_session_moved_on_overflow_keeps_its_whole_capture(small_and_big):
+    router, small, big = small_and_big
+    rng = random.Random(0)
+    first = [rng.randrange(100, 1500) for _ in range(300)]
+    out = complete(router.url, first, "s")  # the only replica yet: the small one
+    httpx.post(router.url + "/v1/replicas", json={"url": big.url}, headers=CLUSTER, timeout=30).raise_for_status()
+    for i in range(2):  # other sessions fill the small replica: the idle session's cache is evicted
+        complete(small.url, [rng.randrange(100, 1500) for _ in range(300)], f"crowd{i}")
+    evicted = httpx.get(small.url + "/v1/loads", headers=CLUSTER, timeout=30).json()["sessions"]
+    assert {"s": 0} == {x["session_id"]: x["tokens"] for x in evicted if x["session_id"] == "s"}
+    wait_for(lambda: all(r["evictions"] > 0 or r["url"] != small.url for r in router_stats(router.url)["replicas"])
+             and len(router_stats(router.url)["replicas"]) == 2, 60, "the router to scrape the eviction")
+    second = first + out + [rng.randrange(100, 1500) for _ in range(20)]
+    complete(router.url, second, "s")
+    assert router_stats(router.url)["totals"]["rehomes_overflow"] == 1
+    trace = httpx.get(router.url + "/v1/traces/s", headers=ADMIN, timeout=30).json()
+    assert trace["replicas"] == [small.url, big.url] and trace["replica"] == big.url
+    assert [c["prompt_ids"] for c in trace["calls"]] == [first, second]
+    assert trace["calls"][0]["completion_ids"] == out
+    released = httpx.delete(router.url + "/v1/traces/s", headers=ADMIN, timeout=30)
+    assert released.status_code == 200 and released.json()["replicas"] == [small.url, big.url]
+    for url in (small.url, big.url, router.url):  # every part released, and the router forgot it
+        assert httpx.get(url + "/v1/traces/s", headers=ADMIN, timeout=30).status_code == 404
