@@ -53,6 +53,7 @@ def router_stats(router_url: str) -> dict:
     return httpx.get(router_url + "/v1/stats", timeout=30).json()
 
 
+@pytest.mark.slow  # two replicas and a router of its own (~20 s)
 def test_a_session_moved_on_overflow_keeps_its_whole_capture(small_and_big):
     router, small, big = small_and_big
     rng = random.Random(0)
