@@ -61,12 +61,18 @@ def run(fleet: str, seed: int, what: str, sessions: int, rate: float) -> dict:
             **{k: fig[k] for k in KEYS}}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def trace_args(description: str) -> argparse.ArgumentParser:
+    """The generated trace's options shared by the reference benchmarks (fleet, seeds, size, rate)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--fleet", choices=list(GEN_FLEETS), default="uniform")
     parser.add_argument("--seeds", default="0,1,2,3,4")
     parser.add_argument("--sessions", type=int, default=4000)
     parser.add_argument("--rate", type=float, default=5.0)
+    return parser
+
+
+def main() -> None:
+    parser = trace_args(__doc__.splitlines()[0])
     parser.add_argument("--what", default="pooled,oracle,kv")
     args = parser.parse_args()
     for what in args.what.split(","):

@@ -30,7 +30,6 @@ them on the same traces: `kv` as on main.
 
 from __future__ import annotations
 
-import argparse
 import bisect
 import json
 import statistics
@@ -40,6 +39,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from router import GEN_FLEETS, pools
+from router_ceiling import trace_args
 
 from burstrl.router.policies import NewSession, ReplicaView, SizeModel, eligible
 from burstrl.router.sim import RouterSimConfig, RouterSimulator, TraceSession, generate_trace, load_config
@@ -219,15 +219,11 @@ def job(fleet: str, seed: int, variant: str, sessions: int, rate: float) -> dict
     sim = RouterSimulator(cfg, trace, "kv") if variant == "kv" else LifetimeSim(cfg, trace, variant)
     fig = sim.run()
     return {"fleet": fleet, "seed": seed, "variant": variant, "wall_s": round(time.perf_counter() - t0, 1),
-            **{k: fig[k] for k in ("hit_rate", "throughput_tok_s", "p99_rollout_s", "kv_live_peak")}}
+            **{k: fig[k] for k in ("hit_rate", "throughput_tok_s", "p99_rollout_s", "kv_live_peak", "sessions")}}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--fleet", choices=list(GEN_FLEETS), default="uniform")
-    parser.add_argument("--seeds", default="0,1,2,3,4")
-    parser.add_argument("--sessions", type=int, default=4000)
-    parser.add_argument("--rate", type=float, default=5.0)
+    parser = trace_args(__doc__.splitlines()[0])
     parser.add_argument("--variants", default=",".join(("kv",) + VARIANTS))
     parser.add_argument("--workers", type=int, default=1)
     args = parser.parse_args()
