@@ -208,6 +208,27 @@ def test_an_overflow_move_keeps_the_old_home_for_the_capture_and_never_returns_t
     assert reg.map_sizes()["past_homes"] == 0
 
 
+def test_an_evicted_session_stays_where_its_prompt_is_still_cached():
+    from burstrl.protocol.blocks import BLOCK_TOKENS, prefix_block_hashes
+
+    prompt = list(range(100, 100 + 20 * BLOCK_TOKENS))
+    hashes = tuple(prefix_block_hashes(prompt, "base"))
+    evicted = {"session_id": "s", "tokens": 0, "context_tokens": len(prompt), "busy": False}
+    crowd = [{"session_id": f"c{i}", "tokens": 4000} for i in range(3)]  # 12k live on a 10k budget
+    for sibling_holds_it in (True, False):
+        reg = fleet(2, policy="kv")
+        home = reg.place("s", "base").id
+        other = next(u for u in reg.replicas if u != home)
+        # a GRPO sibling on the home still holds the shared first prompt (the replica copies it across sessions)
+        summary = {"block_tokens": BLOCK_TOKENS, "hashes": list(hashes) if sibling_holds_it else []}
+        reg.apply_scrape(home, {**loads(), "sessions": [evicted, *crowd], "prefix_blocks": summary}, models("base"))
+        reg.apply_scrape(other, {**loads(), "sessions": crowd[:1]}, models("base"))
+        assert reg.may_move("s")
+        placed = reg.place("s", "base", len(prompt), prefix_hashes=hashes, block_tokens=BLOCK_TOKENS).id
+        assert placed == (home if sibling_holds_it else other)
+        assert reg.counters.rehomes_overflow == (0 if sibling_holds_it else 1)
+
+
 def test_in_flight_counts_follow_calls():
     reg = fleet(2)
     url = list(reg.replicas)[0]

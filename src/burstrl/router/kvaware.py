@@ -72,7 +72,7 @@ class KvAwarePolicy:
     """
 
     name = "kv"
-    rehomes = True  # a session evicted from an overflowing home is placed again (Registry.place, the simulator)
+    rehomes = True  # a session evicted from an overflowing home may move (`rehome`; Registry.place, the simulator)
 
     def __init__(self, k: int = 2, sizes: SizeModel | None = None, load_weight: float = 0.03) -> None:
         if k < 1:
@@ -102,3 +102,23 @@ class KvAwarePolicy:
     def choose(self, session: NewSession, replicas: list[ReplicaView], rng: random.Random) -> ReplicaView:
         pool = eligible(session, replicas)
         return min(self.candidates(session, pool, rng), key=lambda r: self.cost(r, session))
+
+    def rehome(self, session: NewSession, home: ReplicaView, others: list[ReplicaView],
+               rng: random.Random) -> ReplicaView:
+        """Where a session its overflowing home evicted goes: the best of `others`, unless staying costs less.
+
+        Why not always move: the home may still hold much of the call's prompt (a GRPO sibling's
+        copy of the shared first prompt, which the replica copies across sessions), and a move
+        re-prefills all of it elsewhere. So a home that holds more of the prompt than the best other
+        replica keeps the session if it costs no more. The home's headroom already counts this
+        session as live there, so its projected size is added back first (else it counts twice).
+        Without such an overlap the session moves: on the generated agentic trace, letting projected
+        headroom alone keep sessions on the home that just evicted them cost hit rate (docs/benchmarks.md,
+        "Router, seventh session").
+        """
+        best = self.choose(session, others, rng)
+        hashes = session.prefix_hashes
+        if overlap_blocks(home, hashes) <= overlap_blocks(best, hashes):
+            return best
+        stay = self.cost(home, session) - self.load_weight * self.sizes.project_new(session) / max(home.weight, 1e-9)
+        return home if stay <= self.cost(best, session) else best

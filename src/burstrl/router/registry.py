@@ -245,7 +245,8 @@ class Registry:
 
         A session stays where it lives while that replica is healthy and serves the version, unless
         the policy re-homes (`kv`) and the home both dropped the session's cache and is over its KV
-        budget: moving then costs nothing and relieves the home. The old home keeps the capture of
+        budget: then it moves if the policy finds a replica that costs less than staying (the home
+        may still hold the call's prompt, e.g. a GRPO sibling's first prompt). The old home keeps the capture of
         the calls it served (`trace_homes` lists it), so the move goes only to a replica the session
         never lived on (concatenating its homes' captures is then the session's, in order); with no
         such replica it stays. A session whose home is gone is
@@ -275,12 +276,15 @@ class Registry:
         return self._assign(session)
 
     def _rehome_overflowed(self, session: NewSession, home: ReplicaView) -> ReplicaView:
-        """Move a session off its overflowing home to a replica it never lived on (else keep it home)."""
+        """Move a session off its overflowing home to a replica it never lived on, if the policy
+        finds one that costs less than staying (`prefix_hashes`: this call's prompt)."""
         past = self.past_homes.get(session.id, [])
         others = [v for v in self.replicas.values() if v.id != home.id and v.id not in past]
         try:
-            view = self.policy.choose(session, others, self.rng)
+            view = self.policy.rehome(session, home, others, self.rng)  # type: ignore[attr-defined]
         except NoReplicaError:
+            return home
+        if view is home:
             return home
         record_assignment(view, session)
         self.past_homes[session.id] = [*past, home.id]
@@ -302,6 +306,11 @@ class Registry:
                 raise RouteError(503, f"session {session_id!r}: part of its capture was on {url}, which is gone",
                                  "server_error")
         return [*past, home]
+
+    def may_move(self, session_id: str) -> bool:
+        """Whether the session's next call may move it (its home evicted it): its prompt's blocks then count."""
+        home = self.homes.get(session_id)
+        return home is not None and session_id in self.evicted.get(home, ())
 
     def _overflowed(self, view: ReplicaView, session_id: str) -> bool:
         """The home evicted the (idle) session and its live sessions project past its KV budget."""

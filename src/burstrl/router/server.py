@@ -364,7 +364,8 @@ async def proxy(router: Router, request: Request, path: str) -> Response:
     for _ in range(2):
         async with router.lock:
             version = reg.resolve(sid, body["model"])
-            blocks = prompt_blocks(body, version) if sid is None or sid not in reg.homes else ()
+            placing = sid is None or sid not in reg.homes or reg.may_move(sid)  # its prompt's cached blocks count
+            blocks = prompt_blocks(body, version) if placing else ()
             url = reg.place(sid, version, first_call_tokens(body), kind, blocks, BLOCK_TOKENS).id
             reg.call_started(url)
         if version != body["model"]:  # `latest`: the replica must see the concrete version

@@ -242,7 +242,7 @@ class RouterSimulator:
         """The session's home, or a new one if the policy re-homes and the home evicted it while overflowing.
 
         Mirrors `Registry.place`: a session whose context is gone from a home that is over its KV
-        budget (projected) loses nothing by moving, and the move relieves the home; it moves only
+        budget (projected) may move where the policy's `rehome` finds it cheaper than staying, only
         to a replica it never lived on (its earlier homes hold parts of its capture), else stays.
         """
         home = self.home[s.id]
@@ -257,7 +257,9 @@ class RouterSimulator:
         others = [v for v in self.views if all(v is not r.view for r in past)]
         if not others:
             return home
-        view = self.policy.choose(session, others, self.rng)
+        view = self.policy.rehome(session, home.view, others, self.rng)
+        if view is home.view:
+            return home
         record_assignment(view, session)
         new = self.by_view[id(view)]
         new.live[s.id] = home.live.pop(s.id)
