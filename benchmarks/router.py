@@ -22,7 +22,7 @@ vs `cache_aware`, a fresh router each, the same workload, after one unmeasured w
 
     .venv/bin/python benchmarks/router.py --part generated --workers 2     # ~1 h on 2 busy cores
     .venv/bin/python benchmarks/router.py --part mooncake --workers 2
-    .venv/bin/python benchmarks/router.py --live
+    .venv/bin/python benchmarks/router.py --live [--rounds 3]
     .venv/bin/python benchmarks/router.py --part generated --quick          # smoke test
 """
 
@@ -148,13 +148,15 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a small generated trace, seed 0 only")
     parser.add_argument("--live", action="store_true", help="= --part live")
     parser.add_argument("--seed", type=int, default=0, help="live: workload seed")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="live: runs of every policy per pool (p99 over all their sessions; order rotated)")
     parser.add_argument("--keep-finished", action="store_true",
                         help="generated: finished sessions' blocks stay in the LRU (the model before 2026-12-01's fifth session)")
     parser.add_argument("--half", choices=("all", "first", "second"), default="all",
                         help="mooncake: the whole trace, or its first (tuning) or second (held-out) half of sessions")
     args = parser.parse_args()
     if args.live or args.part == "live":
-        run_live(seed=args.seed)
+        run_live(seed=args.seed, rounds=args.rounds)
         return
     seeds = [0] if args.quick else [int(s) for s in args.seeds.split(",")]
     policies = args.policies.split(",") if args.policies else ["kv", "least_sessions", "headroom", "cache_aware",
@@ -251,36 +253,48 @@ def run_session(router_url: str, sid: str, first: list[int], rng: random.Random)
     return elapsed, trace.json()["replica"]
 
 
-def run_policy(policy: str, replicas: list[str], pool: list[tuple[int, int]], workdir: Path, seed: int) -> dict:
-    """The workload through a fresh router with `policy`; figures from the replicas' counter deltas."""
+def run_policy(policy: str, replicas: list[str], pool: list[tuple[int, int]], workdir: Path, seed: int,
+               tag: str = "") -> dict:
+    """The workload through a fresh router with `policy`: the replicas' counter deltas, rollout times, homes."""
     rng = random.Random(seed)  # the same prompts for every policy; a group of sessions shares its first prompt
     lo, hi = LIVE["first_prompt"]
     groups = [[rng.randrange(100, 2000) for _ in range(rng.randint(lo, hi))]
               for _ in range(LIVE["sessions"] // LIVE["group"])]
     firsts = [groups[i // LIVE["group"]] for i in range(LIVE["sessions"])]
-    router = start_router(workdir / policy, policy, replicas, pool)
+    router = start_router(workdir / f"{policy}{tag}", policy, replicas, pool)
     try:
         before = replica_counters(replicas)
         t0 = time.perf_counter()
         with ThreadPoolExecutor(LIVE["concurrency"]) as threads:
             results = list(threads.map(
-                lambda i: run_session(router.url, f"{policy}-{i}", firsts[i], random.Random(seed + i)),
+                lambda i: run_session(router.url, f"{policy}{tag}-{i}", firsts[i], random.Random(seed + i)),
                 range(LIVE["sessions"])))
         wall = time.perf_counter() - t0
         after = replica_counters(replicas)
         totals = httpx.get(router.url + "/v1/stats", timeout=30).json()["totals"]
     finally:
         router.stop()
-    delta = {k: sum(after[u][k] - before[u][k] for u in replicas) for k in COUNTERS}
-    times = sorted(t for t, _ in results)
-    return {"hit_rate": delta["prefix_cache_hit_tokens"] / max(delta["prefix_cache_queries_tokens"], 1),
-            "evictions": delta["evictions"], "thrash": delta["thrash"], "refills": delta["refills"],
-            "mean_rollout_s": statistics.mean(times), "p99_rollout_s": times[min(len(times) - 1, int(0.99 * len(times)))],
-            "wall_s": wall, "rehomes": totals["rehomes"], "rehomes_overflow": totals.get("rehomes_overflow", 0),
+    return {"delta": {k: sum(after[u][k] - before[u][k] for u in replicas) for k in COUNTERS},
+            "times": [t for t, _ in results], "wall_s": wall, "rehomes": totals["rehomes"],
+            "rehomes_overflow": totals.get("rehomes_overflow", 0),
             "sessions_per_replica": [sum(1 for _, home in results if home == u) for u in replicas]}
 
 
-def run_live(seed: int = 0) -> None:
+def live_figures(runs: list[dict]) -> dict:
+    """One policy's figures over its rounds: counters summed, mean and p99 over every session of every round."""
+    delta = {k: sum(r["delta"][k] for r in runs) for k in COUNTERS}
+    times = sorted(t for r in runs for t in r["times"])
+    return {"hit_rate": delta["prefix_cache_hit_tokens"] / max(delta["prefix_cache_queries_tokens"], 1),
+            "evictions": delta["evictions"], "thrash": delta["thrash"], "refills": delta["refills"],
+            "mean_rollout_s": statistics.mean(times), "p99_rollout_s": times[min(len(times) - 1, int(0.99 * len(times)))],
+            "sessions": len(times), "wall_s": sum(r["wall_s"] for r in runs),
+            "rehomes": sum(r["rehomes"] for r in runs), "rehomes_overflow": sum(r["rehomes_overflow"] for r in runs),
+            "sessions_per_replica": [sum(col) for col in zip(*(r["sessions_per_replica"] for r in runs), strict=True)]}
+
+
+def run_live(seed: int = 0, rounds: int = 1) -> None:
+    """Every policy on each pool, `rounds` times; round r runs workload `seed + 100 r` and starts the
+    policies at the r-th (rotated), so no policy always runs first on the pool's warmed replicas."""
     from burstrl.model.tiny import ensure_tiny_model
 
     model = ensure_tiny_model(Path(".cache/tiny-qwen3"))
@@ -295,11 +309,14 @@ def run_live(seed: int = 0) -> None:
             try:
                 urls = [p.url for p in procs]
                 run_policy("round_robin", urls, pool, root / f"{name}-warmup", seed + 1000)  # first calls are slow: not measured
+                runs: dict[str, list[dict]] = {policy: [] for policy in LIVE_POLICIES}
+                for r in range(rounds):
+                    for policy in LIVE_POLICIES[r % len(LIVE_POLICIES):] + LIVE_POLICIES[:r % len(LIVE_POLICIES)]:
+                        runs[policy].append(run_policy(policy, urls, pool, root / name, seed + 100 * r, f"-r{r}"))
+                        print(f"{name}/{policy} round {r}: {json.dumps(live_figures(runs[policy][-1:]))}",
+                              file=sys.stderr, flush=True)
                 for policy in LIVE_POLICIES:
-                    t0 = time.perf_counter()
-                    figures[f"{name}/{policy}"] = run_policy(policy, urls, pool, root / name, seed)
-                    print(f"{name}/{policy}: {time.perf_counter() - t0:.1f} s {json.dumps(figures[f'{name}/{policy}'])}",
-                          file=sys.stderr, flush=True)
+                    figures[f"{name}/{policy}"] = live_figures(runs[policy])
             finally:
                 for p in procs:
                     p.stop()
@@ -311,8 +328,8 @@ def run_live(seed: int = 0) -> None:
             ratios[f"{name}/kv_vs_{other}"] = {"hit_rate": kv["hit_rate"] / max(b["hit_rate"], 1e-12),
                                                "p99_rollout": kv["p99_rollout_s"] / b["p99_rollout_s"],
                                                "mean_rollout": kv["mean_rollout_s"] / b["mean_rollout_s"]}
-    print(json.dumps({"benchmark": "router_live", "config": LIVE, "pools": POOLS, "seed": seed, "figures": figures,
-                      "ratios": ratios}))
+    print(json.dumps({"benchmark": "router_live", "config": LIVE, "pools": POOLS, "seed": seed, "rounds": rounds,
+                      "figures": figures, "ratios": ratios}))
 
 
 if __name__ == "__main__":
