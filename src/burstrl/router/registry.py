@@ -246,10 +246,10 @@ class Registry:
         A session stays where it lives while that replica is healthy and serves the version, unless
         the policy re-homes (`kv`) and the home both dropped the session's cache and is over its KV
         budget: then it moves if the policy finds a replica that costs less than staying (the home
-        may still hold the call's prompt, e.g. a GRPO sibling's first prompt). The old home keeps the capture of
-        the calls it served (`trace_homes` lists it), so the move goes only to a replica the session
-        never lived on (concatenating its homes' captures is then the session's, in order); with no
-        such replica it stays. A session whose home is gone is
+        may still hold the call's prompt, e.g. a GRPO sibling's first prompt). The old home keeps
+        the capture of the calls it served (`trace_homes` lists it), so the move goes only to a
+        replica the session never lived on (concatenating its homes' captures is then the
+        session's, in order); with no such replica it stays. A session whose home is gone is
         re-homed (counted) and gets 503 if nothing serves its version; a new session on a version
         nobody serves is 404 (bad input, not an outage). A call without a session is placed by the
         policy too (`prefix_hashes` are its prompt's blocks), and not remembered.
