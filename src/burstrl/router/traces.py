@@ -35,8 +35,9 @@ async def forward_trace(registry: Registry, lock: asyncio.Lock, client: httpx.As
 
     A trace answered through the router carries `replica` (the home's URL) and `replicas` (every
     replica that recorded part of it, in order). A successful DELETE also drops the session from
-    the router's maps; releasing a part left on an earlier home is best effort (a failure there
-    only costs that replica memory until its session TTL) and counted.
+    the router's maps; the parts left on earlier homes are released only after the home's release
+    succeeded, best effort (a failure there only costs that replica memory until its session TTL)
+    and counted.
     """
     async with lock:
         urls = registry.trace_homes(session_id)
@@ -52,33 +53,39 @@ async def forward_trace(registry: Registry, lock: asyncio.Lock, client: httpx.As
         except httpx.TimeoutException:
             raise RouteError(504, f"replica {url} timed out", "server_error") from None
 
-    if method == "DELETE":
+    home = urls[-1]
+    if method == "DELETE":  # the home first: a refused release (a call running) must leave every part in place
+        answer = await request(home)
+        if answer.status_code != 200:
+            return Response(answer.content, status_code=answer.status_code, media_type="application/json")
+        data = {**_json(home, answer), "replica": home, "replicas": urls}
         for url in urls[:-1]:
             try:
                 await request(url)
             except RouteError:
                 registry.counters.trace_release_failures += 1
-    answers = [await request(url) for url in (urls if method == "GET" else urls[-1:])]
-    home, last = urls[-1], answers[-1]
-    if last.status_code != 200:
-        return Response(last.content, status_code=last.status_code, media_type="application/json")
-    if method == "GET":
-        for url, answer in zip(urls[:-1], answers[:-1], strict=True):
-            if answer.status_code != 200:
-                raise RouteError(502, f"session {session_id!r}: the part of its capture on {url} is gone "
-                                      f"({answer.status_code})", "server_error")
-    data = _json(home, last)
-    data["replica"], data["replicas"] = home, urls
-    if method == "GET" and len(urls) > 1:
-        parts = [_json(url, answer) for url, answer in zip(urls, answers, strict=True)]
+        async with lock:
+            registry.forget(session_id)
+        return _answer(data)
+    answers = [await request(url) for url in urls]
+    if answers[-1].status_code != 200:
+        return Response(answers[-1].content, status_code=answers[-1].status_code, media_type="application/json")
+    for url, answer in zip(urls[:-1], answers[:-1], strict=True):
+        if answer.status_code != 200:
+            raise RouteError(502, f"session {session_id!r}: the part of its capture on {url} is gone "
+                                  f"({answer.status_code})", "server_error")
+    parts = [_json(url, answer) for url, answer in zip(urls, answers, strict=True)]
+    data = {**parts[-1], "replica": home, "replicas": urls}
+    if len(parts) > 1:
         if not all(isinstance(part.get("calls"), list) for part in parts):
             raise RouteError(502, f"session {session_id!r}: a replica answered a trace without a list of calls",
                              "server_error")
-        data["calls"] = [call for part in parts for call in part.get("calls", [])]
+        data["calls"] = [call for part in parts for call in part["calls"]]
         data["busy"] = any(bool(part.get("busy")) for part in parts)
-    if method == "DELETE":
-        async with lock:
-            registry.forget(session_id)
+    return _answer(data)
+
+
+def _answer(data: dict[str, Any]) -> Response:
     return Response(json.dumps(data).encode(), status_code=200, media_type="application/json")
 
 
