@@ -308,15 +308,16 @@ class Registry:
         return [*past, home]
 
     def may_move(self, session_id: str) -> bool:
-        """Whether the session's next call may move it (its home evicted it): its prompt's blocks then count."""
+        """Whether the session's next call may move it (the policy re-homes and its home evicted it):
+        only then do its prompt's blocks count for placement (the router hashes them)."""
         home = self.homes.get(session_id)
-        return home is not None and session_id in self.evicted.get(home, ())
+        return (getattr(self.policy, "rehomes", False) and home is not None
+                and session_id in self.evicted.get(home, ()))
 
     def _overflowed(self, view: ReplicaView, session_id: str) -> bool:
-        """The home evicted the (idle) session and its live sessions project past its KV budget."""
-        if not getattr(self.policy, "rehomes", False) or session_id not in self.evicted.get(view.id, ()):
-            return False
-        return view.capacity_tokens > 0 and live_projection(view, self.sizes) > view.capacity_tokens
+        """The home (`view`) evicted the (idle) session and its live sessions project past its KV budget."""
+        return (self.may_move(session_id) and view.capacity_tokens > 0
+                and live_projection(view, self.sizes) > view.capacity_tokens)
 
     def _choose(self, session: NewSession) -> ReplicaView:
         try:
