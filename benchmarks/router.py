@@ -244,13 +244,14 @@ def run_session(router_url: str, sid: str, first: list[int], rng: random.Random)
     # read and released through the router, as the orchestrator does: every replica that holds part
     # of the capture (a session moved off an overflowing home left its earlier calls there)
     admin = {"Authorization": f"Bearer {ADMIN}"}
-    trace = client.get(router_url + f"/v1/traces/{sid}", headers=admin)
-    trace.raise_for_status()
-    if len(trace.json()["calls"]) != LIVE["turns"]:
-        raise RuntimeError(f"session {sid}: {len(trace.json()['calls'])} of {LIVE['turns']} calls captured")
+    answer = client.get(router_url + f"/v1/traces/{sid}", headers=admin)
+    answer.raise_for_status()
+    trace = answer.json()
+    if len(trace["calls"]) != LIVE["turns"]:
+        raise RuntimeError(f"session {sid}: {len(trace['calls'])} of {LIVE['turns']} calls captured")
     client.delete(router_url + f"/v1/traces/{sid}", headers=admin).raise_for_status()
     client.close()
-    return elapsed, trace.json()["replica"]
+    return elapsed, trace["replica"]
 
 
 def run_policy(policy: str, replicas: list[str], pool: list[tuple[int, int]], workdir: Path, seed: int,
