@@ -52,7 +52,7 @@ GEN_FLEETS = {"mixed": [("reserved", 4, 8, 1_600_000), ("on_demand", 32, 1, 200_
 MC_FLEETS = {"default": [("reserved", 2, 8, 1_600_000), ("on_demand", 8, 1, 200_000)],
              "uniform": [("on_demand", 24, 1, 200_000)], "pooled": [("reserved", 1, 24, 4_800_000)]}
 KEYS = ("hit_rate", "prefix_hit_rate", "throughput_tok_s", "p99_rollout_s", "p99_call_s", "p50_call_s",
-        "evicted_tokens", "rehomes", "kv_live_peak")
+        "evicted_tokens", "rehomes", "rehomes_pressure", "kv_live_peak")
 
 
 def pools(spec: list[tuple]) -> list[PoolSpec]:
@@ -277,7 +277,7 @@ def run_policy(policy: str, replicas: list[str], pool: list[tuple[int, int]], wo
         router.stop()
     return {"delta": {k: sum(after[u][k] - before[u][k] for u in replicas) for k in COUNTERS},
             "times": [t for t, _ in results], "wall_s": wall, "rehomes": totals["rehomes"],
-            "rehomes_overflow": totals.get("rehomes_overflow", 0),
+            "rehomes_overflow": totals.get("rehomes_overflow", 0), "rehomes_pressure": totals.get("rehomes_pressure", 0),
             "sessions_per_replica": [sum(1 for _, home in results if home == u) for u in replicas]}
 
 
@@ -290,6 +290,7 @@ def live_figures(runs: list[dict]) -> dict:
             "mean_rollout_s": statistics.mean(times), "p99_rollout_s": times[min(len(times) - 1, int(0.99 * len(times)))],
             "sessions": len(times), "wall_s": sum(r["wall_s"] for r in runs),
             "rehomes": sum(r["rehomes"] for r in runs), "rehomes_overflow": sum(r["rehomes_overflow"] for r in runs),
+            "rehomes_pressure": sum(r["rehomes_pressure"] for r in runs),
             "sessions_per_replica": [sum(col) for col in zip(*(r["sessions_per_replica"] for r in runs), strict=True)]}
 
 

@@ -85,6 +85,7 @@ class RouterCounters:
     errors: int = 0
     rehomes: int = 0
     rehomes_overflow: int = 0  # of `rehomes`: moved off a home over its KV budget that had evicted them
+    rehomes_pressure: int = 0  # of `rehomes`: small sessions moved off a nearly full home before it evicted
     replicas_dropped: int = 0
     sessions_pruned: int = 0  # forgotten without a DELETE: finished, expired, or over `max_sessions`
     trace_release_failures: int = 0  # a DELETE could not release the part of a capture left on an old home
@@ -113,7 +114,7 @@ class Registry:
         self.health_failures = health_failures
         self.replicas: dict[str, ReplicaView] = {}
         self.homes: dict[str, str] = {}  # session id -> replica url
-        self.past_homes: dict[str, list[str]] = {}  # session id -> replicas it left on overflow, in order
+        self.past_homes: dict[str, list[str]] = {}  # session id -> replicas it moved off, in order
         self.failures: dict[str, int] = {}  # consecutive failed scrapes per replica
         self.cache_hit_rate: dict[str, float] = {}
         self.cache_counts: dict[str, dict[str, int]] = {}  # replica -> thrash, evictions, hit/query tokens
@@ -246,7 +247,8 @@ class Registry:
         A session stays where it lives while that replica is healthy and serves the version, unless
         the policy re-homes (`kv`) and the home both dropped the session's cache and is over its KV
         budget: then it moves if the policy finds a replica that costs less than staying (the home
-        may still hold the call's prompt, e.g. a GRPO sibling's first prompt). The old home keeps
+        may still hold the call's prompt, e.g. a GRPO sibling's first prompt); or, before any of
+        that, a nearly full home sheds a small session (the policy's `relieve`). The old home keeps
         the capture of the calls it served (`trace_homes` lists it), so the move goes only to a
         replica the session never lived on (concatenating its homes' captures is then the
         session's, in order); with no such replica it stays. A session whose home is gone is
@@ -262,9 +264,9 @@ class Registry:
             self._touch((session_id,))
             view = self.replicas.get(home)
             if view is not None and view.healthy and version in view.versions:
-                if not self._overflowed(view, session_id):
-                    return view
-                return self._rehome_overflowed(session, view)
+                if self._overflowed(view, session_id):
+                    return self._move(session, view, overflow=True)
+                return self._move(session, view, overflow=False) if hasattr(self.policy, "relieve") else view
             self.homes.pop(session_id, None)
             self.counters.rehomes += 1
             return self._assign(session)
@@ -275,28 +277,32 @@ class Registry:
             return self._choose(session)
         return self._assign(session)
 
-    def _rehome_overflowed(self, session: NewSession, home: ReplicaView) -> ReplicaView:
-        """Move a session off its overflowing home to a replica it never lived on, if the policy
-        finds one that costs less than staying (`prefix_hashes`: this call's prompt)."""
+    def _move(self, session: NewSession, home: ReplicaView, overflow: bool) -> ReplicaView:
+        """Move a session off its home (that evicted it while overflowing: `rehome`; nearly full:
+        `relieve`) to a replica it never lived on, if the policy picks one; else it stays."""
         past = self.past_homes.get(session.id, [])
         others = [v for v in self.replicas.values() if v.id != home.id and v.id not in past]
         try:
-            view = self.policy.rehome(session, home, others, self.rng)  # type: ignore[attr-defined]
+            pick = self.policy.rehome if overflow else self.policy.relieve  # type: ignore[attr-defined]
+            view = pick(session, home, others, self.rng)
         except NoReplicaError:
             return home
-        if view is home:
+        if view is None or view is home:
             return home
         record_assignment(view, session)
         self.past_homes[session.id] = [*past, home.id]
         self.homes[session.id] = view.id
         self.counters.rehomes += 1
-        self.counters.rehomes_overflow += 1
+        if overflow:
+            self.counters.rehomes_overflow += 1
+        else:
+            self.counters.rehomes_pressure += 1
         return view
 
     def trace_homes(self, session_id: str) -> list[str]:
         """The replicas holding the session's capture, in the order it lived there (its home last).
 
-        503 if one it left on overflow is gone: that part of the capture is lost with it.
+        503 if one it moved off is gone: that part of the capture is lost with it.
         """
         home = self.home_of(session_id).id
         past = [url for url in self.past_homes.get(session_id, []) if url != home]
@@ -427,7 +433,7 @@ class Registry:
         return {"replicas": per_replica, "versions": {"live_sessions": spread, "in_use": len(spread),
                                                       "latest": newest_routable_version(list(self.replicas.values()))},
                 "totals": {"replicas": len(per_replica), "sessions": len(self.homes), "rehomes": c.rehomes,
-                           "rehomes_overflow": c.rehomes_overflow,
+                           "rehomes_overflow": c.rehomes_overflow, "rehomes_pressure": c.rehomes_pressure,
                            "requests": c.requests, "errors": c.errors, "replicas_dropped": c.replicas_dropped,
                            "sessions_pruned": c.sessions_pruned, "trace_release_failures": c.trace_release_failures,
                            "thrash": sum(r["thrash"] for r in per_replica),
@@ -457,7 +463,8 @@ def prometheus_text(stats: dict[str, Any]) -> str:
     totals = stats["totals"]
     lines = []
     for name, kind in (("requests", "counter"), ("errors", "counter"), ("rehomes", "counter"),
-                       ("rehomes_overflow", "counter"), ("replicas_dropped", "counter"), ("sessions_pruned", "counter"),
+                       ("rehomes_overflow", "counter"), ("rehomes_pressure", "counter"), ("replicas_dropped", "counter"),
+                       ("sessions_pruned", "counter"),
                        ("trace_release_failures", "counter"), ("sessions", "gauge"), ("replicas", "gauge")):
         metric = f"burstrl_router_{name}" + ("_total" if kind == "counter" else "")
         lines += [f"# TYPE {metric} {kind}", f"{metric} {totals[name]}"]

@@ -196,7 +196,7 @@ class RouterSimulator:
         self.seq = 0
         self.seen: set[int] = set()
         self.stats = {"input_tokens": 0, "output_tokens": 0, "hit_tokens": 0, "reusable_tokens": 0, "evicted_tokens": 0,
-                          "refill_tokens": 0, "thrash_tokens": 0, "rehomes": 0}
+                          "refill_tokens": 0, "thrash_tokens": 0, "rehomes": 0, "rehomes_pressure": 0}
         self.rollout_s: list[float] = []
         self.call_start: dict[tuple[str, int], float] = {}  # (session, call) -> when it reached its replica
         self.call_s: list[float] = []  # per call: queueing + prefill + decode
@@ -239,33 +239,39 @@ class RouterSimulator:
         self.enqueue(t, replica, s, 0)
 
     def home_for_call(self, s: TraceSession, idx: int) -> SimReplica:
-        """The session's home, or a new one if the policy re-homes and the home evicted it while overflowing.
+        """The session's home, or a new one where the policy moves it (mirrors `Registry.place`).
 
-        Mirrors `Registry.place`: a session whose context is gone from a home that is over its KV
-        budget (projected) may move where the policy's `rehome` finds it cheaper than staying, only
-        to a replica it never lived on (its earlier homes hold parts of its capture), else stays.
+        A re-homing policy (`kv`) moves a session whose context is gone from a home over its
+        projected KV budget where its `rehome` finds it cheaper than staying, and a small session
+        off a nearly full home before that (`relieve`); only to a replica the session never lived
+        on (its earlier homes hold parts of its capture), else it stays.
         """
         home = self.home[s.id]
         call = s.calls[idx]
-        if not getattr(self.policy, "rehomes", False) or not call.input_hashes or call.input_hashes[0] in home.cache:
+        if not getattr(self.policy, "rehomes", False) or not call.input_hashes:
             return home
-        if live_projection(home.view, self.sizes) <= home.view.capacity_tokens:
+        evicted = call.input_hashes[0] not in home.cache
+        if evicted and live_projection(home.view, self.sizes) <= home.view.capacity_tokens:
+            return home
+        if not evicted and not hasattr(self.policy, "relieve"):
             return home
         session = NewSession(s.id, s.kind, "v1", expected_tokens=call.input_tokens, prefix_hashes=call.input_hashes,
                              block_tokens=self.cfg.block_size)
-        past = self.past_homes.setdefault(s.id, [home])
+        past = self.past_homes.get(s.id, [home])
         others = [v for v in self.views if all(v is not r.view for r in past)]
         if not others:
             return home
-        view = self.policy.rehome(session, home.view, others, self.rng)
-        if view is home.view:
+        pick = self.policy.rehome if evicted else self.policy.relieve
+        view = pick(session, home.view, others, self.rng)
+        if view is None or view is home.view:
             return home
         record_assignment(view, session)
         new = self.by_view[id(view)]
         new.live[s.id] = home.live.pop(s.id)
         self.home[s.id] = new
-        past.append(new)
+        self.past_homes[s.id] = [*past, new]
         self.stats["rehomes"] += 1
+        self.stats["rehomes_pressure"] += not evicted
         return new
 
     def enqueue(self, t: float, r: SimReplica, s: TraceSession, idx: int) -> None:
@@ -400,6 +406,7 @@ class RouterSimulator:
             "kv_live_peak": max(self.fleet_live, default=0.0),
             "sessions": len(times),
             "rehomes": st["rehomes"],
+            "rehomes_pressure": st["rehomes_pressure"],
         }
 
 
