@@ -23,6 +23,10 @@ per weight (1024 tokens each, chosen on the Mooncake tuning half for per-call p9
 dropped: on the held-out figures it cut p99 in some Mooncake cells and raised it in others, and it
 cost session hit rate on the generated trace (docs/benchmarks.md, "Router, sixth session").
 
+Sessions keep their home; `rehome` moves one its overflowing home evicted, and `relieve` moves a
+small one off a nearly full home before anything is evicted (both only to replicas it never
+lived on: its old homes keep their parts of its capture).
+
 Candidates are K replicas drawn by weight (power-of-K: robust to stale figures) plus the replica
 with the longest cached prefix and the one with the most projected headroom per weight, so neither
 a long shared prefix nor the one roomy replica of a large fleet is missed by sampling (the scan is
