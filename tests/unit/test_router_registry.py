@@ -416,3 +416,27 @@ def test_prefix_block_keys_are_the_same_in_every_process():
     for body in ({"prompt": "text"}, {"input_ids": [1, -2] * 40}, {"input_ids": [1 << 40] * 40},
                  {"input_ids": [True] * 40}, {"messages": []}):
         assert prompt_blocks(body, "base") == ()
+
+
+def test_a_scrape_keeps_the_placements_made_after_it_was_sent():
+    # the answer to a scrape sent before a placement may not list that session yet: forgetting the
+    # placement would let the next choice herd onto the same replica (or miss the prefix sent there)
+    reg = fleet(1)
+    url = list(reg.replicas)[0]
+    reg.place("before", "base", 500)
+    mark = reg.scrape_mark(url)
+    reg.place("after", "base", 500)
+    reg.apply_scrape(url, loads(("before", 500)), models("base"), mark)
+    assert [s.id for s in reg.replicas[url].recent_assignments] == ["after"]
+    reg.apply_scrape(url, loads(("before", 500), ("after", 500)), models("base"), reg.scrape_mark(url))
+    assert reg.replicas[url].recent_assignments == []
+    # the replica re-registered while a scrape was out: every placement on the new view came later
+    reg.place("third", "base", 500)
+    stale = reg.scrape_mark(url)
+    reg.add(url)
+    reg.apply_scrape(url, loads(), models("base"), reg.scrape_mark(url))
+    reg.place("fourth", "base", 500)
+    reg.apply_scrape(url, loads(), models("base"), stale)
+    assert [s.id for s in reg.replicas[url].recent_assignments] == ["fourth"]
+    reg.apply_scrape(url, loads(), models("base"))  # no mark (the simulator, the soak): forget them all
+    assert reg.replicas[url].recent_assignments == []

@@ -55,6 +55,7 @@ class ReplicaView:
     healthy: bool = True
     draining: bool = False  # being removed: keeps its sessions, gets no new ones
     recent_assignments: list[NewSession] = field(default_factory=list)
+    assigned: int = 0  # placements recorded here, ever (a scrape keeps those made after it was sent)
     # Load as production routers read it: calls the router sent and has not seen answered (its own
     # count, exact), running+waiting requests the replica reported at the last scrape, and the
     # chained block hashes of its prefix cache (the replica's summary; empty if it sends none).
@@ -69,6 +70,7 @@ class ReplicaView:
 def record_assignment(replica: ReplicaView, session: NewSession) -> None:
     """Remember a placement until the next scrape, so later choices see its projected size."""
     replica.recent_assignments.append(session)
+    replica.assigned += 1
 
 
 def newest_routable_version(replicas: list[ReplicaView], pools: tuple[str, ...] | None = None) -> str | None:

@@ -159,11 +159,20 @@ class Registry:
 
     # --- scrapes ----------------------------------------------------------------------------
 
-    def apply_scrape(self, url: str, loads: dict[str, Any], models: dict[str, Any]) -> None:
+    def scrape_mark(self, url: str) -> tuple[ReplicaView, int] | None:
+        """Taken when a scrape is sent: which of the replica's placements its answer may reflect."""
+        view = self.replicas.get(url)
+        return (view, view.assigned) if view is not None else None
+
+    def apply_scrape(self, url: str, loads: dict[str, Any], models: dict[str, Any],
+                     mark: tuple[ReplicaView, int] | None = None) -> None:
         """Fill a replica's view from its `/v1/loads` and `/v1/models` answers.
 
         Sessions that were live at the last scrape and are gone now have finished: their last
-        size feeds the size model, so headroom projections learn from real sessions.
+        size feeds the size model, so headroom projections learn from real sessions. Placements
+        recorded after the scrape was sent (`mark`, from `scrape_mark`) stay recent: the answer
+        may predate their calls, and forgetting them would let the next choice herd onto the
+        same replica or miss the prefix just sent there.
         """
         view = self.replicas.get(url)
         if view is None:
@@ -185,7 +194,9 @@ class Registry:
         if capacity > 0:
             view.capacity_tokens = capacity
         view.versions = {m["id"] for m in models.get("data", [])} | set(loads.get("versions", []))
-        view.recent_assignments.clear()
+        # a view re-registered since the scrape was sent holds only later placements
+        after = 0 if mark is None else view.assigned - mark[1] if mark[0] is view else view.assigned
+        view.recent_assignments = view.recent_assignments[-after:] if after > 0 else []
         view.healthy = True
         self.failures[url] = 0
         self.cache_hit_rate[url] = float(loads.get("cache_hit_rate", 0.0))

@@ -161,6 +161,7 @@ class Router:
         sessions only to it); a failure counts toward dropping the replica, a 503 drops it at once."""
         timeout = min(self.cfg.request_timeout_s, max(2.0, 2 * self.cfg.scrape_s))
         auth = {"Authorization": f"Bearer {self.token}"}
+        mark = self.registry.scrape_mark(url)
         try:
             answers = await asyncio.gather(self.http().get(url + "/v1/loads", timeout=timeout, headers=auth),
                                            self.http().get(url + "/v1/models", timeout=timeout, headers=auth))
@@ -176,7 +177,7 @@ class Router:
                 self.unlisted.add(url)
                 log.warning("replica %s lists no sessions to the router: does it have the cluster token?", url)
             async with self.lock:
-                self.registry.apply_scrape(url, loads_body, models_body)
+                self.registry.apply_scrape(url, loads_body, models_body, mark)
         except (ValueError, TypeError, KeyError, AttributeError) as exc:  # answered, but not a load report
             return await self.scrape_failed(url, None, f"malformed answer: {type(exc).__name__}: {exc}")
         return True
