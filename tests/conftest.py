@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+
+# One torch intra-op thread in the test process and the children that do not set their own (sft, eval
+# without --engine.num_threads): the suite runs on 2 shared cores, where a second OpenMP thread
+# spin-waits for a busy core and makes the tiny model's matmuls 5-30x slower (measured: a 192x128
+# linear 0.25 ms with 1 thread, 2-8 ms with 2 on a loaded machine). Read by torch when it is first
+# imported, so it is set here, before any test module imports torch; a value already set is kept.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TINY_MODEL_DIR = REPO_ROOT / ".cache" / "tiny-qwen3"
