@@ -13,8 +13,11 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-# The quickstart at test size: small batches, few steps, tight timeouts.
-SMALL = ["--trainer.batch_groups", "3", "--orchestrator.group_size", "6", "--fleet.start_timeout_s", "120"]
+# The quickstart at test size: small batches, few steps, tight timeouts; one torch thread per replica
+# and for the trainer (examples/toy-swe.toml's choice): the default, one per core each, oversubscribes
+# the 2 shared cores the suite runs on, where a waiting OpenMP thread spins on a core another needs.
+SMALL = ["--trainer.batch_groups", "3", "--orchestrator.group_size", "6", "--fleet.start_timeout_s", "120",
+         "--engine.num_threads", "1", "--trainer.num_threads", "1"]
 
 
 @pytest.fixture(scope="session")

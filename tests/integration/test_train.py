@@ -52,7 +52,8 @@ def run_train(run_dir: Path, model_dir: Path, *overrides: str, env: dict | None 
               timeout: float = 300) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-c", "from burstrl.cli import main; main()", "train",
            "--model.path", str(model_dir), "--run_dir", str(run_dir), "--trainer.batch_groups", "2",
-           "--trainer.lr", "1e-3", "--lora.rank", "4", *overrides]
+           "--trainer.lr", "1e-3", "--lora.rank", "4",
+           "--trainer.num_threads", "1", *overrides]  # 2 shared cores: see OMP_NUM_THREADS in tests/conftest.py
     full_env = {**__import__("os").environ, "BURSTRL_ADMIN_TOKEN": "unused", **(env or {})}
     return subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout)
 
