@@ -4,6 +4,9 @@ The invariant under test: an attempt is only returned when the trace it read bac
 the environment made, all on the group's version; when the session's replica dies mid-rollout the
 router re-homes it (later calls succeed elsewhere) but the capture is incomplete, and the attempt
 must fail with ReplicaFailure so the orchestrator re-runs it under a new id.
+
+The tests share one router and two replicas (starting them is most of this module's time) and run
+in file order: the replica-death test kills one of them, so it comes last.
 """
 
 from __future__ import annotations
@@ -27,16 +30,19 @@ from .conftest import ADMIN_TOKEN, start_server, stop_server
 TOKEN = "orchestrator-test-cluster-token"
 
 
-@pytest.fixture()
-def cluster(tiny_model_dir: Path, tmp_path: Path):
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("orchestrator")
     with ThreadPoolExecutor(2) as pool:
-        servers = list(pool.map(lambda i: start_server(tiny_model_dir, tmp_path / f"r{i}"), range(2)))
-    router = process.start_router(tmp_path / "router", "--cluster_token", TOKEN, "--replicas",
-                                  json.dumps([s.url for s in servers]), "--scrape_s", "0.5")
+        servers = list(pool.map(lambda i: start_server(tiny_model_dir, root / f"r{i}"), range(2)))
+    router = None
     try:
+        router = process.start_router(root / "router", "--cluster_token", TOKEN, "--replicas",
+                                      json.dumps([s.url for s in servers]), "--scrape_s", "0.5")
         yield router, servers
     finally:
-        router.stop()
+        if router is not None:
+            router.stop()
         for s in servers:
             stop_server(s)
 
@@ -86,17 +92,6 @@ def test_an_attempt_returns_every_captured_call_and_releases_the_session(cluster
                      headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=10).status_code == 404  # released
 
 
-def test_a_replica_dying_mid_rollout_fails_the_attempt_instead_of_storing_half_a_capture(cluster) -> None:
-    router, servers = cluster
-    env = KillHomeAfterFirstCall(servers, router.url)
-    task = MultiToyEnv().make_tasks(1, seed=4, difficulty=3)[0]
-    with pytest.raises(ReplicaFailure, match="capture lost: 3 calls made, 2 in the trace"):
-        attempt(router.url, env, task, "attempt-moved")
-    # the next attempt of the group runs on the survivor and is complete
-    rollout = attempt(router.url, MultiToyEnv(), task, "attempt-retry")
-    assert len(rollout.turns) == 3
-
-
 def test_a_version_no_replica_serves_is_version_gone(cluster) -> None:
     router, _ = cluster
 
@@ -108,3 +103,14 @@ def test_a_version_no_replica_serves_is_version_gone(cluster) -> None:
             await client.chat([{"role": "user", "content": "hi"}])
     with pytest.raises(VersionGone):
         asyncio.run(go())
+
+
+def test_a_replica_dying_mid_rollout_fails_the_attempt_instead_of_storing_half_a_capture(cluster) -> None:
+    router, servers = cluster
+    env = KillHomeAfterFirstCall(servers, router.url)
+    task = MultiToyEnv().make_tasks(1, seed=4, difficulty=3)[0]
+    with pytest.raises(ReplicaFailure, match="capture lost: 3 calls made, 2 in the trace"):
+        attempt(router.url, env, task, "attempt-moved")
+    # the next attempt of the group runs on the survivor and is complete
+    rollout = attempt(router.url, MultiToyEnv(), task, "attempt-retry")
+    assert len(rollout.turns) == 3
