@@ -52,12 +52,13 @@ def wait_for_version(server: Server, name: str, trainer: subprocess.Popen, timeo
     raise TimeoutError(f"{name} was not pushed in {timeout:.0f} s")
 
 
-def greedy_score(server: Server, model: str, tasks: list[toy.ToyTask]) -> float:
-    scores = []
-    for task in tasks:
+def greedy_score(server: Server, model: str, tasks: list[toy.ToyTask], pool: ThreadPoolExecutor) -> float:
+    def score(task: toy.ToyTask) -> float:
         r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
             "model": model, "messages": toy.messages(task), "max_tokens": 4, "temperature": 0})
-        scores.append(toy.reward(task, r.json()["choices"][0]["message"]["content"])[0])
+        return toy.reward(task, r.json()["choices"][0]["message"]["content"])[0]
+
+    scores = list(pool.map(score, tasks))
     return sum(scores) / len(scores)
 
 
@@ -75,19 +76,24 @@ def test_grpo_raises_the_reward_of_a_warm_started_model(tiny_model_dir: Path, tm
     env = {**os.environ, "BURSTRL_ADMIN_TOKEN": ADMIN_TOKEN}
     trainer = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "train.log", "w"))
     held_out = toy.make_tasks(52, seed=7, split="test")
+    # A step's GROUPS x G attempts are sent at once (the replica batches up to 64; each has its own
+    # seed, so what it samples does not depend on the batch) and stored group by group in task order.
+    pool = ThreadPoolExecutor(GROUPS * G)
     try:
-        before = greedy_score(server, "base", held_out)
-        with RolloutStore(run_dir / "store.sqlite") as store, ThreadPoolExecutor(G) as pool:
+        before = greedy_score(server, "base", held_out, pool)
+        with RolloutStore(run_dir / "store.sqlite") as store:
             for step in range(STEPS):
                 model = "base" if step == 0 else f"policy-v{step}"
-                for g, task in enumerate(toy.make_tasks(GROUPS, seed=step, split="train")):
-                    futures = [pool.submit(attempt, server, model, task, f"s{step}-{g}-{i}", 1000 * step + 8 * g + i)
-                               for i in range(G)]
-                    store.put_group(task.id, [f.result() for f in futures])
+                tasks = toy.make_tasks(GROUPS, seed=step, split="train")
+                futures = [[pool.submit(attempt, server, model, task, f"s{step}-{g}-{i}", 1000 * step + 8 * g + i)
+                            for i in range(G)] for g, task in enumerate(tasks)]
+                for task, group in zip(tasks, futures, strict=True):
+                    store.put_group(task.id, [f.result() for f in group])
                 wait_for_version(server, f"policy-v{step + 1}", trainer)
         assert trainer.wait(timeout=120) == 0, (tmp_path / "train.log").read_text()[-3000:]
-        after = greedy_score(server, f"policy-v{STEPS}", held_out)
+        after = greedy_score(server, f"policy-v{STEPS}", held_out, pool)
     finally:
+        pool.shutdown(wait=True, cancel_futures=True)
         if trainer.poll() is None:
             trainer.kill()
         stop_server(server)
