@@ -18,6 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.http_client import HTTP
+
 from .conftest import (
     SMALL,
     alive,
@@ -63,7 +65,7 @@ def parent(pid: int) -> int:
 
 def served(url: str) -> set[str]:
     try:
-        return {m["id"] for m in httpx.get(f"{url}/v1/models", timeout=5).json()["data"]}
+        return {m["id"] for m in HTTP.get(f"{url}/v1/models", timeout=5).json()["data"]}
     except (httpx.HTTPError, ValueError, KeyError):
         return set()
 
@@ -287,7 +289,7 @@ def test_replicas_fork_from_their_nodes_zygote_and_die_with_their_actor(tmp_path
         first = zygote_pid()
         assert parent(a_pid) == first and parent(b_pid) == first
         for role in (a, b):
-            assert httpx.get(f"{role.url}/health", timeout=30).status_code == 200
+            assert HTTP.get(f"{role.url}/health", timeout=30).status_code == 200
 
         os.kill(a_pid, signal.SIGKILL)  # the replica dies: its status comes through the zygote
         assert wait_until(lambda: a.poll() is not None, 60, "replica-a's death") and a.returncode == -9

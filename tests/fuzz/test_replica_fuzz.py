@@ -19,6 +19,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.http_client import HTTP
+
 from ..integration.conftest import Server, start_server, stop_server
 
 EXAMPLES = int(os.environ.get("BURSTRL_FUZZ_EXAMPLES", "30"))
@@ -74,12 +76,12 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("fuzz")
     srv = start_server(tiny_model_dir, root, "--engine.max_model_len", "256")
     adapter = make_random_adapter(tiny_model_dir, root / "policy-v1", seed=1)
-    r = httpx.post(srv.url + "/v1/load_lora_adapter", headers=srv.admin(),
-                   json={"lora_name": "policy-v1", "lora_path": str(adapter)}, timeout=60)
+    r = HTTP.post(srv.url + "/v1/load_lora_adapter", headers=srv.admin(),
+                  json={"lora_name": "policy-v1", "lora_path": str(adapter)}, timeout=60)
     assert r.status_code == 200, r.text
     yield srv
     engine = {name: srv.metric(f"burstrl:{name}_total") for name in ("failed_requests", "engine_step_failures")}
-    engine["alive"] = httpx.get(srv.url + "/health", timeout=30).status_code == 200
+    engine["alive"] = HTTP.get(srv.url + "/health", timeout=30).status_code == 200
     stop_server(srv)
     report = os.environ.get("BURSTRL_FUZZ_REPORT")
     if report:

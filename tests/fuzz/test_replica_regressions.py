@@ -13,6 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.http_client import HTTP
+
 from ..integration.conftest import ADMIN_TOKEN, Server, start_server, stop_server
 
 CLUSTER_TOKEN = "fuzz-cluster-token"
@@ -27,8 +29,8 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("hostile")
     srv = start_server(tiny_model_dir, root, "--server.cluster_token", CLUSTER_TOKEN)
     adapter = make_random_adapter(tiny_model_dir, root / "policy-v1", seed=1)
-    r = httpx.post(srv.url + "/v1/load_lora_adapter", headers=srv.admin(),
-                   json={"lora_name": "policy-v1", "lora_path": str(adapter)}, timeout=60)
+    r = HTTP.post(srv.url + "/v1/load_lora_adapter", headers=srv.admin(),
+                  json={"lora_name": "policy-v1", "lora_path": str(adapter)}, timeout=60)
     assert r.status_code == 200, r.text
     yield srv
     stop_server(srv)
@@ -43,8 +45,8 @@ def assert_serving(server: Server) -> None:
 
 def post(server: Server, path: str, body: dict | bytes, **kw) -> httpx.Response:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return httpx.post(server.url + path, content=content, timeout=120,
-                      headers={"content-type": "application/json", **kw.pop("headers", {})}, **kw)
+    return HTTP.post(server.url + path, content=content, timeout=120,
+                     headers={"content-type": "application/json", **kw.pop("headers", {})}, **kw)
 
 
 def assert_error(r: httpx.Response, status: int, needle: str) -> None:
@@ -74,7 +76,7 @@ def test_out_of_range_seed_is_a_400_and_the_session_is_not_wedged(server: Server
     assert_error(post(server, "/v1/completions", {**body, "seed": 2**64}), 400, "seed")
     assert_error(post(server, "/v1/completions", {**body, "seed": -(2**63) - 1}), 400, "seed")
     assert post(server, "/v1/completions", {**body, "seed": 2**64 - 1}).status_code == 200
-    r = httpx.delete(server.url + "/v1/traces/seed-wedge", headers=server.admin())
+    r = HTTP.delete(server.url + "/v1/traces/seed-wedge", headers=server.admin())
     assert r.status_code == 200, r.text
     assert_serving(server)
 
@@ -105,26 +107,26 @@ def test_deeply_nested_json_is_a_400(server: Server, depth: int) -> None:
 
 
 def test_unknown_routes_and_bad_parameters_are_openai_errors(server: Server) -> None:
-    r = httpx.get(server.url + "/v1/nope")
+    r = HTTP.get(server.url + "/v1/nope")
     assert_error(r, 404, "Not Found")
-    r = httpx.put(server.url + "/v1/adapters/x/shards/zero", params={"of": "many"}, content=b"x",
-                  headers=server.admin())
+    r = HTTP.put(server.url + "/v1/adapters/x/shards/zero", params={"of": "many"}, content=b"x",
+                 headers=server.admin())
     assert r.status_code == 400 and "error" in r.json()
-    r = httpx.get(server.url + "/v1/completions")
+    r = HTTP.get(server.url + "/v1/completions")
     assert r.status_code == 405 and "error" in r.json()
     assert_serving(server)
 
 
 def test_traces_and_session_lists_need_a_token(server: Server) -> None:
     assert post(server, "/v1/completions", {**COMPLETION, "session_id": "private"}).status_code == 200
-    assert_error(httpx.get(server.url + "/v1/traces/private"), 401, "token")
+    assert_error(HTTP.get(server.url + "/v1/traces/private"), 401, "token")
     bad = {"Authorization": "Bearer wrong"}
-    assert httpx.get(server.url + "/v1/traces/private", headers=bad).status_code == 401
+    assert HTTP.get(server.url + "/v1/traces/private", headers=bad).status_code == 401
     for token in (ADMIN_TOKEN, CLUSTER_TOKEN):
         auth = {"Authorization": f"Bearer {token}"}
-        assert httpx.get(server.url + "/v1/traces/private", headers=auth).json()["calls"]
-        assert any(s["session_id"] == "private" for s in httpx.get(server.url + "/v1/loads", headers=auth).json()["sessions"])
-    public = httpx.get(server.url + "/v1/loads").json()
+        assert HTTP.get(server.url + "/v1/traces/private", headers=auth).json()["calls"]
+        assert any(s["session_id"] == "private" for s in HTTP.get(server.url + "/v1/loads", headers=auth).json()["sessions"])
+    public = HTTP.get(server.url + "/v1/loads").json()
     assert "sessions" not in public and public["num_sessions"] >= 1
 
 
@@ -184,7 +186,7 @@ def test_stop_reason_names_the_stop_string_or_token(server: Server) -> None:
 
 def stream_chunks(server: Server, path: str, body: dict) -> list[dict]:
     chunks = []
-    with httpx.stream("POST", server.url + path, json={**body, "stream": True}, timeout=60) as r:
+    with HTTP.stream("POST", server.url + path, json={**body, "stream": True}, timeout=60) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
@@ -203,7 +205,7 @@ def test_streaming_prompt_token_ids_where_vllm_puts_them(server: Server) -> None
 
 
 def test_models_name_their_parent_and_root(server: Server) -> None:
-    cards = {m["id"]: m for m in httpx.get(server.url + "/v1/models").json()["data"]}
+    cards = {m["id"]: m for m in HTTP.get(server.url + "/v1/models").json()["data"]}
     assert cards["base"]["parent"] is None
     assert cards["policy-v1"]["parent"] == "base" and cards["policy-v1"]["root"].endswith("policy-v1")
 

@@ -7,11 +7,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
 
 from burstrl.protocol.process import RoleProcess, start_replica
 from burstrl.store import RolloutStore
+from tests.http_client import HTTP
 
 ADMIN_TOKEN = "test-admin-token"
 
@@ -26,12 +26,12 @@ class Server:
 
     def get(self, path: str) -> dict:
         """GET with the admin token (traces and per-session loads need it)."""
-        r = httpx.get(self.url + path, headers=self.admin(), timeout=30)
+        r = HTTP.get(self.url + path, headers=self.admin(), timeout=30)
         r.raise_for_status()
         return r.json()
 
     def metric(self, name: str) -> float:
-        text = httpx.get(self.url + "/metrics", timeout=30).text
+        text = HTTP.get(self.url + "/metrics", timeout=30).text
         for line in text.splitlines():
             if line.startswith(name + "{"):
                 return float(line.rsplit(" ", 1)[1])

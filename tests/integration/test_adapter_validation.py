@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from burstrl.protocol.adapters import Manifest, shard_root
+from tests.http_client import HTTP
 
 from .conftest import Server
 
@@ -69,9 +70,9 @@ BAD_CASES = ["wide_a", "tall_b", "rank_mismatch", "nan", "inf", "int_tensor", "r
 
 
 def still_serves(server: Server) -> None:
-    r = httpx.post(server.url + "/v1/completions", json=COMPLETION, timeout=60)
+    r = HTTP.post(server.url + "/v1/completions", json=COMPLETION, timeout=60)
     assert r.status_code == 200, r.text
-    assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+    assert HTTP.get(server.url + "/health", timeout=30).status_code == 200
 
 
 def refused(r: httpx.Response, status: int | None = None) -> dict:
@@ -83,8 +84,8 @@ def refused(r: httpx.Response, status: int | None = None) -> dict:
 
 
 def load(server: Server, name: str, path: Path | str) -> httpx.Response:
-    return httpx.post(server.url + "/v1/load_lora_adapter", headers=server.admin(), timeout=60,
-                      json={"lora_name": name, "lora_path": str(path)})
+    return HTTP.post(server.url + "/v1/load_lora_adapter", headers=server.admin(), timeout=60,
+                     json={"lora_name": name, "lora_path": str(path)})
 
 
 @pytest.mark.parametrize("case", BAD_CASES)
@@ -95,7 +96,7 @@ def test_bad_adapter_is_refused_and_the_replica_keeps_serving(server: Server, ad
     error = refused(load(server, name, bad), 400)
     assert str(bad) in error["message"]
     assert name not in [m["id"] for m in server.get("/v1/models")["data"]]
-    assert httpx.post(server.url + "/v1/completions", json={**COMPLETION, "model": name}).status_code == 404
+    assert HTTP.post(server.url + "/v1/completions", json={**COMPLETION, "model": name}).status_code == 404
     still_serves(server)
 
 
@@ -110,7 +111,7 @@ def test_lora_path_that_is_not_a_directory_is_400(server: Server, adapters: dict
 def test_good_adapter_still_loads_and_serves(server: Server, adapters: dict[str, Path]) -> None:
     r = load(server, "good-after-bad", adapters["policy-v2"])
     assert r.status_code == 200, r.text
-    r = httpx.post(server.url + "/v1/completions", json={**COMPLETION, "model": "good-after-bad"}, timeout=60)
+    r = HTTP.post(server.url + "/v1/completions", json={**COMPLETION, "model": "good-after-bad"}, timeout=60)
     assert r.status_code == 200, r.text
     still_serves(server)
 
@@ -124,11 +125,11 @@ def test_consistent_non_tar_upload_is_refused(server: Server) -> None:
     manifest = Manifest(name=name, num_shards=n, total_bytes=len(blob), sha256=shard_root(digests),
                         shard_sha256=digests)
     for i, data in enumerate(shards):
-        r = httpx.put(f"{server.url}/v1/adapters/{name}/shards/{i}", params={"of": n}, content=data,
-                      headers={**server.admin(), "X-Shard-SHA256": manifest.shard_sha256[i]}, timeout=60)
+        r = HTTP.put(f"{server.url}/v1/adapters/{name}/shards/{i}", params={"of": n}, content=data,
+                     headers={**server.admin(), "X-Shard-SHA256": manifest.shard_sha256[i]}, timeout=60)
         assert r.status_code == 200, r.text
-    r = httpx.put(f"{server.url}/v1/adapters/{name}/manifest", json=manifest.to_json(), headers=server.admin())
+    r = HTTP.put(f"{server.url}/v1/adapters/{name}/manifest", json=manifest.to_json(), headers=server.admin())
     assert r.status_code == 200, r.text
-    error = refused(httpx.post(f"{server.url}/v1/adapters/{name}/commit", headers=server.admin(), timeout=60))
+    error = refused(HTTP.post(f"{server.url}/v1/adapters/{name}/commit", headers=server.admin(), timeout=60))
     assert "tar" in error["message"]
     still_serves(server)

@@ -36,6 +36,7 @@ from burstrl.sandbox.images import (
     verify_image,
 )
 from burstrl.sandbox.registry import pull
+from tests.http_client import HTTP
 
 REGISTRY_BIN = "/usr/bin/docker-registry"
 DOCKER_MANIFEST = "application/vnd.docker.distribution.manifest.v2+json"
@@ -158,7 +159,7 @@ def start_registry(tmp: Path, auth: dict[str, Any] | None = None) -> Registry:
         if proc.poll() is not None:
             raise RuntimeError(f"registry exited {proc.returncode}: {(tmp / 'registry.log').read_text()}")
         try:
-            if httpx.get(url + "/v2/", timeout=2).status_code in (200, 401):
+            if HTTP.get(url + "/v2/", timeout=2).status_code in (200, 401):
                 return Registry(url, tmp / "storage", proc)
         except httpx.TransportError:
             pass
@@ -457,7 +458,7 @@ def test_pull_answers_a_bearer_token_challenge(tmp_path: Path) -> None:
         "realm": tokens.realm, "service": tokens.service, "issuer": tokens.issuer,
         "rootcertbundle": str(tokens.cert)}})
     try:
-        assert httpx.get(reg.url + "/v2/").status_code == 401
+        assert HTTP.get(reg.url + "/v2/").status_code == 401
         src = source_image()
         token = tokens.token("repository:tasks/private:pull,push")
         with httpx.Client(timeout=30, headers={"Authorization": f"Bearer {token}"}) as http:

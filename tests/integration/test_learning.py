@@ -15,11 +15,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import pytest
 
 from burstrl.envs import toy
 from burstrl.store import Rollout, RolloutStore, Turn
+from tests.http_client import HTTP
 
 from .conftest import ADMIN_TOKEN, Server, start_server, stop_server
 
@@ -29,13 +29,13 @@ TEMPERATURE = 0.5  # the warm model is flat: at T = 1 almost no attempt succeeds
 
 
 def attempt(server: Server, model: str, task: toy.ToyTask, sid: str, seed: int) -> Rollout:
-    r = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
+    r = HTTP.post(server.url + "/v1/chat/completions", timeout=120, json={
         "model": model, "messages": toy.messages(task), "max_tokens": 4, "temperature": TEMPERATURE,
         "seed": seed, "session_id": sid})
     r.raise_for_status()
     total, parts = toy.reward(task, r.json()["choices"][0]["message"]["content"])
-    calls = httpx.get(f"{server.url}/v1/traces/{sid}", headers=server.admin(), timeout=30).json()["calls"]
-    httpx.delete(f"{server.url}/v1/traces/{sid}", headers=server.admin(), timeout=30)
+    calls = HTTP.get(f"{server.url}/v1/traces/{sid}", headers=server.admin(), timeout=30).json()["calls"]
+    HTTP.delete(f"{server.url}/v1/traces/{sid}", headers=server.admin(), timeout=30)
     version = 0 if model == "base" else int(model.removeprefix("policy-v"))
     turns = [Turn(prompt_ids=c["prompt_ids"], completion_ids=c["completion_ids"], logprobs=c["logprobs"],
                   version=version) for c in calls]
@@ -54,7 +54,7 @@ def wait_for_version(server: Server, name: str, trainer: subprocess.Popen, timeo
 
 def greedy_score(server: Server, model: str, tasks: list[toy.ToyTask], pool: ThreadPoolExecutor) -> float:
     def score(task: toy.ToyTask) -> float:
-        r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        r = HTTP.post(server.url + "/v1/chat/completions", timeout=60, json={
             "model": model, "messages": toy.messages(task), "max_tokens": 4, "temperature": 0})
         return toy.reward(task, r.json()["choices"][0]["message"]["content"])[0]
 

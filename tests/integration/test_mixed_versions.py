@@ -11,9 +11,10 @@ import random
 import threading
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
+
+from tests.http_client import HTTP
 
 from .conftest import Server
 
@@ -23,8 +24,8 @@ VERSIONS = ("base", "policy-v1", "policy-v2")
 @pytest.fixture(scope="module")
 def loaded(server: Server, adapters: dict[str, Path]) -> Server:
     for name, path in adapters.items():
-        r = httpx.post(server.url + "/v1/load_lora_adapter", headers=server.admin(),
-                       json={"lora_name": name, "lora_path": str(path)}, timeout=60)
+        r = HTTP.post(server.url + "/v1/load_lora_adapter", headers=server.admin(),
+                      json={"lora_name": name, "lora_path": str(path)}, timeout=60)
         assert r.status_code == 200, r.text
     return server
 
@@ -45,7 +46,7 @@ def references(tiny_model_dir: Path, adapters: dict[str, Path]):
 def complete(server: Server, session: str, model: str, prompt: list[int], n: int = 8) -> dict:
     body = {"model": model, "prompt": prompt, "session_id": session, "temperature": 0, "max_tokens": n,
             "ignore_eos": True, "logprobs": 0, "return_token_ids": True}
-    r = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+    r = HTTP.post(server.url + "/v1/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()
 

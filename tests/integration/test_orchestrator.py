@@ -24,6 +24,7 @@ from burstrl.envs.toy_multi import MultiToyEnv
 from burstrl.orchestrator.attempt import run_attempt
 from burstrl.orchestrator.client import ReplicaFailure, VersionGone, assign
 from burstrl.protocol import process
+from tests.http_client import HTTP
 
 from .conftest import ADMIN_TOKEN, start_server, stop_server
 
@@ -59,8 +60,8 @@ class KillHomeAfterFirstCall(MultiToyEnv):
         async def chat(messages, max_tokens=None):
             reply = await original(messages, max_tokens)
             if client.calls == 1:
-                trace = httpx.get(f"{self.router_url}/v1/traces/{client.session_id}",
-                                  headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=10).json()
+                trace = HTTP.get(f"{self.router_url}/v1/traces/{client.session_id}",
+                                 headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=10).json()
                 next(s for s in self.servers if s.url == trace["replica"]).replica.kill()
             return reply
 
@@ -88,8 +89,8 @@ def test_an_attempt_returns_every_captured_call_and_releases_the_session(cluster
         assert later.prompt_ids[:len(earlier.prompt_ids) + len(earlier.completion_ids)] == \
             earlier.prompt_ids + earlier.completion_ids
     assert rollout.calls == 3 and 0.0 <= rollout.reward <= 1.0
-    assert httpx.get(f"{router.url}/v1/traces/attempt-ok",
-                     headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=10).status_code == 404  # released
+    assert HTTP.get(f"{router.url}/v1/traces/attempt-ok",
+                    headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=10).status_code == 404  # released
 
 
 def test_a_version_no_replica_serves_is_version_gone(cluster) -> None:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 from openai import OpenAI
+
+from tests.http_client import HTTP
 
 from .conftest import Server, start_server, stop_server
 
@@ -20,8 +21,8 @@ def client(server: Server) -> OpenAI:
 
 
 def load(server: Server, name: str, path: Path) -> None:
-    r = httpx.post(server.url + "/v1/load_lora_adapter", headers=server.admin(),
-                   json={"lora_name": name, "lora_path": str(path)}, timeout=60)
+    r = HTTP.post(server.url + "/v1/load_lora_adapter", headers=server.admin(),
+                  json={"lora_name": name, "lora_path": str(path)}, timeout=60)
     assert r.status_code == 200, r.text
 
 
@@ -35,7 +36,7 @@ def loaded(server: Server, adapters: dict[str, Path]) -> Server:
 def chat(server: Server, session: str, messages: list, model: str = "base", **kw) -> dict:
     body = {"model": model, "messages": messages, "session_id": session, "return_token_ids": True,
             "logprobs": True, **kw}
-    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120)
+    r = HTTP.post(server.url + "/v1/chat/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -168,7 +169,7 @@ def test_eviction_under_a_small_budget_keeps_outputs_correct(tiny_model_dir: Pat
             for sid, ids in sessions.items():
                 body = {"model": "base", "input_ids": ids, "session_id": sid, "max_tokens": 12,
                         "temperature": 0, "return_token_ids": True}
-                got = httpx.post(small.url + "/v1/completions", json=body, timeout=60).json()
+                got = HTTP.post(small.url + "/v1/completions", json=body, timeout=60).json()
                 assert got["choices"][0]["token_ids"] == hf_greedy(ids, 12), (sid, turn)
                 sessions[sid] = ids + got["choices"][0]["token_ids"] + [100 + turn, 101, 102]
         loads = small.get("/v1/loads")
@@ -182,11 +183,11 @@ def test_a_new_session_reuses_another_sessions_prefix(server: Server, hf_greedy)
     system = list(range(200, 280))  # an 80-token "system prompt" shared by two rollouts
     first = {"model": "base", "input_ids": system + [5, 6], "session_id": "share-a", "max_tokens": 4,
              "temperature": 0, "return_token_ids": True}
-    httpx.post(server.url + "/v1/completions", json=first, timeout=60).raise_for_status()
+    HTTP.post(server.url + "/v1/completions", json=first, timeout=60).raise_for_status()
     before = server.get("/v1/loads")["prefix_cache_shared_hit_tokens"]
     prompt = system + [7, 8, 9]
-    r = httpx.post(server.url + "/v1/completions", json={**first, "input_ids": prompt, "session_id": "share-b"},
-                   timeout=60).json()
+    r = HTTP.post(server.url + "/v1/completions", json={**first, "input_ids": prompt, "session_id": "share-b"},
+                  timeout=60).json()
     assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == len(system)
     assert server.get("/v1/loads")["prefix_cache_shared_hit_tokens"] - before == len(system)
     assert r["choices"][0]["token_ids"] == hf_greedy(prompt, 4)

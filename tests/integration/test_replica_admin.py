@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from burstrl.protocol.adapters import pack_adapter
+from tests.http_client import HTTP
 
 from .conftest import Server
 
@@ -28,24 +29,24 @@ def upload(server: Server, name: str, directory: Path, shards: int, corrupt: int
     for i, data in enumerate(parts):
         if i == corrupt:
             data = bytes([data[0] ^ 0xFF]) + data[1:]
-        r = httpx.put(f"{server.url}/v1/adapters/{name}/shards/{i}", params={"of": shards},
-                      content=data, headers=headers, timeout=60)
+        r = HTTP.put(f"{server.url}/v1/adapters/{name}/shards/{i}", params={"of": shards},
+                     content=data, headers=headers, timeout=60)
         assert r.status_code == 200, r.text
-    r = httpx.put(f"{server.url}/v1/adapters/{name}/manifest", json=manifest.to_json(), headers=headers, timeout=60)
+    r = HTTP.put(f"{server.url}/v1/adapters/{name}/manifest", json=manifest.to_json(), headers=headers, timeout=60)
     assert r.status_code == 200, r.text
-    return httpx.post(f"{server.url}/v1/adapters/{name}/commit", headers=headers, timeout=60)
+    return HTTP.post(f"{server.url}/v1/adapters/{name}/commit", headers=headers, timeout=60)
 
 
 def test_admin_endpoints_need_the_bearer_token(server: Server, adapters: dict[str, Path]) -> None:
     body = {"lora_name": "x", "lora_path": str(adapters["policy-v1"])}
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic abc"}):
-        assert httpx.post(server.url + "/v1/load_lora_adapter", json=body, headers=headers).status_code == 401
-        assert httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": "x"},
-                          headers=headers).status_code == 401
-        assert httpx.put(server.url + "/v1/adapters/x/shards/0", params={"of": 1}, content=b"abc",
+        assert HTTP.post(server.url + "/v1/load_lora_adapter", json=body, headers=headers).status_code == 401
+        assert HTTP.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": "x"},
                          headers=headers).status_code == 401
-        assert httpx.delete(server.url + "/v1/traces/anything", headers=headers).status_code == 401
-    r = httpx.post(server.url + "/v1/load_lora_adapter", json=body)
+        assert HTTP.put(server.url + "/v1/adapters/x/shards/0", params={"of": 1}, content=b"abc",
+                        headers=headers).status_code == 401
+        assert HTTP.delete(server.url + "/v1/traces/anything", headers=headers).status_code == 401
+    r = HTTP.post(server.url + "/v1/load_lora_adapter", json=body)
     assert r.json()["error"]["type"] == "authentication_error"
     assert "x" not in models(server)
 
@@ -54,49 +55,49 @@ def test_sharded_upload_is_verified_before_serving(server: Server, adapters: dic
     bad = upload(server, "policy-v7", adapters["policy-v1"], shards=3, corrupt=1)
     assert bad.status_code == 422 and "sha256" in bad.json()["error"]["message"]
     assert "policy-v7" not in models(server)
-    r = httpx.post(server.url + "/v1/chat/completions", json={**CHAT, "model": "policy-v7"})
+    r = HTTP.post(server.url + "/v1/chat/completions", json={**CHAT, "model": "policy-v7"})
     assert r.status_code == 404
 
     incomplete_name = "policy-v8"
     manifest, parts = pack_adapter(adapters["policy-v1"], 2, incomplete_name)
-    httpx.put(f"{server.url}/v1/adapters/{incomplete_name}/shards/0", params={"of": 2}, content=parts[0],
-              headers=server.admin())
-    httpx.put(f"{server.url}/v1/adapters/{incomplete_name}/manifest", json=manifest.to_json(), headers=server.admin())
-    r = httpx.post(f"{server.url}/v1/adapters/{incomplete_name}/commit", headers=server.admin())
+    HTTP.put(f"{server.url}/v1/adapters/{incomplete_name}/shards/0", params={"of": 2}, content=parts[0],
+             headers=server.admin())
+    HTTP.put(f"{server.url}/v1/adapters/{incomplete_name}/manifest", json=manifest.to_json(), headers=server.admin())
+    r = HTTP.post(f"{server.url}/v1/adapters/{incomplete_name}/commit", headers=server.admin())
     assert r.status_code == 422 and "missing" in r.json()["error"]["message"]
 
-    r = httpx.put(f"{server.url}/v1/adapters/policy-v9/shards/0", params={"of": 1}, content=b"data",
-                  headers={**server.admin(), "X-Shard-SHA256": "0" * 64})
+    r = HTTP.put(f"{server.url}/v1/adapters/policy-v9/shards/0", params={"of": 1}, content=b"data",
+                 headers={**server.admin(), "X-Shard-SHA256": "0" * 64})
     assert r.status_code == 400
 
     good = upload(server, "policy-v7", adapters["policy-v1"], shards=3)
     assert good.status_code == 200, good.text
     assert "policy-v7" in models(server)
-    r = httpx.post(server.url + "/v1/chat/completions", json={**CHAT, "model": "policy-v7"})
+    r = HTTP.post(server.url + "/v1/chat/completions", json={**CHAT, "model": "policy-v7"})
     assert r.status_code == 200 and r.json()["meta_info"]["weight_version"] == "policy-v7"
 
 
 def test_a_version_is_kept_while_a_session_uses_it(server: Server, adapters: dict[str, Path]) -> None:
-    r = httpx.post(server.url + "/v1/load_lora_adapter", headers=server.admin(),
-                   json={"lora_name": "policy-v3", "lora_path": str(adapters["policy-v2"])})
+    r = HTTP.post(server.url + "/v1/load_lora_adapter", headers=server.admin(),
+                  json={"lora_name": "policy-v3", "lora_path": str(adapters["policy-v2"])})
     assert r.status_code == 200
     first = {**CHAT, "model": "policy-v3", "session_id": "pinned"}
-    assert httpx.post(server.url + "/v1/chat/completions", json=first).status_code == 200
-    r = httpx.post(server.url + "/v1/unload_lora_adapter", headers=server.admin(), json={"lora_name": "policy-v3"})
+    assert HTTP.post(server.url + "/v1/chat/completions", json=first).status_code == 200
+    r = HTTP.post(server.url + "/v1/unload_lora_adapter", headers=server.admin(), json={"lora_name": "policy-v3"})
     assert r.json()["status"] == "retiring"
     assert "policy-v3" not in models(server)
-    new = httpx.post(server.url + "/v1/chat/completions", json={**first, "session_id": "new-one"})
+    new = HTTP.post(server.url + "/v1/chat/completions", json={**first, "session_id": "new-one"})
     assert new.status_code == 404
     # the pinned session finishes on its version
-    assert httpx.post(server.url + "/v1/completions", json={"model": "policy-v3", "prompt": "more",
+    assert HTTP.post(server.url + "/v1/completions", json={"model": "policy-v3", "prompt": "more",
                                                             "session_id": "pinned"}).status_code == 200
-    wrong = httpx.post(server.url + "/v1/chat/completions", json={**CHAT, "session_id": "pinned"})
+    wrong = HTTP.post(server.url + "/v1/chat/completions", json={**CHAT, "session_id": "pinned"})
     assert wrong.status_code == 409 and "pinned" in wrong.json()["error"]["message"]
     assert "policy-v3" in server.get("/v1/loads")["retiring_versions"]
-    r = httpx.delete(server.url + "/v1/traces/pinned", headers=server.admin())
+    r = HTTP.delete(server.url + "/v1/traces/pinned", headers=server.admin())
     assert r.status_code == 200 and r.json()["calls"] == 2
     assert "policy-v3" not in server.get("/v1/loads")["retiring_versions"]
-    assert httpx.get(server.url + "/v1/traces/pinned", headers=server.admin()).status_code == 404
+    assert HTTP.get(server.url + "/v1/traces/pinned", headers=server.admin()).status_code == 404
 
 
 @pytest.mark.parametrize("body,status,needle", [
@@ -114,21 +115,21 @@ def test_a_version_is_kept_while_a_session_uses_it(server: Server, adapters: dic
     (json.dumps({"model": "base"}).encode(), 400, "messages"),
 ])
 def test_bad_input_gets_a_4xx_json_error(server: Server, body: bytes, status: int, needle: str) -> None:
-    r = httpx.post(server.url + "/v1/chat/completions", content=body,
-                   headers={"content-type": "application/json"})
+    r = HTTP.post(server.url + "/v1/chat/completions", content=body,
+                  headers={"content-type": "application/json"})
     assert r.status_code == status, r.text
     assert needle in r.json()["error"]["message"]
 
 
 def test_bad_completion_input_and_oversized_body(server: Server) -> None:
-    r = httpx.post(server.url + "/v1/completions", json={"model": "base", "prompt": [1, 2, 10 ** 9]})
+    r = HTTP.post(server.url + "/v1/completions", json={"model": "base", "prompt": [1, 2, 10 ** 9]})
     assert r.status_code == 400 and "token ids" in r.json()["error"]["message"]
-    r = httpx.post(server.url + "/v1/completions", json={"model": "base", "prompt": ""})
+    r = HTTP.post(server.url + "/v1/completions", json={"model": "base", "prompt": ""})
     assert r.status_code == 400
     huge = b'{"model": "base", "prompt": "' + b"a" * (9 << 20) + b'"}'
-    r = httpx.post(server.url + "/v1/completions", content=huge, headers={"content-type": "application/json"})
+    r = HTTP.post(server.url + "/v1/completions", content=huge, headers={"content-type": "application/json"})
     assert r.status_code == 413
-    assert httpx.post(server.url + "/v1/chat/completions", json=CHAT).status_code == 200  # still serving
+    assert HTTP.post(server.url + "/v1/chat/completions", json=CHAT).status_code == 200  # still serving
 
 
 def test_session_calls_run_one_at_a_time(server: Server) -> None:
@@ -137,7 +138,7 @@ def test_session_calls_run_one_at_a_time(server: Server) -> None:
             "session_id": "busy"}) as r:
         lines = r.iter_lines()  # keep a reference: a collected iterator closes the stream
         next(lines)
-        second = httpx.post(server.url + "/v1/completions", json={"model": "base", "prompt": "b", "session_id": "busy"})
+        second = HTTP.post(server.url + "/v1/completions", json={"model": "base", "prompt": "b", "session_id": "busy"})
         assert second.status_code == 409, (second.text, server.get("/v1/loads")["sessions"])
 
 
@@ -173,7 +174,7 @@ def test_health_loads_and_metrics_shapes(server: Server) -> None:
     for key in ("num_running_reqs", "num_waiting_reqs", "num_used_tokens", "max_total_num_tokens",
                 "token_usage", "cache_hit_rate", "sessions"):
         assert key in loads
-    text = httpx.get(server.url + "/metrics").text
+    text = HTTP.get(server.url + "/metrics").text
     for name in ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting",
                  "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "burstrl:kv_thrash_total"):
         assert f"{name}{{" in text
@@ -191,7 +192,7 @@ def test_tls_serves_https(tiny_model_dir: Path, tmp_path: Path, tls_cert: tuple[
         r = httpx.post(srv.url + "/v1/chat/completions", json=CHAT, verify=str(cert))
         assert r.status_code == 200
         with pytest.raises(httpx.HTTPError):
-            httpx.get(srv.url.replace("https://", "http://") + "/health", timeout=5)
+            HTTP.get(srv.url.replace("https://", "http://") + "/health", timeout=5)
     finally:
         stop_server(srv)
 
@@ -199,6 +200,6 @@ def test_tls_serves_https(tiny_model_dir: Path, tmp_path: Path, tls_cert: tuple[
 @pytest.mark.parametrize("header", ["X-Session-ID", "X-SMG-Routing-Key", "X-Dynamo-Session-ID"])
 def test_session_id_from_headers(server: Server, header: str) -> None:
     sid = f"hdr-{header.lower()}"
-    r = httpx.post(server.url + "/v1/chat/completions", json=CHAT, headers={header: sid})
+    r = HTTP.post(server.url + "/v1/chat/completions", json=CHAT, headers={header: sid})
     assert r.status_code == 200 and r.json()["meta_info"]["session_id"] == sid
     assert len(server.get(f"/v1/traces/{sid}")["calls"]) == 1

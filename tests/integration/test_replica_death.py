@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import httpx
 import pytest
 
 from burstrl.protocol import process
+from tests.http_client import HTTP
 from tests.waiting import wait_for
 
 from .conftest import ADMIN_TOKEN, start_server, stop_server
@@ -33,19 +33,19 @@ def test_a_dead_engine_leaves_rotation_and_the_process_exits(tiny_model_dir: Pat
     router = process.start_router(tmp_path / "router", "--cluster_token", TOKEN, "--replicas", urls,
                                   "--scrape_s", "0.5", "--health_failures", "1000")
     try:
-        listed = lambda: {r["url"] for r in httpx.get(router.url + "/v1/replicas", timeout=10).json()["replicas"]}
+        listed = lambda: {r["url"] for r in HTTP.get(router.url + "/v1/replicas", timeout=10).json()["replicas"]}
         assert listed() == {good.url, doomed.url}
-        r = httpx.post(doomed.url + "/v1/completions", json={"model": "base", "prompt": [5, 6], "max_tokens": 2},
-                       timeout=60)
+        r = HTTP.post(doomed.url + "/v1/completions", json={"model": "base", "prompt": [5, 6], "max_tokens": 2},
+                      timeout=60)
         assert r.status_code == 200  # the one request before the injected crash
-        wait_for(lambda: httpx.get(doomed.url + "/health", timeout=10).status_code == 503, 60, "health 503")
+        wait_for(lambda: HTTP.get(doomed.url + "/health", timeout=10).status_code == 503, 60, "health 503")
         for path in ("/v1/loads", "/v1/models"):
-            r = httpx.get(doomed.url + path, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=10)
+            r = HTTP.get(doomed.url + path, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=10)
             assert r.status_code == 503 and "engine is not running" in r.json()["error"]["message"]
         wait_for(lambda: listed() == {good.url}, 20, "the router to drop the dead replica")
         for i in range(20):
-            r = httpx.post(router.url + "/v1/completions", timeout=60,
-                           json={"model": "base", "prompt": [5, 6, i], "max_tokens": 2, "session_id": f"after-{i}"})
+            r = HTTP.post(router.url + "/v1/completions", timeout=60,
+                          json={"model": "base", "prompt": [5, 6, i], "max_tokens": 2, "session_id": f"after-{i}"})
             assert r.status_code == 200, r.text
         wait_for(lambda: doomed.replica.proc.poll() is not None, 90, "the replica process to exit")
         assert doomed.replica.proc.returncode != 0

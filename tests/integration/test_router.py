@@ -18,12 +18,12 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-import httpx
 import pytest
 from openai import APIError, OpenAI
 
 from burstrl.protocol import process
 from burstrl.protocol.process import RoleProcess
+from tests.http_client import HTTP
 
 from .conftest import Server, start_server, stop_server
 
@@ -51,12 +51,12 @@ class Cluster:
         return self.router.url + path
 
     def stats(self) -> dict:
-        return httpx.get(self.url("/v1/stats"), timeout=10).json()
+        return HTTP.get(self.url("/v1/stats"), timeout=10).json()
 
     def home_of(self, sid: str) -> Server:
         """The replica that holds the session's trace (exactly one must)."""
         found = [s for s in self.replicas + [self.spare] if s.replica.proc.poll() is None
-                 and httpx.get(s.url + f"/v1/traces/{sid}", headers=s.admin(), timeout=10).status_code == 200]
+                 and HTTP.get(s.url + f"/v1/traces/{sid}", headers=s.admin(), timeout=10).status_code == 200]
         assert len(found) == 1, f"session {sid} found on {len(found)} replicas"
         return found[0]
 
@@ -81,15 +81,15 @@ def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
 
 def complete(cluster: Cluster, sid: str, prompt: str = "Once upon a time", **kw) -> dict:
     body = {"model": "base", "prompt": prompt, "max_tokens": 4, "temperature": 0, "session_id": sid, **kw}
-    r = httpx.post(cluster.url("/v1/completions"), json=body, timeout=60)
+    r = HTTP.post(cluster.url("/v1/completions"), json=body, timeout=60)
     assert r.status_code == 200, r.text
     return r.json()
 
 
 def test_health_models_and_replicas(cluster: Cluster) -> None:
-    assert httpx.get(cluster.url("/health"), timeout=10).json()["status"] == "ok"
-    assert [m["id"] for m in httpx.get(cluster.url("/v1/models"), timeout=10).json()["data"]] == ["base"]
-    listed = httpx.get(cluster.url("/v1/replicas"), timeout=10).json()["replicas"]
+    assert HTTP.get(cluster.url("/health"), timeout=10).json()["status"] == "ok"
+    assert [m["id"] for m in HTTP.get(cluster.url("/v1/models"), timeout=10).json()["data"]] == ["base"]
+    listed = HTTP.get(cluster.url("/v1/replicas"), timeout=10).json()["replicas"]
     assert sorted(r["url"] for r in listed) == sorted(s.url for s in cluster.replicas)
 
 
@@ -101,17 +101,17 @@ def test_sessions_stick_to_one_replica(cluster: Cluster) -> None:
         home = cluster.home_of(sid)
         assert len(home.get(f"/v1/traces/{sid}")["calls"]) == 3
     # the session header works as well as the body field
-    r = httpx.post(cluster.url("/v1/completions"), headers={"X-Session-ID": "stick-a"},
-                   json={"model": "base", "prompt": "via header", "max_tokens": 2}, timeout=60)
+    r = HTTP.post(cluster.url("/v1/completions"), headers={"X-Session-ID": "stick-a"},
+                  json={"model": "base", "prompt": "via header", "max_tokens": 2}, timeout=60)
     assert r.status_code == 200, r.text
     assert len(cluster.home_of("stick-a").get("/v1/traces/stick-a")["calls"]) == 4
 
 
 def test_traces_through_the_router_need_a_token(cluster: Cluster) -> None:
     complete(cluster, "traced")
-    r = httpx.get(cluster.url("/v1/traces/traced"), headers=AUTH, timeout=10)  # the cluster token
+    r = HTTP.get(cluster.url("/v1/traces/traced"), headers=AUTH, timeout=10)  # the cluster token
     assert r.status_code == 200 and r.json()["replica"] == cluster.home_of("traced").url, r.text
-    anonymous = httpx.get(cluster.url("/v1/traces/traced"), timeout=10)
+    anonymous = HTTP.get(cluster.url("/v1/traces/traced"), timeout=10)
     assert anonymous.status_code == 401 and "error" in anonymous.json()
 
 
@@ -143,33 +143,33 @@ def test_openai_client_sync_and_streaming(cluster: Cluster) -> None:
 
 
 def test_assign_returns_a_registered_replica(cluster: Cluster) -> None:
-    r = httpx.post(cluster.url("/v1/assign"), json={"session_id": "assigned", "version": "base",
+    r = HTTP.post(cluster.url("/v1/assign"), json={"session_id": "assigned", "version": "base",
                                                     "expected_tokens": 100}, timeout=10)
     assert r.status_code == 200, r.text
     assert r.json()["url"] in [s.url for s in cluster.replicas]
-    again = httpx.post(cluster.url("/v1/assign"), json={"session_id": "assigned", "version": "base"}, timeout=10)
+    again = HTTP.post(cluster.url("/v1/assign"), json={"session_id": "assigned", "version": "base"}, timeout=10)
     assert again.json()["url"] == r.json()["url"]
-    latest = httpx.post(cluster.url("/v1/assign"), json={"session_id": "x"}, timeout=10)  # no version: latest
+    latest = HTTP.post(cluster.url("/v1/assign"), json={"session_id": "x"}, timeout=10)  # no version: latest
     assert latest.status_code == 200 and latest.json()["version"] == "base", latest.text
-    bad = httpx.post(cluster.url("/v1/assign"), json={"version": "base"}, timeout=10)
+    bad = HTTP.post(cluster.url("/v1/assign"), json={"version": "base"}, timeout=10)
     assert bad.status_code == 400 and "error" in bad.json()
 
 
 def test_unknown_model_is_404(cluster: Cluster) -> None:
-    r = httpx.post(cluster.url("/v1/completions"), json={"model": "nope", "prompt": "x", "session_id": "u"},
-                   timeout=10)
+    r = HTTP.post(cluster.url("/v1/completions"), json={"model": "nope", "prompt": "x", "session_id": "u"},
+                  timeout=10)
     assert r.status_code == 404
     assert "nope" in r.json()["error"]["message"]
 
 
 def test_registration_needs_the_token_and_an_http_url(cluster: Cluster) -> None:
     body = {"url": cluster.spare.url, "pool": "on_demand", "weight": 1, "capacity_tokens": 0}
-    assert httpx.post(cluster.url("/v1/replicas"), json=body, timeout=10).status_code == 401
+    assert HTTP.post(cluster.url("/v1/replicas"), json=body, timeout=10).status_code == 401
     wrong = {"Authorization": "Bearer wrong"}
-    assert httpx.post(cluster.url("/v1/replicas"), json=body, headers=wrong, timeout=10).status_code == 401
-    r = httpx.post(cluster.url("/v1/replicas"), json={**body, "url": "file:///etc/passwd"}, headers=AUTH, timeout=10)
+    assert HTTP.post(cluster.url("/v1/replicas"), json=body, headers=wrong, timeout=10).status_code == 401
+    r = HTTP.post(cluster.url("/v1/replicas"), json={**body, "url": "file:///etc/passwd"}, headers=AUTH, timeout=10)
     assert r.status_code == 400 and "http" in r.json()["error"]["message"]
-    assert httpx.delete(cluster.url("/v1/replicas"), params={"url": cluster.spare.url}, timeout=10).status_code == 401
+    assert HTTP.delete(cluster.url("/v1/replicas"), params={"url": cluster.spare.url}, timeout=10).status_code == 401
 
 
 def test_killed_replica_sessions_continue_elsewhere(cluster: Cluster) -> None:
@@ -183,24 +183,24 @@ def test_killed_replica_sessions_continue_elsewhere(cluster: Cluster) -> None:
     assert new_home is not home
     assert cluster.stats()["totals"]["rehomes"] == before + 1
     assert home.url not in [r["url"] for r in cluster.stats()["replicas"]]
-    metrics = httpx.get(cluster.url("/metrics"), timeout=10).text
+    metrics = HTTP.get(cluster.url("/metrics"), timeout=10).text
     assert f"burstrl_router_rehomes_total {before + 1}" in metrics
 
 
 def test_newly_registered_replica_receives_new_sessions(cluster: Cluster) -> None:
     body = {"url": cluster.spare.url, "pool": "on_demand", "weight": 1, "capacity_tokens": 0}
-    r = httpx.post(cluster.url("/v1/replicas"), json=body, headers=AUTH, timeout=30)
+    r = HTTP.post(cluster.url("/v1/replicas"), json=body, headers=AUTH, timeout=30)
     assert r.status_code == 201, r.text
     assert r.json()["versions"] == ["base"]
-    placed = [httpx.post(cluster.url("/v1/assign"), json={"session_id": f"fresh-{i}", "version": "base"},
-                         timeout=10).json()["url"] for i in range(12)]
+    placed = [HTTP.post(cluster.url("/v1/assign"), json={"session_id": f"fresh-{i}", "version": "base"},
+                        timeout=10).json()["url"] for i in range(12)]
     assert cluster.spare.url in placed
     sid = f"fresh-{placed.index(cluster.spare.url)}"
     complete(cluster, sid)
     assert cluster.home_of(sid) is cluster.spare
-    gone = httpx.delete(cluster.url("/v1/replicas"), params={"url": cluster.spare.url}, headers=AUTH, timeout=10)
+    gone = HTTP.delete(cluster.url("/v1/replicas"), params={"url": cluster.spare.url}, headers=AUTH, timeout=10)
     assert gone.status_code == 200
-    assert cluster.spare.url not in [x["url"] for x in httpx.get(cluster.url("/v1/replicas"), timeout=10).json()["replicas"]]
+    assert cluster.spare.url not in [x["url"] for x in HTTP.get(cluster.url("/v1/replicas"), timeout=10).json()["replicas"]]
 
 
 # --- regressions of issue 14, against replicas that fail on cue ------------------------------
@@ -331,19 +331,19 @@ def fakes(tmp_path: Path):
 
 
 def home_on_a_then_add_b(router: RoleProcess, b: FakeReplica, sid: str) -> None:
-    r = httpx.post(router.url + "/v1/completions", json={"model": "base", "prompt": "x", "session_id": sid},
-                   timeout=30)
+    r = HTTP.post(router.url + "/v1/completions", json={"model": "base", "prompt": "x", "session_id": sid},
+                  timeout=30)
     assert r.status_code == 200, r.text
-    r = httpx.post(router.url + "/v1/replicas", json={"url": b.url}, headers=AUTH, timeout=30)
+    r = HTTP.post(router.url + "/v1/replicas", json={"url": b.url}, headers=AUTH, timeout=30)
     assert r.status_code == 201 and r.json()["scraped"], r.text
 
 
 def replica_urls(router: RoleProcess) -> list[str]:
-    return [r["url"] for r in httpx.get(router.url + "/v1/replicas", timeout=10).json()["replicas"]]
+    return [r["url"] for r in HTTP.get(router.url + "/v1/replicas", timeout=10).json()["replicas"]]
 
 
 def rehomes(router: RoleProcess) -> int:
-    return httpx.get(router.url + "/v1/stats", timeout=10).json()["totals"]["rehomes"]
+    return HTTP.get(router.url + "/v1/stats", timeout=10).json()["totals"]["rehomes"]
 
 
 def test_regression_replica_dies_mid_stream_client_gets_an_error_event(fakes) -> None:
@@ -352,7 +352,7 @@ def test_regression_replica_dies_mid_stream_client_gets_an_error_event(fakes) ->
     home_on_a_then_add_b(router, b, "cut")
     a.mode = "cut"
     body = {"model": "base", "prompt": "x", "session_id": "cut", "stream": True}
-    with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=30) as r:
+    with HTTP.stream("POST", router.url + "/v1/completions", json=body, timeout=30) as r:
         assert r.status_code == 200
         events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
     assert [json.loads(e)["choices"][0]["text"] for e in events[:2]] == ["t0", "t1"]
@@ -384,15 +384,15 @@ def test_regression_call_accepted_then_lost_is_not_retried(fakes) -> None:
     home_on_a_then_add_b(router, b, "once")
     a.mode = "drop"
     before = a.calls()
-    r = httpx.post(router.url + "/v1/completions", json={"model": "base", "prompt": "x", "session_id": "once"},
-                   timeout=30)
+    r = HTTP.post(router.url + "/v1/completions", json={"model": "base", "prompt": "x", "session_id": "once"},
+                  timeout=30)
     assert r.status_code == 503, r.text
     error = r.json()["error"]
     assert error["type"] == "server_error" and "safe" in error["message"] and "not retried" in error["message"]
     assert a.calls() == before + 1 and b.calls() == 0  # sent once, never a second time
     assert a.url not in replica_urls(router)
-    again = httpx.post(router.url + "/v1/completions", json={"model": "base", "prompt": "x", "session_id": "once"},
-                       timeout=30)
+    again = HTTP.post(router.url + "/v1/completions", json={"model": "base", "prompt": "x", "session_id": "once"},
+                      timeout=30)
     assert again.status_code == 200 and b.calls() == 1 and rehomes(router) == 1
 
 
@@ -401,8 +401,8 @@ def test_refused_connection_is_retried_on_another_replica(fakes) -> None:
     router, a, b = fakes
     home_on_a_then_add_b(router, b, "moved")
     a.close()  # nothing listens any more: the connection is refused
-    r = httpx.post(router.url + "/v1/completions", json={"model": "base", "prompt": "x", "session_id": "moved"},
-                   timeout=30)
+    r = HTTP.post(router.url + "/v1/completions", json={"model": "base", "prompt": "x", "session_id": "moved"},
+                  timeout=30)
     assert r.status_code == 200, r.text
     assert b.calls() == 1 and rehomes(router) == 1 and a.url not in replica_urls(router)
 
@@ -419,16 +419,16 @@ def test_regression_dead_engine_leaves_rotation_within_one_scrape(fakes) -> None
         assert time.monotonic() < deadline, "the dead-engine replica is still in rotation"
         time.sleep(0.05)
     assert a.scrapes() <= scrapes + 1  # one scrape (health_failures is 1000)
-    placed = [httpx.post(router.url + "/v1/assign", json={"session_id": f"n{i}"}, timeout=10).json()["url"]
+    placed = [HTTP.post(router.url + "/v1/assign", json={"session_id": f"n{i}"}, timeout=10).json()["url"]
               for i in range(10)]
     assert placed == [b.url] * 10
 
 
 def test_trace_reads_forward_the_callers_token(fakes) -> None:
     router, a, _ = fakes
-    assert httpx.post(router.url + "/v1/completions", json={"model": "base", "prompt": "x", "session_id": "t"},
-                      timeout=30).status_code == 200
-    assert httpx.get(router.url + "/v1/traces/t", timeout=10).status_code == 401
-    r = httpx.get(router.url + "/v1/traces/t", headers=AUTH, timeout=10)
+    assert HTTP.post(router.url + "/v1/completions", json={"model": "base", "prompt": "x", "session_id": "t"},
+                     timeout=30).status_code == 200
+    assert HTTP.get(router.url + "/v1/traces/t", timeout=10).status_code == 401
+    r = HTTP.get(router.url + "/v1/traces/t", headers=AUTH, timeout=10)
     assert r.status_code == 200 and r.json()["replica"] == a.url
     assert ("GET", "/v1/traces/t", AUTH["Authorization"]) in a.requests

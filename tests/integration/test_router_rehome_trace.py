@@ -10,10 +10,10 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-import httpx
 import pytest
 
 from burstrl.protocol import process
+from tests.http_client import HTTP
 from tests.waiting import wait_for
 
 from .conftest import ADMIN_TOKEN, start_server, stop_server
@@ -44,13 +44,13 @@ def small_and_big(tiny_model_dir: Path, tmp_path: Path):
 def complete(url: str, ids: list[int], session: str) -> list[int]:
     body = {"model": "base", "prompt": ids, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
             "return_token_ids": True, "session_id": session}
-    r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+    r = HTTP.post(url + "/v1/completions", json=body, timeout=120)
     r.raise_for_status()
     return r.json()["choices"][0]["token_ids"]
 
 
 def router_stats(router_url: str) -> dict:
-    return httpx.get(router_url + "/v1/stats", timeout=30).json()
+    return HTTP.get(router_url + "/v1/stats", timeout=30).json()
 
 
 @pytest.mark.slow  # two replicas and a router of its own (~20 s)
@@ -59,21 +59,21 @@ def test_a_session_moved_on_overflow_keeps_its_whole_capture(small_and_big):
     rng = random.Random(0)
     first = [rng.randrange(100, 1500) for _ in range(300)]
     out = complete(router.url, first, "s")  # the only replica yet: the small one
-    httpx.post(router.url + "/v1/replicas", json={"url": big.url}, headers=CLUSTER, timeout=30).raise_for_status()
+    HTTP.post(router.url + "/v1/replicas", json={"url": big.url}, headers=CLUSTER, timeout=30).raise_for_status()
     for i in range(2):  # other sessions fill the small replica: the idle session's cache is evicted
         complete(small.url, [rng.randrange(100, 1500) for _ in range(300)], f"crowd{i}")
-    evicted = httpx.get(small.url + "/v1/loads", headers=CLUSTER, timeout=30).json()["sessions"]
+    evicted = HTTP.get(small.url + "/v1/loads", headers=CLUSTER, timeout=30).json()["sessions"]
     assert {"s": 0} == {x["session_id"]: x["tokens"] for x in evicted if x["session_id"] == "s"}
     wait_for(lambda: all(r["evictions"] > 0 or r["url"] != small.url for r in router_stats(router.url)["replicas"])
              and len(router_stats(router.url)["replicas"]) == 2, 60, "the router to scrape the eviction")
     second = first + out + [rng.randrange(100, 1500) for _ in range(20)]
     complete(router.url, second, "s")
     assert router_stats(router.url)["totals"]["rehomes_overflow"] == 1
-    trace = httpx.get(router.url + "/v1/traces/s", headers=ADMIN, timeout=30).json()
+    trace = HTTP.get(router.url + "/v1/traces/s", headers=ADMIN, timeout=30).json()
     assert trace["replicas"] == [small.url, big.url] and trace["replica"] == big.url
     assert [c["prompt_ids"] for c in trace["calls"]] == [first, second]
     assert trace["calls"][0]["completion_ids"] == out
-    released = httpx.delete(router.url + "/v1/traces/s", headers=ADMIN, timeout=30)
+    released = HTTP.delete(router.url + "/v1/traces/s", headers=ADMIN, timeout=30)
     assert released.status_code == 200 and released.json()["replicas"] == [small.url, big.url]
     for url in (small.url, big.url, router.url):  # every part released, and the router forgot it
-        assert httpx.get(url + "/v1/traces/s", headers=ADMIN, timeout=30).status_code == 404
+        assert HTTP.get(url + "/v1/traces/s", headers=ADMIN, timeout=30).status_code == 404

@@ -17,6 +17,7 @@ import pytest
 
 from burstrl.router.registry import Registry, RouteError
 from burstrl.router.server import VERSION_HEADER, first_call_tokens, prometheus_text
+from tests.http_client import HTTP
 
 from .conftest import Server, stop_server
 from .test_router import AUTH, start_replica, start_router
@@ -93,14 +94,14 @@ def test_evicted_session_counts_at_its_context_size_and_token_in_calls_hint_size
 
 
 def load_adapter(server: Server, name: str, path: Path) -> None:
-    r = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)},
-                   headers=server.admin(), timeout=60)
+    r = HTTP.post(server.url + "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)},
+                  headers=server.admin(), timeout=60)
     assert r.status_code == 200, r.text
 
 
 def call(router_url: str, sid: str, model: str = "latest") -> httpx.Response:
     body = {"model": model, "prompt": f"turn of {sid}", "max_tokens": 3, "temperature": 0, "session_id": sid}
-    r = httpx.post(router_url + "/v1/completions", json=body, timeout=60)
+    r = HTTP.post(router_url + "/v1/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
     return r
 
@@ -110,7 +111,7 @@ def wait_for_latest(router_url: str, version: str, timeout: float = 30.0) -> Non
     deadline = time.monotonic() + timeout
     latest = None
     while time.monotonic() < deadline:
-        latest = httpx.get(router_url + "/v1/stats", timeout=10).json()["versions"]["latest"]
+        latest = HTTP.get(router_url + "/v1/stats", timeout=10).json()["versions"]["latest"]
         if latest == version:
             return
         time.sleep(0.1)
@@ -126,7 +127,7 @@ def wait_until(condition, timeout: float = 30.0) -> None:
 
 
 def trace_version(server: Server, sid: str) -> str | None:
-    r = httpx.get(server.url + f"/v1/traces/{sid}", headers=server.admin(), timeout=10)
+    r = HTTP.get(server.url + f"/v1/traces/{sid}", headers=server.admin(), timeout=10)
     return r.json()["version"] if r.status_code == 200 else None
 
 
@@ -141,8 +142,8 @@ def test_rollout_gates_latest_and_keeps_old_sessions(tiny_model_dir: Path, adapt
         reserved, od_a, od_b = servers
         for server, pool_name in ((reserved, "reserved"), (od_a, "on_demand"), (od_b, "on_demand")):
             load_adapter(server, "policy-v1", adapters["policy-v1"])
-            r = httpx.post(router.url + "/v1/replicas", json={"url": server.url, "pool": pool_name},
-                           headers=AUTH, timeout=30)
+            r = HTTP.post(router.url + "/v1/replicas", json={"url": server.url, "pool": pool_name},
+                          headers=AUTH, timeout=30)
             assert r.status_code == 201, r.text
         wait_for_latest(router.url, "policy-v1")
 
@@ -151,8 +152,8 @@ def test_rollout_gates_latest_and_keeps_old_sessions(tiny_model_dir: Path, adapt
         old_home = next(s for s in servers if trace_version(s, "old-session") == "policy-v1")
 
         load_adapter(reserved, "policy-v2", adapters["policy-v2"])  # the on-demand pool lacks v2
-        wait_until(lambda: "policy-v2" in [m["id"] for m in httpx.get(router.url + "/v1/models",
-                                                                      timeout=10).json()["data"]])
+        wait_until(lambda: "policy-v2" in [m["id"] for m in HTTP.get(router.url + "/v1/models",
+                                                                     timeout=10).json()["data"]])
         for i in range(4):
             assert call(router.url, f"mid-{i}").headers[VERSION_HEADER] == "policy-v1"
         assert call(router.url, "old-session").headers[VERSION_HEADER] == "policy-v1"
@@ -165,27 +166,27 @@ def test_rollout_gates_latest_and_keeps_old_sessions(tiny_model_dir: Path, adapt
             assert r.headers[VERSION_HEADER] == "policy-v2"
             assert trace_version(od_b, f"new-{i}") is None  # od_b lacks v2: never chosen
             placed.append(next(s for s in (reserved, od_a) if trace_version(s, f"new-{i}") == "policy-v2"))
-        assigned = httpx.post(router.url + "/v1/assign", json={"session_id": "assigned-new"}, timeout=10).json()
+        assigned = HTTP.post(router.url + "/v1/assign", json={"session_id": "assigned-new"}, timeout=10).json()
         assert assigned["version"] == "policy-v2" and assigned["url"] in (reserved.url, od_a.url)
 
         for _ in range(2):  # the old session still runs on v1, on the replica it started on
             assert call(router.url, "old-session").headers[VERSION_HEADER] == "policy-v1"
         assert len(old_home.get("/v1/traces/old-session")["calls"]) == 4
-        conflict = httpx.post(router.url + "/v1/completions", json={"model": "policy-v2", "prompt": "x",
+        conflict = HTTP.post(router.url + "/v1/completions", json={"model": "policy-v2", "prompt": "x",
                                                                     "max_tokens": 1, "session_id": "old-session"},
-                              timeout=30)
+                             timeout=30)
         assert conflict.status_code == 409
 
         def spread() -> dict:
-            return httpx.get(router.url + "/v1/stats", timeout=10).json()["versions"]["live_sessions"]
+            return HTTP.get(router.url + "/v1/stats", timeout=10).json()["versions"]["live_sessions"]
 
         # a scrape after the calls (with the cluster token, so the replicas list their sessions)
         wait_until(lambda: spread().get("policy-v2", 0) >= 6 and spread().get("policy-v1", 0) >= 5)
-        stats = httpx.get(router.url + "/v1/stats", timeout=10).json()
+        stats = HTTP.get(router.url + "/v1/stats", timeout=10).json()
         assert stats["versions"]["in_use"] == 2
         assert all("thrash" in r and "cache_hit_rate" in r for r in stats["replicas"])
         assert stats["totals"]["rehomes"] == 0
-        metrics = httpx.get(router.url + "/metrics", timeout=10).text
+        metrics = HTTP.get(router.url + "/metrics", timeout=10).text
         assert 'burstrl_router_version_live_sessions{version="policy-v2"}' in metrics
     finally:
         if router is not None:

@@ -15,6 +15,7 @@ import pytest
 
 from burstrl.envs.swe.agent import AgentLimits, run_agent
 from burstrl.orchestrator.client import SessionClient
+from tests.http_client import HTTP
 
 from .conftest import ADMIN_TOKEN
 
@@ -56,5 +57,5 @@ def test_minisweagent_bridge_runs_an_attempt(server, calc_sandbox, calc_task):
                            max_tokens=64, max_seconds=120)
     assert out["exit_status"] and 1 <= out["model_calls"] <= 3
     assert out["messages"][0]["role"] == "system" and "add(2, 3)" in out["messages"][1]["content"]
-    trace = httpx.get(f"{server.url}/v1/traces/{session_id}", headers=server.admin(), timeout=30).json()
+    trace = HTTP.get(f"{server.url}/v1/traces/{session_id}", headers=server.admin(), timeout=30).json()
     assert len(trace["calls"]) == out["model_calls"]

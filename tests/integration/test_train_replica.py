@@ -7,11 +7,11 @@ import json
 import random
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 
 from burstrl.store import Rollout, RolloutStore, Turn
+from tests.http_client import HTTP
 
 from .conftest import ADMIN_TOKEN, Server
 from .test_train import metrics, run_train
@@ -25,16 +25,16 @@ def sample_group(server: Server, model: str, prompt: str, tag: str, size: int, s
     rollouts = []
     for i in range(size):
         sid = f"{tag}-{i}"
-        r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        r = HTTP.post(server.url + "/v1/chat/completions", timeout=60, json={
             "model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 6,
             "temperature": 1.0, "seed": rng.randrange(10**6), "session_id": sid})
         assert r.status_code == 200, r.text
-        calls = httpx.get(f"{server.url}/v1/traces/{sid}", headers=server.admin()).json()["calls"]
+        calls = HTTP.get(f"{server.url}/v1/traces/{sid}", headers=server.admin()).json()["calls"]
         version = 0 if model == "base" else int(model.removeprefix("policy-v"))
         turns = [Turn(prompt_ids=c["prompt_ids"], completion_ids=c["completion_ids"], logprobs=c["logprobs"],
                       version=version, replica=server.url) for c in calls]
         rollouts.append(Rollout(id=sid, turns=turns, reward=float(len(r.json()["choices"][0]["message"]["content"]) % 3)))
-        httpx.delete(f"{server.url}/v1/traces/{sid}", headers=server.admin())
+        HTTP.delete(f"{server.url}/v1/traces/{sid}", headers=server.admin())
     return rollouts
 
 

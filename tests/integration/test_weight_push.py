@@ -13,6 +13,7 @@ import pytest
 from burstrl.weights.gc import unload_old
 from burstrl.weights.push import PushReport, ReplicaTarget, push, push_commit, push_shards
 from burstrl.weights.volume import publish
+from tests.http_client import HTTP
 
 from .conftest import ADMIN_TOKEN, Server, start_server, stop_server
 
@@ -67,7 +68,7 @@ def models(server: Server) -> list[str]:
 def greedy(server: Server, model: str) -> tuple[list[int], list[float]]:
     body = {"model": model, "messages": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
             "logprobs": True, "return_token_ids": True}
-    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    r = HTTP.post(server.url + "/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
     out = r.json()
     assert out["meta_info"]["weight_version"] == model
@@ -93,8 +94,8 @@ def test_push_makes_a_version_servable_on_every_replica(pair: list[Server], volu
         assert name in models(srv)
     # the pushed bytes serve exactly what the same directory loaded directly serves
     direct = f"direct-v{version}"
-    r = httpx.post(pair[0].url + "/v1/load_lora_adapter", headers=pair[0].admin(),
-                   json={"lora_name": direct, "lora_path": str(path)}, timeout=60)
+    r = HTTP.post(pair[0].url + "/v1/load_lora_adapter", headers=pair[0].admin(),
+                  json={"lora_name": direct, "lora_path": str(path)}, timeout=60)
     assert r.status_code == 200, r.text
     ids_a, lp_a = greedy(pair[0], name)
     ids_b, lp_b = greedy(pair[1], name)
@@ -196,7 +197,7 @@ def test_unload_old_retires_old_versions(pair: list[Server], volume: Path) -> No
         report = push(publish(volume, v, volume / "policy-v4"), f"policy-v{v}", targets(pair))
         assert not report.failed, report
     pinned = {"model": "policy-v6", "messages": PROMPT, "max_tokens": 2, "session_id": "pinned-v6"}
-    assert httpx.post(pair[0].url + "/v1/chat/completions", json=pinned, timeout=60).status_code == 200
+    assert HTTP.post(pair[0].url + "/v1/chat/completions", json=pinned, timeout=60).status_code == 200
     report = unload_old(targets(pair), keep_names={"policy-v7"})
     assert report.failed == {} and sorted(report.ok) == [s.url for s in pair]
     assert report.unloaded[pair[0].url]["policy-v6"] == "retiring"  # its session still runs on it
@@ -205,24 +206,24 @@ def test_unload_old_retires_old_versions(pair: list[Server], volume: Path) -> No
         served = models(srv)
         assert "policy-v7" in served
         assert all(n in ("base", "policy-v7") or n.startswith("direct-") for n in served)  # others left alone
-    again = httpx.post(pair[0].url + "/v1/chat/completions", json=pinned, timeout=60)
+    again = HTTP.post(pair[0].url + "/v1/chat/completions", json=pinned, timeout=60)
     assert again.status_code == 200  # the pinned rollout finishes on its version
     assert "policy-v6" in pair[0].get("/v1/loads")["retiring_versions"]
-    assert httpx.delete(pair[0].url + "/v1/traces/pinned-v6", headers=pair[0].admin()).status_code == 200
+    assert HTTP.delete(pair[0].url + "/v1/traces/pinned-v6", headers=pair[0].admin()).status_code == 200
     assert "policy-v6" not in pair[0].get("/v1/loads")["retiring_versions"]
 
 
 def test_shards_go_to_the_bulk_listener_while_the_replica_keeps_serving(pair: list[Server], volume: Path) -> None:
     bulk = pair[0].get("/v1/adapters/bulk")
     assert isinstance(bulk["port"], int) and bulk["tls"] is False
-    assert httpx.get(pair[0].url + "/v1/adapters/bulk", timeout=30).status_code == 401  # admin only
+    assert HTTP.get(pair[0].url + "/v1/adapters/bulk", timeout=30).status_code == 401  # admin only
     path = publish(volume, 8, volume / "policy-v4")
     answers: list[int] = []
     done = threading.Event()
 
     def poll() -> None:
         while not done.is_set():
-            answers.append(httpx.get(pair[0].url + "/health", timeout=60).status_code)
+            answers.append(HTTP.get(pair[0].url + "/health", timeout=60).status_code)
 
     poller = threading.Thread(target=poll)
     poller.start()
@@ -279,8 +280,8 @@ def test_the_trainer_pushes_its_serving_dtype_and_the_replica_serves_those_value
     cast_dir.mkdir()
     for name, data in serving_files(adapter, "bfloat16").items():
         (cast_dir / name).write_bytes(data)
-    r = httpx.post(pair[0].url + "/v1/load_lora_adapter", headers=pair[0].admin(),
-                   json={"lora_name": "direct-bf16", "lora_path": str(cast_dir)}, timeout=60)
+    r = HTTP.post(pair[0].url + "/v1/load_lora_adapter", headers=pair[0].admin(),
+                  json={"lora_name": "direct-bf16", "lora_path": str(cast_dir)}, timeout=60)
     assert r.status_code == 200, r.text
     ids_d, lp_d = greedy(pair[0], "direct-bf16")
     for srv in pair:

@@ -15,12 +15,12 @@ import sys
 import threading
 from pathlib import Path
 
-import httpx
 import pytest
 
 from burstrl.providers import Placement
 from burstrl.providers.local import REPLICA_LISTEN, LocalProvider
 from burstrl.providers.zygote import ForkedRole, Zygote, fork_safe
+from tests.http_client import HTTP
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.slow
@@ -60,12 +60,12 @@ def test_forked_replicas_serve_and_close_stops_everything(tiny_model_dir: Path, 
         b = provider.start("replica-2", serve_args(tiny_model_dir), wait_ready=True, timeout=300, placement=REPLICA)
         assert isinstance(a, ForkedRole) and isinstance(b, ForkedRole)
         for r in (a, b):
-            assert httpx.get(f"{r.url}/health", timeout=30).status_code == 200
+            assert HTTP.get(f"{r.url}/health", timeout=30).status_code == 200
             assert os.getpgid(r.pid) == r.pid  # its own group: killpg(pid) stops exactly it
             assert r.poll() is None and r.log.exists()
         a.kill()
         assert a.poll() == -signal.SIGKILL
-        assert httpx.get(f"{b.url}/health", timeout=30).status_code == 200  # its sibling serves on
+        assert HTTP.get(f"{b.url}/health", timeout=30).status_code == 200  # its sibling serves on
         zygote = provider.zygote.proc.pid
     finally:
         provider.close()
@@ -83,7 +83,7 @@ def test_zygote_death_kills_its_replicas_and_the_provider_falls_back(tiny_model_
         wait_for(lambda: not provider.zygote.alive(), 60, "the provider to see the zygote gone")
         b = provider.start("replica-2", serve_args(tiny_model_dir), wait_ready=True, timeout=300, placement=REPLICA)
         assert not isinstance(b, ForkedRole) and provider.zygote_fallbacks == 1
-        assert httpx.get(f"{b.url}/health", timeout=30).status_code == 200
+        assert HTTP.get(f"{b.url}/health", timeout=30).status_code == 200
         b.stop()
     finally:
         provider.close()
@@ -96,7 +96,7 @@ def test_a_forked_replica_dies_with_the_owner_it_watches(tiny_model_dir: Path, t
     owner = subprocess.Popen(["sleep", "600"])
     try:
         r = zygote.spawn(serve_args(tiny_model_dir), tmp_path / "r.log", 300, watch=owner.pid, env=dict(os.environ))
-        assert httpx.get(f"{r.url}/health", timeout=30).status_code == 200
+        assert HTTP.get(f"{r.url}/health", timeout=30).status_code == 200
         owner.kill()
         owner.wait()
         assert r.exited.wait(60) and r.code == -signal.SIGKILL
@@ -122,8 +122,8 @@ def test_a_forked_replica_runs_with_the_environment_it_was_given(tiny_model_dir:
         plain = zygote.spawn(serve_args(tiny_model_dir), tmp_path / "b.log", 300, env=zygote_env)
 
         def status(r: ForkedRole, token: str) -> int:
-            return httpx.get(f"{r.url}/v1/traces/nobody", headers={"Authorization": f"Bearer {token}"},
-                             timeout=30).status_code
+            return HTTP.get(f"{r.url}/v1/traces/nobody", headers={"Authorization": f"Bearer {token}"},
+                            timeout=30).status_code
 
         assert status(given, "token-from-the-owner") == 404 and status(given, "other") == 401
         assert status(plain, "token-from-the-owner") == 401  # a generated token: the env was per child

@@ -13,6 +13,7 @@ from burstrl.inference.adapters import AdapterRegistry
 from burstrl.inference.bulk import BulkReceiver
 from burstrl.model.lora import make_random_adapter
 from burstrl.protocol.adapters import pack_adapter
+from tests.http_client import HTTP
 from tests.waiting import wait_for
 
 TOKEN = "bulk-token"
@@ -47,7 +48,7 @@ def url(bulk: BulkReceiver, name: str, index: int) -> str:
 def put(bulk: BulkReceiver, name: str, index: int, of: int, data: bytes, sha: str | None = None,
         headers: dict | None = None) -> httpx.Response:
     h = {**AUTH, **({"X-Shard-SHA256": sha} if sha else {}), **(headers or {})}
-    return httpx.put(url(bulk, name, index), params={"of": of}, content=data, headers=h, timeout=30)
+    return HTTP.put(url(bulk, name, index), params={"of": of}, content=data, headers=h, timeout=30)
 
 
 def raw(bulk: BulkReceiver, head: bytes, body: bytes = b"") -> socket.socket:
@@ -81,7 +82,7 @@ def test_keep_alive_connection_takes_many_shards(bulk, registry, adapter_dir):
 
 @pytest.mark.parametrize("auth", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {TOKEN}"}])
 def test_wrong_token_is_refused_before_the_body(bulk, registry, auth):
-    r = httpx.put(url(bulk, "policy-v1", 0), params={"of": 1}, content=b"x" * 1000, headers=auth, timeout=30)
+    r = HTTP.put(url(bulk, "policy-v1", 0), params={"of": 1}, content=b"x" * 1000, headers=auth, timeout=30)
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     assert registry.staged() == [] and bulk.counters.refused == 1
 
@@ -102,7 +103,7 @@ def test_oversized_shard_is_refused_from_its_length(bulk, registry):
 
 @pytest.mark.parametrize("index,of,status", [(1, 1, 400), (0, 0, 400), (0, 5000, 400), (0, "x", 404)])
 def test_bad_index_is_refused(bulk, registry, index, of, status):
-    r = httpx.put(url(bulk, "policy-v1", index), params={"of": of}, content=b"abc", headers=AUTH, timeout=30)
+    r = HTTP.put(url(bulk, "policy-v1", index), params={"of": of}, content=b"abc", headers=AUTH, timeout=30)
     assert r.status_code == status, r.text
     assert registry.staged() == []
 
@@ -125,7 +126,7 @@ def test_truncated_body_is_dropped(bulk, registry):
 
 def test_chunked_body_and_missing_length_are_refused(bulk, registry):
     chunks = (b for b in (b"abc", b"def"))
-    r = httpx.put(url(bulk, "policy-v1", 0), params={"of": 1}, content=chunks, headers=AUTH, timeout=30)
+    r = HTTP.put(url(bulk, "policy-v1", 0), params={"of": 1}, content=chunks, headers=AUTH, timeout=30)
     assert r.status_code == 411
     s = raw(bulk, b"PUT /v1/adapters/policy-v1/shards/0?of=1 HTTP/1.1\r\nHost: x\r\n"
                   b"Authorization: Bearer bulk-token\r\n\r\n")
@@ -135,10 +136,10 @@ def test_chunked_body_and_missing_length_are_refused(bulk, registry):
 
 
 def test_other_methods_and_paths_are_refused(bulk, registry):
-    assert httpx.get(url(bulk, "policy-v1", 0), headers=AUTH, timeout=30).status_code == 405
-    assert httpx.post(url(bulk, "policy-v1", 0), headers=AUTH, timeout=30).status_code == 405
-    r = httpx.put(f"http://127.0.0.1:{bulk.port}/v1/adapters/policy-v1/manifest", content=b"{}", headers=AUTH,
-                  timeout=30)
+    assert HTTP.get(url(bulk, "policy-v1", 0), headers=AUTH, timeout=30).status_code == 405
+    assert HTTP.post(url(bulk, "policy-v1", 0), headers=AUTH, timeout=30).status_code == 405
+    r = HTTP.put(f"http://127.0.0.1:{bulk.port}/v1/adapters/policy-v1/manifest", content=b"{}", headers=AUTH,
+                 timeout=30)
     assert r.status_code == 404 and registry.staged() == []
 
 
