@@ -7,11 +7,11 @@ import random
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import pytest
 
 from burstrl.protocol import process
 from burstrl.protocol.blocks import BLOCK_TOKENS, prefix_block_hashes
+from tests.http_client import HTTP
 from tests.waiting import wait_for
 
 from .conftest import start_server, stop_server
@@ -39,7 +39,7 @@ def pair(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
 
 
 def summary(url: str) -> set[int]:
-    loads = httpx.get(url + "/v1/loads", headers=AUTH, timeout=30).json()
+    loads = HTTP.get(url + "/v1/loads", headers=AUTH, timeout=30).json()
     assert loads["prefix_blocks"]["block_tokens"] == BLOCK_TOKENS
     return set(loads["prefix_blocks"]["hashes"])
 
@@ -48,35 +48,30 @@ def complete(router_url: str, ids: list[int], session: str | None) -> None:
     body = {"model": "base", "prompt": ids, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
     if session is not None:
         body["session_id"] = session
-    httpx.post(router_url + "/v1/completions", json=body, timeout=120).raise_for_status()
+    HTTP.post(router_url + "/v1/completions", json=body, timeout=120).raise_for_status()
 
 
 def queried(urls: list[str]) -> list[int]:
-    return [httpx.get(u + "/v1/loads", timeout=30).json()["prefix_cache_queries_tokens"] for u in urls]
+    return [HTTP.get(u + "/v1/loads", timeout=30).json()["prefix_cache_queries_tokens"] for u in urls]
 
 
-# Its requests stay top-level httpx calls (~150 ms each on the loaded machine), not tests.http_client's
-# (~5 ms): with the fast client the "scraped or not" assertion below failed 1 run in 3 (0 in 4
-# without). A scrape clears the router's recent assignments (registry.py) even when its /v1/loads
-# answer predates the assignment or the prefill, so for up to one scrape the router forgets where
-# the prefix went; the slow calls leave time for the next scrape. Reported for the router's owner.
 def test_summary_holds_the_routers_keys_and_kv_follows_them(pair):
     router, servers = pair
     urls = [s.url for s in servers]
-    anonymous = httpx.get(urls[0] + "/v1/loads", timeout=30).json()
+    anonymous = HTTP.get(urls[0] + "/v1/loads", timeout=30).json()
     assert "prefix_blocks" not in anonymous  # what is cached is for the fleet, not for anyone
     rng = random.Random(0)
     for i in range(2):
         prompt = [rng.randrange(100, 1500) for _ in range(32 * BLOCK_TOKENS + 5)]
         keys = set(prefix_block_hashes(prompt, "base"))
         complete(router.url, prompt, f"a{i}")
-        home = httpx.post(router.url + "/v1/assign", json={"session_id": f"a{i}"}, timeout=30).json()["url"]
+        home = HTTP.post(router.url + "/v1/assign", json={"session_id": f"a{i}"}, timeout=30).json()["url"]
         assert keys <= summary(home)  # the replica reports every full block of the prompt it holds
         other = next(u for u in urls if u != home)
         assert not keys & summary(other)
         # scraped or not, the router knows: a new session with the same first prompt goes there,
         complete(router.url, prompt + [7, 8, 9], f"b{i}")
-        assert httpx.post(router.url + "/v1/assign", json={"session_id": f"b{i}"}, timeout=30).json()["url"] == home
+        assert HTTP.post(router.url + "/v1/assign", json={"session_id": f"b{i}"}, timeout=30).json()["url"] == home
         # and so does a call without a session (it is placed by the policy, not by load alone)
         before = queried(urls)
         complete(router.url, prompt + [10, 11], None)
