@@ -39,7 +39,7 @@ lint: install
 	$(PY) -m ruff check .
 
 # The edit-test loop (< 3 min on 2 cores): unit and integration tests not marked slow, stopping
-# at the first failure. `make test` runs everything (unit first, e2e last: ~40 min).
+# at the first failure. `make test` runs everything (unit first, e2e last: ~27 min on a quiet machine).
 test-fast: install
 	$(PY) -m pytest tests/unit tests/integration -m "not slow and not gpu" -q -x
 
