@@ -130,25 +130,34 @@ class KvAwarePolicy:
         stay = self.cost(home, session) - self.load_weight * self.sizes.project_new(session) / max(home.weight, 1e-9)
         return home if stay <= self.cost(best, session) else best
 
-    def relieve(self, session: NewSession, home: ReplicaView, others: list[ReplicaView],
-                rng: random.Random) -> ReplicaView | None:
-        """Where a small session moves before its nearly full home evicts anything (None: it stays).
+    def pressed(self, session: NewSession, home: ReplicaView) -> bool:
+        """Whether the session should leave its nearly full home before the home evicts anything.
 
         Why: `rehome` acts only after the home evicted an idle session, whose whole context is then
         re-prefilled (and the next overflow evicts another). A home whose live sessions' context
         (not their projection: the figure it reports) is above `relieve_above` of its KV budget
         sheds the session calling now if that session is small (<= `relieve_max` of the budget:
-        re-prefilling it elsewhere is the whole price), to the replica `choose` picks among
-        `others` if that one stays below `relieve_to` with it. The thresholds were chosen on the
-        generated uniform fleet's tuning seeds 11 and 13 and checked on seeds 0-10 and 12
-        (docs/benchmarks.md, "Router, eighth session").
+        re-prefilling it elsewhere is the whole price); `relieve` picks where it goes. The
+        thresholds were chosen on the generated uniform fleet's tuning seeds 11 and 13 and checked
+        on seeds 0-10 and 12 (docs/benchmarks.md, "Router, eighth session"). Checked on every call
+        of a session, before the caller lists the other replicas.
         """
         capacity = home.capacity_tokens
-        size = max(home.live_sessions.get(session.id, 0), session.expected_tokens)
-        if (not others or capacity <= 0 or size > self.relieve_max * capacity
-                or sum(home.live_sessions.values()) <= self.relieve_above * capacity):
+        return (capacity > 0 and relief_size(session, home) <= self.relieve_max * capacity
+                and sum(home.live_sessions.values()) > self.relieve_above * capacity)
+
+    def relieve(self, session: NewSession, home: ReplicaView, others: list[ReplicaView],
+                rng: random.Random) -> ReplicaView | None:
+        """Where a `pressed` session goes: the replica `choose` picks among `others`, if that one
+        stays below `relieve_to` of its KV budget with it (None: it stays)."""
+        if not others:
             return None
         best = self.choose(session, others, rng)
-        if sum(best.live_sessions.values()) + size > self.relieve_to * best.capacity_tokens:
+        if sum(best.live_sessions.values()) + relief_size(session, home) > self.relieve_to * best.capacity_tokens:
             return None
         return best
+
+
+def relief_size(session: NewSession, home: ReplicaView) -> int:
+    """A session's tokens as far as the router knows: its home's last report, or this call's size if larger."""
+    return max(home.live_sessions.get(session.id, 0), session.expected_tokens)

@@ -194,8 +194,9 @@ class Registry:
         if capacity > 0:
             view.capacity_tokens = capacity
         view.versions = {m["id"] for m in models.get("data", [])} | set(loads.get("versions", []))
-        # a view re-registered since the scrape was sent holds only later placements
-        after = 0 if mark is None else view.assigned - mark[1] if mark[0] is view else view.assigned
+        after = 0  # placements recorded since the scrape was sent
+        if mark is not None:  # a view re-registered since then holds only later ones
+            after = view.assigned - mark[1] if mark[0] is view else view.assigned
         view.recent_assignments = view.recent_assignments[-after:] if after > 0 else []
         view.healthy = True
         self.failures[url] = 0
@@ -277,7 +278,9 @@ class Registry:
             if view is not None and view.healthy and version in view.versions:
                 if self._overflowed(view, session_id):
                     return self._move(session, view, overflow=True)
-                return self._move(session, view, overflow=False) if hasattr(self.policy, "relieve") else view
+                if self._pressed(view, session):
+                    return self._move(session, view, overflow=False)
+                return view
             self.homes.pop(session_id, None)
             self.counters.rehomes += 1
             return self._assign(session)
@@ -335,6 +338,11 @@ class Registry:
         """The home (`view`) evicted the (idle) session and its live sessions project past its KV budget."""
         return (self.may_move(session_id) and view.capacity_tokens > 0
                 and live_projection(view, self.sizes) > view.capacity_tokens)
+
+    def _pressed(self, view: ReplicaView, session: NewSession) -> bool:
+        """The policy sheds small sessions (`kv`) and this one should leave its nearly full home."""
+        pressed = getattr(self.policy, "pressed", None)
+        return pressed is not None and pressed(session, view)
 
     def _choose(self, session: NewSession) -> ReplicaView:
         try:

@@ -250,13 +250,14 @@ class RouterSimulator:
         call = s.calls[idx]
         if not getattr(self.policy, "rehomes", False) or not call.input_hashes:
             return home
+        session = NewSession(s.id, s.kind, "v1", expected_tokens=call.input_tokens, prefix_hashes=call.input_hashes,
+                             block_tokens=self.cfg.block_size)
         evicted = call.input_hashes[0] not in home.cache
         if evicted and live_projection(home.view, self.sizes) <= home.view.capacity_tokens:
             return home
-        if not evicted and not hasattr(self.policy, "relieve"):
+        pressed = getattr(self.policy, "pressed", None)
+        if not evicted and (pressed is None or not pressed(session, home.view)):
             return home
-        session = NewSession(s.id, s.kind, "v1", expected_tokens=call.input_tokens, prefix_hashes=call.input_hashes,
-                             block_tokens=self.cfg.block_size)
         past = self.past_homes.get(s.id, [home])
         others = [v for v in self.views if all(v is not r.view for r in past)]
         if not others:
