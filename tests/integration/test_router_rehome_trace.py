@@ -1,4 +1,5 @@
-"""A session the default policy moves off an overflowing home keeps its whole capture: real replicas.
+"""A session the default policy moves off its home (overflowing, or nearly full) keeps its whole
+capture: real replicas.
 
 The old home holds the calls it served; the router's trace GET concatenates every home's part in
 order (the orchestrator refuses a trace with a call missing, so without this every such move would
@@ -23,13 +24,12 @@ CLUSTER = {"Authorization": f"Bearer {TOKEN}"}
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
 
-@pytest.fixture()
-def small_and_big(tiny_model_dir: Path, tmp_path: Path):
-    small = start_server(tiny_model_dir, tmp_path / "small", "--server.cluster_token", TOKEN,
-                         "--engine.max_total_num_tokens", "700")
+def two_replicas_and_router(model_dir: Path, tmp_path: Path, small_budget: int):
+    small = start_server(model_dir, tmp_path / "small", "--server.cluster_token", TOKEN,
+                         "--engine.max_total_num_tokens", str(small_budget))
     big = router = None
     try:
-        big = start_server(tiny_model_dir, tmp_path / "big", "--server.cluster_token", TOKEN)
+        big = start_server(model_dir, tmp_path / "big", "--server.cluster_token", TOKEN)
         router = process.start_router(tmp_path / "router", "--cluster_token", TOKEN, "--policy", "kv",
                                       "--scrape_s", "0.3", "--replicas", f'["{small.url}"]')
         yield router, small, big
@@ -39,6 +39,16 @@ def small_and_big(tiny_model_dir: Path, tmp_path: Path):
         for s in (small, big):
             if s is not None:
                 stop_server(s)
+
+
+@pytest.fixture()
+def small_and_big(tiny_model_dir: Path, tmp_path: Path):
+    yield from two_replicas_and_router(tiny_model_dir, tmp_path, 700)
+
+
+@pytest.fixture()
+def crowded_and_big(tiny_model_dir: Path, tmp_path: Path):
+    yield from two_replicas_and_router(tiny_model_dir, tmp_path, 2000)
 
 
 def complete(url: str, ids: list[int], session: str) -> list[int]:
@@ -77,3 +87,34 @@ def test_a_session_moved_on_overflow_keeps_its_whole_capture(small_and_big):
     assert released.status_code == 200 and released.json()["replicas"] == [small.url, big.url]
     for url in (small.url, big.url, router.url):  # every part released, and the router forgot it
         assert HTTP.get(url + "/v1/traces/s", headers=ADMIN, timeout=30).status_code == 404
+
+
+@pytest.mark.slow  # two replicas and a router of its own (~20 s)
+def test_a_small_session_leaves_a_nearly_full_home_before_anything_is_evicted(crowded_and_big):
+    # the pressure move (KvAwarePolicy.relieve): the home's live context passes 0.9 of its budget
+    # (2000 tokens) with no eviction yet; the small session calling next moves, capture whole
+    router, small, big = crowded_and_big
+    rng = random.Random(1)
+    first = [rng.randrange(100, 1500) for _ in range(100)]
+    out = complete(router.url, first, "s")  # the only replica yet: the small one
+    HTTP.post(router.url + "/v1/replicas", json={"url": big.url}, headers=CLUSTER, timeout=30).raise_for_status()
+    for i in range(3):  # 3 x 604 idle tokens: 1916 live with s, above 0.9 x 2000, nothing evicted
+        complete(small.url, [rng.randrange(100, 1500) for _ in range(600)], f"crowd{i}")
+    small_loads = HTTP.get(small.url + "/v1/loads", headers=CLUSTER, timeout=30).json()
+    assert small_loads["evictions"] == 0 and len(small_loads["sessions"]) == 4
+
+    def scraped() -> bool:
+        views = {r["url"]: r for r in router_stats(router.url)["replicas"]}
+        return big.url in views and views[small.url]["live_sessions"] == 4 and views[big.url]["capacity_tokens"] > 0
+
+    wait_for(scraped, 60, "the router to scrape the crowded home and the new replica")
+    second = first + out + [rng.randrange(100, 1500) for _ in range(20)]
+    complete(router.url, second, "s")
+    totals = router_stats(router.url)["totals"]
+    assert totals["rehomes_pressure"] == 1 and totals["rehomes_overflow"] == 0
+    assert HTTP.get(small.url + "/v1/loads", headers=CLUSTER, timeout=30).json()["evictions"] == 0
+    trace = HTTP.get(router.url + "/v1/traces/s", headers=ADMIN, timeout=30).json()
+    assert trace["replicas"] == [small.url, big.url] and trace["replica"] == big.url
+    assert [c["prompt_ids"] for c in trace["calls"]] == [first, second]
+    released = HTTP.delete(router.url + "/v1/traces/s", headers=ADMIN, timeout=30)
+    assert released.status_code == 200 and released.json()["replicas"] == [small.url, big.url]

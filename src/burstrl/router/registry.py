@@ -20,6 +20,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from burstrl.router.catalog import DEFAULT_POLICY, make_policy
+from burstrl.router.loads import block_summary, keep_recent
 from burstrl.router.policies import (
     POOLS,
     NewSession,
@@ -39,18 +40,6 @@ LATEST = "latest"  # the model name that asks the router to pick the version
 SESSION_GRACE_S = 1800.0
 MAX_SESSIONS = 1_000_000
 MAX_CAPACITY_TOKENS = 1 << 53  # beyond this a capacity is not a KV budget, and float math on it overflows
-
-
-MAX_SUMMARY_BLOCKS = 1 << 20  # a replica's block summary beyond this is not a cache, it is an attack
-
-
-def block_summary(loads: dict[str, Any]) -> frozenset[int]:
-    """The prefix block keys a replica reports cached (`/v1/loads` `prefix_blocks.hashes`); empty if none."""
-    summary = loads.get("prefix_blocks")
-    hashes = summary.get("hashes", []) if isinstance(summary, dict) else []
-    if not isinstance(hashes, list) or len(hashes) > MAX_SUMMARY_BLOCKS:
-        raise ValueError("prefix_blocks.hashes must be a list of at most 2^20 integers")
-    return frozenset(h for h in hashes if isinstance(h, int) and not isinstance(h, bool))
 
 
 class RouteError(Exception):
@@ -172,7 +161,9 @@ class Registry:
         size feeds the size model, so headroom projections learn from real sessions. Placements
         recorded after the scrape was sent (`mark`, from `scrape_mark`) stay recent: the answer
         may predate their calls, and forgetting them would let the next choice herd onto the
-        same replica or miss the prefix just sent there.
+        same replica or miss the prefix just sent there. An earlier placement the answer does not
+        show yet (session not listed, or its prompt's last block not in the block summary: the
+        call was still queued or prefilling) stays one scrape more (`held_over`), then goes.
         """
         view = self.replicas.get(url)
         if view is None:
@@ -194,10 +185,8 @@ class Registry:
         if capacity > 0:
             view.capacity_tokens = capacity
         view.versions = {m["id"] for m in models.get("data", [])} | set(loads.get("versions", []))
-        after = 0  # placements recorded since the scrape was sent
-        if mark is not None:  # a view re-registered since then holds only later ones
-            after = view.assigned - mark[1] if mark[0] is view else view.assigned
-        view.recent_assignments = view.recent_assignments[-after:] if after > 0 else []
+        view.cached_blocks = block_summary(loads)
+        keep_recent(view, mark)
         view.healthy = True
         self.failures[url] = 0
         self.cache_hit_rate[url] = float(loads.get("cache_hit_rate", 0.0))
@@ -208,7 +197,6 @@ class Registry:
                              if not s.get("busy") and int(s.get("tokens", 0)) == 0 and int(s.get("context_tokens", 0)) > 0}
         waiting = int(loads.get("num_running_reqs", 0)) + int(loads.get("num_waiting_reqs", 0))
         view.running_requests = waiting
-        view.cached_blocks = block_summary(loads)
 
     def scrape_failed(self, url: str, status: int | None = None) -> bool:
         """Count a failed scrape; True when the replica is dropped.
