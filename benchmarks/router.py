@@ -59,13 +59,15 @@ def pools(spec: list[tuple]) -> list[PoolSpec]:
     return [PoolSpec(*p) for p in spec]
 
 
-def gen_job(fleet: str, seed: int, policy: str, k: int, sessions: int, rate: float, release: bool = True) -> dict:
+def gen_job(fleet: str, seed: int, policy: str, k: int, sessions: int, rate: float, release: bool = True,
+            eviction: str = "block") -> dict:
     cfg = load_config(seed=seed, sessions=sessions, arrival_rate=rate, size_prior_tokens=32768,
-                      pools=pools(GEN_FLEETS[fleet]), release_finished=release)
+                      pools=pools(GEN_FLEETS[fleet]), release_finished=release, eviction=eviction)
     t0 = time.perf_counter()
     fig = RouterSimulator(cfg, generate_trace(cfg), policy, k=k).run()
     label = f"{policy}_k{k}" if policy in ("kv", "headroom") else policy
     return {"part": "generated", "fleet": fleet, "seed": seed, "policy": label, "release_finished": release,
+            "eviction": eviction,
             "wall_s": round(time.perf_counter() - t0, 1), **{key: fig[key] for key in KEYS}}
 
 
@@ -152,6 +154,9 @@ def main() -> None:
                         help="live: runs of every policy per pool (p99 over all their sessions; order rotated)")
     parser.add_argument("--keep-finished", action="store_true",
                         help="generated: finished sessions' blocks stay in the LRU (the model before 2026-12-01's fifth session)")
+    parser.add_argument("--eviction", choices=("block", "session"), default="block",
+                        help="generated: a full replica evicts LRU blocks (vLLM, SGLang) or LRU idle sessions whole "
+                             "(burstrl's replica)")
     parser.add_argument("--half", choices=("all", "first", "second"), default="all",
                         help="mooncake: the whole trace, or its first (tuning) or second (held-out) half of sessions")
     args = parser.parse_args()
@@ -171,14 +176,15 @@ def main() -> None:
         for policy, k in runs:  # policy-major: a run cut short still has whole policies over seeds
             for fleet in fleets:
                 for seed in seeds:
-                    jobs.append((gen_job, fleet, seed, policy, k, sessions, args.rate, not args.keep_finished))
+                    jobs.append((gen_job, fleet, seed, policy, k, sessions, args.rate, not args.keep_finished,
+                                 args.eviction))
         results = run_jobs(jobs, args.workers)
         metrics = {"hit_rate": True, "throughput_tok_s": True, "p99_rollout_s": False}
         summary = summarize(results, ("fleet",), metrics, "kv_k2")
         goals = {f"{r['fleet']} seed {r['seed']} {r['policy']}": r["hit_rate"]
                  for r in results if r["policy"].startswith("kv_") and r["hit_rate"] < 0.996}
         print(json.dumps({"benchmark": "router_generated", "seeds": seeds, "sessions": sessions, "rate": args.rate,
-                          "release_finished": not args.keep_finished,
+                          "release_finished": not args.keep_finished, "eviction": args.eviction,
                           "summary": summary, "kv_below_0.996": goals}))
         return
     mc_policies = args.policies.split(",") if args.policies else ["kv", "cache_aware", "pooled", "least_requests",

@@ -71,6 +71,36 @@ def test_released_sessions_free_their_blocks_for_live_ones():
     assert figures[True]["hit_rate"] == 1.0 and figures[True]["evicted_tokens"] == 0
 
 
+def test_session_eviction_takes_the_oldest_idle_session_whole():
+    """burstrl's replica evicts an idle session whole (`eviction = "session"`), a prefix cache trims
+    the oldest blocks (`block`): the same crowding costs the first session its tail, or all of it."""
+    trace = [
+        TraceSession("a", "swe", 0.0, [Call((100, 101, 102, 103), (), 4, 1, gap_after_s=10.0),
+                                       Call((100, 101, 102, 103, 104), (), 5, 1)]),
+        TraceSession("b", "swe", 1.0, [Call((200, 201, 202, 203), (), 4, 1, gap_after_s=10.0),
+                                       Call((200, 201, 202, 203, 204), (), 5, 1)]),
+        TraceSession("c", "swe", 5.0, [Call((300, 301, 302, 303), (), 4, 1)]),
+    ]
+    figures = {}
+    for eviction in ("block", "session"):
+        cfg = load_config(block_size=1, pools=[PoolSpec("on_demand", 1, 1, 10)], eviction=eviction)
+        figures[eviction] = RouterSimulator(cfg, trace, "round_robin").run()
+    assert figures["block"]["evicted_tokens"] < figures["session"]["evicted_tokens"]
+    assert figures["session"]["evicted_tokens"] >= 4  # all of a's 4 blocks, not just the 2 needed
+    assert figures["block"]["hit_rate"] > figures["session"]["hit_rate"]
+    assert figures["block"]["sessions"] == figures["session"]["sessions"] == 3
+
+
+def test_session_eviction_sends_kv_to_move_the_evicted_session():
+    # the whole session gone from an overflowing home is what makes `kv` re-home it
+    tight = [PoolSpec("on_demand", 6, 1, 20_000)]
+    res = simulate(small_config(pools=tight, eviction="session"), ["kv", "round_robin"])
+    assert res["kv"]["rehomes"] > res["kv"]["rehomes_pressure"] >= 0
+    assert res["round_robin"]["rehomes"] == 0
+    assert res["kv"]["hit_rate"] > res["round_robin"]["hit_rate"]
+    assert res["kv"]["sessions"] == res["round_robin"]["sessions"] == 120
+
+
 def test_mooncake_replay_shares_prefixes(tmp_path):
     rows = [
         {"timestamp": 0, "input_length": 1500, "output_length": 10, "hash_ids": [1, 2, 3]},

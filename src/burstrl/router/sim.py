@@ -5,10 +5,13 @@ shape, session sizes and load, which a unit test on constructed states cannot sh
 fleet is too costly to sweep. Every policy runs on the same generated (or replayed) trace.
 
 Model: the KV cache of a replica is a set of fixed-size blocks (hash per block, as in a prefix
-cache) with a token budget and LRU eviction of blocks not used by a running call; a session's
-context is a chain of blocks, so a call whose session was evicted re-prefills its whole context
-(a cache miss). Earlier blocks of a chain are kept more recent than later ones, so LRU trims a
-context from its tail. A call costs prefill (per token not in cache) plus decode steps whose time
+cache) with a token budget; a session's context is a chain of blocks, so a call whose session was
+evicted re-prefills its whole context (a cache miss). Two eviction models (`eviction`): `block`,
+LRU over blocks not used by a running call, earlier blocks of a chain kept more recent than later
+ones so LRU trims a context from its tail (vLLM's and SGLang's prefix caches); `session`, LRU over
+idle sessions, each evicted whole (burstrl's replica, `inference/kvcache.py`; a block shared by
+sessions is held once and belongs to the session that used it last, where burstrl's replica
+copies a shared prefix into each session). A call costs prefill (per token not in cache) plus decode steps whose time
 grows with the batch; a replica of weight w prefills w times faster, decodes a batch w times
 cheaper and runs w times more concurrent sequences. Load figures the policy sees are refreshed by
 a scrape every `scrape_interval_s` (stale in between, as in a real router).
@@ -23,6 +26,7 @@ import statistics
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from pydantic import ConfigDict, Field, model_validator
 from pydantic.dataclasses import dataclass as pydantic_dataclass
@@ -83,6 +87,9 @@ class RouterSimConfig(Section):
     scrape_interval_s: float = Field(2.0, gt=0, description="Seconds between the router's load scrapes.")
     thrash_window_s: float = Field(60.0, gt=0, description="An eviction re-filled within this window thrashes.")
     size_prior_tokens: int = Field(8192, ge=1, description="Projected session size before any has finished.")
+    eviction: Literal["block", "session"] = Field("block", description=(
+        "What a full cache evicts: least recently used blocks, trimming a context from its tail (vLLM, SGLang), "
+        "or least recently used idle sessions, whole (burstrl's replica)."))
     release_finished: bool = Field(False, description=(
         "Free a session's blocks when its last call ends, as the orchestrator releases a finished rollout "
         "(DELETE /v1/traces); off: they stay in the LRU (chat traffic, where later requests reuse them)."))
@@ -156,6 +163,10 @@ class SimReplica:
         self.queue: deque[tuple[TraceSession, int]] = deque()
         self.running = 0
         self.live: dict[str, int] = {}  # session id -> context tokens now
+        # eviction = "session": sessions by last use (oldest first) and the cached blocks each used last
+        self.session_lru: OrderedDict[str, None] = OrderedDict()
+        self.blocks_of: dict[str, set[int]] = {}
+        self.owner: dict[int, str] = {}
 
 
 def pin(r: SimReplica, hashes: list[int] | tuple[int, ...]) -> None:
@@ -170,6 +181,57 @@ def unpin(r: SimReplica, hashes: list[int] | tuple[int, ...]) -> None:
             r.pinned[h] = left
         else:
             del r.pinned[h]
+
+
+def own(r: SimReplica, session_id: str, blocks: tuple[int, ...]) -> None:
+    """`session` eviction: the call's blocks now belong to its session, the most recently used one."""
+    mine = r.blocks_of.setdefault(session_id, set())
+    for h in blocks:
+        before = r.owner.get(h)
+        if before is not None and before != session_id:
+            disown(r, h)
+        r.owner[h] = session_id
+        mine.add(h)
+    r.session_lru[session_id] = None
+    r.session_lru.move_to_end(session_id)
+
+
+def disown(r: SimReplica, h: int) -> None:
+    """A block left the cache (or changed hands): its session forgets it, and a session with none left goes."""
+    session_id = r.owner.pop(h, None)
+    if session_id is None:
+        return
+    mine = r.blocks_of[session_id]
+    mine.discard(h)
+    if not mine:
+        del r.blocks_of[session_id]
+        del r.session_lru[session_id]
+
+
+def block_victims(r: SimReplica, need: int) -> list[int]:
+    """The `need` least recently used blocks no running call holds."""
+    victims = []
+    for h in r.cache:  # oldest first
+        if h not in r.pinned:
+            victims.append(h)
+            if len(victims) == need:
+                break
+    return victims
+
+
+def session_victims(r: SimReplica, need: int) -> list[int]:
+    """Whole idle sessions, least recently used first, until at least `need` blocks are freed."""
+    victims: list[int] = []
+    for session_id in r.session_lru:  # oldest first
+        if len(victims) >= need:
+            break
+        blocks = r.blocks_of[session_id]
+        if not any(h in r.pinned for h in blocks):  # a session with a running call is not idle
+            victims.extend(blocks)
+    if len(victims) < need:  # idle blocks of running sessions (a shared prefix's history): by block LRU
+        taken = set(victims)
+        victims += [h for h in block_victims(r, need + len(taken)) if h not in taken][:need - len(victims)]
+    return victims
 
 
 class RouterSimulator:
@@ -316,6 +378,8 @@ class RouterSimulator:
             for h in reversed(blocks):  # earlier blocks end most recent: LRU trims from the tail
                 r.cache[h] = None
                 r.cache.move_to_end(h)
+            if self.cfg.eviction == "session":
+                own(r, s.id, blocks)
         for h in call.input_hashes[matched:]:
             if h in r.evicted_at:
                 self.stats["refill_tokens"] += bs
@@ -337,14 +401,10 @@ class RouterSimulator:
     def evict(self, t: float, r: SimReplica, need: int) -> None:
         if need <= 0:
             return
-        victims = []
-        for h in r.cache:  # oldest first
-            if h not in r.pinned:
-                victims.append(h)
-                if len(victims) == need:
-                    break
+        victims = session_victims(r, need) if self.cfg.eviction == "session" else block_victims(r, need)
         for h in victims:
             del r.cache[h]
+            disown(r, h)
             r.evicted_at[h] = t
         self.stats["evicted_tokens"] += len(victims) * self.cfg.block_size
 
@@ -372,6 +432,7 @@ class RouterSimulator:
         for h in hashes:
             if h in r.cache and h not in r.pinned:
                 del r.cache[h]
+                disown(r, h)
 
     def scrape(self) -> None:
         """Refresh the views as a load scrape would, and sample each replica's live KV fraction."""
