@@ -32,7 +32,7 @@ $(STAMP): pyproject.toml | $(PY)
 	touch $(STAMP)
 
 test: install lint
-	$(PY) -m pytest -m "not gpu" -q
+	$(PY) -m pytest -m "not gpu" -q --durations=30
 
 # pyflakes, bugbear and import order ([tool.ruff] in pyproject.toml); part of `make test`.
 lint: install
