@@ -233,6 +233,7 @@ BAD_CONFIGS = [
     ({"pools": [{"count": 0}]}, "at least one replica"),
     ({"pools": []}, "pools"),
     ({"pools": [{"weight": 0}]}, "weight"),
+    ({"eviction": "lru"}, "eviction"),
 ]
 
 
