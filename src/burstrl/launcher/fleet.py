@@ -70,6 +70,9 @@ class Fleet:
         self.lock = threading.Lock()
         self.file_lock = threading.Lock()
         self.pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="replica-start")
+        # router and replica calls, from the start threads too (httpx clients are thread-safe);
+        # one client: a top-level httpx call builds a TLS context each time (~40 ms CPU)
+        self.http = httpx.Client()
         self.starts: list[Future] = []
         self.counter = 0
         self.failed_starts = 0
@@ -131,7 +134,7 @@ class Fleet:
 
     def _register(self, replica: FleetReplica) -> None:
         body = {"url": replica.url, "pool": replica.pool, "weight": self.weights[replica.pool]}
-        r = httpx.post(f"{self.router}/v1/replicas", json=body, timeout=30,
+        r = self.http.post(f"{self.router}/v1/replicas", json=body, timeout=30,
                        headers={"Authorization": f"Bearer {self.cluster_token}"})
         r.raise_for_status()
 
@@ -151,10 +154,10 @@ class Fleet:
         name = version_name(found[0])
         auth = {"Authorization": f"Bearer {self.admin_token}"}
         try:
-            served = {m["id"] for m in httpx.get(f"{replica.url}/v1/models", timeout=10).json()["data"]}
+            served = {m["id"] for m in self.http.get(f"{replica.url}/v1/models", timeout=10).json()["data"]}
             if name not in served:
-                httpx.post(f"{replica.url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(found[1])},
-                           headers=auth, timeout=60).raise_for_status()
+                self.http.post(f"{replica.url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(found[1])},
+                               headers=auth, timeout=60).raise_for_status()
         except (httpx.HTTPError, ValueError, KeyError) as exc:
             log.warning("%s could not catch up to %s: %s", replica.name, name, exc)
 
@@ -168,7 +171,7 @@ class Fleet:
 
     def _deregister(self, replica: FleetReplica) -> None:
         try:
-            httpx.delete(f"{self.router}/v1/replicas", params={"url": replica.url}, timeout=10,
+            self.http.delete(f"{self.router}/v1/replicas", params={"url": replica.url}, timeout=10,
                          headers={"Authorization": f"Bearer {self.cluster_token}"})
         except httpx.HTTPError as exc:  # the router drops it on failed scrapes anyway
             log.warning("deregistering %s failed: %s", replica.name, exc)
@@ -215,7 +218,7 @@ class Fleet:
                 r.state, r.drain_deadline = "draining", time.monotonic() + drain_s
         for r in chosen:
             try:
-                httpx.post(f"{self.router}/v1/replicas/drain", json={"url": r.url}, timeout=10,
+                self.http.post(f"{self.router}/v1/replicas/drain", json={"url": r.url}, timeout=10,
                            headers={"Authorization": f"Bearer {self.cluster_token}"})
             except httpx.HTTPError as exc:
                 log.warning("draining %s failed: %s", r.name, exc)
@@ -228,7 +231,7 @@ class Fleet:
         with self.lock:
             draining = [r for r in self.replicas.values() if r.state == "draining"]
         for r in draining:
-            if time.monotonic() < r.drain_deadline and _live_sessions(r.url) > 0:
+            if time.monotonic() < r.drain_deadline and _live_sessions(self.http, r.url) > 0:
                 continue
             self._deregister(r)
             r.handle.stop()
@@ -257,11 +260,12 @@ class Fleet:
             late = [r.handle for r in self.replicas.values() if r.handle is not None and r.handle not in handles]
         for h in late:
             h.stop(timeout=5.0)
+        self.http.close()
 
 
-def _live_sessions(url: str) -> int:
+def _live_sessions(client: httpx.Client, url: str) -> int:
     try:
-        loads: dict[str, Any] = httpx.get(f"{url}/v1/loads", timeout=5).json()
+        loads: dict[str, Any] = client.get(f"{url}/v1/loads", timeout=5).json()
     except (httpx.HTTPError, ValueError):
         return 0
     # the count is public; the per-session list needs a token

@@ -97,6 +97,7 @@ class Launcher:
         self.last_node_poll = 0.0
         self.node_poll_errors = 0  # sandbox-node polls that failed (each retried at the next poll)
         self.router_stats: dict[str, Any] = {}
+        self.http: httpx.Client | None = None  # the 1 Hz router poll: one client (one TLS context) per run
 
     # ---- the run ----
     def run(self) -> int:
@@ -347,7 +348,9 @@ class Launcher:
         if not force and now - self.last_sample < 1.0:
             return
         self.last_sample = now
-        self.router_stats = _get_json(f"{self.router.url}/v1/stats") or self.router_stats
+        if self.http is None:
+            self.http = httpx.Client(timeout=2.0)
+        self.router_stats = _get_json(self.http, f"{self.router.url}/v1/stats") or self.router_stats
         totals = self.router_stats.get("totals", {})
         sample = {"t": time.time(), "kind": "sample", "step": self.store.last_step(),
                   "buffered": self.store.buffered_count(), "replicas": self.fleet.alive(),
@@ -380,6 +383,8 @@ class Launcher:
         if self.router is not None:
             self.router.stop(timeout=5.0)
         self.provider.close()
+        if self.http is not None:
+            self.http.close()
         if self.display is not None:
             self.display.close()
         control.clear_launcher_info(self.run_dir)
@@ -403,9 +408,9 @@ def _raise_stopped(signum: int, _frame: Any) -> None:
     raise Stopped(signal.Signals(signum).name)
 
 
-def _get_json(url: str) -> dict[str, Any] | None:
+def _get_json(client: httpx.Client, url: str) -> dict[str, Any] | None:
     try:
-        return httpx.get(url, timeout=2.0).json()
+        return client.get(url).json()
     except (httpx.HTTPError, ValueError):
         return None
 
