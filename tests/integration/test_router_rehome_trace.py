@@ -63,6 +63,19 @@ def router_stats(router_url: str) -> dict:
     return HTTP.get(router_url + "/v1/stats", timeout=30).json()
 
 
+def capture_spans_both_then_released(router, small, big, prompts: list[list[int]], first_out: list[int]) -> None:
+    """Session `s` moved from `small` to `big`: its trace through the router is both parts in order,
+    and a DELETE releases both (the router forgets it)."""
+    trace = HTTP.get(router.url + "/v1/traces/s", headers=ADMIN, timeout=30).json()
+    assert trace["replicas"] == [small.url, big.url] and trace["replica"] == big.url
+    assert [c["prompt_ids"] for c in trace["calls"]] == prompts
+    assert trace["calls"][0]["completion_ids"] == first_out
+    released = HTTP.delete(router.url + "/v1/traces/s", headers=ADMIN, timeout=30)
+    assert released.status_code == 200 and released.json()["replicas"] == [small.url, big.url]
+    for url in (small.url, big.url, router.url):  # every part released, and the router forgot it
+        assert HTTP.get(url + "/v1/traces/s", headers=ADMIN, timeout=30).status_code == 404
+
+
 @pytest.mark.slow  # two replicas and a router of its own (~20 s)
 def test_a_session_moved_on_overflow_keeps_its_whole_capture(small_and_big):
     router, small, big = small_and_big
@@ -79,14 +92,7 @@ def test_a_session_moved_on_overflow_keeps_its_whole_capture(small_and_big):
     second = first + out + [rng.randrange(100, 1500) for _ in range(20)]
     complete(router.url, second, "s")
     assert router_stats(router.url)["totals"]["rehomes_overflow"] == 1
-    trace = HTTP.get(router.url + "/v1/traces/s", headers=ADMIN, timeout=30).json()
-    assert trace["replicas"] == [small.url, big.url] and trace["replica"] == big.url
-    assert [c["prompt_ids"] for c in trace["calls"]] == [first, second]
-    assert trace["calls"][0]["completion_ids"] == out
-    released = HTTP.delete(router.url + "/v1/traces/s", headers=ADMIN, timeout=30)
-    assert released.status_code == 200 and released.json()["replicas"] == [small.url, big.url]
-    for url in (small.url, big.url, router.url):  # every part released, and the router forgot it
-        assert HTTP.get(url + "/v1/traces/s", headers=ADMIN, timeout=30).status_code == 404
+    capture_spans_both_then_released(router, small, big, [first, second], out)
 
 
 @pytest.mark.slow  # two replicas and a router of its own (~20 s)
@@ -113,8 +119,4 @@ def test_a_small_session_leaves_a_nearly_full_home_before_anything_is_evicted(cr
     totals = router_stats(router.url)["totals"]
     assert totals["rehomes_pressure"] == 1 and totals["rehomes_overflow"] == 0
     assert HTTP.get(small.url + "/v1/loads", headers=CLUSTER, timeout=30).json()["evictions"] == 0
-    trace = HTTP.get(router.url + "/v1/traces/s", headers=ADMIN, timeout=30).json()
-    assert trace["replicas"] == [small.url, big.url] and trace["replica"] == big.url
-    assert [c["prompt_ids"] for c in trace["calls"]] == [first, second]
-    released = HTTP.delete(router.url + "/v1/traces/s", headers=ADMIN, timeout=30)
-    assert released.status_code == 200 and released.json()["replicas"] == [small.url, big.url]
+    capture_spans_both_then_released(router, small, big, [first, second], out)
