@@ -63,6 +63,18 @@ def router_stats(router_url: str) -> dict:
     return HTTP.get(router_url + "/v1/stats", timeout=30).json()
 
 
+def start_s_on_small_then_crowd_it(router, small, big, rng: random.Random, tokens: int, crowd: int,
+                                   crowd_tokens: int) -> tuple[list[int], list[int]]:
+    """Session `s`'s first call through the router (the small replica is the only one yet), then the
+    big replica joins and `crowd` sessions sent straight to the small one fill it; (prompt, output)."""
+    first = [rng.randrange(100, 1500) for _ in range(tokens)]
+    out = complete(router.url, first, "s")
+    HTTP.post(router.url + "/v1/replicas", json={"url": big.url}, headers=CLUSTER, timeout=30).raise_for_status()
+    for i in range(crowd):
+        complete(small.url, [rng.randrange(100, 1500) for _ in range(crowd_tokens)], f"crowd{i}")
+    return first, out
+
+
 def capture_spans_both_then_released(router, small, big, prompts: list[list[int]], first_out: list[int]) -> None:
     """Session `s` moved from `small` to `big`: its trace through the router is both parts in order,
     and a DELETE releases both (the router forgets it)."""
@@ -80,11 +92,8 @@ def capture_spans_both_then_released(router, small, big, prompts: list[list[int]
 def test_a_session_moved_on_overflow_keeps_its_whole_capture(small_and_big):
     router, small, big = small_and_big
     rng = random.Random(0)
-    first = [rng.randrange(100, 1500) for _ in range(300)]
-    out = complete(router.url, first, "s")  # the only replica yet: the small one
-    HTTP.post(router.url + "/v1/replicas", json={"url": big.url}, headers=CLUSTER, timeout=30).raise_for_status()
-    for i in range(2):  # other sessions fill the small replica: the idle session's cache is evicted
-        complete(small.url, [rng.randrange(100, 1500) for _ in range(300)], f"crowd{i}")
+    # two other sessions fill the small replica: the idle session's cache is evicted
+    first, out = start_s_on_small_then_crowd_it(router, small, big, rng, 300, crowd=2, crowd_tokens=300)
     evicted = HTTP.get(small.url + "/v1/loads", headers=CLUSTER, timeout=30).json()["sessions"]
     assert {"s": 0} == {x["session_id"]: x["tokens"] for x in evicted if x["session_id"] == "s"}
     wait_for(lambda: all(r["evictions"] > 0 or r["url"] != small.url for r in router_stats(router.url)["replicas"])
@@ -101,17 +110,15 @@ def test_a_small_session_leaves_a_nearly_full_home_before_anything_is_evicted(cr
     # (2000 tokens) with no eviction yet; the small session calling next moves, capture whole
     router, small, big = crowded_and_big
     rng = random.Random(1)
-    first = [rng.randrange(100, 1500) for _ in range(100)]
-    out = complete(router.url, first, "s")  # the only replica yet: the small one
-    HTTP.post(router.url + "/v1/replicas", json={"url": big.url}, headers=CLUSTER, timeout=30).raise_for_status()
-    for i in range(3):  # 3 x 604 idle tokens: 1916 live with s, above 0.9 x 2000, nothing evicted
-        complete(small.url, [rng.randrange(100, 1500) for _ in range(600)], f"crowd{i}")
+    # 3 x 604 idle tokens: 1916 live with s, above 0.9 x 2000, nothing evicted
+    first, out = start_s_on_small_then_crowd_it(router, small, big, rng, 100, crowd=3, crowd_tokens=600)
     small_loads = HTTP.get(small.url + "/v1/loads", headers=CLUSTER, timeout=30).json()
     assert small_loads["evictions"] == 0 and len(small_loads["sessions"]) == 4
 
-    def scraped() -> bool:
+    def scraped() -> bool:  # a scrape after the last crowd call ended (one during it lists that session at 0 tokens)
         views = {r["url"]: r for r in router_stats(router.url)["replicas"]}
-        return big.url in views and views[small.url]["live_sessions"] == 4 and views[big.url]["capacity_tokens"] > 0
+        return (big.url in views and views[big.url]["capacity_tokens"] > 0 and views[small.url]["live_sessions"] == 4
+                and views[small.url]["used_tokens"] == small_loads["num_used_tokens"])
 
     wait_for(scraped, 60, "the router to scrape the crowded home and the new replica")
     second = first + out + [rng.randrange(100, 1500) for _ in range(20)]
