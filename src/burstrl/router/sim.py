@@ -11,9 +11,9 @@ LRU over blocks not used by a running call, earlier blocks of a chain kept more 
 ones so LRU trims a context from its tail (vLLM's and SGLang's prefix caches); `session`, LRU over
 idle sessions, each evicted whole (burstrl's replica, `inference/kvcache.py`; a block shared by
 sessions is held once and belongs to the session that used it last, where burstrl's replica
-copies a shared prefix into each session). A call costs prefill (per token not in cache) plus decode steps whose time
-grows with the batch; a replica of weight w prefills w times faster, decodes a batch w times
-cheaper and runs w times more concurrent sequences. Load figures the policy sees are refreshed by
+copies a shared prefix into each session). A call costs prefill (per token not in cache) plus
+decode steps whose time grows with the batch; a replica of weight w prefills w times faster,
+decodes a batch w times cheaper and runs w times more concurrent sequences. Load figures the policy sees are refreshed by
 a scrape every `scrape_interval_s` (stale in between, as in a real router).
 """
 
@@ -25,6 +25,7 @@ import random
 import statistics
 from collections import OrderedDict, deque
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 from typing import Literal
 
@@ -230,7 +231,7 @@ def session_victims(r: SimReplica, need: int) -> list[int]:
             victims.extend(blocks)
     if len(victims) < need:  # idle blocks of running sessions (a shared prefix's history): by block LRU
         taken = set(victims)
-        victims += [h for h in block_victims(r, need + len(taken)) if h not in taken][:need - len(victims)]
+        victims += islice((h for h in r.cache if h not in r.pinned and h not in taken), need - len(victims))
     return victims
 
 
