@@ -143,7 +143,7 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=4000)
     parser.add_argument("--rate", type=float, default=5.0, help="new sessions per second (generated)")
     parser.add_argument("--workers", type=int, default=1)
-    parser.add_argument("--fleets", default="", help="comma-separated fleets (default: all of the part's)")
+    parser.add_argument("--fleets", default="", help="comma-separated fleets, or pools for --live (default: all)")
     parser.add_argument("--policies", default="", help="comma-separated policies (default: kv and every baseline)")
     parser.add_argument("--trace", default=str(MOONCAKE))
     parser.add_argument("--ks", default="2,3,4", help="K values of kv (generated; baselines and headroom: K = 2)")
@@ -152,6 +152,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="live: workload seed")
     parser.add_argument("--rounds", type=int, default=1,
                         help="live: runs of every policy per pool (p99 over all their sessions; order rotated)")
+    parser.add_argument("--aa", action="store_true",
+                        help="live: run round_robin twice per round, to show one policy's spread against itself")
     parser.add_argument("--keep-finished", action="store_true",
                         help="generated: finished sessions' blocks stay in the LRU (the model before 2026-12-01's fifth session)")
     parser.add_argument("--eviction", choices=("block", "session"), default="block",
@@ -161,7 +163,8 @@ def main() -> None:
                         help="mooncake: the whole trace, or its first (tuning) or second (held-out) half of sessions")
     args = parser.parse_args()
     if args.live or args.part == "live":
-        run_live(seed=args.seed, rounds=args.rounds)
+        run_live(seed=args.seed, rounds=args.rounds, pools=tuple(args.fleets.split(",")) if args.fleets else tuple(POOLS),
+                 aa=args.aa)
         return
     seeds = [0] if args.quick else [int(s) for s in args.seeds.split(",")]
     policies = args.policies.split(",") if args.policies else ["kv", "least_sessions", "headroom", "cache_aware",
@@ -300,16 +303,23 @@ def live_figures(runs: list[dict]) -> dict:
             "sessions_per_replica": [sum(col) for col in zip(*(r["sessions_per_replica"] for r in runs), strict=True)]}
 
 
-def run_live(seed: int = 0, rounds: int = 1) -> None:
+def run_live(seed: int = 0, rounds: int = 1, pools: tuple[str, ...] = tuple(POOLS), aa: bool = False) -> None:
     """Every policy on each pool, `rounds` times; round r runs workload `seed + 100 r` and starts the
-    policies at the r-th (rotated), so no policy always runs first on the pool's warmed replicas."""
+    policies at the r-th (rotated), so no policy always runs first on the pool's warmed replicas.
+
+    `aa`: round_robin runs twice per round (the second as `round_robin_again`), so the ratios come
+    with the spread of one policy against itself on the same workload: a p99 over a few hundred
+    rollouts is their third-highest or so, and moves by a few percent from run to run.
+    """
     from burstrl.model.tiny import ensure_tiny_model
 
     model = ensure_tiny_model(Path(".cache/tiny-qwen3"))
+    labels = LIVE_POLICIES + (("round_robin_again",) if aa else ())
     figures: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        for name, pool in POOLS.items():
+        for name in pools:
+            pool = POOLS[name]
             with ThreadPoolExecutor(len(pool)) as threads:
                 procs = list(threads.map(lambda i, name=name, pool=pool: start_replica(
                     model, root / f"{name}{i}", "--server.admin_token", ADMIN, "--server.cluster_token", CLUSTER,
@@ -317,26 +327,28 @@ def run_live(seed: int = 0, rounds: int = 1) -> None:
             try:
                 urls = [p.url for p in procs]
                 run_policy("round_robin", urls, pool, root / f"{name}-warmup", seed + 1000)  # first calls are slow: not measured
-                runs: dict[str, list[dict]] = {policy: [] for policy in LIVE_POLICIES}
+                runs: dict[str, list[dict]] = {label: [] for label in labels}
                 for r in range(rounds):
-                    for policy in LIVE_POLICIES[r % len(LIVE_POLICIES):] + LIVE_POLICIES[:r % len(LIVE_POLICIES)]:
-                        runs[policy].append(run_policy(policy, urls, pool, root / name, seed + 100 * r, f"-r{r}"))
-                        print(f"{name}/{policy} round {r}: {json.dumps(live_figures(runs[policy][-1:]))}",
+                    for label in labels[r % len(labels):] + labels[:r % len(labels)]:
+                        runs[label].append(run_policy(label.removesuffix("_again"), urls, pool, root / name,
+                                                      seed + 100 * r, f"-{label}-r{r}"))
+                        print(f"{name}/{label} round {r}: {json.dumps(live_figures(runs[label][-1:]))}",
                               file=sys.stderr, flush=True)
-                for policy in LIVE_POLICIES:
-                    figures[f"{name}/{policy}"] = live_figures(runs[policy])
+                for label in labels:
+                    figures[f"{name}/{label}"] = live_figures(runs[label])
             finally:
                 for p in procs:
                     p.stop()
     ratios = {}
-    for name in POOLS:
-        kv = figures[f"{name}/kv"]
-        for other in LIVE_POLICIES[1:]:
-            b = figures[f"{name}/{other}"]
-            ratios[f"{name}/kv_vs_{other}"] = {"hit_rate": kv["hit_rate"] / max(b["hit_rate"], 1e-12),
+    pairs = [("kv", other) for other in LIVE_POLICIES[1:]] + ([("round_robin_again", "round_robin")] if aa else [])
+    for name in pools:
+        for mine, other in pairs:
+            kv, b = figures[f"{name}/{mine}"], figures[f"{name}/{other}"]
+            ratios[f"{name}/{mine}_vs_{other}"] = {"hit_rate": kv["hit_rate"] / max(b["hit_rate"], 1e-12),
                                                "p99_rollout": kv["p99_rollout_s"] / b["p99_rollout_s"],
                                                "mean_rollout": kv["mean_rollout_s"] / b["mean_rollout_s"]}
-    print(json.dumps({"benchmark": "router_live", "config": LIVE, "pools": POOLS, "seed": seed, "rounds": rounds,
+    print(json.dumps({"benchmark": "router_live", "config": LIVE, "pools": {p: POOLS[p] for p in pools}, "seed": seed,
+                      "rounds": rounds, "aa": aa,
                       "figures": figures, "ratios": ratios}))
 
 

@@ -162,6 +162,30 @@ def test_dropped_connection_is_retried(daemon: Daemon) -> None:
         assert (daemon.root / "n").read_text() == "x\n"
 
 
+def test_an_exec_longer_than_the_client_timeout_on_a_fresh_connection(daemon: Daemon) -> None:
+    """An exec may run `timeout` past the client's own timeout on a new connection too: the first
+    call, and every call after a disconnect, used to wait only the client timeout and fail as 504."""
+    c = SandboxClient(socket_path=daemon.socket_path, url=daemon.url, token=TOKEN, timeout=1)
+    for _ in range(2):
+        c.disconnect()
+        assert c.exec("sleep 2.5; echo done", timeout=30).stdout == "done\n"
+
+
+def test_close_waits_at_most_its_own_timeout(daemon: Daemon) -> None:
+    """A backend that kills the sandbox anyway gives a stopped daemon a short grace, not the full timeout."""
+    c = daemon.client()
+    c.health()
+    daemon.proc.send_signal(signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        c.close(timeout=0.5)  # no answer: a 504, swallowed like a dropped one
+        assert time.monotonic() - t0 < 5
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+    assert daemon.proc.wait(timeout=10) == 0  # the request was sent: it closes once it runs again
+    assert c.timeout == 10
+
+
 def test_async_client(daemon: Daemon, tmp_path: Path) -> None:
     async def main() -> None:
         c = daemon.aclient()

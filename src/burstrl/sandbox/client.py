@@ -289,14 +289,24 @@ class SandboxClient:
         """Unpack `src` (a local directory's contents, a file, or tar bytes) into `dest`."""
         return self._do(_upload_call(src, dest))
 
-    def close(self) -> None:
-        """Stop the daemon (it kills the commands still running). A dropped answer counts as done."""
+    def close(self, timeout: Optional[float] = None) -> None:
+        """Stop the daemon (it kills the commands still running). A dropped answer counts as done.
+
+        `timeout`: how long to wait for the answer instead of `self.timeout`; a caller that kills
+        the sandbox right after (the backends) waits briefly, and then no answer counts as done too:
+        a daemon a command stopped (SIGSTOP under gVisor) would otherwise hold every close for the
+        whole timeout.
+        """
+        saved = self.timeout
+        if timeout is not None:
+            self.timeout = timeout
         try:
             self._do(_Call("POST", "/close", dict), retry=False)
         except SandboxError as exc:
-            if exc.status != 503:
+            if exc.status != 503 and not (timeout is not None and exc.status == 504):
                 raise
         finally:
+            self.timeout = saved
             self.disconnect()
 
     def disconnect(self) -> None:
@@ -341,9 +351,15 @@ class SandboxClient:
         raise AssertionError("unreachable")
 
     def _exchange(self, conn: http.client.HTTPConnection, call: _Call) -> Tuple[int, bytes, bool]:
-        """(status, body, the daemon closes) of one request; a daemon's early answer is kept."""
-        if conn.sock is not None:
-            conn.sock.settimeout(self.timeout + call.wait_s)
+        """(status, body, the daemon closes) of one request; a daemon's early answer is kept.
+
+        Connects first if needed (within `timeout`), so the answer's deadline is always
+        `timeout + wait_s`: left to `request`, a fresh connection kept the connect timeout for the
+        answer too, and an exec longer than `timeout` failed as 504 after any disconnect.
+        """
+        if conn.sock is None:
+            conn.connect()
+        conn.sock.settimeout(self.timeout + call.wait_s)
         try:
             conn.request(call.method, call.target, body=call.body, headers=call.headers(self.token))
         except (BrokenPipeError, ConnectionResetError):

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from burstrl.sandbox.backends.base import LimitsReport, Sandbox, SandboxSpec
+from burstrl.sandbox.backends.base import CLOSE_GRACE_S, LimitsReport, Sandbox, SandboxSpec
 from burstrl.sandbox.node_client import NodeClient, NodeError, SandboxAddress, node_state
 from burstrl.sandbox.placement import Layer, NodeState, PlacedSandbox, Policy, Resources, SandboxRequest, make_policy
 
@@ -207,7 +207,7 @@ class ClusterPool:
         return sandbox
 
     def _delete(self, node: _Node, sid: str, client: Any) -> None:
-        client.close()
+        client.close(timeout=CLOSE_GRACE_S)
         if node.dead:
             return  # its sandboxes died with the agent
         try:

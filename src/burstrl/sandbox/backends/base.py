@@ -41,6 +41,8 @@ CODE_MOUNT = "/opt/burstrl"
 RUN_MOUNT = "/run/sandbox"
 SOCKET_NAME = "sandboxd.sock"
 TOKEN_NAME = "token"
+# How long a backend waits for the daemon's own /close before killing the sandbox anyway.
+CLOSE_GRACE_S = 5.0
 # sun_path is 108 bytes including the terminating NUL.
 MAX_SOCKET_PATH = 107
 

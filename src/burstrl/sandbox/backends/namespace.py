@@ -30,6 +30,7 @@ from typing import Any
 
 from burstrl.sandbox.backends import cgroups, seccomp
 from burstrl.sandbox.backends.base import (
+    CLOSE_GRACE_S,
     CODE_MOUNT,
     SOCKET_NAME,
     Handover,
@@ -290,7 +291,7 @@ def _report(report: LimitsReport) -> LimitsReport:
 def _close(state: NamespaceState, client: Any, layer_cache: Any) -> None:
     """Ask the daemon to stop (it kills its commands' groups), then make sure of it."""
     try:
-        client.close()
+        client.close(timeout=CLOSE_GRACE_S)
     except Exception:
         pass  # the daemon may already be dead: the kills below are what guarantee the end
     _teardown(state, layer_cache)

@@ -31,6 +31,7 @@ from typing import Any
 
 from burstrl.sandbox.backends import seccomp
 from burstrl.sandbox.backends.base import (
+    CLOSE_GRACE_S,
     CODE_MOUNT,
     RUN_MOUNT,
     SOCKET_NAME,
@@ -154,7 +155,7 @@ class OciBackend:
 
     def _close(self, state: OciState, client: Any) -> None:
         try:
-            client.close()
+            client.close(timeout=CLOSE_GRACE_S)
         except Exception:
             pass  # already dead; the runtime's kill and delete below are what guarantee the end
         self._teardown(state)
