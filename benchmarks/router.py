@@ -19,10 +19,12 @@ median and worst over seeds; each run is one JSON line as it finishes, then a su
 multi-turn token-in sessions with tool gaps, groups of sessions sharing a first prompt (GRPO), on
 an equal pool and a heterogeneous one (different KV budgets and weights); `kv` vs `round_robin`
 vs `cache_aware`, a fresh router each, the same workload, after one unmeasured warm-up pass.
+`--aa` runs round_robin a second time each round (`round_robin_again`): the ratio of a policy to
+itself on the same workload is the noise floor of every live ratio (`--fleets equal` picks a pool).
 
     .venv/bin/python benchmarks/router.py --part generated --workers 2     # ~1 h on 2 busy cores
     .venv/bin/python benchmarks/router.py --part mooncake --workers 2
-    .venv/bin/python benchmarks/router.py --live [--rounds 3]
+    .venv/bin/python benchmarks/router.py --live [--rounds 3] [--aa] [--fleets equal]
     .venv/bin/python benchmarks/router.py --part generated --quick          # smoke test
 """
 
@@ -60,14 +62,15 @@ def pools(spec: list[tuple]) -> list[PoolSpec]:
 
 
 def gen_job(fleet: str, seed: int, policy: str, k: int, sessions: int, rate: float, release: bool = True,
-            eviction: str = "block") -> dict:
+            eviction: str = "block", group_size: int = 1) -> dict:
     cfg = load_config(seed=seed, sessions=sessions, arrival_rate=rate, size_prior_tokens=32768,
-                      pools=pools(GEN_FLEETS[fleet]), release_finished=release, eviction=eviction)
+                      pools=pools(GEN_FLEETS[fleet]), release_finished=release, eviction=eviction,
+                      group_size=group_size)
     t0 = time.perf_counter()
     fig = RouterSimulator(cfg, generate_trace(cfg), policy, k=k).run()
     label = f"{policy}_k{k}" if policy in ("kv", "headroom") else policy
     return {"part": "generated", "fleet": fleet, "seed": seed, "policy": label, "release_finished": release,
-            "eviction": eviction,
+            "eviction": eviction, "group_size": group_size,
             "wall_s": round(time.perf_counter() - t0, 1), **{key: fig[key] for key in KEYS}}
 
 
@@ -159,6 +162,8 @@ def main() -> None:
     parser.add_argument("--eviction", choices=("block", "session"), default="block",
                         help="generated: a full replica evicts LRU blocks (vLLM, SGLang) or LRU idle sessions whole "
                              "(burstrl's replica)")
+    parser.add_argument("--group-size", type=int, default=1,
+                        help="generated: sessions per GRPO group (they arrive together and share the first prompt)")
     parser.add_argument("--half", choices=("all", "first", "second"), default="all",
                         help="mooncake: the whole trace, or its first (tuning) or second (held-out) half of sessions")
     args = parser.parse_args()
@@ -180,7 +185,7 @@ def main() -> None:
             for fleet in fleets:
                 for seed in seeds:
                     jobs.append((gen_job, fleet, seed, policy, k, sessions, args.rate, not args.keep_finished,
-                                 args.eviction))
+                                 args.eviction, args.group_size))
         results = run_jobs(jobs, args.workers)
         metrics = {"hit_rate": True, "throughput_tok_s": True, "p99_rollout_s": False}
         summary = summarize(results, ("fleet",), metrics, "kv_k2")
@@ -188,6 +193,7 @@ def main() -> None:
                  for r in results if r["policy"].startswith("kv_") and r["hit_rate"] < 0.996}
         print(json.dumps({"benchmark": "router_generated", "seeds": seeds, "sessions": sessions, "rate": args.rate,
                           "release_finished": not args.keep_finished, "eviction": args.eviction,
+                          "group_size": args.group_size,
                           "summary": summary, "kv_below_0.996": goals}))
         return
     mc_policies = args.policies.split(",") if args.policies else ["kv", "cache_aware", "pooled", "least_requests",

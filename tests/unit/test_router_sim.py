@@ -34,6 +34,27 @@ def test_same_seed_same_figures_and_trace():
     assert other != simulate(cfg, ["random"])
 
 
+def test_grpo_groups_share_the_first_prompt_and_arrive_together():
+    """`group_size`: a group's sessions arrive at once and hold the same first-prompt blocks, then
+    their own; without groups no two sessions share a block."""
+    trace = generate_trace(small_config(sessions=12, group_size=4))
+    for g in range(3):
+        group = trace[4 * g:4 * g + 4]
+        assert len({s.arrival_s for s in group}) == 1 and len({s.kind for s in group}) == 1
+        firsts = {s.calls[0].input_hashes for s in group}
+        assert len(firsts) == 1
+        prompt = firsts.pop()
+        for s in group:
+            later = s.calls[-1].input_hashes
+            assert later[:len(prompt)] == prompt
+            own = set(later[len(prompt):]) | set(s.calls[-1].output_hashes)
+            assert own and all(own.isdisjoint(set(o.calls[-1].input_hashes)) for o in trace if o is not s)
+    assert trace[0].arrival_s < trace[4].arrival_s < trace[8].arrival_s
+    plain = generate_trace(small_config(sessions=12))
+    blocks = [set(s.calls[-1].input_hashes) for s in plain]
+    assert all(a.isdisjoint(b) for i, a in enumerate(blocks) for b in blocks[i + 1:])
+
+
 def test_small_budget_evicts_and_lowers_hit_rate():
     roomy = simulate(small_config(), ["headroom"])["headroom"]
     tight_pools = [PoolSpec("reserved", 1, 8, 160_000), PoolSpec("on_demand", 6, 1, 20_000)]

@@ -91,6 +91,9 @@ class RouterSimConfig(Section):
     eviction: Literal["block", "session"] = Field("block", description=(
         "What a full cache evicts: least recently used blocks, trimming a context from its tail (vLLM, SGLang), "
         "or least recently used idle sessions, whole (burstrl's replica)."))
+    group_size: int = Field(1, ge=1, description=(
+        "Sessions per GRPO group in the generated trace: a group arrives at once and its sessions share the "
+        "first prompt (its blocks); sessions per second stay `arrival_rate`."))
     release_finished: bool = Field(False, description=(
         "Free a session's blocks when its last call ends, as the orchestrator releases a finished rollout "
         "(DELETE /v1/traces); off: they stay in the LRU (chat traffic, where later requests reuse them)."))
@@ -137,14 +140,20 @@ def generate_trace(cfg: RouterSimConfig) -> list[TraceSession]:
 
     trace, t = [], 0.0
     for i in range(cfg.sessions):
-        t += rng.expovariate(cfg.arrival_rate)
-        kind = rng.choices(cfg.kinds, weights=shares)[0]
+        if i % cfg.group_size == 0:  # a new group (every session, without GRPO groups)
+            t += rng.expovariate(cfg.arrival_rate / cfg.group_size)
+            kind = rng.choices(cfg.kinds, weights=shares)[0]
+            shared, group_base = 0, (i + 1) * 10_000_000  # the group's first prompt: blocks, first hash
         base = (i + 1) * 10_000_000  # block hashes of this session: base, base + 1, ...
         ctx, calls = 0, []
         for c in range(rng.randint(kind.calls_min, kind.calls_max)):
-            new = blocks(kind.prompt_tokens if c == 0 else kind.tool_tokens)
+            if c == 0:
+                new = shared = shared or blocks(kind.prompt_tokens)
+            else:
+                new = blocks(kind.tool_tokens)
             out = blocks(kind.output_tokens)
-            calls.append(Call(tuple(range(base, base + ctx + new)), tuple(range(base + ctx + new, base + ctx + new + out)),
+            hashes = (*range(group_base, group_base + shared), *range(base + shared, base + ctx + new))
+            calls.append(Call(hashes, tuple(range(base + ctx + new, base + ctx + new + out)),
                               (ctx + new) * bs, out * bs, rng.expovariate(1 / kind.tool_time_s)))
             ctx += new + out
         trace.append(TraceSession(f"s{i}", kind.name, t, calls))
