@@ -168,7 +168,7 @@ def test_an_exec_longer_than_the_client_timeout_on_a_fresh_connection(daemon: Da
     c = SandboxClient(socket_path=daemon.socket_path, url=daemon.url, token=TOKEN, timeout=1)
     for _ in range(2):
         c.disconnect()
-        assert c.exec("sleep 2.5; echo done", timeout=30).stdout == "done\n"
+        assert c.exec("sleep 1.8; echo done", timeout=30).stdout == "done\n"
 
 
 def test_close_waits_at_most_its_own_timeout(daemon: Daemon) -> None:
