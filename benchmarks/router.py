@@ -315,7 +315,8 @@ def run_live(seed: int = 0, rounds: int = 1, pools: tuple[str, ...] = tuple(POOL
 
     `aa`: round_robin runs twice per round (the second as `round_robin_again`), so the ratios come
     with the spread of one policy against itself on the same workload: a p99 over a few hundred
-    rollouts is their third-highest or so, and moves by a few percent from run to run.
+    rollouts is their second- or third-highest, and moved by 10-15% from run to run on a 2-core
+    machine (docs/benchmarks.md, "Router, tenth session").
     """
     from burstrl.model.tiny import ensure_tiny_model
 
@@ -349,10 +350,10 @@ def run_live(seed: int = 0, rounds: int = 1, pools: tuple[str, ...] = tuple(POOL
     pairs = [("kv", other) for other in LIVE_POLICIES[1:]] + ([("round_robin_again", "round_robin")] if aa else [])
     for name in pools:
         for mine, other in pairs:
-            kv, b = figures[f"{name}/{mine}"], figures[f"{name}/{other}"]
-            ratios[f"{name}/{mine}_vs_{other}"] = {"hit_rate": kv["hit_rate"] / max(b["hit_rate"], 1e-12),
-                                               "p99_rollout": kv["p99_rollout_s"] / b["p99_rollout_s"],
-                                               "mean_rollout": kv["mean_rollout_s"] / b["mean_rollout_s"]}
+            a, b = figures[f"{name}/{mine}"], figures[f"{name}/{other}"]
+            ratios[f"{name}/{mine}_vs_{other}"] = {"hit_rate": a["hit_rate"] / max(b["hit_rate"], 1e-12),
+                                                   "p99_rollout": a["p99_rollout_s"] / b["p99_rollout_s"],
+                                                   "mean_rollout": a["mean_rollout_s"] / b["mean_rollout_s"]}
     print(json.dumps({"benchmark": "router_live", "config": LIVE, "pools": {p: POOLS[p] for p in pools}, "seed": seed,
                       "rounds": rounds, "aa": aa,
                       "figures": figures, "ratios": ratios}))

@@ -140,11 +140,11 @@ def generate_trace(cfg: RouterSimConfig) -> list[TraceSession]:
 
     trace, t = [], 0.0
     for i in range(cfg.sessions):
+        base = (i + 1) * 10_000_000  # block hashes of this session: base, base + 1, ...
         if i % cfg.group_size == 0:  # a new group (every session, without GRPO groups)
             t += rng.expovariate(cfg.arrival_rate / cfg.group_size)
             kind = rng.choices(cfg.kinds, weights=shares)[0]
-            shared, group_base = 0, (i + 1) * 10_000_000  # the group's first prompt: blocks, first hash
-        base = (i + 1) * 10_000_000  # block hashes of this session: base, base + 1, ...
+            shared, group_base = 0, base  # the group's first prompt: its blocks, its first hash
         ctx, calls = 0, []
         for c in range(rng.randint(kind.calls_min, kind.calls_max)):
             if c == 0:
