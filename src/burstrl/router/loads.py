@@ -29,20 +29,30 @@ def block_summary(loads: dict[str, Any]) -> frozenset[int]:
     return frozenset(h for h in hashes if isinstance(h, int) and not isinstance(h, bool))
 
 
+# Scrapes an earlier placement may stay unshown before it goes: its call can still be queued or
+# prefilling on a loaded replica (one scrape was too few: at scrape_s 0.3 on a loaded 2-core
+# machine, a 517-token prompt's prefill outlasted two scrapes, the placement was forgotten, and
+# the next session with that prompt went to the other replica). A call that failed is forgotten
+# after this many scrapes.
+HOLD_SCRAPES = 8
+
+
 def keep_recent(view: ReplicaView, mark: tuple[ReplicaView, int] | None) -> None:
     """After a scrape, the placements its answer may not show yet stay recent (`Registry.apply_scrape`).
 
     Kept: those recorded after the scrape was sent (`mark`, from `Registry.scrape_mark`), and,
-    one scrape more, earlier ones the answer does not show (`shown`). `view.cached_blocks` and
+    for up to HOLD_SCRAPES scrapes, earlier ones the answer does not show (`shown`); `held_over`
+    counts the scrapes each of the leading ones has stayed. `view.cached_blocks` and
     `view.live_sessions` must already hold the answer.
     """
     recent = view.recent_assignments
     if mark is None:  # the simulator and the soak scrape instantly: the answer shows everything
-        view.recent_assignments, view.held_over = [], 0
+        view.recent_assignments, view.held_over = [], []
         return
     after = view.assigned - mark[1] if mark[0] is view else view.assigned  # a re-registered view: all later
     after = min(max(after, 0), len(recent))
-    earlier = recent[view.held_over:len(recent) - after]  # those held over once already go now
-    kept = [s for s in earlier if not shown(s, view)]
-    view.recent_assignments = kept + recent[len(recent) - after:]
-    view.held_over = len(kept)
+    earlier = recent[:len(recent) - after]
+    held = view.held_over + [0] * (len(earlier) - len(view.held_over))
+    kept = [(s, n + 1) for s, n in zip(earlier, held, strict=False) if n < HOLD_SCRAPES and not shown(s, view)]
+    view.recent_assignments = [s for s, _ in kept] + recent[len(recent) - after:]
+    view.held_over = [n for _, n in kept]

@@ -56,7 +56,7 @@ class ReplicaView:
     draining: bool = False  # being removed: keeps its sessions, gets no new ones
     recent_assignments: list[NewSession] = field(default_factory=list)
     assigned: int = 0  # placements recorded here, ever (a scrape keeps those made after it was sent)
-    held_over: int = 0  # leading recent_assignments a scrape already kept once (not yet in its answer)
+    held_over: list[int] = field(default_factory=list)  # scrapes each leading recent_assignment stayed unshown
     # Load as production routers read it: calls the router sent and has not seen answered (its own
     # count, exact), running+waiting requests the replica reported at the last scrape, and the
     # chained block hashes of its prefix cache (the replica's summary; empty if it sends none).

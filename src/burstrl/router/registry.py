@@ -163,7 +163,8 @@ class Registry:
         may predate their calls, and forgetting them would let the next choice herd onto the
         same replica or miss the prefix just sent there. An earlier placement the answer does not
         show yet (session not listed, or its prompt's last block not in the block summary: the
-        call was still queued or prefilling) stays one scrape more (`held_over`), then goes.
+        call was still queued or prefilling) stays up to `loads.HOLD_SCRAPES` scrapes more
+        (`held_over`), then goes.
         """
         view = self.replicas.get(url)
         if view is None:

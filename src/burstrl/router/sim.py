@@ -451,6 +451,7 @@ class RouterSimulator:
             r.view.live_sessions = dict(r.live)
             r.view.session_kinds = {sid: self.kind_by_id[sid] for sid in r.live}
             r.view.recent_assignments.clear()
+            r.view.held_over.clear()
             r.view.running_requests = r.running + len(r.queue)
             self.live_fraction_sum[i] += sum(r.live.values()) / r.view.capacity_tokens
         self.fleet_live.append(sum(sum(r.live.values()) for r in self.replicas) / self.total_capacity)
