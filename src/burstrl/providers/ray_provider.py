@@ -116,11 +116,24 @@ class RayRole:
         return code
 
     def _back_after_restart(self) -> bool:
-        """A restartable actor that Ray brought back (same address): watch it again."""
-        try:
-            url = ray.get(self.actor.ready.remote(60.0), timeout=self.provider.cfg.placement_timeout_s)
-        except (RayActorError, GetTimeoutError, RuntimeError):
-            return False
+        """A restartable actor that Ray brought back (same address): watch it again.
+
+        While Ray restarts it, calls fail with ActorUnavailableError: that is asked again until
+        the placement timeout (on a loaded machine the restart outlasted the first call, and the
+        run ended for a router Ray was bringing back). Dead for good, or not back in time: False.
+        """
+        deadline = time.monotonic() + self.provider.cfg.placement_timeout_s
+        while True:
+            try:
+                url = ray.get(self.actor.ready.remote(60.0), timeout=max(1.0, deadline - time.monotonic()))
+                break
+            except ActorUnavailableError:
+                if time.monotonic() >= deadline:
+                    return False
+                self.provider.unavailable_retries += 1
+                time.sleep(0.5)
+            except (RayActorError, GetTimeoutError, RuntimeError):
+                return False
         self.restarts += 1
         self.url = url or self.url
         self.watch = self.actor.wait.remote(True)
@@ -253,6 +266,7 @@ class RayProvider:
         self.sandbox_agents: Any = None
         self.zygotes = NodeZygotes(self.logs_dir, self.env, zygote_model) if zygote_model is not None else None
         self.zygote_fallbacks = 0  # replicas started the ordinary way because their node's zygote was gone
+        self.unavailable_retries = 0  # calls to a restarting actor asked again (ActorUnavailableError)
         self.spares = SpareActors()  # with the zygote: a placed actor waiting for the next replica of a pool
         self.starts_lock = threading.Lock()
 
