@@ -316,7 +316,7 @@ def run_live(seed: int = 0, rounds: int = 1, pools: tuple[str, ...] = tuple(POOL
     `aa`: round_robin runs twice per round (the second as `round_robin_again`), so the ratios come
     with the spread of one policy against itself on the same workload: a p99 over a few hundred
     rollouts is their second- or third-highest, and moved by 10-15% from run to run on a 2-core
-    machine (docs/benchmarks.md, "Router, tenth session").
+    machine (docs/benchmarks.md, "Router" and "router.py --live").
     """
     from burstrl.model.tiny import ensure_tiny_model
 

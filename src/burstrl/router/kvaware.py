@@ -21,7 +21,8 @@ below zero) again, 4x: the projection is a p90 of final sizes, so on a busy flee
 (headroom per weight ranks the same with or without it). Dynamo's third term, in-flight requests
 per weight (1024 tokens each, chosen on the Mooncake tuning half for per-call p99), was tried and
 dropped: on the held-out figures it cut p99 in some Mooncake cells and raised it in others, and it
-cost session hit rate on the generated trace (docs/benchmarks.md, "Router, sixth session").
+cost session hit rate on the generated trace (docs/benchmarks.md, "Router"; the sixth session's
+measurement is in its git history).
 
 Sessions keep their home; `rehome` moves one its overflowing home evicted, and `relieve` moves a
 small one off a nearly full home before anything is evicted (both only to replicas it never
@@ -71,8 +72,9 @@ class KvAwarePolicy:
 
     Prefill is fleet work (GPU-seconds scale with tokens wherever they run), so it is not divided
     by weight; headroom per weight is the balance term. `load_weight` 0.03 was chosen on the first
-    half of the Mooncake trace (among 0.003, 0.01, 0.03, 0.1; docs/benchmarks.md, "Router, fifth
-    session"; 0.003 and 0.01 lost per-request hit rate at 1x, 0.1 lost it with inferred sessions).
+    half of the Mooncake trace (among 0.003, 0.01, 0.03, 0.1; the fifth session's sweep is in the git
+    history of docs/benchmarks.md): 0.003 and 0.01 lost per-request hit rate at 1x, 0.1 lost it with
+    inferred sessions.
     """
 
     name = "kv"
@@ -121,7 +123,7 @@ class KvAwarePolicy:
         session as live there, so its projected size is added back first (else it counts twice).
         Without such an overlap the session moves: on the generated agentic trace, letting projected
         headroom alone keep sessions on the home that just evicted them cost hit rate (docs/benchmarks.md,
-        "Router, seventh session").
+        "Router"; the seventh session's probe is in git history).
         """
         best = self.choose(session, others, rng)
         hashes = session.prefix_hashes
@@ -139,7 +141,7 @@ class KvAwarePolicy:
         sheds the session calling now if that session is small (<= `relieve_max` of the budget:
         re-prefilling it elsewhere is the whole price); `relieve` picks where it goes. The
         thresholds were chosen on the generated uniform fleet's tuning seeds 11 and 13 and checked
-        on seeds 0-10 and 12 (docs/benchmarks.md, "Router, eighth session"). Checked on every call
+        on seeds 0-10 and 12 (docs/benchmarks.md, "Router"). Checked on every call
         of a session, before the caller lists the other replicas.
         """
         capacity = home.capacity_tokens

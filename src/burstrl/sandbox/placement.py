@@ -240,7 +240,7 @@ class OursPolicy:
     Why `cpu_sigmas` is as low as 0.25: rollouts idle most of their wall time while the model
     generates, so CPU throttled in their test bursts slows them little; in the simulator, rollouts
     finished per node-hour keep rising down to 0 sigmas, and 0.25 keeps the p99 rollout slowdown near
-    1.25 (docs/benchmarks.md, "Sandbox placement (simulated)", has the curve).
+    1.25 (docs/benchmarks.md, "Sandboxes and placement" and "sandbox_sim.py", has the figures).
     """
 
     cache_weight: float = 1.0
