@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -19,6 +22,17 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TINY_MODEL_DIR = REPO_ROOT / ".cache" / "tiny-qwen3"
+WARM_MODEL_DIR = REPO_ROOT / ".cache" / "tiny-qwen3-warm"
+
+
+@contextlib.contextmanager
+def _build_lock(cache: Path) -> Iterator[None]:
+    """One builder at a time for a shared cache: the `ensure_*` functions are race-safe (the first
+    rename wins), but parallel test workers racing on a clean clone would each train the same model."""
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    with open(cache.parent / f".{cache.name}.lock", "w") as lock:  # never deleted: deleting breaks flock
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 @pytest.fixture(scope="session")
@@ -26,7 +40,17 @@ def tiny_model_dir() -> Path:
     """Path of the tiny random-init Qwen3 (HF directory); made only if missing or outdated."""
     from burstrl.model.tiny import ensure_tiny_model
 
-    return ensure_tiny_model(TINY_MODEL_DIR)
+    with _build_lock(TINY_MODEL_DIR):
+        return ensure_tiny_model(TINY_MODEL_DIR)
+
+
+@pytest.fixture(scope="session")
+def warm_model(tiny_model_dir: Path) -> Path:
+    """The tiny model after the toy warm start (a short SFT), cached beside it."""
+    from burstrl.envs.toy_warm import ensure_warm_model
+
+    with _build_lock(WARM_MODEL_DIR):
+        return ensure_warm_model(tiny_model_dir, WARM_MODEL_DIR)
 
 
 CALC_BUGGY = "def add(a, b):\n    return a - b\n"
@@ -93,3 +117,83 @@ def fake_clock(monkeypatch: pytest.MonkeyPatch) -> Callable[..., FakeClock]:
         return clock
 
     return install
+
+
+def _skip_reason(report: pytest.TestReport) -> str:
+    """The reason a skipped test gave, without pytest's "Skipped: " prefix."""
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+    return reason.removeprefix("Skipped: ")
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """At the end of every run: how many tests were skipped and why, one line per reason.
+
+    Why: a skip is a test that did not run; a missing sandbox backend or package must be seen in
+    CI's output, not hidden in the pass count. Under xdist this runs in the controller, which
+    receives every worker's reports.
+    """
+    skipped = [r for r in terminalreporter.stats.get("skipped", []) if r.when in ("setup", "call")]
+    reasons: dict[str, int] = {}
+    for report in skipped:
+        reasons[_skip_reason(report)] = reasons.get(_skip_reason(report), 0) + 1
+    terminalreporter.section(f"{len(skipped)} skipped, by reason", sep="-")
+    for reason, count in sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0])):
+        terminalreporter.write_line(f"{count:5d}  {reason}")
+
+
+# Seconds each test file took in a measured full run (tests/update_durations.py writes it); a file
+# not in it is estimated from its tests: e2e 60 s, slow 15 s, other 1 s.
+_DURATIONS = json.loads((Path(__file__).with_name("durations.json")).read_text())
+# Files that each start multi-node Ray clusters (several processes per node) run one after another,
+# on one worker: with every Ray file and the other e2e runs at once, 2 cores reached load 24.
+_SERIAL_UNITS = {"ray-nodes": ("tests/e2e/test_ray_spot.py", "tests/e2e/test_ray_sandbox.py")}
+
+
+def _unit(path: str) -> str:
+    """The work unit of a test file ("tests/unit/test_x.py"): the file, or its serial unit."""
+    return next((name for name, files in _SERIAL_UNITS.items() if path in files), path)
+
+
+def _estimate(item: pytest.Item) -> float:
+    if item.nodeid.startswith("tests/e2e/"):
+        return 60.0
+    return 15.0 if item.get_closest_marker("slow") else 1.0
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """`--dist loadscope` (what `make test` runs): one work unit per test file or serial unit.
+
+    Why per file: a module's tests share its fixtures (a replica, a router, a Ray instance), which
+    a worker builds once for the whole file. Units are handed out in collection order
+    (`--no-loadscope-reorder`), which the hook below sorts longest first.
+    """
+    if config.getoption("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByUnit(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit(nodeid.split("::", 1)[0])
+
+    return ByUnit(config, log)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """In an xdist worker: the tests of the most expensive work units first.
+
+    Why longest first: the last unit to start bounds the wall time, so it should be a short one
+    (LPT scheduling, costs from tests/durations.json; xdist's own reorder sorts by test count).
+    Runs without xdist keep the collection order (unit tests first: a broken one fails in a
+    minute). (Not `--dist loadgroup` with marks: pytest-xdist 3.8 renames nodeids to group them,
+    which pytest 9's derived nodeids ignore, so every test became its own unit.)
+    """
+    if not hasattr(config, "workerinput"):
+        return
+    estimated: dict[str, float] = {}
+    for item in items:
+        estimated[item.location[0]] = estimated.get(item.location[0], 0.0) + _estimate(item)
+    cost: dict[str, float] = {}
+    for path, guess in estimated.items():
+        cost[_unit(path)] = cost.get(_unit(path), 0.0) + _DURATIONS.get(path, guess)
+    items.sort(key=lambda item: -cost[_unit(item.location[0])])  # stable: a unit's tests keep their order

@@ -1,0 +1,34 @@
+"""Write tests/durations.json, the seconds each test file took, from a JUnit XML report.
+
+The parallel run starts the most expensive files first (tests/conftest.py); this table is what
+it knows of their cost. Regenerate it after a full run when files are added or change much:
+
+    .venv/bin/python -m pytest -m "not gpu" -n 4 --dist loadfile --junitxml=/tmp/suite.xml
+    .venv/bin/python tests/update_durations.py /tmp/suite.xml
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+TABLE = Path(__file__).with_name("durations.json")
+
+
+def file_seconds(junit: Path) -> dict[str, float]:
+    """Sum of test times per file ('tests/unit/test_x.py'), from the report's testcase classnames."""
+    seconds: dict[str, float] = {}
+    for case in ET.parse(junit).iter("testcase"):
+        path = case.get("classname", "").replace(".", "/") + ".py"
+        seconds[path] = seconds.get(path, 0.0) + float(case.get("time", 0))
+    return seconds
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit(f"usage: {sys.argv[0]} JUNIT_XML")
+    table = {path: round(s, 1) for path, s in sorted(file_seconds(Path(sys.argv[1])).items())}
+    TABLE.write_text(json.dumps(table, indent=0) + "\n")
+    print(f"{TABLE}: {len(table)} files, {sum(table.values()):.0f} s in all")
