@@ -20,11 +20,25 @@ SMALL = ["--trainer.batch_groups", "3", "--orchestrator.group_size", "6", "--fle
          "--engine.num_threads", "1", "--trainer.num_threads", "1"]
 
 
-@pytest.fixture(scope="session")
-def warm_model(tiny_model_dir: Path) -> Path:
-    from burstrl.envs.toy_warm import ensure_warm_model
+def init_local_ray(attempts: int = 3, **kwargs):
+    """`ray.init(address="local", ...)`, tried again when Ray's node start times out.
 
-    return ensure_warm_model(tiny_model_dir, REPO / ".cache" / "tiny-qwen3-warm")
+    Why: Ray waits a fixed 30 s for its raylet to register (ray/_private/node.py, not configurable),
+    which a loaded 2-core machine running tests in parallel can miss ("The current node timed out
+    during startup"). `address="local"`: a new instance, never another worker's (a bare
+    `ray.init()` joins whatever cluster this machine started last).
+    """
+    import ray
+
+    for attempt in range(1, attempts + 1):
+        try:
+            return ray.init(address="local", **kwargs)
+        except Exception as e:  # Ray raises a bare Exception for this timeout
+            if "timed out during startup" not in str(e) or attempt == attempts:
+                raise
+            print(f"Ray start {attempt} timed out ({e}); trying again")
+            ray.shutdown()
+    raise AssertionError("unreachable")
 
 
 def burstrl_cmd(*args: str) -> list[str]:
@@ -38,6 +52,11 @@ def start_run(run_dir: Path, model: Path, *args: str) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def start_ray_run(run_dir: Path, model: Path, address: str, *args: str) -> subprocess.Popen:
+    """`start_run` with every role but the orchestrator in a Ray actor on the cluster at `address`."""
+    return start_run(run_dir, model, "--provider", "ray", "--ray.address", address, *args)
+
+
 def finish(proc: subprocess.Popen, run_dir: Path, timeout: float) -> None:
     """Wait for the run; on failure or timeout, stop it and show its output."""
     try:
@@ -47,6 +66,15 @@ def finish(proc: subprocess.Popen, run_dir: Path, timeout: float) -> None:
         proc.wait(timeout=60)
         pytest.fail(f"run did not finish in {timeout:.0f} s:\n{output(run_dir)}")
     assert code == 0, f"run exited with {code}:\n{output(run_dir)}"
+
+
+def interrupt(proc: subprocess.Popen, run_dir: Path) -> None:
+    """Ctrl-C for a run the test stops itself: the launcher tears everything down and exits 130.
+    A run that already ended is left alone, so the failure that ended it is the one reported."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=120)
+    assert proc.returncode == 130, f"run exited with {proc.returncode}:\n{output(run_dir)}"
 
 
 def output(run_dir: Path) -> str:
@@ -127,3 +155,18 @@ def alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
     except OSError:
         return False
+
+
+def greedy_held_out(model_dir: Path, adapter: Path | None) -> float:
+    """Greedy mean reward on one held-out toy prompt per letter (plain HF, in this process)."""
+    from burstrl.envs import toy
+    from burstrl.envs.toy_eval import greedy_score
+    from burstrl.model.hf import load_model, load_tokenizer
+
+    model = load_model(str(model_dir), "float32", "cpu")
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(adapter))
+    by_letter = {t.answer: t for t in toy.make_tasks(500, seed=11, split="test")}
+    return greedy_score(model, load_tokenizer(str(model_dir)), [by_letter[c] for c in sorted(by_letter)]).mean_reward

@@ -2,7 +2,8 @@
 
 One Ray instance serves the module (16 logical CPUs, 4 logical GPUs, no dashboard, a small object
 store, usage stats off); every run is a separate driver in its own namespace (one per run
-directory). The two-node spot-loss test makes its own `ray.cluster_utils.Cluster`.
+directory). The two-node spot-loss test, with its own `ray.cluster_utils.Cluster`, is in
+test_ray_spot.py.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -27,11 +27,14 @@ from .conftest import (
     burstrl_cmd,
     events,
     finish,
+    greedy_held_out,
+    init_local_ray,
+    interrupt,
     last_step,
     output,
     read_jsonl,
     scale,
-    start_run,
+    start_ray_run,
     wait_until,
 )
 
@@ -43,15 +46,10 @@ os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
 def ray_address():
     import ray
 
-    # address="local": a new instance even if another Ray runs on this machine (ray.init would join it)
-    ctx = ray.init(address="local", num_cpus=16, num_gpus=4, include_dashboard=False, object_store_memory=100 * 2**20,
+    ctx = init_local_ray(num_cpus=16, num_gpus=4, include_dashboard=False, object_store_memory=100 * 2**20,
                    namespace="burstrl-tests", log_to_driver=False)
     yield ctx.address_info["gcs_address"]
     ray.shutdown()
-
-
-def start_ray_run(run_dir: Path, model: Path, address: str, *args: str) -> subprocess.Popen:
-    return start_run(run_dir, model, "--provider", "ray", "--ray.address", address, *args)
 
 
 def pgrep(pattern: str) -> list[int]:
@@ -81,16 +79,19 @@ def replaced(run_dir: Path, name: str) -> list[dict]:
     return [e for e in events(run_dir, "replica_started") if f"(replaces {name})" in e["detail"]]
 
 
-def test_quickstart_on_ray_reward_rises(tmp_path: Path, warm_model: Path, ray_address: str) -> None:
-    """The local quickstart test, every role but the orchestrator in a Ray actor."""
+def test_quickstart_on_ray_learns(tmp_path: Path, warm_model: Path, ray_address: str) -> None:
+    """The local quickstart test (tests/e2e/test_run.py::test_quickstart_learns), every role but
+    the orchestrator in a Ray actor: 8 steps, and the adapter beats the warm model greedily. The
+    30-step curve on Ray is `benchmarks/learning.py --provider ray`."""
     run_dir = tmp_path / "learn"
-    proc = start_ray_run(run_dir, warm_model, ray_address, "--trainer.steps", "30", "--trainer.batch_groups", "4",
-                         "--orchestrator.group_size", "8", "--orchestrator.curriculum.max_difficulty", "1")
+    steps = 8
+    proc = start_ray_run(run_dir, warm_model, ray_address, "--trainer.steps", str(steps), "--trainer.batch_groups",
+                         "4", "--orchestrator.group_size", "8", "--orchestrator.curriculum.max_difficulty", "1")
     finish(proc, run_dir, timeout=600)
-    rewards = [m["reward_mean"] for m in read_jsonl(run_dir / "metrics.jsonl")]
-    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
-    print(f"sampled reward on Ray {first:.3f} -> {last:.3f}")
-    assert last >= first + 0.05, rewards
+    assert [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")] == list(range(1, steps + 1))
+    before, after = greedy_held_out(warm_model, None), greedy_held_out(warm_model, run_dir / "adapters" / f"policy-v{steps}")
+    print(f"greedy held-out on Ray {before:.3f} -> {after:.3f}")
+    assert after >= before + 0.25, (before, after)
     assert len(events(run_dir, "replica_started")) == 3
     assert not pgrep(str(run_dir / "roles")), "role processes outlived the run"
     assert not pgrep(str(run_dir / "logs" / "zygote")), "a zygote or a replica forked from it outlived the run"
@@ -101,7 +102,9 @@ def test_ray_replicas_scale_die_and_come_back_on_the_current_version(tmp_path: P
     """Replicas started the ordinary way (each a child of its actor's worker); forked ones are
     tested by test_replicas_fork_from_their_nodes_zygote_and_die_with_their_actor."""
     run_dir = tmp_path / "elastic"
-    proc = start_ray_run(run_dir, warm_model, ray_address, "--trainer.steps", "200", "--fleet.on_demand", "1",
+    # more steps than the test can take: the run must still be going when the test stops it (200 once
+    # finished first on a fast machine, and the final SIGTERM found no process group)
+    proc = start_ray_run(run_dir, warm_model, ray_address, "--trainer.steps", "100000", "--fleet.on_demand", "1",
                          "--fleet.zygote", "false")
     try:
         wait_until(lambda: last_step(run_dir) >= 2 and (run_dir / "launcher.json").exists(), 300, "step 2", proc,
@@ -141,8 +144,7 @@ def test_ray_replicas_scale_die_and_come_back_on_the_current_version(tmp_path: P
         wait_until(lambda: events(run_dir, "replica_stopped"), 120, "a drained replica to stop", proc, run_dir)
         wait_until(lambda: len(pgrep(str(run_dir / "roles" / "serve.toml"))) == 2, 60, "2 replica processes")
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        assert proc.wait(timeout=120) == 130, output(run_dir)
+        interrupt(proc, run_dir)
     audit(run_dir, last_step(run_dir))
     wait_until(lambda: not pgrep(str(run_dir / "roles")), 30, "every role process to end")
 
@@ -220,46 +222,6 @@ def test_what_cannot_be_placed_times_out_with_a_clear_message(tmp_path: Path, wa
     assert r.returncode == 1, r.stderr[-3000:]
     assert "the trainer failed to start: the placement group of the trainer" in r.stderr
     assert not pgrep(str(run_dir / "roles"))
-
-
-@pytest.mark.slow
-def test_losing_a_spot_node_mid_run_loses_no_rollout(tmp_path: Path, warm_model: Path) -> None:
-    """Two nodes: the head (reserved replica, trainer, router) and a spot node with the on-demand
-    replicas. The spot node is removed mid-run and a new one joins; the run finishes, nothing lost."""
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(initialize_head=True, connect=False,
-                      head_node_args={"num_cpus": 8, "num_gpus": 0, "resources": {"reserved": 2},
-                                      "include_dashboard": False, "object_store_memory": 100 * 2**20})
-    try:
-        spot = cluster.add_node(num_cpus=4, resources={"spot": 4}, object_store_memory=100 * 2**20)
-        run_dir = tmp_path / "spot"
-        steps = 40
-        proc = start_ray_run(run_dir, warm_model, cluster.address, "--trainer.steps", str(steps),
-                             "--fleet.on_demand", "2", "--ray.on_demand_resources", '{"spot": 1}',
-                             "--ray.reserved_resources", '{"reserved": 1}', "--ray.placement_timeout_s", "90")
-        wait_until(lambda: last_step(run_dir) >= 3, 300, "step 3", proc, run_dir)
-        # the cloud's notice (what Ray's autoscaler sends on a spot preemption), then the node is gone
-        ray_cli = Path(sys.executable).parent / "ray"
-        subprocess.run([str(ray_cli), "drain-node", "--address", cluster.address, "--node-id", spot.node_id,
-                        "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "spot preemption (test)",
-                        "--deadline-remaining-seconds", "1"], check=True, capture_output=True, timeout=60)
-        time.sleep(3)  # the node's raylet learns of the drain; its death is then a preemption
-        cluster.remove_node(spot)
-        wait_until(lambda: len(events(run_dir, "replica_died")) >= 2, 120, "both spot replicas lost", proc, run_dir)
-        cluster.add_node(num_cpus=4, resources={"spot": 4}, object_store_memory=100 * 2**20)
-        wait_until(lambda: len([e for e in events(run_dir, "replica_started") if "(replaces" in e["detail"]]) >= 2,
-                   200, "replacements on the new spot node", proc, run_dir)
-        finish(proc, run_dir, timeout=600)
-    finally:
-        cluster.shutdown()
-    died = events(run_dir, "replica_died")
-    assert {e["pool"] for e in died} == {"on_demand"}
-    assert all("(preempted)" in e["detail"] for e in died), died
-    samples = [e for e in read_jsonl(run_dir / "fleet.jsonl") if e.get("kind") == "sample"]
-    assert samples[-1]["spot_losses"] == 2
-    counts = audit(run_dir, steps)
-    print("attempts by status:", counts, "deaths:", [e["detail"] for e in died])
 
 
 def test_replicas_fork_from_their_nodes_zygote_and_die_with_their_actor(tmp_path: Path, warm_model: Path,

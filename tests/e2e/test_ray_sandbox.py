@@ -25,6 +25,8 @@ import pytest
 
 from tests.waiting import wait_for
 
+from .conftest import init_local_ray
+
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")]
 os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
@@ -135,7 +137,7 @@ def test_an_agent_that_dies_on_a_live_node_is_started_again_then_given_up_on(tmp
     from burstrl.sandbox.cluster import ClusterPool, load_nodes
 
     monkeypatch.setattr(ray_sandbox, "MAX_RESTARTS", 1)
-    ray.init(num_cpus=2, resources={"sandbox_node": 1}, include_dashboard=False, object_store_memory=80 * 2**20,
+    init_local_ray(num_cpus=2, resources={"sandbox_node": 1}, include_dashboard=False, object_store_memory=80 * 2**20,
              namespace="sandbox-restart-test", log_to_driver=False)
     agents = pool = None
     try:

@@ -20,6 +20,8 @@ from .conftest import (
     burstrl_cmd,
     events,
     finish,
+    greedy_held_out,
+    interrupt,
     last_step,
     read_jsonl,
     scale,
@@ -67,7 +69,7 @@ def test_replica_loss_mid_step_loses_and_duplicates_nothing(tmp_path: Path, warm
 
 def test_a_replica_added_mid_run_serves_new_sessions_on_the_current_version(tmp_path: Path, warm_model: Path) -> None:
     run_dir = tmp_path / "elastic"
-    proc = start_run(run_dir, warm_model, "--trainer.steps", "200", "--fleet.on_demand", "1")
+    proc = start_run(run_dir, warm_model, "--trainer.steps", "100000", "--fleet.on_demand", "1")
     try:
         wait_until(lambda: last_step(run_dir) >= 2 and (run_dir / "launcher.json").exists(), 300, "step 2", proc,
                    run_dir)
@@ -78,8 +80,7 @@ def test_a_replica_added_mid_run_serves_new_sessions_on_the_current_version(tmp_
         version_then = last_step(run_dir)
         wait_until(lambda: _rollouts_on(run_dir, url), 200, "a rollout on the new replica", proc, run_dir)
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)  # Ctrl-C: the launcher tears everything down
-        assert proc.wait(timeout=120) == 130
+        interrupt(proc, run_dir)
     versions = _rollouts_on(run_dir, url)
     assert min(versions) >= version_then - 1, "the new replica serves the current version, not an old one"
     assert events(run_dir, "run_stopped")
@@ -122,42 +123,27 @@ def _role_pids(run_dir: Path) -> list[int]:
     return pids
 
 
+def test_quickstart_learns(tmp_path: Path, warm_model: Path) -> None:
+    """The quickstart's batch size (4 groups of 8), difficulty pinned to 1, for 8 steps: the adapter
+    it ends with answers held-out prompts greedily better than the warm model it started from.
 
-
-def test_quickstart_reward_rises(tmp_path: Path, warm_model: Path) -> None:
-    """The quickstart's batch size (4 groups of 8), difficulty pinned to 1 so the curve is one task's.
-
-    The trainer recomputes everything but attention in the backward (selective recomputation).
+    The trainer recomputes everything but attention in the backward (selective recomputation). The
+    30-step sampled-reward curve is a benchmark (benchmarks/learning.py): at 8 steps the sampled
+    reward is still noise (measured 0.26 -> 0.28 and 0.33 -> 0.31), the greedy score is not.
     """
     run_dir = tmp_path / "learn"
-    proc = start_run(run_dir, warm_model, "--trainer.steps", "30", "--trainer.batch_groups", "4",
+    steps = 8
+    proc = start_run(run_dir, warm_model, "--trainer.steps", str(steps), "--trainer.batch_groups", "4",
                      "--orchestrator.group_size", "8", "--orchestrator.curriculum.max_difficulty", "1",
                      "--trainer.activation_checkpointing", "attention")
     finish(proc, run_dir, timeout=600)
     assert 'activation_checkpointing = "attention"' in (run_dir / "train_config.toml").read_text()
-    rewards = [m["reward_mean"] for m in read_jsonl(run_dir / "metrics.jsonl")]
-    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
-    before, after = _greedy(warm_model, None), _greedy(warm_model, run_dir / "adapters" / "policy-v30")
-    print(f"sampled reward {first:.3f} -> {last:.3f}; greedy held-out {before:.3f} -> {after:.3f}")
-    # measured (docs/benchmarks.md): sampled ~0.23-0.29 -> ~0.39-0.46 over 30 steps
-    assert last >= first + 0.05, rewards
-    assert after >= before + 0.15, (before, after)
+    assert [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")] == list(range(1, steps + 1))
+    before, after = greedy_held_out(warm_model, None), greedy_held_out(warm_model, run_dir / "adapters" / f"policy-v{steps}")
+    print(f"greedy held-out {before:.3f} -> {after:.3f}")
+    # measured: 0.308 -> 0.888 and 0.308 -> 0.965 (two runs); the margin leaves room for the async loop's noise
+    assert after >= before + 0.25, (before, after)
     assert (run_dir / "report" / "dashboard.png").exists()
-
-
-def _greedy(model_dir: Path, adapter: Path | None) -> float:
-    """Greedy mean reward on one held-out prompt per letter (plain HF, in this process)."""
-    from burstrl.envs import toy
-    from burstrl.envs.toy_eval import greedy_score
-    from burstrl.model.hf import load_model, load_tokenizer
-
-    model = load_model(str(model_dir), "float32", "cpu")
-    if adapter is not None:
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, str(adapter))
-    by_letter = {t.answer: t for t in toy.make_tasks(500, seed=11, split="test")}
-    return greedy_score(model, load_tokenizer(str(model_dir)), [by_letter[c] for c in sorted(by_letter)]).mean_reward
 
 
 def test_a_failing_role_ends_the_run_naming_it_then_resume_finishes(tmp_path: Path, warm_model: Path) -> None:
@@ -179,7 +165,7 @@ def test_a_failing_role_ends_the_run_naming_it_then_resume_finishes(tmp_path: Pa
 
 def test_the_autoscaler_adds_replicas_when_the_trainer_waits(tmp_path: Path, warm_model: Path) -> None:
     run_dir = tmp_path / "autoscale"
-    proc = start_run(run_dir, warm_model, "--trainer.steps", "200", "--fleet.on_demand", "0",
+    proc = start_run(run_dir, warm_model, "--trainer.steps", "100000", "--fleet.on_demand", "0",
                      "--autoscale.enabled", "true", "--autoscale.max_on_demand", "1", "--autoscale.interval_s", "1",
                      "--autoscale.wait_fraction", "0.05")
     try:
@@ -188,7 +174,6 @@ def test_the_autoscaler_adds_replicas_when_the_trainer_waits(tmp_path: Path, war
         wait_until(lambda: [e for e in events(run_dir, "replica_started") if "autoscale" in e["detail"]], 200,
                    "the autoscaled replica", proc, run_dir)
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        assert proc.wait(timeout=120) == 130
+        interrupt(proc, run_dir)
     assert "0 -> 1" in scaled[0]["detail"]
     audit(run_dir, last_step(run_dir))

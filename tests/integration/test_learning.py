@@ -24,7 +24,10 @@ from tests.http_client import HTTP
 from .conftest import ADMIN_TOKEN, Server, start_server, stop_server
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS, GROUPS, G = 30, 8, 8
+# 6 steps: enough to move both figures on this fixed seed (measured: sampled 0.244 -> 0.406 over the
+# last 5 steps, greedy held-out 0.327 -> 0.735; at 4 steps 0.327 -> 0.908, at 8 0.327 -> 1.0). The
+# 30-step curve is a benchmark: benchmarks/learning.py.
+STEPS, GROUPS, G = 6, 8, 8
 TEMPERATURE = 0.5  # the warm model is flat: at T = 1 almost no attempt succeeds
 
 
@@ -63,10 +66,8 @@ def greedy_score(server: Server, model: str, tasks: list[toy.ToyTask], pool: Thr
 
 
 @pytest.mark.slow
-def test_grpo_raises_the_reward_of_a_warm_started_model(tiny_model_dir: Path, tmp_path: Path) -> None:
-    from burstrl.envs.toy_warm import ensure_warm_model
-
-    warm = ensure_warm_model(tiny_model_dir, REPO / ".cache" / "tiny-qwen3-warm")
+def test_grpo_raises_the_reward_of_a_warm_started_model(warm_model: Path, tmp_path: Path) -> None:
+    warm = warm_model
     server = start_server(warm, tmp_path / "replica")
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-c", "from burstrl.cli import main; main()", "train", "--model.path", str(warm),
@@ -100,6 +101,6 @@ def test_grpo_raises_the_reward_of_a_warm_started_model(tiny_model_dir: Path, tm
     rewards = [json.loads(line)["reward_mean"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     last = sum(rewards[-5:]) / 5
     print(f"sampled reward {rewards[0]:.3f} -> {last:.3f} (last 5); greedy held-out {before:.3f} -> {after:.3f}")
-    # measured (seeded): sampled 0.19 -> 0.42, greedy held-out 0.37 -> 0.93; margins leave room for noise
-    assert last >= rewards[0] + 0.12, rewards
-    assert after >= before + 0.3, (before, after)
+    # margins leave room for batch-dependent float rounding flipping a sampled token
+    assert last >= rewards[0] + 0.08, rewards
+    assert after >= before + 0.25, (before, after)

@@ -21,7 +21,11 @@ from burstrl.sandbox.backends.base import Sandbox, SandboxSpec, read_owner
 
 ROOT = os.geteuid() == 0
 SRC = Path(__file__).resolve().parents[2] / "src"
-DROP = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+# The ordinary user: a uid no other process uses. Not nobody (65534): the namespace backend run as
+# root drops its sandboxes to nobody, and RLIMIT_NPROC counts every process of a uid, so a parallel
+# worker's sandboxes ate this test's 64 and its next fork failed (the "ptrace" attack's daemon check).
+USER_UID = 60000 + os.getpid() % 5000
+DROP = ["setpriv", f"--reuid={USER_UID}", f"--regid={USER_UID}", "--clear-groups"]
 
 pytestmark = [
     pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed"),
