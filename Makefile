@@ -40,8 +40,10 @@ $(STAMP): pyproject.toml | $(PY)
 # expensive units first (tests/conftest.py). Ends with the slowest tests and the skips by reason.
 XDIST ?= -n 4 --dist loadscope --no-loadscope-reorder
 
+# build/test-report.xml: every test's time (tests/update_durations.py turns it into the schedule's
+# costs; docs/benchmarks.md's per-directory figures come from it).
 test: install lint
-	$(PY) -m pytest -m "not gpu" -q $(XDIST) --durations=30
+	$(PY) -m pytest -m "not gpu" -q $(XDIST) --durations=30 --junitxml=build/test-report.xml
 
 # pyflakes, bugbear and import order ([tool.ruff] in pyproject.toml); part of `make test`.
 lint: install

@@ -3,8 +3,8 @@
 The parallel run starts the most expensive files first (tests/conftest.py); this table is what
 it knows of their cost. Regenerate it after a full run when files are added or change much:
 
-    .venv/bin/python -m pytest -m "not gpu" -n 4 --dist loadfile --junitxml=/tmp/suite.xml
-    .venv/bin/python tests/update_durations.py /tmp/suite.xml
+    make test                                                  # writes build/test-report.xml
+    .venv/bin/python tests/update_durations.py build/test-report.xml
 """
 
 from __future__ import annotations
@@ -29,6 +29,11 @@ def file_seconds(junit: Path) -> dict[str, float]:
 if __name__ == "__main__":
     if len(sys.argv) != 2:
         sys.exit(f"usage: {sys.argv[0]} JUNIT_XML")
-    table = {path: round(s, 1) for path, s in sorted(file_seconds(Path(sys.argv[1])).items())}
+    seconds = file_seconds(Path(sys.argv[1]))
+    table = {path: round(s, 1) for path, s in sorted(seconds.items())}
     TABLE.write_text(json.dumps(table, indent=0) + "\n")
     print(f"{TABLE}: {len(table)} files, {sum(table.values()):.0f} s in all")
+    by_dir: dict[str, float] = {}
+    for path, s in seconds.items():
+        by_dir[path.split("/")[1]] = by_dir.get(path.split("/")[1], 0.0) + s
+    print("by directory (s, summed over workers):", {d: round(s) for d, s in sorted(by_dir.items())})
