@@ -30,26 +30,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from burstrl.envs import toy  # noqa: E402
-from burstrl.envs.toy_eval import greedy_score  # noqa: E402
+from burstrl.envs.toy_eval import held_out_greedy  # noqa: E402
 from burstrl.envs.toy_warm import ensure_warm_model  # noqa: E402
-from burstrl.model.hf import load_model, load_tokenizer  # noqa: E402
 from burstrl.model.tiny import ensure_tiny_model  # noqa: E402
 
 QUICKSTART = ["--trainer.batch_groups", "4", "--orchestrator.group_size", "8",
               "--orchestrator.curriculum.max_difficulty", "1", "--trainer.activation_checkpointing", "attention",
               "--engine.num_threads", "1", "--trainer.num_threads", "1"]
-
-
-def greedy_held_out(model_dir: Path, adapter: Path | None) -> float:
-    """Greedy mean reward on one held-out toy prompt per letter."""
-    model = load_model(str(model_dir), "float32", "cpu")
-    if adapter is not None:
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, str(adapter))
-    by_letter = {t.answer: t for t in toy.make_tasks(500, seed=11, split="test")}
-    return greedy_score(model, load_tokenizer(str(model_dir)), [by_letter[c] for c in sorted(by_letter)]).mean_reward
 
 
 def curve(run_dir: Path, model: Path, steps: int, *provider: str) -> dict:
@@ -64,8 +51,8 @@ def curve(run_dir: Path, model: Path, steps: int, *provider: str) -> dict:
     rewards = [json.loads(line)["reward_mean"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {"wall_s": round(wall, 1), "sampled_first5": round(sum(rewards[:5]) / 5, 3),
             "sampled_last5": round(sum(rewards[-5:]) / 5, 3),
-            "greedy_before": round(greedy_held_out(model, None), 3),
-            "greedy_after": round(greedy_held_out(model, run_dir / "adapters" / f"policy-v{steps}"), 3)}
+            "greedy_before": round(held_out_greedy(model, None), 3),
+            "greedy_after": round(held_out_greedy(model, run_dir / "adapters" / f"policy-v{steps}"), 3)}
 
 
 def main() -> None:

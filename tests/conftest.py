@@ -7,6 +7,7 @@ import fcntl
 import json
 import os
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -134,9 +135,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     receives every worker's reports.
     """
     skipped = [r for r in terminalreporter.stats.get("skipped", []) if r.when in ("setup", "call")]
-    reasons: dict[str, int] = {}
-    for report in skipped:
-        reasons[_skip_reason(report)] = reasons.get(_skip_reason(report), 0) + 1
+    reasons = Counter(_skip_reason(report) for report in skipped)
     terminalreporter.section(f"{len(skipped)} skipped, by reason", sep="-")
     for reason, count in sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0])):
         terminalreporter.write_line(f"{count:5d}  {reason}")

@@ -156,17 +156,3 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
 
-
-def greedy_held_out(model_dir: Path, adapter: Path | None) -> float:
-    """Greedy mean reward on one held-out toy prompt per letter (plain HF, in this process)."""
-    from burstrl.envs import toy
-    from burstrl.envs.toy_eval import greedy_score
-    from burstrl.model.hf import load_model, load_tokenizer
-
-    model = load_model(str(model_dir), "float32", "cpu")
-    if adapter is not None:
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, str(adapter))
-    by_letter = {t.answer: t for t in toy.make_tasks(500, seed=11, split="test")}
-    return greedy_score(model, load_tokenizer(str(model_dir)), [by_letter[c] for c in sorted(by_letter)]).mean_reward

@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from burstrl.envs.toy_eval import held_out_greedy
 from tests.http_client import HTTP
 
 from .conftest import (
@@ -27,7 +28,6 @@ from .conftest import (
     burstrl_cmd,
     events,
     finish,
-    greedy_held_out,
     init_local_ray,
     interrupt,
     last_step,
@@ -177,7 +177,7 @@ def test_kill_9_of_the_launcher_takes_every_actor_with_it_then_resume_and_learn(
     assert len(events(run_dir, "replica_started")) == 6  # 3 per launch
     assert not pgrep(str(run_dir / "roles")), "role processes outlived the run"
     assert not pgrep(str(run_dir / "logs" / "zygote")), "a zygote or a replica forked from it outlived the run"
-    before, after = greedy_held_out(warm_model, None), greedy_held_out(warm_model, run_dir / "adapters" / f"policy-v{steps}")
+    before, after = held_out_greedy(warm_model, None), held_out_greedy(warm_model, run_dir / "adapters" / f"policy-v{steps}")
     print(f"greedy held-out on Ray, across a launcher kill {before:.3f} -> {after:.3f}")
     assert after >= before + 0.2, (before, after)
 

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from burstrl.envs.toy_eval import held_out_greedy
+
 from .conftest import (
     SMALL,
     alive,
@@ -20,7 +22,6 @@ from .conftest import (
     burstrl_cmd,
     events,
     finish,
-    greedy_held_out,
     interrupt,
     last_step,
     read_jsonl,
@@ -139,7 +140,7 @@ def test_quickstart_learns(tmp_path: Path, warm_model: Path) -> None:
     finish(proc, run_dir, timeout=600)
     assert 'activation_checkpointing = "attention"' in (run_dir / "train_config.toml").read_text()
     assert [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")] == list(range(1, steps + 1))
-    before, after = greedy_held_out(warm_model, None), greedy_held_out(warm_model, run_dir / "adapters" / f"policy-v{steps}")
+    before, after = held_out_greedy(warm_model, None), held_out_greedy(warm_model, run_dir / "adapters" / f"policy-v{steps}")
     print(f"greedy held-out {before:.3f} -> {after:.3f}")
     # measured: 0.308 -> 0.888 and 0.308 -> 0.965 (two runs); the margin leaves room for the async loop's noise
     assert after >= before + 0.25, (before, after)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -76,6 +77,23 @@ def greedy_score(
             rewards.append(total)
             exact.append(parts["exact"])
     return ToyScore(mean_reward=statistics.fmean(rewards), exact=statistics.fmean(exact))
+
+
+def held_out_greedy(model_dir: str | Path, adapter: str | Path | None = None) -> float:
+    """Greedy mean reward on one held-out toy prompt per letter, of the model or of an adapter on it.
+
+    Why one prompt per letter: the quickstart's learning checks (the e2e tests, benchmarks/learning.py)
+    compare a warm model with the adapter a run ends with, and need a cheap, fixed, balanced probe.
+    """
+    from burstrl.model.hf import load_model, load_tokenizer
+
+    model = load_model(str(model_dir), "float32", "cpu")
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(adapter))
+    by_letter = {t.answer: t for t in toy.make_tasks(500, seed=11, split="test")}
+    return greedy_score(model, load_tokenizer(str(model_dir)), [by_letter[c] for c in sorted(by_letter)]).mean_reward
 
 
 def sampled_score(
