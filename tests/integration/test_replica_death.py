@@ -7,6 +7,8 @@ the engine any more, so the test reaches that path with `BURSTRL_CRASH=engine@N`
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -53,4 +55,45 @@ def test_a_dead_engine_leaves_rotation_and_the_process_exits(tiny_model_dir: Pat
     finally:
         router.stop()
         stop_server(doomed)
+        stop_server(good)
+
+
+def test_a_frozen_replica_leaves_rotation_and_comes_back_when_it_answers(tiny_model_dir: Path,
+                                                                         tmp_path: Path) -> None:
+    """A replica that answers no scrape (SIGSTOP: busy, or a router starved on a loaded machine)
+    stops getting sessions, and is back when it answers. Before, two missed scrapes dropped it for
+    good: a loaded CI machine lost all three replicas of a run at once and the run stalled on 503s."""
+    good = start_server(tiny_model_dir, tmp_path / "good", "--server.cluster_token", TOKEN)
+    frozen = start_server(tiny_model_dir, tmp_path / "frozen", "--server.cluster_token", TOKEN)
+    urls = f'["{good.url}", "{frozen.url}"]'
+    router = process.start_router(tmp_path / "router", "--cluster_token", TOKEN, "--replicas", urls,
+                                  "--scrape_s", "0.5", "--health_failures", "2")
+    healthy = lambda: {r["url"]: r["healthy"] for r in
+                       HTTP.get(router.url + "/v1/replicas", timeout=30).json()["replicas"]}
+
+    def homed_on_frozen(prefix: str, n: int) -> int:
+        before = {r["url"]: r["sessions"] for r in HTTP.get(router.url + "/v1/stats", timeout=30).json()["replicas"]}
+        for i in range(n):
+            r = HTTP.post(router.url + "/v1/completions", timeout=120,
+                          json={"model": "base", "prompt": [5, 6, i], "max_tokens": 2, "session_id": f"{prefix}-{i}"})
+            assert r.status_code == 200, r.text
+        after = {r["url"]: r["sessions"] for r in HTTP.get(router.url + "/v1/stats", timeout=30).json()["replicas"]}
+        return after.get(frozen.url, 0) - before.get(frozen.url, 0)
+
+    try:
+        wait_for(lambda: healthy() == {good.url: True, frozen.url: True}, 60, "both replicas in rotation")
+        os.kill(frozen.replica.proc.pid, signal.SIGSTOP)
+        try:
+            wait_for(lambda: healthy() == {good.url: True, frozen.url: False}, 60, "the frozen one out of rotation")
+            assert homed_on_frozen("frozen", 10) == 0  # every call answered (none waits on the frozen one)
+        finally:
+            os.kill(frozen.replica.proc.pid, signal.SIGCONT)
+        wait_for(lambda: healthy() == {good.url: True, frozen.url: True}, 60, "the frozen one back in rotation")
+        assert homed_on_frozen("thawed", 20) > 0
+        stats = HTTP.get(router.url + "/v1/stats", timeout=30).json()["totals"]
+        assert stats["replicas_unanswered"] >= 1 and stats["replicas_dropped"] == 0
+        assert "back in rotation" in router.log.read_text()
+    finally:
+        router.stop()
+        stop_server(frozen)
         stop_server(good)

@@ -94,14 +94,35 @@ def test_dead_replica_rehomes_its_sessions():
     assert reg.place("s", "base").id == new_home and reg.counters.rehomes == 1
 
 
-def test_failed_scrapes_drop_a_replica_after_the_threshold():
+def test_unanswered_scrapes_take_a_replica_out_of_rotation_until_it_answers():
+    """A busy replica (or a starved router) misses scrapes: it stops getting sessions but is kept;
+    dropping it lost every replica of a loaded run for good (nothing registers them again)."""
     reg = fleet(2)
-    url = next(iter(reg.replicas))
+    url, other = list(reg.replicas)
     assert not reg.scrape_failed(url)
     reg.apply_scrape(url, loads(), models("base"))  # a success resets the count
     assert not reg.scrape_failed(url)
-    assert reg.scrape_failed(url)
-    assert url not in reg.replicas
+    assert reg.scrape_failed(url)  # the threshold: out of rotation, once
+    assert not reg.scrape_failed(url) and not reg.scrape_failed(url)
+    assert url in reg.replicas and not reg.replicas[url].healthy
+    assert reg.counters.replicas_unanswered == 1 and reg.counters.replicas_dropped == 0
+    assert {reg.place(f"s{i}", "base").id for i in range(10)} == {other}
+    reg.apply_scrape(url, loads(), models("base"))  # it answers again
+    assert reg.replicas[url].healthy
+    assert url in {reg.place(f"t{i}", "base").id for i in range(30)}
+
+
+def test_every_replica_unanswered_is_a_503_then_the_run_goes_on_when_they_answer():
+    reg = fleet(2)
+    for url in list(reg.replicas):
+        reg.scrape_failed(url)
+        reg.scrape_failed(url)
+    with pytest.raises(RouteError) as err:
+        reg.place("s", reg.resolve("s", "latest"))
+    assert err.value.status == 503
+    for url in list(reg.replicas):
+        reg.apply_scrape(url, loads(), models("base"))
+    assert reg.place("s", reg.resolve("s", "latest")).id in reg.replicas
 
 
 def test_unknown_model_is_404_and_lost_version_is_503():
@@ -293,9 +314,9 @@ def test_a_503_scrape_drops_the_replica_at_once_a_timeout_needs_the_threshold():
     assert reg.scrape_failed(dead, status=503)  # the replica answered that it cannot serve
     assert dead not in reg.replicas and reg.counters.replicas_dropped == 1
     assert not reg.scrape_failed(slow, status=None)  # no answer: may be a blip
-    assert reg.scrape_failed(slow, status=None) and slow not in reg.replicas  # two in a row
-    for i in range(10):  # nothing new goes to the dead replica
-        assert reg.place(f"new-{i}", "base").id != dead
+    assert reg.scrape_failed(slow, status=None) and not reg.replicas[slow].healthy  # two in a row
+    for i in range(10):  # nothing new goes to the dead or the unanswering replica
+        assert reg.place(f"new-{i}", "base").id not in (dead, slow)
     assert reg.place("s", "base").id != dead and reg.counters.rehomes == (1 if home == dead else 0)
 
 

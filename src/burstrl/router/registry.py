@@ -76,6 +76,7 @@ class RouterCounters:
     rehomes_overflow: int = 0  # of `rehomes`: moved off a home over its KV budget that had evicted them
     rehomes_pressure: int = 0  # of `rehomes`: small sessions moved off a nearly full home before it evicted
     replicas_dropped: int = 0
+    replicas_unanswered: int = 0  # times a replica left rotation for unanswered scrapes (it stays scraped)
     sessions_pruned: int = 0  # forgotten without a DELETE: finished, expired, or over `max_sessions`
     trace_release_failures: int = 0  # a DELETE could not release the part of a capture left on an old home
 
@@ -200,18 +201,27 @@ class Registry:
         view.running_requests = waiting
 
     def scrape_failed(self, url: str, status: int | None = None) -> bool:
-        """Count a failed scrape; True when the replica is dropped.
+        """Count a failed scrape; True when the replica leaves rotation with this one.
 
-        `status` is the HTTP status of a replica that answered (None: timeout or no connection).
-        A 503 is the replica saying it cannot serve (its engine died): dropped at once. Anything
-        else may be a blip, so the replica goes only after `health_failures` failures in a row.
+        `status` is the HTTP status of a replica that answered (None: timeout, no connection, or an
+        answer that was not a load report). A 503 is the replica saying it cannot serve (its engine
+        died): dropped at once. Anything else may be a busy or briefly cut off replica: after
+        `health_failures` failures in a row it stops getting sessions but stays registered and
+        scraped, and its next answered scrape (`apply_scrape`) puts it back. Why not drop it: nothing
+        registers a replica again, so a router starved for two scrape timeouts (a loaded machine)
+        lost every replica it had and the run stalled; one the launcher knows is dead it deregisters.
         """
-        if url not in self.replicas:
+        view = self.replicas.get(url)
+        if view is None:
             return False
         self.failures[url] = self.failures.get(url, 0) + 1
-        if status == 503 or self.failures[url] >= self.health_failures:
-            self.replicas[url].healthy = False
+        if status == 503:
+            view.healthy = False
             self.mark_dead(url)
+            return True
+        if self.failures[url] == self.health_failures:
+            view.healthy = False
+            self.counters.replicas_unanswered += 1
             return True
         return False
 
@@ -443,6 +453,7 @@ class Registry:
                 "totals": {"replicas": len(per_replica), "sessions": len(self.homes), "rehomes": c.rehomes,
                            "rehomes_overflow": c.rehomes_overflow, "rehomes_pressure": c.rehomes_pressure,
                            "requests": c.requests, "errors": c.errors, "replicas_dropped": c.replicas_dropped,
+                           "replicas_unanswered": c.replicas_unanswered,
                            "sessions_pruned": c.sessions_pruned, "trace_release_failures": c.trace_release_failures,
                            "thrash": sum(r["thrash"] for r in per_replica),
                            "evictions": sum(r["evictions"] for r in per_replica),
@@ -472,7 +483,7 @@ def prometheus_text(stats: dict[str, Any]) -> str:
     lines = []
     for name, kind in (("requests", "counter"), ("errors", "counter"), ("rehomes", "counter"),
                        ("rehomes_overflow", "counter"), ("rehomes_pressure", "counter"), ("replicas_dropped", "counter"),
-                       ("sessions_pruned", "counter"),
+                       ("replicas_unanswered", "counter"), ("sessions_pruned", "counter"),
                        ("trace_release_failures", "counter"), ("sessions", "gauge"), ("replicas", "gauge")):
         metric = f"burstrl_router_{name}" + ("_total" if kind == "counter" else "")
         lines += [f"# TYPE {metric} {kind}", f"{metric} {totals[name]}"]

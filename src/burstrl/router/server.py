@@ -177,7 +177,11 @@ class Router:
                 self.unlisted.add(url)
                 log.warning("replica %s lists no sessions to the router: does it have the cluster token?", url)
             async with self.lock:
+                view = self.registry.replicas.get(url)
+                back = view is not None and not view.healthy
                 self.registry.apply_scrape(url, loads_body, models_body, mark)
+            if back:
+                log.info("replica %s answered a scrape again: back in rotation", url)
         except (ValueError, TypeError, KeyError, AttributeError) as exc:  # answered, but not a load report
             return await self.scrape_failed(url, None, f"malformed answer: {type(exc).__name__}: {exc}")
         return True
@@ -185,7 +189,8 @@ class Router:
     async def scrape_failed(self, url: str, status: int | None, why: str) -> bool:
         async with self.lock:
             if self.registry.scrape_failed(url, status):
-                log.warning("replica %s dropped after a failed scrape (%s)", url, why)
+                gone = "dropped" if url not in self.registry.replicas else "out of rotation until it answers"
+                log.warning("replica %s %s after a failed scrape (%s)", url, gone, why)
         return False
 
     async def scrape_loop(self) -> None:
