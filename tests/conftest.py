@@ -196,3 +196,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for path, guess in estimated.items():
         cost[_unit(path)] = cost.get(_unit(path), 0.0) + _DURATIONS.get(path, guess)
     items.sort(key=lambda item: -cost[_unit(item.location[0])])  # stable: a unit's tests keep their order
+
+
+# Under xdist, the controller's record of which worker ran each test and when (report.start/stop):
+# written to build/test-timeline.json at the end, so a slow run's critical path can be read
+# (tests/update_durations.py prints each worker's units in order).
+_TIMELINE: list[dict[str, object]] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    worker = getattr(getattr(report, "node", None), "gateway", None)
+    if worker is not None and report.when in ("setup", "call", "teardown"):
+        _TIMELINE.append({"test": report.nodeid, "worker": worker.id, "when": report.when,
+                          "start": report.start, "stop": report.stop})
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if _TIMELINE and not hasattr(session.config, "workerinput"):
+        out = REPO_ROOT / "build" / "test-timeline.json"
+        out.parent.mkdir(exist_ok=True)
+        out.write_text(json.dumps(_TIMELINE))

@@ -26,6 +26,21 @@ def file_seconds(junit: Path) -> dict[str, float]:
     return seconds
 
 
+def print_timeline(timeline: Path) -> None:
+    """Each worker's work units in order (minutes from the start): where a slow run's time went."""
+    rows = json.loads(timeline.read_text())
+    t0 = min(r["start"] for r in rows)
+    units: dict[tuple[str, str], list[float]] = {}
+    for r in rows:
+        span = units.setdefault((r["worker"], r["test"].split("::", 1)[0]), [r["start"], r["stop"]])
+        span[0], span[1] = min(span[0], r["start"]), max(span[1], r["stop"])
+    for worker in sorted({w for w, _ in units}):
+        spans = sorted((s, e, f) for (w, f), (s, e) in units.items() if w == worker)
+        line = ", ".join(f"{f.removeprefix('tests/')} {(s - t0) / 60:.1f}-{(e - t0) / 60:.1f}" for s, e, f in spans
+                         if e - s > 30)
+        print(f"{worker} (ends at {(spans[-1][1] - t0) / 60:.1f} min; units over 30 s): {line}")
+
+
 if __name__ == "__main__":
     if len(sys.argv) != 2:
         sys.exit(f"usage: {sys.argv[0]} JUNIT_XML")
@@ -37,3 +52,6 @@ if __name__ == "__main__":
     for path, s in seconds.items():
         by_dir[path.split("/")[1]] = by_dir.get(path.split("/")[1], 0.0) + s
     print("by directory (s, summed over workers):", {d: round(s) for d, s in sorted(by_dir.items())})
+    timeline = Path(sys.argv[1]).with_name("test-timeline.json")
+    if timeline.exists():
+        print_timeline(timeline)
