@@ -28,8 +28,8 @@ from burstrl.config import EngineConfig
 from burstrl.inference.kvcache import DecodeBatch, PackedPrefillAttention, SessionCache, SessionKV
 from burstrl.inference.lora import LoraBatch
 from burstrl.inference.prefix import block_hashes
+from burstrl.inference.probe import select_runner
 from burstrl.inference.request import EngineCounters, Request
-from burstrl.inference.runner import ModelRunner
 from burstrl.inference.sampling import History, sample
 from burstrl.inference.sessions import CallRecord, SessionTable
 from burstrl.protocol.blocks import BLOCK_TOKENS, prefix_block_hashes
@@ -61,7 +61,7 @@ class Engine:
                  on_fatal: Callable[[str], None] | None = None) -> None:
         torch.set_num_threads(cfg.num_threads or default_threads())
         self.cfg = cfg
-        self.runner = ModelRunner(model)
+        self.runner, self.probe_error = select_runner(model)  # refuses a model no path computes exactly
         self.tokenizer = tokenizer
         self.eos_ids = set(eos_ids)
         self.sessions = sessions

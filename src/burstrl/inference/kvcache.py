@@ -74,14 +74,15 @@ class PackedPrefillAttention:
         """Index of each sequence's last new token in the packed sequence."""
         return [end - 1 for end in self.offsets[1:]]
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               window: int | None = None) -> torch.Tensor:
         outs = []
         for kv, past, n, off in zip(self.kvs, self.past, self.new, self.offsets, strict=False):
             end = past + n
             kv.k[layer][:, past:end] = k[0, :, off:off + n]
             kv.v[layer][:, past:end] = v[0, :, off:off + n]
             keys, values = kv.k[layer][None, :, :end], kv.v[layer][None, :, :end]
-            outs.append(causal_attention(q[:, :, off:off + n], keys, values, past, self.scale))
+            outs.append(causal_attention(q[:, :, off:off + n], keys, values, past, self.scale, window))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
     def commit(self) -> None:
@@ -106,6 +107,7 @@ class DecodeBatch:
         self.lens = torch.zeros(0, dtype=torch.long, device=device)
         self._alloc(rows=8, length=256)
         self._mask: torch.Tensor | None = None
+        self._window_masks: dict[int, torch.Tensor] = {}
 
     @property
     def size(self) -> int:
@@ -165,15 +167,27 @@ class DecodeBatch:
         self._width = width
         keys = torch.arange(width, device=self.device)
         self._mask = (keys[None, :] > self.lens[:, None])[:, None, None, :]  # [B, 1, 1, W]: True = hidden
+        self._window_masks: dict[int, torch.Tensor] = {}
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _hidden(self, window: int | None) -> torch.Tensor:
+        """The step's mask, plus for a sliding-window layer the keys at or before lens - window."""
+        if window is None:
+            return self._mask
+        if window not in self._window_masks:
+            keys = torch.arange(self._width, device=self.device)
+            old = (keys[None, :] <= self.lens[:, None] - window)[:, None, None, :]
+            self._window_masks[window] = self._mask | old
+        return self._window_masks[window]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               window: int | None = None) -> torch.Tensor:
         n = self.size
         rows = torch.arange(n, device=self.device)
         self.k[layer][rows, :, self.lens] = k[:, :, 0]
         self.v[layer][rows, :, self.lens] = v[:, :, 0]
         keys = self.k[layer][:n, :, : self._width]
         values = self.v[layer][:n, :, : self._width]
-        return decode_attention(q, keys, values, self._mask, self.scale)
+        return decode_attention(q, keys, values, self._hidden(window), self.scale)
 
     def advance(self) -> None:
         self.lens += 1

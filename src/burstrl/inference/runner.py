@@ -29,8 +29,12 @@ class UnsupportedModel(ValueError):
 class Attention(Protocol):
     """Stores a layer's new keys/values and returns attention over everything cached so far."""
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [B, H, T, D], k/v: [B, KVH, T, D] (rotary applied) -> [B, H, T, D]."""
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               window: int | None = None) -> torch.Tensor:
+        """q: [B, H, T, D], k/v: [B, KVH, T, D] (rotary applied) -> [B, H, T, D].
+
+        `window`: a sliding-window layer's span; a query at position p sees keys (p - window, p].
+        """
         ...
 
 
@@ -54,6 +58,8 @@ class ModelRunner:
     the fused tensors, so memory is not doubled and the HF model still works), uses fused RMSNorm,
     and applies rotary to queries and keys in one go. The math is the model's own.
     """
+
+    path = "fast"
 
     def __init__(self, model: nn.Module) -> None:
         inner = getattr(model, "model", None)
@@ -199,14 +205,19 @@ def _check_layer(i: int, layer: nn.Module) -> None:
         raise UnsupportedModel(f"layer {i} lacks {', '.join(missing)} (Llama/Qwen layout expected)")
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, scale: float) -> torch.Tensor:
-    """Attention of T new queries over past+T keys; query t sees keys [0, past + t].
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, scale: float,
+                     window: int | None = None) -> torch.Tensor:
+    """Attention of T new queries over past+T keys; query t sees keys [0, past + t], or with a
+    sliding `window` only keys (past + t - window, past + t].
 
     q: [B, H, T, D], k/v: [B, KVH, past+T, D].
     """
     t = q.shape[2]
-    if past == 0:
+    if past == 0 and (window is None or window >= t):
         return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-    keys = torch.arange(past + t, device=q.device)
-    mask = keys[None, :] <= (torch.arange(t, device=q.device) + past)[:, None]  # [T, past+T]
+    keys = torch.arange(past + t, device=q.device)[None, :]
+    rows = (torch.arange(t, device=q.device) + past)[:, None]
+    mask = keys <= rows  # [T, past+T]
+    if window is not None:
+        mask &= keys > rows - window
     return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)

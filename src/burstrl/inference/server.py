@@ -108,7 +108,9 @@ async def models(request: Request) -> dict[str, Any]:
     rep = replica_of(request)
     require_engine(rep)
     names = [rep.cfg.served_model_name, *rep.registry.names()]
-    return models_list(names, rep.cfg.model.path, rep.cfg.served_model_name, rep.registry.paths())
+    body = models_list(names, rep.cfg.model.path, rep.cfg.served_model_name, rep.registry.paths())
+    body["engine_path"] = rep.engine.runner.path  # "fast" (own layer math) or "generic" (the model's forward)
+    return body
 
 
 @router.post("/v1/chat/completions")

@@ -51,9 +51,14 @@ def load_model(path: str | Path, dtype: str = "auto", device: str = "auto", atte
         register_with_transformers()
     elif attention != "sdpa":
         raise ValueError(f"unknown attention {attention!r}; expected sdpa or burstrl")
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=resolve_dtype(dtype, dev), attn_implementation=attention
-    )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=resolve_dtype(dtype, dev),
+                                                     attn_implementation=attention)
+    except ValueError as exc:  # an architecture without sdpa support (Gemma 2): its own eager attention
+        if attention != "sdpa" or "scaled_dot_product_attention" not in str(exc):
+            raise
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=resolve_dtype(dtype, dev),
+                                                     attn_implementation="eager")
     return model.to(dev).eval()
 
 

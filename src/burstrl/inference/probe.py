@@ -1,0 +1,103 @@
+"""Prove the engine computes the model before a replica says ready.
+
+Why: the engine runs its own forward (runner.py) or the model's forward with its own attention
+(generic.py). A checkpoint whose layer math the fast runner does not know used to load, report
+ready and then fail every request (Gemma 3: a 500 on each call), and one that ran without an
+error would have served, and captured logprobs of, a different model. So at start a short probe
+goes through the engine's real paths (a packed prefill of the first half into a session cache,
+then one decode step per token through a decode batch) and through the model's own HF forward;
+the replica serves only with a path whose log-probabilities agree within a tolerance, and
+refuses to start otherwise, naming the mismatch.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Union
+
+import torch
+from torch import nn
+
+from burstrl.inference.generic import GenericRunner
+from burstrl.inference.kvcache import DecodeBatch, PackedPrefillAttention, SessionKV
+from burstrl.inference.runner import ModelRunner, UnsupportedModel
+
+log = logging.getLogger(__name__)
+
+Runner = Union[ModelRunner, GenericRunner]
+PROBE_TOKENS = 24
+# Largest |log p(engine) - log p(HF)| over the probe's positions and the vocabulary. fp32 paths
+# differ by reordered sums (~1e-5 on the test models); 16-bit ones by rounding of every op.
+TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6, torch.bfloat16: 0.25, torch.float16: 0.1}
+
+
+def probe_ids(vocab_size: int, n: int = PROBE_TOKENS) -> torch.Tensor:
+    """[1, n] fixed pseudo-random token ids (seeded, so every start probes the same)."""
+    gen = torch.Generator().manual_seed(1234)
+    return torch.randint(0, vocab_size, (1, n), generator=gen)
+
+
+@torch.inference_mode()
+def reference_logprobs(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """[n, V] float32 log-probabilities of the model's own HF forward (its configured attention)."""
+    logits = model(input_ids=ids.to(model.device), use_cache=False).logits[0]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+@torch.inference_mode()
+def engine_logprobs(runner: Runner, ids: torch.Tensor) -> torch.Tensor:
+    """[n, V] through the engine: packed prefill of the first half, then one decode step per token."""
+    n, half = ids.shape[1], ids.shape[1] // 2
+    ids = ids.to(runner.device)
+    kv = SessionKV(runner.num_layers, runner.num_kv_heads, runner.head_dim, runner.dtype, runner.device, 8)
+    prefill = PackedPrefillAttention([kv], [half], runner.scaling)
+    positions = torch.arange(half, device=runner.device)[None]
+    rows = [runner.forward(ids[:, :half], positions, prefill, all_logits=True)[0]]
+    prefill.commit()
+    batch = DecodeBatch(runner.num_layers, runner.num_kv_heads, runner.head_dim, runner.dtype, runner.device,
+                        runner.scaling)
+    batch.add(kv)
+    for t in range(half, n):
+        batch.prepare()
+        rows.append(runner.forward(ids[:, t:t + 1], batch.lens[:, None].clone(), batch))
+        batch.advance()
+    return torch.log_softmax(torch.cat(rows).float(), dim=-1)
+
+
+def mismatch(runner: Runner, reference: torch.Tensor, ids: torch.Tensor) -> tuple[str | None, float]:
+    """(None, max |dlogp|) if the runner agrees with the reference; else (what went wrong, error)."""
+    try:
+        got = engine_logprobs(runner, ids)
+    except Exception as exc:  # the point: any failure of the path is a refusal, named
+        return f"the {runner.path} path failed on the probe ({type(exc).__name__}: {exc})", float("inf")
+    tol = TOLERANCE.get(runner.dtype, 0.1)
+    err = float((got - reference).abs().max())
+    if not err <= tol:  # also catches NaN
+        return (f"the {runner.path} path's log-probabilities differ from the model's own forward by "
+                f"{err:.3g} (tolerance {tol:g} for {runner.dtype})"), err
+    return None, err
+
+
+def select_runner(model: nn.Module) -> tuple[Runner, float]:
+    """The fastest engine path proven exact on this model, and its probe error; else UnsupportedModel.
+
+    The fast runner is tried first; a model it does not compute (or cannot build) goes to the
+    generic path. The reference is computed before either is built: the generic runner switches
+    the model's attention implementation to the engine's.
+    """
+    ids = probe_ids(int(model.config.vocab_size))
+    reference = reference_logprobs(model, ids)
+    why = []
+    for build in (ModelRunner, GenericRunner):
+        try:
+            runner = build(model)
+        except UnsupportedModel as exc:
+            why.append(f"{build.path}: {exc}")
+            continue
+        problem, err = mismatch(runner, reference, ids)
+        if problem is None:
+            log.info("engine path %s proven on a %d-token probe (max |dlogp| %.2g)", runner.path, ids.shape[1], err)
+            return runner, err
+        why.append(problem)
+    raise UnsupportedModel(f"{type(model).__name__} ({getattr(model.config, 'model_type', '?')}): no engine "
+                           "path computes this model, so this replica will not serve it. " + "; ".join(why))
