@@ -47,6 +47,7 @@ import torch
 
 from burstrl.config import EngineConfig, HttpServerSection, ModelConfig, ServeConfig
 from burstrl.inference.engine import Request, default_threads
+from burstrl.inference.generic import GenericRunner
 from burstrl.inference.kvcache import DecodeBatch, PackedPrefillAttention, SessionKV
 from burstrl.inference.replica import InferenceReplica, build_replica
 from burstrl.inference.runner import ModelRunner
@@ -277,7 +278,7 @@ def hf_generate(model: torch.nn.Module, prompts: list[list[int]], new_tokens: in
 
 
 @torch.inference_mode()
-def bare_runner(runner: ModelRunner, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
+def bare_runner(runner: ModelRunner | GenericRunner, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
     """The engine's forward over a DecodeBatch pre-filled with the prompts; argmax, no scheduler.
 
     Timed: `new_tokens` decode steps (the prefill is not timed). Returns the greedy tokens too
@@ -334,7 +335,7 @@ def decode_figures(rep: InferenceReplica, model: torch.nn.Module, prompts: list[
                    pad_id: int) -> dict:
     """(1) and (2): interleaved rounds of engine / generate / bare runner / HF static cache."""
     n_tok = len(prompts) * args.new_tokens
-    runner = ModelRunner(model)
+    runner = rep.engine.runner  # the path the replica proved and serves with (fast or generic)
     log("warm-up round (engine, generate, bare runner, HF static)")
     warm = min(16, args.new_tokens)
     engine_batch(rep, prompts, warm, "warm")
@@ -517,6 +518,21 @@ def cache_figures(on: list[SessionRun], off: list[SessionRun], work: Workload) -
     }
 
 
+def kv_bytes(rep: InferenceReplica) -> dict:
+    """KV memory allocated per cached token vs the dense formula (2 x layers x KV heads x head dim x
+    bytes), after a multi-turn run: session caches grow by doubling and the decode batch keeps its
+    padded [rows, KVH, longest, D] tensors, so allocation can exceed what the tokens need."""
+    engine = rep.engine
+    r = engine.runner
+    size = torch.tensor([], dtype=r.dtype).element_size()
+    dense = 2 * r.num_layers * r.num_kv_heads * r.head_dim * size
+    held = sum(t.numel() * size for e in engine.cache.idle.values() for t in (*e.kv.k, *e.kv.v))
+    held += sum(t.numel() * size for t in (*engine.batch.k, *engine.batch.v))
+    tokens = engine.cache.used_tokens
+    return {"kv_bytes_per_token_dense": dense, "kv_tokens_held": tokens,
+            "kv_bytes_per_token_allocated": round(held / tokens, 1) if tokens else None}
+
+
 def goals(flat: dict, notes: dict[str, dict]) -> dict:
     out = {}
     for name, (op, target) in GOALS.items():
@@ -544,7 +560,11 @@ def main(argv: list[str] | None = None) -> int:
     engine_opts = {"num_threads": args.threads, "max_running_requests": args.batch}
     state = tempfile.TemporaryDirectory(prefix="bench-replica-")  # the replicas' state dirs
     log(f"replica A (session cache on) from {model_dir}")
+    t0 = time.perf_counter()
     rep = start_replica(model_dir, f"{state.name}/a", session_cache=True, capture=True, **engine_opts)
+    start = {"replica_start_s": round(time.perf_counter() - t0, 2), "engine_path": rep.engine.runner.path,
+             "probe_max_abs_dlogp": rep.engine.probe_error}
+    log(f"replica up in {start['replica_start_s']} s on the {start['engine_path']} path")
     try:
         decode = decode_figures(rep, model, prompts, args, pad_id)
         log(f"decode: engine {decode['engine_tok_s']} tok/s, generate {decode['generate_tok_s']}, "
@@ -552,6 +572,7 @@ def main(argv: list[str] | None = None) -> int:
         mixed = mixed_figures(rep, model, src, args, pad_id)
         log(f"mixed lengths: engine / generate useful tokens/s = {mixed['mixed_engine_vs_generate']}")
         cache_on = session_runs(rep, work, args.cache_repeats, "on")
+        start.update(kv_bytes(rep))
         agent_on = session_runs(rep, agent, args.cache_repeats, "agent-on")
         capture = capture_figures(rep, work, args.capture_repeats)
     finally:
@@ -582,6 +603,7 @@ def main(argv: list[str] | None = None) -> int:
         "agent_session_cache_speedup": agent_fig["session_cache_speedup"],
         "outputs_match": cache["outputs_match"],
         "capture_overhead": capture["capture_overhead"],
+        **start,
         "goals": goals(flat, notes={
             "cache_hit_rate": {"workload_ceiling": cache["cache_hit_rate_ceiling"]},
             "agent_cache_hit_rate": {"workload_ceiling": agent_fig["cache_hit_rate_ceiling"]},
