@@ -13,6 +13,11 @@
 #   grpo_step  one bf16 LoRA-GRPO optimizer step (the trainer's token loss) on the same model
 #   recompute  benchmarks/recompute.py at 8k and 32k tokens (none / full / attention checkpointing)
 #   push       benchmarks/weight_sync.py with two CUDA replicas (push vs raw loopback vs the volume)
+#   gemma3_model, engine_gemma3
+#              benchmarks/replica.py --quick in bf16 on a random model of Gemma 3 270M's shape (18 layers,
+#              5 of 6 sliding with a 512 window, GQA 4:1, head dim 256) with the tiny model's tokenizer
+#              (vocabulary 2048, not 262k): the generic engine path and its start-up probe on a GPU.
+#              The real Gemma 3 270M cannot reach the GPU machine (1 GB; no package registry there).
 # Exit status: 0 when every check passed, 1 when one failed, 2 without a GPU (and not --dry-run).
 set -uo pipefail
 
@@ -146,6 +151,27 @@ print(json.dumps({"device": device, "dtype": str(next(base.parameters()).dtype),
 sys.exit(0 if finite and loss == loss else 1)
 '
 
+GEMMA3_DIR=".cache/bench-gemma3-270m-shape"
+MAKE_GEMMA3='
+import shutil, sys
+from pathlib import Path
+import torch
+from transformers import AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig
+from burstrl.model.tiny import ensure_tiny_model
+out, tiny = Path(sys.argv[1]), ensure_tiny_model(".cache/tiny-qwen3")
+if not (out / "config.json").exists():
+    tok = AutoTokenizer.from_pretrained(tiny)
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(vocab_size=len(tok), hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
+                           num_attention_heads=4, num_key_value_heads=1, head_dim=256, sliding_window=512,
+                           query_pre_attn_scalar=256, max_position_embeddings=32768, bos_token_id=tok.bos_token_id,
+                           eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    Gemma3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out)
+    tok.save_pretrained(out)
+    shutil.copy(tiny / "chat_template.jinja", out / "chat_template.jinja")
+print("{\"model\": \"%s\"}" % out)
+'
+
 if [ "$MODE" = run ]; then
   if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
     echo '{"check": "gpu", "ok": false, "error": "no CUDA GPU visible to torch: this script measures GPU figures only (use --dry-run to check it without one)"}'
@@ -161,6 +187,8 @@ if [ "$MODE" = run ]; then
   bench recompute 900 benchmarks/recompute.py --device cuda --dtype bfloat16 --lengths 8192,32768 --rounds 2 \
     --layers 8 --hidden 2048 --heads 16 --kv-heads 8 --out "$LOGS/recompute.json"
   bench push 900 benchmarks/weight_sync.py --device cuda --replicas 2 --repeats 3 --layers "$LAYERS"
+  check gemma3_model 600 "$PY" -c "$MAKE_GEMMA3" "$GEMMA3_DIR"
+  bench engine_gemma3 900 benchmarks/replica.py --model "$GEMMA3_DIR" --quick
 else
   log "dry run: checking that every command parses (no GPU needed; nothing is measured)"
   check syntax 60 bash -n "$0"
@@ -171,6 +199,8 @@ else
   bench recompute 900 benchmarks/recompute.py --device cuda --dtype bfloat16 --lengths 8192,32768 --rounds 2 \
     --layers 8 --hidden 2048 --heads 16 --kv-heads 8 --out "$LOGS/recompute.json"
   bench push 900 benchmarks/weight_sync.py --device cuda --replicas 2 --repeats 3 --layers "$LAYERS"
+  check gemma3_model 60 "$PY" -c 'import ast, sys; ast.parse(sys.argv[1]); print("{\"parsed\": true}")' "$MAKE_GEMMA3"
+  bench engine_gemma3 900 benchmarks/replica.py --model "$GEMMA3_DIR" --quick
 fi
 echo "{\"check\": \"summary\", \"ok\": $([ "$FAILED" -eq 0 ] && echo true || echo false), \"mode\": \"$MODE\", \"logs\": \"$LOGS\"}"
 exit "$FAILED"
