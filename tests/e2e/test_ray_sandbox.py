@@ -32,6 +32,19 @@ pytestmark = [pytest.mark.slow,
 os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
 
 
+def _answers(url: str) -> bool:
+    """Does anything accept a TCP connection at the agent's address?"""
+    import socket
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    try:
+        with socket.create_connection((parts.hostname, parts.port), timeout=5):
+            return True
+    except OSError:
+        return False
+
+
 def test_sandboxes_across_ray_sandbox_nodes_survive_a_node_loss(tmp_path: Path) -> None:
     import ray
     from ray.cluster_utils import Cluster
@@ -76,6 +89,10 @@ def test_sandboxes_across_ray_sandbox_nodes_survive_a_node_loss(tmp_path: Path) 
 
         victim_name = spread.most_common(1)[0][0]
         cluster.remove_node(by_node[victim_name])  # the raylet and its workers die: the agent and its sandboxes too
+        # remove_node returns once the raylet is gone; its workers (the agent's actor) notice and exit
+        # a moment later (under load, after the next exec had already been answered): wait for that
+        victim_url = next(r.url for r in refs if r.name == victim_name)
+        wait_for(lambda: not _answers(victim_url), 120, "the removed node's agent to stop answering", interval=0.2)
         lost = [sb for sb in boxes if sb.node == victim_name]
         kept = [sb for sb in boxes if sb.node != victim_name]
         for sb in lost:
