@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 from burstrl.protocol.process import RoleProcess, start_replica
 from burstrl.store import RolloutStore
@@ -128,3 +129,22 @@ def commit_step_one(store_path: Path, stop: threading.Event, ready: Callable[[Ro
         return taken
     finally:
         store.close()
+
+
+def sampled_logprobs(model: torch.nn.Module, ids: list[int], start: int) -> torch.Tensor:
+    """Log-probabilities of ids[start:] under one HF forward of the whole sequence (float32)."""
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    return logp[start - 1:-1].gather(1, torch.tensor(ids[start:])[:, None])[:, 0]
+
+
+def reference_logprobs(model_dir: Path, adapter: Path | None, ids: list[int], start: int) -> torch.Tensor:
+    """`sampled_logprobs` under an fp32 load of the model (PEFT applies the adapter, if any)."""
+    from burstrl.model.hf import load_model
+
+    model = load_model(model_dir, "float32", "cpu")
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(adapter))
+    return sampled_logprobs(model, ids, start)

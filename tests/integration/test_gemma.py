@@ -16,7 +16,7 @@ import torch
 
 from tests.http_client import HTTP
 
-from .conftest import Server, start_server, stop_server
+from .conftest import Server, sampled_logprobs, start_server, stop_server
 
 pytestmark = pytest.mark.slow
 
@@ -56,8 +56,5 @@ def test_gemma_captured_logprobs_equal_an_fp32_forward_past_the_window(server: S
 
     model = load_model(gemma_model, "float32", "cpu")
     for call in calls:
-        ids, start = call["prompt_ids"] + call["completion_ids"], len(call["prompt_ids"])
-        with torch.no_grad():
-            logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
-        want = logp[start - 1:-1].gather(1, torch.tensor(ids[start:])[:, None])[:, 0]
+        want = sampled_logprobs(model, call["prompt_ids"] + call["completion_ids"], len(call["prompt_ids"]))
         assert (torch.tensor(call["logprobs"]) - want).abs().max().item() < 1e-4

@@ -18,7 +18,7 @@ from burstrl.model.lora import make_random_adapter
 from burstrl.protocol import process
 from tests.http_client import HTTP
 
-from .conftest import Server, start_server, stop_server
+from .conftest import Server, reference_logprobs, start_server, stop_server
 
 pytestmark = pytest.mark.slow
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -62,20 +62,6 @@ def server(gemma3: Path, tmp_path_factory: pytest.TempPathFactory):
     stop_server(srv)
 
 
-def reference(model_dir: Path, adapter: Path | None, ids: list[int], start: int) -> torch.Tensor:
-    """Log-probabilities of ids[start:] under an fp32 HF forward of the whole sequence (PEFT for LoRA)."""
-    from burstrl.model.hf import load_model
-
-    model = load_model(model_dir, "float32", "cpu")
-    if adapter is not None:
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, str(adapter))
-    with torch.no_grad():
-        logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
-    return logp[start - 1:-1].gather(1, torch.tensor(ids[start:])[:, None])[:, 0]
-
-
 @pytest.mark.parametrize("version", ["base", "policy-v1"])
 def test_gemma3_sessions_past_the_window_capture_exact_logprobs(server: Server, gemma3: Path,
                                                                version: str) -> None:
@@ -93,7 +79,7 @@ def test_gemma3_sessions_past_the_window_capture_exact_logprobs(server: Server, 
     assert calls[1]["cached_tokens"] > 6 and len(calls[1]["prompt_ids"]) > 40
     for call in calls:
         ids = call["prompt_ids"] + call["completion_ids"]
-        want = reference(gemma3, server.adapter if version != "base" else None, ids, len(call["prompt_ids"]))
+        want = reference_logprobs(gemma3, server.adapter if version != "base" else None, ids, len(call["prompt_ids"]))
         assert (torch.tensor(call["logprobs"]) - want).abs().max().item() < 1e-4
 
 

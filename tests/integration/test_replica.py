@@ -11,7 +11,7 @@ from openai import OpenAI
 
 from tests.http_client import HTTP
 
-from .conftest import Server, start_server, stop_server
+from .conftest import Server, reference_logprobs, start_server, stop_server
 
 PROMPT = [{"role": "user", "content": "Write a short story about a robot."}]
 
@@ -105,20 +105,6 @@ def test_two_versions_decode_in_one_batch_equal_solo(loaded: Server) -> None:
     assert steps < 1.75 * (n - 1), steps
 
 
-def _reference_logprobs(model_dir: Path, adapter: Path | None, ids: list[int], start: int) -> torch.Tensor:
-    from burstrl.model.hf import load_model
-
-    model = load_model(model_dir, "float32", "cpu")
-    if adapter is not None:
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, str(adapter))
-    with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0].float()
-    logp = torch.log_softmax(logits, dim=-1)
-    return logp[start - 1:-1].gather(1, torch.tensor(ids[start:])[:, None])[:, 0]
-
-
 @pytest.mark.parametrize("version", ["base", "policy-v1"])
 def test_logprobs_equal_a_fresh_forward_pass(loaded: Server, tiny_model_dir: Path,
                                              adapters: dict[str, Path], version: str) -> None:
@@ -132,7 +118,7 @@ def test_logprobs_equal_a_fresh_forward_pass(loaded: Server, tiny_model_dir: Pat
     assert trace["calls"][1]["cached_tokens"] > 0
     for call in trace["calls"]:
         ids = call["prompt_ids"] + call["completion_ids"]
-        ref = _reference_logprobs(tiny_model_dir, adapters.get(version), ids, len(call["prompt_ids"]))
+        ref = reference_logprobs(tiny_model_dir, adapters.get(version), ids, len(call["prompt_ids"]))
         got = torch.tensor(call["logprobs"])
         assert call["version"] == version
         assert (got - ref).abs().max().item() < 1e-4

@@ -23,7 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
+
+from burstrl.inference.runner import causal_attention
 
 
 class OutOfBlocks(RuntimeError):
@@ -118,14 +119,6 @@ class BlockTable:
         return BlockTable(blocks=list(shared), length=full * pool.block_size)
 
 
-def _window_mask(rows: torch.Tensor, keys: torch.Tensor, window: int | None) -> torch.Tensor:
-    """True where query position `rows` may see key position `keys` (causal, optional window)."""
-    mask = keys <= rows
-    if window is not None:
-        mask &= keys > rows - window
-    return mask
-
-
 class PagedPrefill:
     """Attention for several sequences' new tokens packed into one [1, sum(T)] forward (as
     kvcache.PackedPrefillAttention): each sequence's keys/values go to its blocks, and its new
@@ -165,10 +158,7 @@ class PagedPrefill:
             vl[slots[past:]] = v[0, :, off:off + n].transpose(0, 1)
             keys = kl[slots].transpose(0, 1)[None]  # [1, KVH, past + n, D]
             values = vl[slots].transpose(0, 1)[None]
-            rows = torch.arange(past, past + n, device=q.device)[:, None]
-            mask = _window_mask(rows, torch.arange(past + n, device=q.device)[None, :], window)
-            outs.append(nn.functional.scaled_dot_product_attention(
-                q[:, :, off:off + n], keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True))
+            outs.append(causal_attention(q[:, :, off:off + n], keys, values, past, self.scale, window))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
     def commit(self) -> None:
