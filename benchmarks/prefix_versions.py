@@ -146,7 +146,7 @@ class PrefixTimer:
     """Time spent in the prefix-cache bookkeeping, on the engine thread: the part the fix touched.
 
     Wraps (per instance) SessionCache.take/share/put/add_running/remove_running and
-    Engine._better_after, whose keys gained the namespace; the KV copies `share` makes are inside.
+    Engine._better_after, whose keys gained the namespace (`share` now forks block tables, no copy).
     """
 
     CACHE = ("take", "share", "put", "add_running", "remove_running")

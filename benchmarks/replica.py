@@ -7,7 +7,8 @@ Prints one JSON object (one line) on stdout; progress goes to stderr. Figures:
    same with output lengths that differ per request (as rollouts do): useful tokens/s of the engine
    vs `generate` in static batches -> `mixed_engine_vs_generate`;
 2. the engine vs its physical limit: bare `ModelRunner.forward` decode steps over a pre-filled
-   `DecodeBatch`, no scheduling or sampling -> `engine_efficiency` (goal >= 0.7); HF's own forward
+   dense `DecodeBatch` (inference/dense.py: a preallocated cache), no scheduling or sampling ->
+   `engine_efficiency` (goal >= 0.7; the engine pages its KV, this loop does not); HF's own forward
    over a `transformers.StaticCache` is reported for reference;
 3. a multi-turn agent-like workload (S sessions x T turns, token-in prompts that extend the last
    call) with the session KV cache on vs off -> prefix-cache hit rate (goal >= 0.95),
@@ -48,7 +49,7 @@ import torch
 from burstrl.config import EngineConfig, HttpServerSection, ModelConfig, ServeConfig
 from burstrl.inference.engine import Request, default_threads
 from burstrl.inference.generic import GenericRunner
-from burstrl.inference.kvcache import DecodeBatch, PackedPrefillAttention, SessionKV
+from burstrl.inference.dense import DecodeBatch, PackedPrefillAttention, SessionKV
 from burstrl.inference.replica import InferenceReplica, build_replica
 from burstrl.inference.runner import ModelRunner
 from burstrl.inference.sampling import SamplingParams
@@ -519,17 +520,18 @@ def cache_figures(on: list[SessionRun], off: list[SessionRun], work: Workload) -
 
 
 def kv_bytes(rep: InferenceReplica) -> dict:
-    """KV memory allocated per cached token vs the dense formula (2 x layers x KV heads x head dim x
-    bytes), after a multi-turn run: session caches grow by doubling and the decode batch keeps its
-    padded [rows, KVH, longest, D] tensors, so allocation can exceed what the tokens need."""
+    """KV memory per cached token vs the dense formula (2 x layers x KV heads x head dim x bytes),
+    after a multi-turn run: the blocks in use (a shared block once) over the tokens the caches and
+    rows hold (a shared token for each holder), so block rounding costs and prefix sharing saves.
+    The pool itself is allocated once at the budget (`kv_pool_bytes`); pages never touched stay
+    unmapped on CPU."""
     engine = rep.engine
     r = engine.runner
     size = torch.tensor([], dtype=r.dtype).element_size()
     dense = 2 * r.num_layers * r.num_kv_heads * r.head_dim * size
-    held = sum(t.numel() * size for e in engine.cache.idle.values() for t in (*e.kv.k, *e.kv.v))
-    held += sum(t.numel() * size for t in (*engine.batch.k, *engine.batch.v))
+    held = engine.pool.used_blocks * engine.pool.block_size * dense
     tokens = engine.cache.used_tokens
-    return {"kv_bytes_per_token_dense": dense, "kv_tokens_held": tokens,
+    return {"kv_bytes_per_token_dense": dense, "kv_tokens_held": tokens, "kv_pool_bytes": engine.pool.nbytes,
             "kv_bytes_per_token_allocated": round(held / tokens, 1) if tokens else None}
 
 

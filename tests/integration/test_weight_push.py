@@ -26,9 +26,12 @@ def pair(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     servers: list[Server] = []
     errors: list[BaseException] = []
 
+    dirs = [tmp_path_factory.mktemp(f"replica{i}") for i in range(2)]  # not in the threads: pytest's
+    # first mktemp on a worker creates its base directory, and two at once race on that mkdir
+
     def start(i: int) -> None:
         try:
-            servers.append(start_server(tiny_model_dir, tmp_path_factory.mktemp(f"replica{i}")))
+            servers.append(start_server(tiny_model_dir, dirs[i]))
         except BaseException as exc:  # noqa: BLE001 - re-raised below, after the other start
             errors.append(exc)
 

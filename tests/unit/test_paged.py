@@ -1,7 +1,4 @@
-"""Paged KV (inference/paged.py): exact attention over block tables, and memory bounded by the pool.
-
-Not yet the engine's storage (issue 33's next step wires it in); these tests pin its contract.
-"""
+"""Paged KV (inference/paged.py): exact attention over block tables, and memory bounded by the pool."""
 
 from __future__ import annotations
 
@@ -11,7 +8,8 @@ import pytest
 import torch
 
 from burstrl.inference.generic import GenericRunner
-from burstrl.inference.paged import BlockTable, KVPool, OutOfBlocks, PagedDecode, PagedPrefill, RowsOutOfBlocks
+from burstrl.inference.paged import (BlockTable, KVPool, OutOfBlocks, PagedDecode, PagedPrefill, RowsOutOfBlocks,
+                                    _length_groups)
 from burstrl.inference.probe import probe_ids, reference_logprobs
 from burstrl.inference.runner import ModelRunner
 
@@ -123,7 +121,9 @@ def test_the_decode_batch_attack_cannot_grow_memory_past_the_pool(qwen3) -> None
     assert long.blocks == [] and pool.free_blocks == free and pool.nbytes == nbytes
     step = PagedDecode(pool, short, runner.scaling)
     step.prepare()
-    assert len(step.slots) == sum(t.length + 1 for t in short)  # what the step reads: tokens held, no padding
+    held = sum(t.length + 1 for t in short)
+    padded = sum(g.shape[0] * g.shape[1] for g in step.groups)
+    assert padded <= 2 * held + PagedDecode.SLACK + 16 * len(short)  # padding bounded by what is held (+ block rounding)
     runner.forward(torch.randint(0, 256, (64, 1)), step.positions, step)
     step.advance()
     assert pool.nbytes == nbytes
@@ -142,27 +142,128 @@ def test_rows_that_cannot_get_a_slot_are_named_and_take_nothing(qwen3) -> None:
     assert err.value.rows == [0] and len(a.blocks) == 1 and len(b.blocks) == 1  # b's next slot is in its block
 
 
-def test_random_joins_forks_and_leaves_keep_every_block_accounted_for() -> None:
-    pool = KVPool(1, 1, 2, torch.float32, torch.device("cpu"), num_blocks=40, block_size=4)
+def _write(pool: KVPool, table: BlockTable, value: float) -> None:
+    """Append one token whose key is `value` (through reserve, as the engine writes)."""
+    table.reserve(pool, table.length + 1)
+    pool.k[0][:, table.slots(pool, table.length + 1, torch.device("cpu"))[-1]] = value
+    table.length += 1
+
+
+def test_random_joins_forks_writes_truncations_and_leaves_keep_every_table_exact() -> None:
+    """Each table's keys stay what it wrote (copy-on-write of shared, partly used blocks), and every
+    block is held exactly as often as tables list it."""
+    pool = KVPool(1, 1, 1, torch.float32, torch.device("cpu"), num_blocks=40, block_size=4)
     rng = random.Random(0)
-    tables: list[BlockTable] = []
-    for _ in range(2000):
+    tables: list[tuple[BlockTable, list[float]]] = []
+    for step in range(3000):
         op = rng.random()
-        if op < 0.4 or not tables:
-            t = BlockTable()
-            try:
-                t.reserve(pool, rng.randint(1, 30))
-                t.length = rng.randint(0, t.capacity(4))
-                tables.append(t)
-            except OutOfBlocks:
-                assert t.blocks == []
-        elif op < 0.6:
-            tables.append(rng.choice(tables).fork_prefix(pool, rng.randint(0, 30)))
-        else:
-            tables.pop(rng.randrange(len(tables))).release(pool)
+        try:
+            if op < 0.15 or not tables:
+                tables.append((BlockTable(), []))
+            elif op < 0.55:
+                table, want = rng.choice(tables)
+                for _ in range(rng.randint(1, 6)):
+                    _write(pool, table, float(step))
+                    want.append(float(step))
+            elif op < 0.7:
+                table, want = rng.choice(tables)
+                n = rng.randint(0, table.length)
+                tables.append((table.fork_prefix(pool, n), want[:n]))
+            elif op < 0.85:
+                table, want = rng.choice(tables)
+                n = rng.randint(0, table.length)
+                table.truncate(pool, n)
+                del want[n:]
+            else:
+                table, _ = tables.pop(rng.randrange(len(tables)))
+                table.release(pool)
+        except OutOfBlocks:
+            pass
         held: dict[int, int] = {}
-        for t in tables:
-            for blk in t.blocks:
+        for table, want in tables:
+            assert table.length == len(want) and len(table.blocks) >= -(-table.length // 4)
+            got = pool.k[0][:, table.slots(pool, table.length, torch.device("cpu"))].flatten().tolist()
+            assert got == want
+            for blk in table.blocks:
                 held[blk] = held.get(blk, 0) + 1
         assert all(pool.refs[blk] == n for blk, n in held.items())
         assert pool.free_blocks + len(held) == pool.num_blocks
+
+
+def test_a_prefix_forked_mid_block_from_a_decoding_donor_stays_exact(qwen3) -> None:
+    """The donor keeps decoding into the block it shares; the child reads what it was given."""
+    runner = ModelRunner(qwen3)
+    pool = pool_for(runner, blocks=32)
+    seq = probe_ids(256, 24)[0]
+    want = reference_logprobs(qwen3, seq[None])
+    donor = BlockTable()
+    att = PagedPrefill(pool, [donor], [10], runner.scaling)
+    runner.forward(seq[None, :10], torch.arange(10)[None], att)
+    att.commit()
+    child = donor.fork_prefix(pool, 10)  # 2 full blocks and half of the third, all shared
+    assert child.blocks == donor.blocks and pool.refs[donor.blocks[2]] == 2
+    other = seq.clone()
+    other[10:] = (seq[10:] + 1) % 256  # the donor continues differently from the child
+    for t in range(10, 16):
+        step = PagedDecode(pool, [donor], runner.scaling)
+        step.prepare()
+        runner.forward(other[None, t:t + 1], step.positions, step)
+        step.advance()
+    assert donor.blocks[2] != child.blocks[2]  # the donor copied before writing into the shared block
+    att = PagedPrefill(pool, [child], [14], runner.scaling)
+    logits = runner.forward(seq[None, 10:], torch.arange(10, 24)[None], att, all_logits=True)[0]
+    att.commit()
+    assert (torch.log_softmax(logits.float(), -1) - want[10:]).abs().max().item() < 1e-4
+    donor.release(pool)
+    child.release(pool)
+    assert pool.free_blocks == 32
+
+
+def test_a_long_row_among_short_ones_is_grouped_apart_and_padding_stays_bounded() -> None:
+    lens = [4] * 64 + [3000]
+    groups = _length_groups(lens, slack=1024)
+    assert sorted(i for g in groups for i in g) == list(range(65))
+    assert all(len(g) * max(lens[i] for i in g) <= 2 * sum(lens[i] for i in g) + 1024 for g in groups)
+    assert sum(len(g) * max(lens[i] for i in g) for g in groups) < 3 * sum(lens)  # not 65 x 3000
+    assert _length_groups([100, 90, 120, 5], slack=1024) == [[0, 1, 2, 3]]  # a usual batch: one group, in order
+    rng = random.Random(1)
+    for _ in range(200):
+        lens = [rng.choice([1, 7, 50, 400, 5000]) + rng.randrange(20) for _ in range(rng.randrange(1, 40))]
+        groups = _length_groups(lens, slack=64)
+        assert sorted(i for g in groups for i in g) == list(range(len(lens)))
+        assert all(len(g) * max(lens[i] for i in g) <= 2 * sum(lens[i] for i in g) + 64 for g in groups)
+
+
+def test_decode_over_several_length_groups_is_exact(qwen3) -> None:
+    """Rows of very different lengths split into groups (small slack forces it); logprobs stay exact."""
+    runner = ModelRunner(qwen3)
+    pool = pool_for(runner, blocks=64)
+    seqs = [probe_ids(256, n)[0] for n in (40, 6, 24, 9)]
+    tables = [BlockTable() for _ in seqs]
+    for table, seq in zip(tables, seqs, strict=True):
+        att = PagedPrefill(pool, [table], [len(seq) - 3], runner.scaling)
+        runner.forward(seq[None, :-3], torch.arange(len(seq) - 3)[None], att)
+        att.commit()
+    step = PagedDecode(pool, tables, runner.scaling)
+    step.SLACK = 0
+    step.prepare()
+    assert len(step.groups) > 1
+    ids = torch.stack([s[-3] for s in seqs])[:, None]
+    logits = runner.forward(ids, step.positions, step)
+    for row, seq in enumerate(seqs):
+        want = reference_logprobs(qwen3, seq[None])[-3]
+        assert (torch.log_softmax(logits[row].float(), -1) - want).abs().max().item() < 1e-4
+
+
+def test_stale_non_finite_keys_in_reused_blocks_never_reach_another_row(qwen3) -> None:
+    """Blocks last held by a request whose adapter produced NaN: the next holders read padding and
+    slots past their length from them (masked, yet 0 x NaN = NaN), so allocation zeroes them."""
+    runner = ModelRunner(qwen3)
+    pool = pool_for(runner, blocks=16)
+    for t in (*pool.k, *pool.v):
+        t.fill_(float("nan"))
+    seqs = [probe_ids(256, 13)[0], probe_ids(256, 5)[0]]
+    logprobs = paged_logprobs(runner, pool, seqs, prefill=3)
+    for seq, got in zip(seqs, logprobs, strict=True):
+        assert torch.isfinite(got).all()
+        assert (got - reference_logprobs(qwen3, seq[None])).abs().max().item() < 1e-4

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from burstrl.inference.kvcache import DecodeBatch, SessionKV
+from burstrl.inference.dense import DecodeBatch, SessionKV
+from burstrl.inference.paged import BlockTable, KVPool, PagedDecode
 from burstrl.inference.probe import mismatch, probe_ids, reference_logprobs, select_runner
 from burstrl.inference.runner import ModelRunner, UnsupportedModel, causal_attention
 
@@ -93,4 +94,30 @@ def test_decode_attention_sees_only_each_rows_window() -> None:
         keys = torch.cat([kv.k[0][None, :, :n], k[row:row + 1]], dim=2)
         values = torch.cat([kv.v[0][None, :, :n], v[row:row + 1]], dim=2)
         want = _windowed_reference(q[row:row + 1], keys, values, n, 4, 0.3)
+        assert torch.allclose(out[row:row + 1], want, atol=1e-5)
+
+
+def test_paged_decode_attention_sees_only_each_rows_window() -> None:
+    """The engine's decode (paged, ragged rows): the same windows as the dense batch above."""
+    torch.manual_seed(0)
+    pool = KVPool(1, 2, 8, torch.float32, torch.device("cpu"), num_blocks=8, block_size=4)
+    tables, keys, values = [], [], []
+    for n in (5, 11):
+        table = BlockTable()
+        table.reserve(pool, n)
+        slots = table.slots(pool, n, torch.device("cpu"))
+        keys.append(torch.randn(2, n, 8))
+        values.append(torch.randn(2, n, 8))
+        pool.k[0][:, slots], pool.v[0][:, slots] = keys[-1], values[-1]
+        table.length = n
+        tables.append(table)
+    step = PagedDecode(pool, tables, 0.3)
+    step.prepare()
+    q, k, v = torch.randn(2, 4, 1, 8), torch.randn(2, 2, 1, 8), torch.randn(2, 2, 1, 8)
+    out = step.attend(0, q, k, v, window=4)
+    for row, table in enumerate(tables):
+        n = table.length
+        ks = torch.cat([keys[row][None], k[row:row + 1]], dim=2)
+        vs = torch.cat([values[row][None], v[row:row + 1]], dim=2)
+        want = _windowed_reference(q[row:row + 1], ks, vs, n, 4, 0.3)
         assert torch.allclose(out[row:row + 1], want, atol=1e-5)

@@ -8,7 +8,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from burstrl.inference.kvcache import DecodeBatch, PackedPrefillAttention, SessionKV
+from burstrl.inference.dense import DecodeBatch, PackedPrefillAttention, SessionKV
 from burstrl.inference.lora import AdapterError, LoraBatch, load_adapter
 from burstrl.inference.runner import ModelRunner, UnsupportedModel, causal_attention
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from burstrl.config.loading import Section
 
@@ -29,6 +29,9 @@ class ModelConfig(Section):
 class EngineConfig(Section):
     max_total_num_tokens: int = Field(
         65536, ge=16, description="KV budget in tokens: cached sessions plus running requests."
+    )
+    kv_block_size: int = Field(
+        16, ge=1, le=1024, description="Tokens per KV block (paged KV: the pool is the budget in blocks)."
     )
     max_running_requests: int = Field(64, ge=1, description="Most requests in one decode batch.")
     max_model_len: int = Field(
@@ -59,6 +62,13 @@ class EngineConfig(Section):
         "temperature, penalties, top-k/p) or the model's raw log-softmax (vLLM's default). Capture "
         "always records the processed ones, which the trainer needs."
     )
+
+    @model_validator(mode="after")
+    def _budget_holds_a_block(self) -> EngineConfig:
+        if self.max_total_num_tokens < self.kv_block_size:
+            raise ValueError(f"max_total_num_tokens ({self.max_total_num_tokens}) must hold at least one KV "
+                             f"block (kv_block_size {self.kv_block_size})")
+        return self
 
 
 class HttpServerSection(Section):

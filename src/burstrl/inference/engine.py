@@ -25,8 +25,9 @@ from collections.abc import Callable
 import torch
 
 from burstrl.config import EngineConfig
-from burstrl.inference.kvcache import DecodeBatch, PackedPrefillAttention, SessionCache, SessionKV
+from burstrl.inference.kvcache import SessionCache
 from burstrl.inference.lora import LoraBatch
+from burstrl.inference.paged import BlockTable, KVPool, PagedDecode, PagedPrefill, RowsOutOfBlocks
 from burstrl.inference.prefix import block_hashes
 from burstrl.inference.probe import select_runner
 from burstrl.inference.request import EngineCounters, Request
@@ -71,8 +72,9 @@ class Engine:
         self.on_fatal = on_fatal
         self.raw_logprobs = cfg.logprobs_mode == "raw"
         r = self.runner
-        self.cache = SessionCache(cfg.max_total_num_tokens, cfg.thrash_window_s)
-        self.batch = DecodeBatch(r.num_layers, r.num_kv_heads, r.head_dim, r.dtype, r.device, r.scaling)
+        self.pool = KVPool.for_tokens(cfg.max_total_num_tokens, r.num_layers, r.num_kv_heads, r.head_dim,
+                                      r.dtype, r.device, cfg.kv_block_size)  # all the KV memory there is
+        self.cache = SessionCache(self.pool, cfg.thrash_window_s)
         self.rows: list[Request] = []
         self.waiting: deque[Request] = deque()
         self.counters = EngineCounters()
@@ -201,22 +203,39 @@ class Engine:
                 kv, reuse = self.cache.take(sid, req.prompt_ids, req.namespace)
             if kv is None and self.cfg.prefix_sharing:
                 if self._better_after(req, admitted):
-                    break  # shares more with a request prefilled now: admit next iteration, copy it
-                kv, reuse = self.cache.share(req.prompt_ids, req.namespace, self._new_kv)
+                    break  # shares more with a request prefilled now: admit next iteration, share it
+                kv, reuse = self.cache.share(req.prompt_ids, req.namespace)
                 shared = kv is not None
-            need = len(req.prompt_ids) + req.params.max_tokens
+            need = self.cache.blocks_for(len(req.prompt_ids) + req.params.max_tokens)
+            if need > self.pool.num_blocks:  # could never fit: fail it rather than block the queue
+                self._refuse(req, kv, shared, need)
+                continue
             if not self.cache.reserve(need):
-                if kv is not None and not shared:
+                if shared:
+                    kv.release(self.pool)
+                elif kv is not None:
                     self.cache.put(sid, kv, req.prompt_ids, req.namespace)
                 break
             self.waiting.popleft()
             self.cache.record(sid, len(req.prompt_ids), reuse, shared)
             req.reserved, req.cached_tokens, req.t_start = need, reuse, time.monotonic()
-            req.kv = kv if kv is not None else self._new_kv(len(req.prompt_ids) + 1)
+            req.kv = kv if kv is not None else BlockTable()
             prefill_budget -= len(req.prompt_ids) - reuse
             admitted.append(req)
         if admitted:
             self._prefill(admitted)
+
+    def _refuse(self, req: Request, kv: BlockTable | None, shared: bool, need: int) -> None:
+        """Fail the head of the queue, which needs more blocks than the whole pool has."""
+        self.waiting.popleft()
+        if shared:
+            kv.release(self.pool)
+        elif kv is not None:
+            self.cache.put(req.session.id, kv, req.prompt_ids, req.namespace)
+        self.counters.failed_requests += 1
+        req.error = (f"prompt + max_tokens need {need} KV blocks of {self.pool.block_size} tokens; "
+                     f"the whole budget is {self.pool.num_blocks}")
+        self._report_done(req, "error")
 
     def _better_after(self, req: Request, admitted: list[Request]) -> bool:
         """Does `req` share more prompt blocks with one being admitted than with any cache now?
@@ -239,23 +258,19 @@ class Engine:
                 return True
         return False
 
-    def _new_kv(self, capacity: int) -> SessionKV:
-        r = self.runner
-        return SessionKV(r.num_layers, r.num_kv_heads, r.head_dim, r.dtype, r.device, capacity)
-
     def _prefill(self, reqs: list[Request]) -> None:
         """One packed forward over every admitted request's uncached suffix; sample first tokens."""
         t0 = time.monotonic()
         device = self.runner.device
         new = [r.prompt_ids[r.cached_tokens:] for r in reqs]
-        attention = PackedPrefillAttention([r.kv for r in reqs], [len(n) for n in new], self.runner.scaling)
         ids = torch.tensor([[t for n in new for t in n]], device=device)
         positions = torch.cat([torch.arange(r.cached_tokens, len(r.prompt_ids)) for r in reqs])[None].to(device)
         lora = None
         if any(r.adapter is not None for r in reqs):
             lora = LoraBatch([r.adapter for r, n in zip(reqs, new, strict=False) for _ in n], per_token=True)
-        select = torch.tensor(attention.last_positions, device=device)
         try:
+            attention = PagedPrefill(self.pool, [r.kv for r in reqs], [len(n) for n in new], self.runner.scaling)
+            select = torch.tensor(attention.last_positions, device=device)
             logits = self.runner.forward(ids, positions, attention, lora, select=select)
         except Exception as exc:  # tolerated: these requests fail, the engine serves the rest
             self._step_failed("prefill", exc, reqs)
@@ -273,7 +288,6 @@ class Engine:
             elif finished:
                 self._finish(req)
             else:
-                self.batch.add(req.kv)
                 self.rows.append(req)
                 self._lora_dirty = True
                 if self.cfg.prefix_sharing:
@@ -281,16 +295,17 @@ class Engine:
 
     def _decode_step(self) -> None:
         t0 = time.monotonic()
+        step = self._prepare_step()
+        if step is None:
+            return
         rows = self.rows
-        self.batch.prepare()
         ids = torch.tensor([[r.completion_ids[-1]] for r in rows], device=self.runner.device)
-        positions = self.batch.lens[:, None].clone()
         try:
-            logits = self.runner.forward(ids, positions, self.batch, self._lora_batch())
+            logits = self.runner.forward(ids, step.positions, step, self._lora_batch())
         except Exception as exc:  # tolerated: the running requests fail, the engine serves the rest
             self._step_failed("decode", exc, [self._drop_row(i) for i in reversed(range(len(rows)))])
             return
-        self.batch.advance()
+        step.advance()
         self.cache.hold_running(len(rows))
         done, failed = [], {}
         for i, (req, outcome) in enumerate(zip(rows, self._sample(logits, rows), strict=False)):
@@ -306,6 +321,22 @@ class Engine:
                 self._fail(self._drop_row(i), failed[i])
             else:
                 self._leave(i)
+
+    def _prepare_step(self) -> PagedDecode | None:
+        """A slot for every row's next token; a row the pool cannot give one fails alone.
+
+        Reservations at admission make this impossible while the budget bookkeeping is right;
+        it is here so that a bookkeeping bug costs requests, not the engine."""
+        while self.rows:
+            step = PagedDecode(self.pool, [r.kv for r in self.rows], self.runner.scaling)
+            try:
+                step.prepare()
+                return step
+            except RowsOutOfBlocks as exc:
+                log.error("decode: %s", exc)
+                for i in sorted(exc.rows, reverse=True):
+                    self._fail(self._drop_row(i), f"decode failed: {exc}")
+        return None
 
     def _lora_batch(self) -> LoraBatch | None:
         if self._lora_dirty:
@@ -386,8 +417,7 @@ class Engine:
         """Take a failed request out of the batch; its keys/values are discarded, not cached."""
         req = self.rows[row]
         self.cache.remove_running(req.id)
-        self.cache.release_running(int(self.batch.lens[row]))
-        self.batch.remove(row, None)
+        self.cache.release_running(req.kv.length)
         self.rows[row] = self.rows[-1]
         self.rows.pop()
         self._lora_dirty = True
@@ -397,6 +427,8 @@ class Engine:
         """End one request with an error: its budget is returned, its cache dropped, its session freed."""
         self.counters.failed_requests += 1
         self.cache.unreserve(req.reserved)
+        if req.kv is not None:
+            req.kv.release(self.pool)
         req.reserved, req.kv = 0, None
         req.session.kv_tokens = 0
         req.error = message or "request failed"
@@ -404,8 +436,7 @@ class Engine:
 
     def _leave(self, row: int) -> None:
         req = self.rows[row]
-        self.cache.remove_running(req.id)  # before its cache is rewritten from the batch row
-        self.batch.remove(row, req.kv)
+        self.cache.remove_running(req.id)
         self.rows[row] = self.rows[-1]
         self.rows.pop()
         self._lora_dirty = True
@@ -421,6 +452,7 @@ class Engine:
         if self.cfg.session_cache and not session.ephemeral:
             self.cache.put(session.id, kv, fed, req.namespace)
         else:
+            kv.release(self.pool)
             session.kv_tokens = 0
         if req.text is None:
             req.text = self.tokenizer.decode(req.completion_ids, skip_special_tokens=True)
@@ -490,7 +522,7 @@ class Engine:
             "num_used_tokens": c.used_tokens,
             "max_total_num_tokens": c.capacity,
             "token_usage": c.used_tokens / c.capacity,
-            "reserved_tokens": c.reserved + c.idle_tokens,
+            "reserved_tokens": c.reserved + c.idle_blocks * c.block,
             "cache_hit_rate": stats.hit_tokens / stats.queries_tokens if stats.queries_tokens else 0.0,
             "prefix_cache_queries_tokens": stats.queries_tokens,
             "prefix_cache_hit_tokens": stats.hit_tokens,

@@ -5,7 +5,7 @@ Why: the engine runs its own forward (runner.py) or the model's forward with its
 ready and then fail every request (Gemma 3: a 500 on each call), and one that ran without an
 error would have served, and captured logprobs of, a different model. So at start a short probe
 goes through the engine's real paths (a packed prefill of the first half into a session cache,
-then one decode step per token through a decode batch) and through the model's own HF forward;
+then one decode step per token, both over paged KV blocks) and through the model's own HF forward;
 the replica serves only with a path whose log-probabilities agree within a tolerance, and
 refuses to start otherwise, naming the mismatch.
 """
@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from burstrl.inference.generic import GenericRunner
-from burstrl.inference.kvcache import DecodeBatch, PackedPrefillAttention, SessionKV
+from burstrl.inference.paged import BlockTable, KVPool, PagedDecode, PagedPrefill
 from burstrl.inference.runner import ModelRunner, UnsupportedModel
 
 log = logging.getLogger(__name__)
@@ -45,22 +45,23 @@ def reference_logprobs(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def engine_logprobs(runner: Runner, ids: torch.Tensor) -> torch.Tensor:
-    """[n, V] through the engine: packed prefill of the first half, then one decode step per token."""
+def engine_logprobs(runner: Runner, ids: torch.Tensor, block_size: int = 4) -> torch.Tensor:
+    """[n, V] through the engine's paths: a paged packed prefill of the first half, then one paged
+    decode step per token (small blocks, so the probe crosses block boundaries)."""
     n, half = ids.shape[1], ids.shape[1] // 2
     ids = ids.to(runner.device)
-    kv = SessionKV(runner.num_layers, runner.num_kv_heads, runner.head_dim, runner.dtype, runner.device, 8)
-    prefill = PackedPrefillAttention([kv], [half], runner.scaling)
+    pool = KVPool(runner.num_layers, runner.num_kv_heads, runner.head_dim, runner.dtype, runner.device,
+                  num_blocks=-(-n // block_size), block_size=block_size)
+    table = BlockTable()
+    prefill = PagedPrefill(pool, [table], [half], runner.scaling)
     positions = torch.arange(half, device=runner.device)[None]
     rows = [runner.forward(ids[:, :half], positions, prefill, all_logits=True)[0]]
     prefill.commit()
-    batch = DecodeBatch(runner.num_layers, runner.num_kv_heads, runner.head_dim, runner.dtype, runner.device,
-                        runner.scaling)
-    batch.add(kv)
     for t in range(half, n):
-        batch.prepare()
-        rows.append(runner.forward(ids[:, t:t + 1], batch.lens[:, None].clone(), batch))
-        batch.advance()
+        step = PagedDecode(pool, [table], runner.scaling)
+        step.prepare()
+        rows.append(runner.forward(ids[:, t:t + 1], step.positions, step))
+        step.advance()
     return torch.log_softmax(torch.cat(rows).float(), dim=-1)
 
 

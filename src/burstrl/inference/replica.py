@@ -85,10 +85,10 @@ def build_replica(cfg: ServeConfig) -> InferenceReplica:
     model = load_model(cfg.model.path, cfg.model.dtype, cfg.model.device)
     tokenizer = load_tokenizer(cfg.model.path)
     max_len = cfg.engine.max_model_len or int(model.config.max_position_embeddings)
-    if max_len > cfg.engine.max_total_num_tokens:
-        log.warning("max_model_len %d exceeds the KV budget; capping it to %d",
-                    max_len, cfg.engine.max_total_num_tokens)
-        max_len = cfg.engine.max_total_num_tokens
+    budget = max(1, cfg.engine.max_total_num_tokens // cfg.engine.kv_block_size) * cfg.engine.kv_block_size
+    if max_len > budget:  # the KV pool holds whole blocks: the budget rounded down to one
+        log.warning("max_model_len %d exceeds the KV budget; capping it to %d", max_len, budget)
+        max_len = budget
     if cfg.server.state_dir:
         state_dir = Path(cfg.server.state_dir)
         state_dir.mkdir(parents=True, exist_ok=True)

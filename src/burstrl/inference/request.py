@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from burstrl.inference.kvcache import SessionKV
 from burstrl.inference.lora import LoraAdapter
+from burstrl.inference.paged import BlockTable
 from burstrl.inference.sampling import SamplingParams
 from burstrl.inference.sessions import ReplicaSession
 
@@ -45,8 +45,8 @@ class Request:
     t_start: float = 0.0
     t_first: float = 0.0
     t_end: float = 0.0
-    reserved: int = 0
-    kv: SessionKV | None = None
+    reserved: int = 0  # KV blocks
+    kv: BlockTable | None = None
     generator: torch.Generator | None = None
 
     @property

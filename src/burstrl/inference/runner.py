@@ -221,3 +221,19 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: in
     if window is not None:
         mask &= keys > rows - window
     return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """One query per row over its padded keys, as two small matmuls.
+
+    q: [B, H, 1, D]; k/v: [B, KVH, W, D]; hidden: [B, 1, 1, W] True where a key is padding.
+    SDPA's CPU kernels are built for long queries: for a single query they cost ~10x these matmuls.
+    Query heads are grouped onto their key/value head (GQA) instead of repeating k and v.
+    """
+    b, h, _, d = q.shape
+    kvh = k.shape[1]
+    qg = q.reshape(b, kvh, h // kvh, d)  # [B, KVH, G, D]
+    scores = torch.matmul(qg, k.transpose(-1, -2)) * scale  # [B, KVH, G, W]
+    scores = scores.masked_fill(hidden, float("-inf")).softmax(dim=-1)
+    return torch.matmul(scores, v).reshape(b, h, 1, d)
