@@ -47,9 +47,9 @@ from pathlib import Path
 import torch
 
 from burstrl.config import EngineConfig, HttpServerSection, ModelConfig, ServeConfig
+from burstrl.inference.dense import DecodeBatch, PackedPrefillAttention, SessionKV
 from burstrl.inference.engine import Request, default_threads
 from burstrl.inference.generic import GenericRunner
-from burstrl.inference.dense import DecodeBatch, PackedPrefillAttention, SessionKV
 from burstrl.inference.replica import InferenceReplica, build_replica
 from burstrl.inference.runner import ModelRunner
 from burstrl.inference.sampling import SamplingParams

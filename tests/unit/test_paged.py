@@ -8,8 +8,15 @@ import pytest
 import torch
 
 from burstrl.inference.generic import GenericRunner
-from burstrl.inference.paged import (BlockTable, KVPool, OutOfBlocks, PagedDecode, PagedPrefill, RowsOutOfBlocks,
-                                    _length_groups)
+from burstrl.inference.paged import (
+    BlockTable,
+    KVPool,
+    OutOfBlocks,
+    PagedDecode,
+    PagedPrefill,
+    RowsOutOfBlocks,
+    _length_groups,
+)
 from burstrl.inference.probe import probe_ids, reference_logprobs
 from burstrl.inference.runner import ModelRunner
 
