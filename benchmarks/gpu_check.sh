@@ -8,15 +8,17 @@
 # the end of the check's stderr when it failed) and a last {"check": "summary"} line; progress and logs
 # go to stderr and to $GPU_CHECK_LOGS (default: a temp dir). Checks, each under its own time limit:
 #   gpu_tests  the `gpu` pytest marker tests (tests/unit)
-#   engine     benchmarks/replica.py on a Qwen3-shaped ~1B model in bf16: the engine vs HF generate
-#              (engine_vs_generate) and vs a bare forward loop over the same batch (engine_efficiency)
+#   engine     benchmarks/replica.py on a Qwen3-shaped ~1B model in bf16: the engine (paged KV: block
+#              tables, length-grouped block gathers per decode step) vs HF generate (engine_vs_generate)
+#              and vs a bare forward loop over a dense preallocated cache (engine_efficiency)
 #   grpo_step  one bf16 LoRA-GRPO optimizer step (the trainer's token loss) on the same model
 #   recompute  benchmarks/recompute.py at 8k and 32k tokens (none / full / attention checkpointing)
 #   push       benchmarks/weight_sync.py with two CUDA replicas (push vs raw loopback vs the volume)
 #   gemma3_model, engine_gemma3
 #              benchmarks/replica.py --quick in bf16 on a random model of Gemma 3 270M's shape (18 layers,
 #              5 of 6 sliding with a 512 window, GQA 4:1, head dim 256) with the tiny model's tokenizer
-#              (vocabulary 2048, not 262k): the generic engine path and its start-up probe on a GPU.
+#              (vocabulary 2048, not 262k): the generic engine path over paged KV with sliding windows,
+#              and its start-up probe, on a GPU.
 #              The real Gemma 3 270M cannot reach the GPU machine (1 GB; no package registry there).
 # Exit status: 0 when every check passed, 1 when one failed, 2 without a GPU (and not --dry-run).
 set -uo pipefail

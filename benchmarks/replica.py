@@ -73,6 +73,8 @@ def log(msg: str) -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=".cache/tiny-qwen3", help="HF model dir (the tiny one is made if missing)")
+    p.add_argument("--engine-path", default="auto", choices=["auto", "fast", "generic"],
+                   help="the replicas' engine.path (auto: the fast runner if the probe proves it)")
     p.add_argument("--quick", action="store_true", help="small sizes for a smoke test (< 60 s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--threads", type=int, default=0,
@@ -559,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
                           system=args.agent_system, group=args.agent_group)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
-    engine_opts = {"num_threads": args.threads, "max_running_requests": args.batch}
+    engine_opts = {"num_threads": args.threads, "max_running_requests": args.batch, "path": args.engine_path}
     state = tempfile.TemporaryDirectory(prefix="bench-replica-")  # the replicas' state dirs
     log(f"replica A (session cache on) from {model_dir}")
     t0 = time.perf_counter()

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
 from burstrl.inference.engine import Request
-from burstrl.inference.lora import LoraAdapter
+from burstrl.inference.lora import AdapterError, LoraAdapter, LoraBatch
 from burstrl.inference.replica import InferenceReplica
 from burstrl.inference.sampling import SamplingParams
 
@@ -111,3 +112,22 @@ def test_raw_logprobs_mode_shows_raw_and_captures_processed(replica: InferenceRe
     assert req.error is None
     # top_k=1 samples from a one-token distribution (processed logprob 0); the raw model is unsure
     assert all(p == 0.0 for p in req.logprobs) and all(s < 0.0 for s in req.shown_logprobs)
+
+
+def test_a_version_the_engine_would_compute_wrongly_is_refused_at_load(replica: InferenceReplica,
+                                                                       adapters: dict, monkeypatch) -> None:
+    """The LoRA probe runs on the engine thread between steps while the replica serves; a mismatch
+    (an engine bug simulated by dropping o_proj's delta) refuses the version, naming it."""
+    add = LoraBatch.add_
+    monkeypatch.setattr(LoraBatch, "add_", lambda self, layer, name, x, y: None if name == "o_proj"
+                        else add(self, layer, name, x, y))
+    busy = start(replica, [40, 41, 42], max_tokens=200)
+    with pytest.raises(AdapterError, match="'policy-v1' refused: the fast path's log-probabilities differ"):
+        replica.registry.load("policy-v1", adapters["policy-v1"])
+    assert "policy-v1" not in replica.registry.names()
+    monkeypatch.setattr(LoraBatch, "add_", add)
+    replica.registry.load("policy-v1", adapters["policy-v1"])  # the real engine proves it and serves it
+    finish(busy)
+    served = start(replica, [40, 41, 42], "policy-v1", replica.registry.for_new_session("policy-v1"))
+    finish(served)
+    assert busy[0].error is None and served[0].error is None and replica.engine.alive

@@ -1,9 +1,11 @@
-"""Architectures the fast runner lacks: proven at start, served exactly through the generic path.
+"""The generic path (the model's own forward, for architectures the fast runner lacks): proven at
+start, served exactly.
 
 The models are random-init and tiny (the tiny model's tokenizer): a Gemma 3 with a 6-token
-sliding window on every other layer, so two turns of a session run well past the window, and a
-Gemma 2, whose attention logit softcapping no engine path computes, so its replica must refuse
-to start. (Gemma 3 270M itself: tests that need the real model are issue 33's next part.)
+sliding window on every other layer, served with `--engine.path generic` (the fast runner proves
+Gemma 3 too; test_gemma.py serves the real model on it), so two turns of a session run well past
+the window, and a Gemma 2, whose attention logit softcapping no engine path computes, so its
+replica must refuse to start.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ def gemma3(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
 @pytest.fixture(scope="module")
 def server(gemma3: Path, tmp_path_factory: pytest.TempPathFactory):
     adapter = make_random_adapter(gemma3, tmp_path_factory.mktemp("gemma3-lora") / "policy-v1", seed=1)
-    srv = start_server(gemma3, tmp_path_factory.mktemp("gemma3-replica"))
+    srv = start_server(gemma3, tmp_path_factory.mktemp("gemma3-replica"), "--engine.path", "generic")
     r = HTTP.post(srv.url + "/v1/load_lora_adapter", headers=srv.admin(), timeout=60,
                   json={"lora_name": "policy-v1", "lora_path": str(adapter)})
     assert r.status_code == 200, r.text
@@ -91,4 +93,5 @@ def test_a_model_no_path_computes_is_refused_before_ready(tiny_model_dir: Path, 
         process.start_replica(model, tmp_path / "replica", "--engine.num_threads", "1")
     text = str(err.value) + (tmp_path / "replica" / "serve.log").read_text()
     assert "no engine path computes this model" in text
-    assert "the fast path's log-probabilities differ" in text and "softcapping" in text
+    assert "fast: attention logit softcapping is not supported" in text
+    assert "generic path failed on the probe" in text and "softcapping" in text

@@ -6,8 +6,10 @@ import pytest
 import torch
 
 from burstrl.inference.dense import DecodeBatch, SessionKV
+from burstrl.inference.generic import GenericRunner
+from burstrl.inference.lora import ATTN_PROJ, MLP_PROJ, LoraAdapter, LoraBatch
 from burstrl.inference.paged import BlockTable, KVPool, PagedDecode
-from burstrl.inference.probe import mismatch, probe_ids, reference_logprobs, select_runner
+from burstrl.inference.probe import adapter_mismatch, mismatch, probe_ids, reference_logprobs, select_runner
 from burstrl.inference.runner import ModelRunner, UnsupportedModel, causal_attention
 
 SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -23,12 +25,13 @@ def test_a_qwen3_model_runs_on_the_fast_path() -> None:
 
 
 def test_silently_wrong_math_on_the_fast_path_is_caught_and_the_generic_path_serves() -> None:
-    """Gemma (1) has every module the fast runner looks for, so it runs without an error, but its
-    norms are (1 + w) and its embeddings are scaled: other numbers. The probe sees them."""
-    from transformers import GemmaConfig, GemmaForCausalLM
+    """Granite has every module the fast runner looks for, so it runs without an error, but its
+    forward multiplies the embeddings and each residual branch by constants the fast runner does
+    not know: other numbers. The probe sees them."""
+    from transformers import GraniteConfig, GraniteForCausalLM
 
     torch.manual_seed(0)
-    model = GemmaForCausalLM(GemmaConfig(**SHAPE)).eval()
+    model = GraniteForCausalLM(GraniteConfig(**SHAPE, embedding_multiplier=3.0, residual_multiplier=0.5)).eval()
     ids = probe_ids(256)
     problem, err = mismatch(ModelRunner(model), reference_logprobs(model, ids), ids)
     assert problem is not None and "differ from the model's own forward" in problem and err > 0.01
@@ -36,14 +39,57 @@ def test_silently_wrong_math_on_the_fast_path_is_caught_and_the_generic_path_ser
     assert runner.path == "generic" and err < 1e-4
 
 
-def test_gemma3_sliding_windows_shorter_than_the_probe_are_exact_on_the_generic_path() -> None:
+def test_a_named_path_is_the_only_one_tried() -> None:
+    """`engine.path`: "generic" serves a model the fast runner could; "fast" refuses one it cannot."""
+    from transformers import GraniteConfig, GraniteForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    runner, err = select_runner(Qwen3ForCausalLM(Qwen3Config(**SHAPE)).eval(), "generic")
+    assert runner.path == "generic" and err < 1e-4
+    granite = GraniteForCausalLM(GraniteConfig(**SHAPE, embedding_multiplier=3.0)).eval()
+    with pytest.raises(UnsupportedModel, match="no engine path computes.*fast path's log-probabilities differ"):
+        select_runner(granite, "fast")
+
+
+def test_gemma_1s_norms_and_scaled_embeddings_run_on_the_fast_path() -> None:
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    torch.manual_seed(0)
+    model = GemmaForCausalLM(GemmaConfig(**SHAPE)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)
+    runner, err = select_runner(model)
+    assert runner.path == "fast" and err < 1e-4
+
+
+def gemma3(window: int) -> torch.nn.Module:
+    """A random Gemma 3 with weights far from their init (norm weights near 0 would hide a norm
+    computed as w instead of 1 + w), one sliding and one global layer."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     torch.manual_seed(0)
-    cfg = Gemma3TextConfig(**SHAPE, sliding_window=4, query_pre_attn_scalar=16,
-                           layer_types=["sliding_attention", "full_attention"])
-    runner, err = select_runner(Gemma3ForCausalLM(cfg).eval())
-    assert runner.path == "generic" and err < 1e-4
+    cfg = Gemma3TextConfig(**SHAPE, sliding_window=window, query_pre_attn_scalar=16, rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+        "full_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+        layer_types=["sliding_attention", "full_attention"])
+    model = Gemma3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)
+    return model
+
+
+def test_gemma3_runs_on_the_fast_path_with_windows_shorter_than_the_probe() -> None:
+    """Four norms as (1 + w) in float32, a rope table per layer type (bases 10 and 10k here, so a
+    layer given the other's table is far off), sliding windows, q/k norms, scaled embeddings."""
+    model = gemma3(4)
+    runner, err = select_runner(model)
+    assert runner.path == "fast" and err < 1e-4
+    ids = probe_ids(256)
+    reference = reference_logprobs(model, ids)  # before the generic runner takes over its attention
+    problem, err = mismatch(GenericRunner(model), reference, ids)
+    assert problem is None and err < 1e-4  # the generic path stays exact for what the fast one lacks
 
 
 def test_an_engine_without_an_exact_path_refuses_to_build() -> None:
@@ -121,3 +167,56 @@ def test_paged_decode_attention_sees_only_each_rows_window() -> None:
         vs = torch.cat([values[row][None], v[row:row + 1]], dim=2)
         want = _windowed_reference(q[row:row + 1], ks, vs, n, 4, 0.3)
         assert torch.allclose(out[row:row + 1], want, atol=1e-5)
+
+
+def random_adapter(runner, seed: int = 0) -> LoraAdapter:
+    """LoRA on every projection of every layer, rank 4, big enough to move the logits."""
+    gen = torch.Generator().manual_seed(seed)
+    weights = {}
+    for i, layer in enumerate(runner.layers):
+        for name in (*ATTN_PROJ, *MLP_PROJ):
+            module = getattr(layer.self_attn if name in ATTN_PROJ else layer.mlp, name)
+            a = torch.randn(4, module.in_features, generator=gen) * 0.1
+            b = torch.randn(module.out_features, 4, generator=gen) * 0.1
+            weights[(i, name)] = (a, b, 2.0)
+    return LoraAdapter(name="policy-v1", path="(test)", rank=4, weights=weights)
+
+
+@pytest.mark.parametrize("path", ["fast", "generic"])
+def test_a_lora_version_is_proven_on_first_load_on_either_path(path: str) -> None:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(**SHAPE)).eval()
+    runner = ModelRunner(model) if path == "fast" else GenericRunner(model)
+    adapter = random_adapter(runner)
+    base = mismatch(runner, torch.zeros(1), probe_ids(256))  # what the engine computes without the adapter
+    problem, err = adapter_mismatch(runner, adapter)
+    assert problem is None and err < 1e-4
+    assert mismatch(runner, torch.zeros(1), probe_ids(256)) == base  # the probe's hooks are gone
+
+
+def test_an_engine_that_applies_a_lora_wrongly_is_caught_at_load(monkeypatch) -> None:
+    """A bug in how the engine adds LoRA (here: v_proj's delta skipped) would serve, and capture
+    logprobs of, another policy than the trainer's; the load-time probe refuses the version."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    runner = ModelRunner(Qwen3ForCausalLM(Qwen3Config(**SHAPE)).eval())
+    add = LoraBatch.add_
+
+    def skips_v(self, layer, name, x, y):
+        if name != "v_proj":
+            add(self, layer, name, x, y)
+
+    monkeypatch.setattr(LoraBatch, "add_", skips_v)
+    problem, err = adapter_mismatch(runner, random_adapter(runner))
+    assert problem is not None and "differ from the model's own forward" in problem and err > 1e-3
+
+
+@pytest.mark.parametrize("path", ["fast", "generic"])
+def test_a_gemma3_lora_with_windows_is_proven_on_either_path(path: str) -> None:
+    model = gemma3(6)
+    runner = ModelRunner(model) if path == "fast" else GenericRunner(model)
+    problem, err = adapter_mismatch(runner, random_adapter(runner))
+    assert problem is None and err < 1e-4

@@ -68,8 +68,8 @@ class FullCausal:
     def __init__(self, scale: float) -> None:
         self.scale = scale
 
-    def attend(self, layer, q, k, v):
-        return causal_attention(q, k, v, 0, self.scale)
+    def attend(self, layer, q, k, v, window=None):
+        return causal_attention(q, k, v, 0, self.scale, window)
 
 
 # ---- base model ----
@@ -315,11 +315,32 @@ def test_unsupported_model_layer_without_projections():
         ModelRunner(model)
 
 
-def test_unsupported_sliding_window():
+def test_qwen3_sliding_windows_run_on_the_fast_path():
+    """Each layer's attention names its window (`sliding_window`, None on global layers); a
+    4-token window is far shorter than the probe, so a window ignored would fail it."""
+    from burstrl.inference.probe import select_runner
+
     torch.manual_seed(0)
-    cfg = Qwen3Config(head_dim=16, use_sliding_window=True, sliding_window=8, max_window_layers=0, **SHAPE)
+    cfg = Qwen3Config(head_dim=16, use_sliding_window=True, sliding_window=4, max_window_layers=1, **SHAPE)
+    model = Qwen3ForCausalLM(cfg).eval()
+    assert [layer.self_attn.sliding_window for layer in model.model.layers] == [None, 4]
+    runner, err = select_runner(model)
+    assert runner.path == "fast" and err < 1e-4
+
+
+def test_a_window_the_layers_do_not_name_is_refused_by_the_fast_runner():
+    """Mistral passes its window at call time, not per layer: the fast runner refuses rather than
+    guess, and the generic path (the model's own attention call) serves it exactly."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from burstrl.inference.probe import select_runner
+
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(head_dim=16, sliding_window=4, **SHAPE)).eval()
     with pytest.raises(UnsupportedModel, match="sliding"):
-        ModelRunner(Qwen3ForCausalLM(cfg))
+        ModelRunner(model)
+    runner, err = select_runner(model)
+    assert runner.path == "generic" and err < 1e-4
 
 
 def _copy_adapter(src, dst):

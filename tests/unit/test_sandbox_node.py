@@ -51,3 +51,35 @@ def test_report_to_node_state() -> None:
     assert state.allocatable.cpu == 16 and state.layers == {"sha256:aa": 123}
     assert state.sandboxes[0].cpu.mean == pytest.approx(0.2) and state.sandboxes[0].mem.mean == 0
     assert state.requested().cpu == 0.25
+
+
+@pytest.mark.parametrize("answer", [
+    b"HTTP/1.1 200 OK\r\nContent-Length: 1592\r\n\r\n{\"partial\":",  # dies mid-answer (IncompleteRead)
+    b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\nnot json!",
+    b"garbage status line\r\n\r\n",
+])
+def test_an_agent_that_dies_mid_answer_or_answers_garbage_is_a_node_error(answer: bytes) -> None:
+    """The pool's monitor tolerates `NodeError` only; anything else from a broken agent ended the
+    monitor thread (CI: IncompleteRead), and no node was ever adopted or declared dead again."""
+    import socket
+    import threading
+
+    from burstrl.sandbox.node_client import NodeClient, NodeError
+
+    srv = socket.create_server(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
+
+    def serve() -> None:
+        conn, _ = srv.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(answer)
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        with pytest.raises(NodeError):
+            NodeClient(f"http://127.0.0.1:{port}", "tok", timeout=30).report()
+    finally:
+        t.join(timeout=30)
+        srv.close()

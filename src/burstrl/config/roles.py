@@ -33,6 +33,10 @@ class EngineConfig(Section):
     kv_block_size: int = Field(
         16, ge=1, le=1024, description="Tokens per KV block (paged KV: the pool is the budget in blocks)."
     )
+    path: Literal["auto", "fast", "generic"] = Field(
+        "auto", description="Engine path: auto = the fast runner if the start probe proves it, else the "
+        "generic one (the model's own forward); naming one refuses to start unless that path is proven."
+    )
     max_running_requests: int = Field(64, ge=1, description="Most requests in one decode batch.")
     max_model_len: int = Field(
         0, ge=0, description="Longest prompt+completion; 0 = the model's max_position_embeddings."

@@ -64,6 +64,9 @@ class AdapterRegistry:
         self._free: list[bytearray] = []  # receive buffers given back by committed or dropped uploads
         self._free_bytes = 0
         self._lock = threading.Lock()
+        # called with every newly built adapter before it is served (the engine's LoRA probe);
+        # raises AdapterError to refuse it
+        self.verify: Callable[[LoraAdapter], object] | None = None
         # uploads staged on disk by an earlier version of this code are abandoned
         shutil.rmtree(self.state_dir / "uploads", ignore_errors=True)
 
@@ -98,6 +101,8 @@ class AdapterRegistry:
         if not NAME.fullmatch(name) or name == "base":
             raise AdapterError(f"adapter name must match {NAME.pattern} and not be 'base'")
         adapter = load_adapter(name, path, self.num_layers, self.dtype, self.device, self.shapes)
+        if self.verify is not None:
+            self.verify(adapter)
         with self._lock:
             if name in self.active or name in self.retiring:
                 raise AdapterError(f"adapter {name!r} is already loaded; versions never change")
@@ -207,6 +212,8 @@ class AdapterRegistry:
         finally:  # the adapter holds copies (lora._build), never views of the received bytes
             with self._lock:
                 self._recycle(up)
+        if self.verify is not None:
+            self.verify(adapter)
         with self._lock:
             if name in self.active or name in self.retiring:
                 raise UploadError(f"adapter {name!r} is already loaded; versions never change")

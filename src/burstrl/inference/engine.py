@@ -21,15 +21,17 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
 
 import torch
 
 from burstrl.config import EngineConfig
 from burstrl.inference.kvcache import SessionCache
-from burstrl.inference.lora import LoraBatch
+from burstrl.inference.lora import AdapterError, LoraAdapter, LoraBatch
 from burstrl.inference.paged import BlockTable, KVPool, PagedDecode, PagedPrefill, RowsOutOfBlocks
 from burstrl.inference.prefix import block_hashes
-from burstrl.inference.probe import select_runner
+from burstrl.inference.probe import adapter_mismatch, select_runner
 from burstrl.inference.request import EngineCounters, Request
 from burstrl.inference.sampling import History, sample
 from burstrl.inference.sessions import CallRecord, SessionTable
@@ -62,7 +64,7 @@ class Engine:
                  on_fatal: Callable[[str], None] | None = None) -> None:
         torch.set_num_threads(cfg.num_threads or default_threads())
         self.cfg = cfg
-        self.runner, self.probe_error = select_runner(model)  # refuses a model no path computes exactly
+        self.runner, self.probe_error = select_runner(model, cfg.path)  # refuses a model no path computes exactly
         self.tokenizer = tokenizer
         self.eos_ids = set(eos_ids)
         self.sessions = sessions
@@ -82,6 +84,7 @@ class Engine:
         self._inbox: deque[Request] = deque()
         self._aborts: set[str] = set()
         self._drops: list[str] = []
+        self._jobs: deque[tuple[Callable[[], Any], Future]] = deque()
         self._cv = threading.Condition()
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -128,6 +131,27 @@ class Engine:
             self._drops.append(session_id)
             self._cv.notify()
 
+    def prove_adapter(self, adapter: LoraAdapter, timeout_s: float = 600.0) -> float:
+        """The start probe for a LoRA version's first load (AdapterError naming the mismatch, else the
+        probe's max |dlogp|). Runs between engine steps: it briefly hooks the served model."""
+        problem, err = self.call_between_steps(lambda: adapter_mismatch(self.runner, adapter), timeout_s)
+        if problem is not None:
+            raise AdapterError(f"adapter {adapter.name!r} refused: {problem}")
+        log.info("adapter %s proven on the %s path (max |dlogp| %.2g)", adapter.name, self.runner.path, err)
+        return err
+
+    def call_between_steps(self, fn: Callable[[], Any], timeout_s: float) -> Any:
+        """fn() on the engine thread between two iterations (or here, before the engine starts)."""
+        if self._thread is None:
+            return fn()
+        if not self.alive:
+            raise RuntimeError(f"engine is not running: {self.error or 'stopped'}")
+        done: Future = Future()
+        with self._cv:
+            self._jobs.append((fn, done))
+            self._cv.notify()
+        return done.result(timeout=timeout_s)
+
     # ---- engine thread ----
     def _run(self) -> None:
         try:
@@ -136,6 +160,8 @@ class Engine:
             for req in [*self.waiting, *self._inbox]:  # stopping: nobody is left waiting forever
                 req.error = "replica shutting down"
                 self._report_done(req, "abort")
+            for _, done in self._jobs:
+                done.set_exception(RuntimeError("replica shutting down"))
             for i in reversed(range(len(self.rows))):
                 self.rows[i].finish_reason = "abort"
                 self._leave(i)
@@ -151,7 +177,7 @@ class Engine:
 
     def _iterate(self) -> bool:
         with self._cv:
-            if not (self._inbox or self._aborts or self._drops or self.waiting or self.rows):
+            if not (self._inbox or self._aborts or self._drops or self._jobs or self.waiting or self.rows):
                 self._cv.wait(timeout=1.0)
             if self._stop:
                 return False
@@ -159,6 +185,12 @@ class Engine:
             self._inbox.clear()
             aborts, self._aborts = self._aborts, set()
             drops, self._drops = self._drops, []
+            jobs, self._jobs = self._jobs, deque()
+        for fn, done in jobs:
+            try:
+                done.set_result(fn())
+            except Exception as exc:  # tolerated: the job's caller gets the error, the engine serves on
+                done.set_exception(exc)
         if self._crash_after is not None and sum(self.counters.requests.values()) >= self._crash_after:
             raise RuntimeError("engine crash injected by BURSTRL_CRASH")
         for session_id in drops:

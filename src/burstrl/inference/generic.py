@@ -67,6 +67,12 @@ class GenericRunner:
             if getattr(layer.self_attn, "layer_idx", None) != i:
                 raise UnsupportedModel(f"layer {i}'s attention does not know its layer_idx")
         register()
+        native = str(model.config._attn_implementation)
+        if native == IMPLEMENTATION:  # a second runner over the same model
+            native = getattr(model, "_burstrl_native_attention", "eager")
+        model._burstrl_native_attention = native
+        self.native_attention = native  # the LoRA probe's reference forward uses it
+        self.engine_attention = IMPLEMENTATION
         model.set_attn_implementation(IMPLEMENTATION)
         cfg = model.config
         self.model, self.inner, self.lm_head = model, inner, model.lm_head

@@ -108,6 +108,7 @@ def build_replica(cfg: ServeConfig) -> InferenceReplica:
                       cluster_token=cfg.server.cluster_token or os.environ.get("BURSTRL_CLUSTER_TOKEN", ""),
                       max_model_len=max_len, state_dir=state_dir, owns_state_dir=not cfg.server.state_dir)
     engine.on_release = replica.collect_retired
+    registry.verify = engine.prove_adapter  # every version is proven on first load, as the model was at start
     for name, path in cfg.adapters.items():
         registry.load(name, path)
     if cfg.adapter_volume:

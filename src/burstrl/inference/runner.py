@@ -1,4 +1,4 @@
-"""The engine's own forward pass over a Hugging Face decoder (Llama / Qwen2 / Qwen3 family).
+"""The engine's own forward pass over a Hugging Face decoder (Llama / Qwen2 / Qwen3 / Gemma 3).
 
 Why not `model(...)`: the engine decodes a batch whose sequences all have different cached
 lengths, keeps each session's KV cache between calls, and mixes LoRA versions in one batch. The
@@ -7,11 +7,17 @@ the model's own submodules (embeddings, norms, projections, rotary table, MLP) w
 and asks an `Attention` object to store the new keys/values and attend. Weights stay where HF
 loaded them, so any checkpoint of a supported architecture works unchanged.
 
+Gemma 3 differs from Llama in ways each handled here: four norms per block (attention and MLP
+outputs are normed before the residual add), RMSNorm as x * (1 + w) computed in float32, a rope
+table per layer type (local and global bases), sliding-window layers, q/k norms, scaled embeddings
+(the embedding module does that) and a tied head. Anything else the start probe catches.
+
 Shapes: B = sequences, T = new tokens per sequence, H / KVH = query / key-value heads, D = head dim.
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -39,6 +45,21 @@ class Attention(Protocol):
 
 
 @dataclass
+class _Norm:
+    """An RMSNorm as one fused op: `weight` is the effective scale (Gemma's 1 + w precomputed);
+    `upcast` computes in float32 and casts back, as Gemma does (Llama scales in the model dtype)."""
+
+    weight: torch.Tensor
+    eps: float
+    upcast: bool
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.upcast:
+            return F.rms_norm(x.float(), (x.shape[-1],), self.weight, self.eps).to(x.dtype)
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+@dataclass
 class _Fused:
     """One layer's fused projections: q|k|v and gate|up as single matmuls (the modules keep views)."""
 
@@ -48,6 +69,14 @@ class _Fused:
     gate_up_w: torch.Tensor
     gate_up_b: torch.Tensor | None
     gate_up_split: tuple[int, int]
+    attn_norm: _Norm  # before attention
+    mlp_norm: _Norm  # before the MLP
+    attn_out_norm: _Norm | None  # Gemma: on attention's output, before the residual add
+    mlp_out_norm: _Norm | None  # Gemma: on the MLP's output
+    q_norm: _Norm | None
+    k_norm: _Norm | None
+    window: int | None  # a sliding-window layer's span
+    rope: str | None  # the layer's rope table (Gemma: its layer type)
 
 
 class ModelRunner:
@@ -68,14 +97,14 @@ class ModelRunner:
         for i, layer in enumerate(inner.layers):
             _check_layer(i, layer)
         cfg = model.config
-        if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", False):
-            raise UnsupportedModel("sliding-window attention is not supported by the torch engine")
+        _check_config(cfg, inner.layers)
         self.model = model
         self.embed = inner.embed_tokens
         self.layers = list(inner.layers)
-        self.norm = inner.norm
+        self.norm = _norm(inner.norm)
         self.rotary = inner.rotary_emb
         self.lm_head = model.lm_head
+        self.softcap: float | None = getattr(cfg, "final_logit_softcapping", None)
         attn = self.layers[0].self_attn
         self.head_dim: int = attn.head_dim
         self.num_heads: int = cfg.num_attention_heads
@@ -85,9 +114,9 @@ class ModelRunner:
         self.vocab_size: int = cfg.vocab_size
         self.dtype = self.embed.weight.dtype
         self.device = self.embed.weight.device
-        self.qk_norm = hasattr(attn, "q_norm")
         with torch.no_grad():
-            self.fused = [_fuse(layer) for layer in self.layers]
+            per_type = "layer_type" in inspect.signature(self.rotary.forward).parameters  # Gemma 3
+            self.fused = [_fuse(layer, per_type) for layer in self.layers]
 
     @torch.inference_mode()
     def forward(
@@ -105,19 +134,28 @@ class ModelRunner:
         positions `select` (indices into T, B = 1) for a packed prefill.
         """
         h = self.embed(ids)  # [B, T, hidden]
-        cos, sin = self.rotary(h, positions)  # [B, T, D]
-        half = self.head_dim // 2
-        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # rotate_half's signs folded in
-        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [B, T, 1, D]: heads broadcast
+        ropes = {f.rope: self._rope(h, positions, f.rope) for f in self.fused}
         for i, layer in enumerate(self.layers):
-            h = h + self._attention(i, layer, self.fused[i], _rms(layer.input_layernorm, h), cos, sin,
-                                    attention, lora)
-            h = h + self._mlp(i, layer.mlp, self.fused[i], _rms(layer.post_attention_layernorm, h), lora)
+            f = self.fused[i]
+            a = self._attention(i, layer, f, f.attn_norm(h), *ropes[f.rope], attention, lora)
+            h = h + (f.attn_out_norm(a) if f.attn_out_norm else a)
+            m = self._mlp(i, layer.mlp, f, f.mlp_norm(h), lora)
+            h = h + (f.mlp_out_norm(m) if f.mlp_out_norm else m)
         if select is not None:
             h = h[0, select]
         elif not all_logits:
             h = h[:, -1]
-        return self.lm_head(_rms(self.norm, h)).float()
+        logits = self.lm_head(self.norm(h)).float()
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    def _rope(self, h: torch.Tensor, positions: torch.Tensor, layer_type: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [B, T, 1, D] of one rope table, rotate_half's signs folded into sin."""
+        cos, sin = self.rotary(h, positions) if layer_type is None else self.rotary(h, positions, layer_type)
+        half = self.head_dim // 2
+        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        return cos.unsqueeze(2), sin.unsqueeze(2)  # heads broadcast
 
     def _attention(self, i: int, layer: nn.Module, f: _Fused, x: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, attention: Attention, lora: LoraBatch | None) -> torch.Tensor:
@@ -128,15 +166,15 @@ class ModelRunner:
             _lora_split(lora, i, ("q_proj", "k_proj", "v_proj"), x, qkv, f.qkv_split)
         qkv = qkv.view(b, t, -1, self.head_dim)  # [B, T, H + 2 KVH, D]
         h, kvh = self.num_heads, self.num_kv_heads
-        if self.qk_norm:  # Qwen3: per-head RMSNorm before rotary
-            qk = torch.cat((_rms(attn.q_norm, qkv[:, :, :h]), _rms(attn.k_norm, qkv[:, :, h:h + kvh])), dim=2)
+        if f.q_norm is not None and f.k_norm is not None:  # Qwen3, Gemma 3: per-head RMSNorm before rotary
+            qk = torch.cat((f.q_norm(qkv[:, :, :h]), f.k_norm(qkv[:, :, h:h + kvh])), dim=2)
         else:
             qk = qkv[:, :, : h + kvh]
         half = self.head_dim // 2
         qk = torch.addcmul(qk * cos, qk.roll(half, dims=-1), sin)  # rotary on q and k at once
         q, k = qk[:, :, :h].transpose(1, 2), qk[:, :, h:].transpose(1, 2)  # [B, heads, T, D]
         v = qkv[:, :, h + kvh:].transpose(1, 2)
-        out = attention.attend(i, q, k, v)  # [B, H, T, D]
+        out = attention.attend(i, q, k, v, window=f.window)  # [B, H, T, D]
         out = out.transpose(1, 2).reshape(b, t, -1)
         return _proj(attn.o_proj, out, i, "o_proj", lora)
 
@@ -148,15 +186,24 @@ class ModelRunner:
         return _proj(mlp.down_proj, mlp.act_fn(gate) * up, i, "down_proj", lora)
 
 
-def _fuse(layer: nn.Module) -> _Fused:
+def _fuse(layer: nn.Module, rope_per_type: bool) -> _Fused:
     attn, mlp = layer.self_attn, layer.mlp
     qkv_w, qkv_b = _concat_linears(attn.q_proj, attn.k_proj, attn.v_proj)
     gate_up_w, gate_up_b = _concat_linears(mlp.gate_proj, mlp.up_proj)
+    four = hasattr(layer, "pre_feedforward_layernorm")  # Gemma's sandwich norms
+    qk = hasattr(attn, "q_norm")
     return _Fused(
         qkv_w=qkv_w, qkv_b=qkv_b,
         qkv_split=(attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features),
         gate_up_w=gate_up_w, gate_up_b=gate_up_b,
         gate_up_split=(mlp.gate_proj.out_features, mlp.up_proj.out_features),
+        attn_norm=_norm(layer.input_layernorm),
+        mlp_norm=_norm(layer.pre_feedforward_layernorm if four else layer.post_attention_layernorm),
+        attn_out_norm=_norm(layer.post_attention_layernorm) if four else None,
+        mlp_out_norm=_norm(layer.post_feedforward_layernorm) if four else None,
+        q_norm=_norm(attn.q_norm) if qk else None, k_norm=_norm(attn.k_norm) if qk else None,
+        window=getattr(attn, "sliding_window", None),
+        rope=attn.layer_type if rope_per_type else None,
     )
 
 
@@ -177,9 +224,13 @@ def _concat_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | N
     return weight, bias
 
 
-def _rms(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
-    return F.rms_norm(x, (x.shape[-1],), norm.weight, eps)
+def _norm(norm: nn.Module) -> _Norm:
+    """Llama-style norms scale by w; Gemma's by 1 + w in float32 (told apart by its class name:
+    both store a plain `weight`, only the forward differs)."""
+    eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+    if type(norm).__name__.startswith("Gemma"):
+        return _Norm(1.0 + norm.weight.detach().float(), eps, upcast=True)
+    return _Norm(norm.weight.detach(), eps, upcast=False)
 
 
 def _lora_split(lora: LoraBatch, layer: int, names: tuple[str, ...], x: torch.Tensor, y: torch.Tensor,
@@ -194,6 +245,15 @@ def _proj(linear: nn.Module, x: torch.Tensor, layer: int, name: str, lora: LoraB
     if lora is not None:
         lora.add_(layer, name, x, y)
     return y
+
+
+def _check_config(cfg: object, layers: nn.ModuleList) -> None:
+    """Refuse what this runner would silently compute differently (the probe catches the rest)."""
+    if getattr(cfg, "attn_logit_softcapping", None):
+        raise UnsupportedModel("attention logit softcapping is not supported by the fast runner")
+    windowed = getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True)
+    if windowed and not all(hasattr(layer.self_attn, "sliding_window") for layer in layers):
+        raise UnsupportedModel("a sliding window the attention modules do not say per layer (sliding_window)")
 
 
 def _check_layer(i: int, layer: nn.Module) -> None:

@@ -146,19 +146,20 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
 def _draw(logp: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
           default: torch.Generator) -> tuple[list[int], dict[int, str]]:
     """Tokens per row (greedy argmax or a draw); rows whose distribution is not finite get -1."""
-    finite = torch.isfinite(logp).any(dim=-1) & ~torch.isnan(logp).any(dim=-1)
-    tokens = logp.argmax(dim=-1).tolist()
+    # one pass over [B, V] each (a 262k vocabulary makes every pass count): max is NaN if any
+    # entry is, -inf if all are, finite otherwise
+    best, argmax = logp.max(dim=-1)
+    tokens = argmax.tolist()
     errors = {i: "the sampling distribution is not finite (NaN logits)"
-              for i, ok in enumerate(finite.tolist()) if not ok}
-    probs = logp.exp()
+              for i, ok in enumerate(torch.isfinite(best).tolist()) if not ok}
     shared = [i for i, p in enumerate(params) if generators[i] is None and p.temperature > 0 and i not in errors]
-    if shared:
-        drawn = torch.multinomial(probs[shared], 1, generator=default)[:, 0].tolist()
+    if shared:  # exp only of the rows that draw: greedy rows need none
+        drawn = torch.multinomial(logp[shared].exp(), 1, generator=default)[:, 0].tolist()
         for i, t in zip(shared, drawn, strict=False):
             tokens[i] = t
     for i, g in enumerate(generators):
         if g is not None and params[i].temperature > 0 and i not in errors:
-            tokens[i] = int(torch.multinomial(probs[i], 1, generator=g)[0])
+            tokens[i] = int(torch.multinomial(logp[i].exp(), 1, generator=g)[0])
     for i in errors:
         tokens[i] = -1
     return tokens, errors
@@ -169,9 +170,8 @@ def process(logits: torch.Tensor, params: list[SamplingParams], histories: list[
     """Log-probabilities of each row's sampling distribution: [B, V]."""
     if any(p.adjusts for p in params):
         logits = _adjust(logits.clone(), params, histories, eos_ids)
-    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
-                         device=logits.device)[:, None]
-    scaled = logits / temps
+    temps = [p.temperature if p.temperature > 0 else 1.0 for p in params]
+    scaled = logits / torch.tensor(temps, device=logits.device)[:, None] if any(t != 1.0 for t in temps) else logits
     top_k = [p.top_k if p.temperature > 0 and p.top_k > 0 else 0 for p in params]
     top_p = [p.top_p if p.temperature > 0 else 1.0 for p in params]
     min_p = [p.min_p if p.temperature > 0 else 0.0 for p in params]

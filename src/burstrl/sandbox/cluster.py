@@ -102,7 +102,7 @@ class ClusterPool:
         self._seq = 0
         self.counts = {"created": 0, "closed": 0, "refused": 0, "create_errors": 0, "close_errors": 0,
                        "report_errors": 0, "nodes_lost": 0, "sandboxes_lost": 0, "nodes_joined": 0,
-                       "nodes_file_errors": 0}
+                       "nodes_file_errors": 0, "monitor_errors": 0}
         self.decision_s: deque[float] = deque(maxlen=10_000)  # placement decision latencies
         self._stop = threading.Event()
         self._reader = ThreadPoolExecutor(max_workers=16, thread_name_prefix="node-report")  # threads made lazily
@@ -274,9 +274,16 @@ class ClusterPool:
                 self._mark_dead(node, report)
 
     def _monitor_loop(self) -> None:
+        """The pool's only view of its nodes: a round that raises is counted and logged, and the next
+        round runs (a monitor that died silently never adopted or buried a node again)."""
         while not self._stop.wait(self.refresh_s):
-            self.watch_nodes_file()
-            self.refresh()
+            try:
+                self.watch_nodes_file()
+                self.refresh()
+            except Exception:
+                with self._lock:
+                    self.counts["monitor_errors"] += 1
+                log.exception("node monitor round failed; the next round runs in %.1f s", self.refresh_s)
 
     def _node(self, ref: NodeRef) -> _Node:
         return _Node(ref, NodeClient(ref.url, ref.token, self.create_timeout_s),

@@ -7,6 +7,7 @@ Standard library only, like `client.py`.
 
 from __future__ import annotations
 
+import http.client
 import json
 import urllib.error
 import urllib.request
@@ -68,8 +69,11 @@ class NodeClient:
             except (ValueError, KeyError, TypeError):
                 message = raw[:200].decode("utf-8", "replace")
             raise NodeError(exc.code, message) from None
-        except (urllib.error.URLError, OSError) as exc:
-            raise NodeError(503, f"node agent {self.url} unreachable: {exc}") from None
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
+            # HTTPException: an agent that dies mid-answer (IncompleteRead) is as unreachable as one that never answered
+            raise NodeError(503, f"node agent {self.url} unreachable: {exc!r}") from None
+        except ValueError as exc:  # not JSON: a broken or hostile agent, treated like a failing one
+            raise NodeError(502, f"node agent {self.url} answered garbage: {exc}") from None
 
     def health(self) -> dict[str, Any]:
         return self._call("GET", "/healthz")
