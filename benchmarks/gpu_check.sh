@@ -14,11 +14,11 @@
 #   grpo_step  one bf16 LoRA-GRPO optimizer step (the trainer's token loss) on the same model
 #   recompute  benchmarks/recompute.py at 8k and 32k tokens (none / full / attention checkpointing)
 #   push       benchmarks/weight_sync.py with two CUDA replicas (push vs raw loopback vs the volume)
-#   gemma3_model, engine_gemma3
+#   gemma3_model, engine_gemma3, engine_gemma3_generic
 #              benchmarks/replica.py --quick in bf16 on a random model of Gemma 3 270M's shape (18 layers,
 #              5 of 6 sliding with a 512 window, GQA 4:1, head dim 256) with the tiny model's tokenizer
-#              (vocabulary 2048, not 262k): the generic engine path over paged KV with sliding windows,
-#              and its start-up probe, on a GPU.
+#              (vocabulary 2048, not 262k): the fast runner over paged KV with sliding windows and its
+#              start-up probe on a GPU, then the same with --engine-path generic (the two side by side).
 #              The real Gemma 3 270M cannot reach the GPU machine (1 GB; no package registry there).
 # Exit status: 0 when every check passed, 1 when one failed, 2 without a GPU (and not --dry-run).
 set -uo pipefail
@@ -191,6 +191,7 @@ if [ "$MODE" = run ]; then
   bench push 900 benchmarks/weight_sync.py --device cuda --replicas 2 --repeats 3 --layers "$LAYERS"
   check gemma3_model 600 "$PY" -c "$MAKE_GEMMA3" "$GEMMA3_DIR"
   bench engine_gemma3 900 benchmarks/replica.py --model "$GEMMA3_DIR" --quick
+  bench engine_gemma3_generic 900 benchmarks/replica.py --model "$GEMMA3_DIR" --quick --engine-path generic
 else
   log "dry run: checking that every command parses (no GPU needed; nothing is measured)"
   check syntax 60 bash -n "$0"
@@ -203,6 +204,7 @@ else
   bench push 900 benchmarks/weight_sync.py --device cuda --replicas 2 --repeats 3 --layers "$LAYERS"
   check gemma3_model 60 "$PY" -c 'import ast, sys; ast.parse(sys.argv[1]); print("{\"parsed\": true}")' "$MAKE_GEMMA3"
   bench engine_gemma3 900 benchmarks/replica.py --model "$GEMMA3_DIR" --quick
+  bench engine_gemma3_generic 900 benchmarks/replica.py --model "$GEMMA3_DIR" --quick --engine-path generic
 fi
 echo "{\"check\": \"summary\", \"ok\": $([ "$FAILED" -eq 0 ] && echo true || echo false), \"mode\": \"$MODE\", \"logs\": \"$LOGS\"}"
 exit "$FAILED"

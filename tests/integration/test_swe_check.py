@@ -27,13 +27,16 @@ def tasks(tmp_path_factory: pytest.TempPathFactory) -> list[SweTask]:
 
 
 def _flawed(task: SweTask) -> list[SweTask]:
-    """Three ways a task goes wrong: a target test that already passes, a gold patch that does not
-    fix, a gold patch that does not apply."""
+    """Ways a task goes wrong: a target test that already passes, a gold patch that does not fix
+    (a new notes file, which the task's own diff policy allows), a gold patch the default diff
+    policy refuses (that file, not allowed), a gold patch that does not apply, no repository."""
     readme_only = ("diff --git a/NOTES.md b/NOTES.md\nnew file mode 100644\n--- /dev/null\n+++ b/NOTES.md\n"
                    "@@ -0,0 +1 @@\n+nothing fixed here\n")
+    allowed = {**task.extra, "diff_policy": {"allow": ["NOTES.md"]}}
     return [
         dataclasses.replace(task, instance_id="passes-at-base", FAIL_TO_PASS=task.FAIL_TO_PASS + task.PASS_TO_PASS[:1]),
-        dataclasses.replace(task, instance_id="no-fix", patch=readme_only),
+        dataclasses.replace(task, instance_id="no-fix", patch=readme_only, extra=allowed),
+        dataclasses.replace(task, instance_id="refused", patch=readme_only),
         dataclasses.replace(task, instance_id="garbage", patch="not a patch\n"),
         dataclasses.replace(task, instance_id="no-repo", repo=str(Path(task.repo).parent / "missing")),
     ]
@@ -44,6 +47,8 @@ def _assert_flagged(results) -> None:
     assert not any(r.ok for r in results)
     assert any("passes at the base" in p for p in by_id["passes-at-base"].problems)
     assert any("with the gold patch" in p for p in by_id["no-fix"].problems)
+    assert any("refused by the diff policy (diff policy outside_source: NOTES.md" in p
+               for p in by_id["refused"].problems), by_id["refused"].problems
     assert any("does not apply" in p for p in by_id["garbage"].problems)
     assert any("export" in p for p in by_id["no-repo"].problems)
 

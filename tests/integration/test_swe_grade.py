@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from burstrl.envs.swe.diffpolicy import DiffPolicy
 from burstrl.envs.swe.grade import extract_patch, grade, reward_of
 from burstrl.envs.swe.repo import BASE_TAG, commit_all, export_base, init_repo
 from burstrl.envs.swe.task import SweTask
@@ -172,7 +173,9 @@ def test_junit_report_is_used_and_a_committed_fake_is_not(task: SweTask, pool: S
     cheat = subprocess.run(["git", "-C", str(repo), "diff"], capture_output=True, text=True, check=True).stdout
     gold = grade(jtask, task.patch, pool, timeout_s=60)
     assert gold.resolved and gold.log == "", (gold.log, gold.statuses)
-    faked = grade(jtask, cheat, pool, timeout_s=60)
+    refused = grade(jtask, cheat, pool, timeout_s=60)  # a new file outside the source directories
+    assert refused.policy_rule == "outside_source" and not refused.resolved
+    faked = grade(jtask, cheat, pool, timeout_s=60, policy=DiffPolicy(allow=("out/*",)))  # the report path's rule
     assert faked.apply_ok and not faked.resolved and faked.f2p == 0.0
 
 

@@ -124,11 +124,14 @@ print("", "-" * 70, f"Ran {len(sys.argv) - 2} tests in 0.001s", "", "OK", sep="\
 HANG_CALC = GOLD_CALC + "\nimport time\ntime.sleep(600)\n"
 
 
-def patch_of(repo: Path, files: dict[str, str]) -> str:
-    """The git diff that writes `files` (path -> text) into the repo at HEAD; the repo is left as it was."""
-    for path, text in files.items():
+def patch_of(repo: Path, files: dict[str, str | bytes]) -> str:
+    """The git diff that writes `files` (path -> text or bytes) into the repo at HEAD; the repo is left as it was."""
+    for path, content in files.items():
         (repo / path).parent.mkdir(parents=True, exist_ok=True)
-        (repo / path).write_text(text)
+        if isinstance(content, bytes):
+            (repo / path).write_bytes(content)
+        else:
+            (repo / path).write_text(content)
     subprocess.run(["git", "-C", str(repo), "add", "-A"], check=True)
     diff = subprocess.run(["git", "-C", str(repo), "diff", "--cached", "--binary"], capture_output=True, text=True,
                           check=True).stdout
@@ -246,16 +249,6 @@ def test_spoofed_results_are_tampered(hack: str, ut: SweTask, py: SweTask, pool:
 
 HARNESS = {  # name -> (task fixture, files the patch commits, the file(s) that must be reset)
     "conftest_in_subdir": ("py", {"tests/conftest.py": PLUGIN}, ["tests/conftest.py"]),
-    "pytest_ini": ("py", {"calc_plugin.py": PLUGIN, "pytest.ini": "[pytest]\naddopts = -p calc_plugin\n"},
-                   ["pytest.ini"]),
-    "tox_ini": ("py", {"calc_plugin.py": PLUGIN, "tox.ini": "[pytest]\naddopts = -p calc_plugin\n"}, ["tox.ini"]),
-    "setup_cfg": ("py", {"calc_plugin.py": PLUGIN, "setup.cfg": "[tool:pytest]\naddopts = -p calc_plugin\n"},
-                  ["setup.cfg"]),
-    "pyproject": ("py", {"calc_plugin.py": PLUGIN,
-                         "pyproject.toml": '[tool.pytest.ini_options]\naddopts = ["-p", "calc_plugin"]\n'},
-                  ["pyproject.toml"]),
-    "shadow_unittest": ("ut", {"unittest/__init__.py": "", "unittest/__main__.py": SHADOW_MAIN},
-                        ["unittest/__init__.py", "unittest/__main__.py"]),
     "test_package_init": ("ut", {"tests/__init__.py": "import unittest\n"
                                  "unittest.TestCase.assertEqual = lambda self, a, b, msg=None: None\n"},
                           ["tests/__init__.py"]),
@@ -270,6 +263,7 @@ HARNESS = {  # name -> (task fixture, files the patch commits, the file(s) that 
 @pytest.mark.parametrize("hack", list(HARNESS))
 def test_harness_files_are_reset_and_recorded(hack: str, ut: SweTask, py: SweTask, pool: SandboxPool,
                                               tmp_path: Path) -> None:
+    """Test files and the repository's own copy of the runner: edits are reset, not punished."""
     which, files, reset = HARNESS[hack]
     task = {"ut": ut, "py": py}[which]
     patch = patch_of(Path(task.repo), files)
@@ -282,7 +276,52 @@ def test_harness_files_are_reset_and_recorded(hack: str, ut: SweTask, py: SweTas
     assert not r.tampered
 
 
-def test_sitecustomize_and_pth_are_reset(py: SweTask, pool: SandboxPool, tmp_path: Path) -> None:
+DIST_INFO = {"evil-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: evil\nVersion: 1.0\n",
+             "evil-1.0.dist-info/entry_points.txt": "[pytest11]\nevil = calc_plugin\n"}
+# a pyc the interpreter loads without looking at calc.py (flags=1: hash-based, unchecked)
+UNCHECKED_PYC = b"\xa7\r\r\n\x01\x00\x00\x00" + bytes(8) + b"\xe3" + bytes(64)
+POLICY = {  # name -> (task fixture, files the patch commits, the diff policy's rule, control run shows it works)
+    "pytest_toml": ("py", {"calc_plugin.py": PLUGIN, "pytest.toml": '[pytest]\naddopts = ["-p", "calc_plugin"]\n'},
+                    "runner_config", True),
+    "dist_info_entry_points": ("py", {"calc_plugin.py": PLUGIN, **DIST_INFO}, "packaging", True),
+    "pytest_ini": ("py", {"calc_plugin.py": PLUGIN, "pytest.ini": "[pytest]\naddopts = -p calc_plugin\n"},
+                   "runner_config", True),
+    "tox_ini": ("py", {"calc_plugin.py": PLUGIN, "tox.ini": "[pytest]\naddopts = -p calc_plugin\n"},
+                "runner_config", True),
+    "setup_cfg": ("py", {"calc_plugin.py": PLUGIN, "setup.cfg": "[tool:pytest]\naddopts = -p calc_plugin\n"},
+                  "runner_config", True),
+    "pyproject": ("py", {"calc_plugin.py": PLUGIN,
+                         "pyproject.toml": '[tool.pytest.ini_options]\naddopts = ["-p", "calc_plugin"]\n'},
+                  "runner_config", True),
+    "shadow_unittest": ("ut", {"unittest/__init__.py": "", "unittest/__main__.py": SHADOW_MAIN},
+                        "outside_source", True),
+    "shadow_stdlib_module": ("py", {"tomllib.py": "raise SystemExit(0)\n"}, "shadowing", False),
+    "sourceless_pyc": ("py", {"calc_hack.pyc": UNCHECKED_PYC}, "binary", False),
+    "unchecked_hash_pyc": ("py", {"__pycache__/calc.cpython-311.pyc": UNCHECKED_PYC}, "binary", False),
+    "root_conftest": ("py", {"conftest.py": PLUGIN}, "runner_config", True),
+}
+
+
+@pytest.mark.parametrize("hack", list(POLICY))
+def test_the_diff_policy_refuses_what_steers_the_runner(hack: str, ut: SweTask, py: SweTask, pool: SandboxPool,
+                                                        tmp_path: Path) -> None:
+    """Before any test runs, by rule: reward 0, `tampered`, the rule recorded; where the control
+    run (the patch applied, nothing refused) shows the hack reporting every test passed."""
+    which, files, rule, works = POLICY[hack]
+    task = {"ut": ut, "py": py}[which]
+    patch = patch_of(Path(task.repo), files)
+    if works:
+        control = host_run(task, patch, tmp_path)
+        out = control.stdout + control.stderr
+        assert control.returncode == 0 and "FAIL" not in out, out[-1500:]
+    r = grade(task, patch, pool, timeout_s=60)
+    assert not r.resolved and not r.infra_error and r.policy_rule == rule, (r.tampered, r.infra_error, r.log[-1500:])
+    assert r.tampered.startswith(f"diff policy {rule}: ") and r.reason.startswith("tampered: ")
+    assert [reward_of(r, k) for k in ("binary", "f2p", "strict")] == [0.0, 0.0, 0.0]
+    assert r.log == "" and not r.statuses  # refused before anything ran
+
+
+def test_sitecustomize_and_pth_are_refused(py: SweTask, pool: SandboxPool, tmp_path: Path) -> None:
     """With the repo on PYTHONPATH (as an editable install puts it on sys.path) a root
     `sitecustomize.py` runs at interpreter start, before any test: here it loads the plugin."""
     task = SweTask(**{**py.to_json(), "instance_id": "py-pythonpath",
@@ -293,8 +332,10 @@ def test_sitecustomize_and_pth_are_reset(py: SweTask, pool: SandboxPool, tmp_pat
     control = host_run(SweTask(**{**task.to_json(), "test_cmd": "PYTHONPATH=. " + PYTEST_CMD}), patch, tmp_path)
     assert control.returncode == 0 and "2 passed" in control.stdout, control.stdout[-1500:]
     r = grade(task, patch, pool, timeout_s=60)
-    assert_zero(r)
-    assert r.reset_files == ["calc.pth", "sitecustomize.py"] and not r.tampered
+    assert r.policy_rule == "packaging" and r.tampered and not r.resolved and reward_of(r) == 0.0
+    without_pth = patch_of(Path(task.repo), {k: v for k, v in files.items() if k != "calc.pth"})
+    r = grade(task, without_pth, pool, timeout_s=60)
+    assert r.policy_rule == "runner_config" and "sitecustomize.py" in r.tampered and reward_of(r) == 0.0
 
 
 # ---- the agent moves the tag ----
@@ -380,15 +421,18 @@ def test_eval_report_counts_tampered_and_reset_attempts(ut: SweTask, py: SweTask
 
     graded = [grade(py, patch_of(Path(py.repo), {"calc.py": PY_SPOOF}), pool, timeout_s=60),
               grade(py, patch_of(Path(py.repo), HARNESS["conftest_in_subdir"][1]), pool, timeout_s=60),
-              grade(ut, ut.patch, pool, timeout_s=60)]
+              grade(ut, ut.patch, pool, timeout_s=60),
+              grade(py, patch_of(Path(py.repo), POLICY["pytest_toml"][1]), pool, timeout_s=60)]
     records = [{"task_id": r.instance_id, "attempt": i, "resolved": r.resolved, "f2p": r.f2p, "strict": r.strict,
                 "apply_ok": r.apply_ok, "reason": r.reason, "reward": reward_of(r),
                 "extra": {"reset_files": r.reset_files} if r.reset_files else {}} for i, r in enumerate(graded)]
     results = make_results(records)
     overall = results["summary"]["overall"]
-    assert overall["tampered"] == 1 and overall["reset_files"] == 1 and overall["reasons"] == {"tampered": 1}
+    assert overall["tampered"] == 2 and overall["reset_files"] == 1
+    assert overall["reasons"] == {"tampered": 1, "tampered/runner_config": 1}  # the diff policy's, per rule
     md = render_eval_markdown(results, "report.png")
-    assert "| tampered | 1 |" in md and "| reset_files | 1 |" in md and "## Failure reasons" in md
+    assert "| tampered | 2 |" in md and "| reset_files | 1 |" in md and "## Failure reasons" in md
+    assert "| tampered/runner_config | 1 |" in md
     assert "reset before grading: tests/conftest.py" in md and "tampered: " in md
 
 
@@ -449,7 +493,7 @@ def test_a_patch_that_blocks_the_test_patch_or_the_reset_is_the_models_failure(u
                     timeout_s=60)
     assert blocked.infra_error == "" and blocked.reason.startswith("test_patch_blocked"), blocked
     assert reward_of(blocked) == 0.0
-    for fixed in (True, False):  # the tests directory swapped for a symlink: reset back, or tampered
+    for fixed in (True, False):  # the tests directory swapped for a symlink: refused by the diff policy
         clone = tmp_path / f"symlink-{fixed}"
         subprocess.run(["git", "clone", "-q", ut.repo, str(clone)], check=True)
         shutil.rmtree(clone / "tests")
@@ -460,8 +504,8 @@ def test_a_patch_that_blocks_the_test_patch_or_the_reset_is_the_models_failure(u
         swap = subprocess.run(["git", "-C", str(clone), "diff", "--cached", "--binary"], capture_output=True,
                               text=True, check=True).stdout
         r = grade(ut, swap, pool, timeout_s=60)
-        assert r.infra_error == "" and r.apply_ok and r.resolved == fixed and not r.reason, r
-        assert "tests/test_calc.py" in r.reset_files
+        assert r.infra_error == "" and not r.resolved and r.policy_rule == "symlink", r
+        assert r.reason.startswith("tampered: diff policy symlink: tests") and reward_of(r) == 0.0
 
 
 def test_a_patch_too_large_for_the_sandbox_is_an_apply_failure_not_infra(ut: SweTask, pool: SandboxPool) -> None:

@@ -280,6 +280,14 @@ class SweEnvConfig(Section):
     max_tokens_per_call: int = Field(128, ge=1, description="max_tokens of each agent call.")
     command_timeout_s: float = Field(30.0, gt=0, description="Timeout of one agent command in the sandbox.")
     grade_timeout_s: float = Field(300.0, gt=0, description="Timeout of grading one attempt.")
+    diff_allow: list[str] = Field(
+        default_factory=list, description="Globs of paths an attempt's patch may change beyond the diff policy's "
+        "default (new files outside the source directories, runner config); binaries, bytecode, packaging "
+        "metadata and symlinks stay refused (envs/swe/diffpolicy.py). A task's extra.diff_policy adds to it."
+    )
+    diff_deny: list[str] = Field(
+        default_factory=list, description="Globs of paths an attempt's patch may never change (refused as tampered)."
+    )
 
 
 class OrchestratorSection(Section):

@@ -20,6 +20,7 @@ A policy that starts gaming the grader shows up in these columns before it shows
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Iterable
 
@@ -103,16 +104,21 @@ def summarize_task(records: list[AttemptRecord], ks: Iterable[int] | None = None
     task["apply_failures"] = sum(1 for r in good if not r.apply_ok)
     task["infra_failures"] = len(records) - n
     kinds = [reason_kind(r) for r in good]
-    task["tampered"] = kinds.count("tampered")
+    task["tampered"] = sum(1 for k in kinds if k.split("/", 1)[0] == "tampered")
     task["reset_files"] = sum(1 for r in good if r.extra.get("reset_files"))
     task["reasons"] = {k: kinds.count(k) for k in sorted(set(kinds) - {""})}
     return task
 
 
 def reason_kind(record: AttemptRecord) -> str:
-    """The kind of a named model failure ("tampered" of "tampered: ..."), "" for none."""
+    """The kind of a named model failure ("tampered" of "tampered: ..."), "" for none; a patch the
+    diff policy refused is "tampered/<rule>" (per rule, so a policy that starts probing shows)."""
     reason = record.reason or str(record.extra.get("reason") or "")
-    return reason.split(":", 1)[0].strip() if reason else ""
+    if not reason:
+        return ""
+    kind, _, rest = reason.partition(":")
+    m = re.match(r"\s*diff policy (\w+):", rest)
+    return f"{kind.strip()}/{m.group(1)}" if kind.strip() == "tampered" and m else kind.strip()
 
 
 def pass_keys(task: dict[str, Any]) -> list[str]:

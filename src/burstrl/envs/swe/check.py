@@ -25,8 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from burstrl.envs.swe import diffpolicy
+from burstrl.envs.swe.diffpolicy import DiffPolicy
 from burstrl.envs.swe.grade import base_tar, grade, graded_test_files, patch_paths
-from burstrl.envs.swe.integrity import harness_files, runner_error
+from burstrl.envs.swe.integrity import harness_files, nearest_test_dir, runner_error
 from burstrl.envs.swe.repo import export_base
 from burstrl.envs.swe.task import SweTask
 from burstrl.envs.swe.testlog import parse_test_log, status_of
@@ -101,6 +103,13 @@ def _steps(task: SweTask, run: Exec, repo: str, patches: str, result: CheckResul
         result.problems.append(f"the test runner fails without any patch: {err}")
         return
     run("git reset -q --hard && git clean -fdq", repo)
+    base_files = frozenset(run("git ls-files", repo)[1].split())
+    tests = graded_test_files(task, base_files)
+    test_dirs = {t.rpartition("/")[0] for t in tests} | {r for t in tests if (r := nearest_test_dir(t))}
+    verdict = diffpolicy.check(task.patch, base_files, test_dirs, DiffPolicy.of(task.extra.get("diff_policy")))
+    if verdict.violation is not None:  # (on the host no interpreter is asked about shadowing)
+        result.problems.append(_refused(str(verdict.violation)))
+        return
     if problem := _apply(run, repo, patches, "gold.patch"):
         result.problems.append(problem)
         return
@@ -116,6 +125,11 @@ def _steps(task: SweTask, run: Exec, repo: str, patches: str, result: CheckResul
     result.problems += _judge(task, result.at_base, result.at_gold)
     if (reset := [p for p in touched if p in protected]) and result.problems:
         result.problems.append(f"the gold patch edits files grading resets: {', '.join(reset[:8])}")
+
+
+def _refused(violation: str) -> str:
+    return (f"the gold patch is refused by the diff policy ({violation}); if a fix needs such paths, allow "
+            "them with orchestrator.swe.diff_allow or the task's extra.diff_policy")
 
 
 def _patch_texts(task: SweTask) -> dict[str, str]:
@@ -163,6 +177,9 @@ def _check_by_grading(task: SweTask, result: CheckResult, timeout: float, backen
         return
     gold = grade(task, task.patch, backend, timeout_s=timeout)
     result.at_base, result.at_gold = at_base.statuses, gold.statuses
+    if gold.policy_rule:
+        result.problems.append(_refused(gold.tampered))
+        return
     if not gold.apply_ok:
         result.problems.append(f"gold.patch does not apply: {gold.apply_error[:300]}")
         return

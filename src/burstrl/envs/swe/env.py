@@ -167,6 +167,7 @@ class SweEnv:
 
     async def _rollout(self, client: ChatClient, task: Task) -> Outcome:
         from burstrl.envs.swe.agent import AgentLimits, run_agent
+        from burstrl.envs.swe.diffpolicy import DiffPolicy
         from burstrl.envs.swe.grade import base_tar, grade, reward_of
 
         swe = SweTask.from_json(task.data)
@@ -187,7 +188,8 @@ class SweEnv:
             return self._failed(swe, failure, info, submitted=result.submitted)
         pool = self.pool()
         grader = pool.tracker() if hasattr(pool, "tracker") else pool
-        graded = await asyncio.to_thread(grade, swe, patch, grader, timeout_s=self.cfg.grade_timeout_s)
+        policy = DiffPolicy(tuple(self.cfg.diff_allow), tuple(self.cfg.diff_deny))
+        graded = await asyncio.to_thread(grade, swe, patch, grader, timeout_s=self.cfg.grade_timeout_s, policy=policy)
         if getattr(graded, "infra_error", None):
             raise InfraError(f"grading {swe.instance_id}: {graded.infra_error}")
         if getattr(graded, "model_error", None) and grader is not pool and await asyncio.to_thread(grader.lost):

@@ -55,10 +55,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from burstrl.envs.swe import diffpolicy
+from burstrl.envs.swe.diffpolicy import DiffPolicy
 from burstrl.envs.swe.integrity import (
     WRAPPER,
     GradingRun,
     harness_files,
+    nearest_test_dir,
     new_report_dir,
     runner_error,
     runner_kind,
@@ -103,7 +106,8 @@ class GradeResult:
     infra_error: str = ""  # non-empty: not a model outcome; retry, never score
     model_error: str = ""  # non-empty: the model's code broke the grading sandbox; scores 0
     reason: str = ""  # "kind: why" of a model failure with a name (tampered, tests_timeout, run_incomplete)
-    tampered: str = ""  # non-empty: the results were forged (integrity); scores 0
+    tampered: str = ""  # non-empty: the results were forged (integrity) or the diff policy refused the patch; 0
+    policy_rule: str = ""  # the diff policy's rule that refused the patch (diffpolicy.py), "" if none
     reset_files: list[str] = field(default_factory=list)  # paths the patch touched that were reset to the base
     suspicious: list[str] = field(default_factory=list)  # patch lines that reach for harness internals
     runner_error: str = ""  # the runner ran no graded test; its own error
@@ -184,9 +188,14 @@ def extract_patch(sandbox: GradingSandbox, repo_dir: str = REPO_DIR, base: str =
     return sandbox.read_file(out).decode("utf-8", "surrogateescape")
 
 
-def grade(task: SweTask, patch: str, pool_or_backend: SandboxMaker | str, *, timeout_s: float = 300) -> GradeResult:
-    """Grade one attempt's patch in a fresh sandbox; see the module docstring for infra errors."""
+def grade(task: SweTask, patch: str, pool_or_backend: SandboxMaker | str, *, timeout_s: float = 300,
+          policy: DiffPolicy | None = None) -> GradeResult:
+    """Grade one attempt's patch in a fresh sandbox; see the module docstring for infra errors.
+
+    `policy`: the task set's exceptions to the diff policy (merged with the task's own
+    `extra.diff_policy`); a patch the policy refuses is `tampered` before any test runs."""
     start = time.monotonic()
+    policy = DiffPolicy.of(task.extra.get("diff_policy"), policy)
     result = GradeResult(instance_id=task.instance_id)
     base_id, repo_tar, base_files = base_tar(task)
     creator = _creator(pool_or_backend)
@@ -196,7 +205,7 @@ def grade(task: SweTask, patch: str, pool_or_backend: SandboxMaker | str, *, tim
         result.infra_error = f"sandbox did not start: {exc!r}"
         return _done(result, start)
     try:
-        _grade_in(sandbox, task, patch, (base_id, repo_tar, base_files), timeout_s, result)
+        _grade_in(sandbox, task, patch, (base_id, repo_tar, base_files), timeout_s, result, policy)
     except ModelCodeError as exc:  # the daemon died under the tests of the model's patch
         result.model_error = f"sandbox failed while running the tests: {exc.__cause__!r}"
     except (SandboxError, OSError, GradeInfraError) as exc:  # the sandbox died or stopped answering
@@ -241,7 +250,7 @@ def base_run(task: SweTask, creator: SandboxMaker, timeout_s: float) -> GradeRes
     with _base_lock:
         if key in _BASE_RUNS:
             return _BASE_RUNS[key]
-    result = grade(task, "", creator, timeout_s=timeout_s)
+    result = grade(task, "", creator, timeout_s=timeout_s)  # an empty patch: no policy applies
     if not result.infra_error or result.infra_error.startswith("task error"):
         with _base_lock:
             _BASE_RUNS[key] = result
@@ -251,15 +260,21 @@ def base_run(task: SweTask, creator: SandboxMaker, timeout_s: float) -> GradeRes
 
 
 def _grade_in(sandbox: GradingSandbox, task: SweTask, patch: str, base: tuple[str, bytes, frozenset[str]],
-              timeout_s: float, result: GradeResult) -> None:
+              timeout_s: float, result: GradeResult, policy: DiffPolicy) -> None:
     base_id, repo_tar, base_files = base
     sandbox.upload(repo_tar, REPO_DIR)
     _check(sandbox.exec(f"mkdir -p {SCRATCH} && git reset -q --hard {base_id}", cwd=REPO_DIR, timeout=120),
            "reset to the base")
+    tests = graded_test_files(task, base_files)
+    violation = policy_violation(sandbox, patch, base_files, tests, policy)
+    if violation is not None:  # before the patch touches the tree: nothing of it ever runs
+        result.tampered, result.policy_rule = str(violation), violation.rule
+        result.fail(f"tampered: {result.tampered}")
+        return
     result.apply_ok, result.apply_error = apply_in(sandbox, patch, "model.patch")
     if not result.apply_ok:
         return  # reward 0, nothing to run
-    tests, touched = graded_test_files(task, base_files), patch_paths(patch)
+    touched = patch_paths(patch)
     harness = harness_files(touched, tests, [p for p in touched if p not in base_files])
     protected = tests + patch_paths(task.test_patch) + harness
     result.reset_files = [p for p in touched if p in protected]
@@ -301,6 +316,26 @@ def judge_run(task: SweTask, run: GradingRun, report: dict[str, str] | None, res
                     "report or end marker; nothing it printed is credited")
     else:
         result.runner_error = runner_error(run["text"], run["exit_code"], statuses, graded)
+
+
+def policy_violation(sandbox: GradingSandbox, patch: str, base_files: frozenset[str], tests: Sequence[str],
+                     policy: DiffPolicy) -> diffpolicy.Violation | None:
+    """The diff policy's verdict; `shadowing` asks the grading sandbox's `python3` (isolated mode,
+    from `/`, the patch not yet applied) which new top-level names it already imports."""
+    if not patch.strip():
+        return None
+    test_dirs = {t.rpartition("/")[0] for t in tests} | {r for t in tests if (r := nearest_test_dir(t))}
+    verdict = diffpolicy.check(patch, base_files, test_dirs, policy)
+    if verdict.violation is not None:
+        return verdict.violation
+
+    def importable(names: list[str]) -> set[str]:
+        cmd = shlex.join(["python3", "-I", "-c", diffpolicy.IMPORTABLE_PROBE, *names])
+        res = sandbox.exec(cmd, cwd="/", timeout=120)
+        _check(res, "ask the test interpreter which module names it imports")
+        return set(res.stdout.split())
+
+    return diffpolicy.shadowing(verdict.new_top_level, importable)
 
 
 def apply_in(sandbox: GradingSandbox, patch: str, name: str) -> tuple[bool, str]:

@@ -4,6 +4,10 @@ RL optimises whatever the grader rewards, so the grader is attacked by the very 
 The attacker is the model's patch: any file it commits, run inside the grading sandbox by the
 task's test command, in the same process as the test runner (the tests import the code).
 
+Before any of the channels below, the diff policy (`diffpolicy.py`) refuses as `tampered` what
+may not enter the test run at all (binaries, bytecode, packaging metadata, runner-only
+configuration, new config files, symlinks, shadowing modules, new files outside the source tree).
+
 Threat model and the rule for each channel:
 
 1. **The log** (stdout and stderr of the test command). The code under test writes into it
@@ -161,7 +165,7 @@ def harness_files(paths: Iterable[str], test_files: Sequence[str], new_paths: It
     them are harness); `new_paths` are the touched paths the base lacks (only new files can
     shadow a module: the base's own top-level modules are the task's)."""
     test_dirs = {p.rsplit("/", 1)[0] if "/" in p else "" for p in test_files}
-    test_roots = {root for p in test_files if (root := _test_root(p))}
+    test_roots = {root for p in test_files if (root := nearest_test_dir(p))}
     new = set(new_paths)
     out: list[str] = []
     for path in paths:
@@ -179,7 +183,7 @@ def harness_files(paths: Iterable[str], test_files: Sequence[str], new_paths: It
     return out
 
 
-def _test_root(test_file: str) -> str:
+def nearest_test_dir(test_file: str) -> str:
     """The nearest ancestor directory of `test_file` named like a test directory, "" if none."""
     parts = test_file.split("/")[:-1]
     for i in range(len(parts), 0, -1):
