@@ -321,6 +321,54 @@ def test_the_diff_policy_refuses_what_steers_the_runner(hack: str, ut: SweTask, 
     assert r.log == "" and not r.statuses  # refused before anything ran
 
 
+XFAIL_EVERYTHING = CALC + """
+import gc
+
+import pytest
+
+
+class _Everything:
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, items):
+        for item in items:
+            item.add_marker(pytest.mark.xfail(reason="later"))
+
+
+for _obj in gc.get_objects():  # pytest's config, found in memory from the code under test
+    if type(_obj).__name__ == "Config" and hasattr(_obj, "pluginmanager"):
+        _obj.pluginmanager.register(_Everything(), "everything")
+        break
+"""
+
+
+def test_xfail_and_xpass_are_not_passes_unless_the_gold_run_shows_them(py: SweTask, pool: SandboxPool,
+                                                                        tmp_path: Path) -> None:
+    """Code under test registers a plugin (through pytest's config object, found with `gc`) that
+    marks every test xfail: the failing target test reports XFAIL, the passing one XPASS, and the
+    run exits 0. Those used to count as passes. Now they pass only where the gold run shows the
+    same outcome, and it shows "passed" for both."""
+    patch = patch_of(Path(py.repo), {"calc.py": XFAIL_EVERYTHING})
+    control = host_run(py, patch, tmp_path)
+    assert control.returncode == 0 and "1 xfailed, 1 xpassed" in control.stdout, control.stdout[-1500:]
+    r = grade(py, patch, pool, timeout_s=60)
+    assert r.statuses == {"tests/test_calc.py::test_add": "xfailed", "tests/test_calc.py::test_mul": "xpassed"}, \
+        (r.statuses, r.log[-1500:])
+    assert not r.resolved and r.f2p == 0.0 and r.p2p_failed == 1 and not r.infra_error
+    assert [reward_of(r, k) for k in ("binary", "f2p", "strict")] == [0.0, 0.0, 0.0]
+
+
+def test_a_test_the_task_itself_marks_xfail_still_passes(tmp_path: Path, pool: SandboxPool) -> None:
+    """Honest outcomes are unchanged: an existing test marked xfail in the repository reports XFAIL
+    with the gold patch too, so an attempt's XFAIL there is credited."""
+    known = PY_TESTS + "\n\n@pytest.mark.xfail(reason='not yet')\ndef test_known():\n    assert add(1, 1) == 3\n"
+    repo = make_repo(tmp_path, "xf", {"tests/test_calc.py": "import pytest\n" + known}, vendor_pytest=True)
+    task = task_of(repo, "xf", ["tests/test_calc.py::test_add"],
+                   ["tests/test_calc.py::test_mul", "tests/test_calc.py::test_known"], PYTEST_CMD)
+    r = grade(task, task.patch, pool, timeout_s=60)
+    assert r.statuses["tests/test_calc.py::test_known"] == "xfailed" and r.resolved, (r.statuses, r.reason)
+    assert reward_of(r) == 1.0
+
+
 def test_sitecustomize_and_pth_are_refused(py: SweTask, pool: SandboxPool, tmp_path: Path) -> None:
     """With the repo on PYTHONPATH (as an editable install puts it on sys.path) a root
     `sitecustomize.py` runs at interpreter start, before any test: here it loads the plugin."""

@@ -37,7 +37,7 @@ def test_unittest_311_format() -> None:
     p = "tests.test_core.TestClipPebble."
     assert got == {
         p + "test_basic": "passed", p + "test_edges": "failed", p + "test_boom": "error",
-        p + "test_later": "skipped", p + "test_known": "passed", p + "test_lucky": "failed",
+        p + "test_later": "skipped", p + "test_known": "xfailed", p + "test_lucky": "failed",
         "tests.test_core.TestDoc.test_doc": "passed", "tests.test_core.TestDoc.test_noisy": "passed",
     }
 
@@ -77,7 +77,7 @@ def test_pytest_ra_summary() -> None:
         "tests/test_a.py::test_param[a": "passed",  # " - " splits the message off, as SWE-bench does
         "tests/test_a.py::test_bad": "failed",
         "tests/test_a.py::test_e": "error",
-        "tests/test_a.py::test_known": "passed",
+        "tests/test_a.py::test_known": "xfailed",
         "tests/test_b.py": "error",
     }
 

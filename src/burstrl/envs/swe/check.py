@@ -31,7 +31,7 @@ from burstrl.envs.swe.grade import base_tar, grade, graded_test_files, patch_pat
 from burstrl.envs.swe.integrity import harness_files, nearest_test_dir, runner_error
 from burstrl.envs.swe.repo import export_base
 from burstrl.envs.swe.task import SweTask
-from burstrl.envs.swe.testlog import parse_test_log, status_of
+from burstrl.envs.swe.testlog import EXPECTED, parse_test_log, status_of
 
 MAX_PROBLEMS = 12
 
@@ -70,21 +70,27 @@ def _apply(run: Exec, repo: str, patches: str, name: str) -> str | None:
 
 
 def _judge(task: SweTask, base: dict[str, str], gold: dict[str, str]) -> list[str]:
+    """Target tests fail at the base and pass with the gold patch; existing ones pass both ways.
+    An xfailed/xpassed outcome passes where the gold run shows the same (as grading credits it)."""
     def st(statuses: dict[str, str], t: str) -> str:
         s = status_of(statuses, t)
         return "not run" if s == "missing" else s
+
+    def passes(statuses: dict[str, str], t: str) -> bool:
+        s = st(statuses, t)
+        return s == "passed" or (s in EXPECTED and s == st(gold, t))
 
     problems = []
     if not task.FAIL_TO_PASS:
         problems.append("FAIL_TO_PASS is empty")
     for t in task.FAIL_TO_PASS:
-        if st(base, t) == "passed":
+        if passes(base, t):
             problems.append(f"FAIL_TO_PASS {t} passes at the base")
-        if st(gold, t) != "passed":
+        if not passes(gold, t):
             problems.append(f"FAIL_TO_PASS {t} is {st(gold, t)} with the gold patch")
     for t in task.PASS_TO_PASS:
         for where, status in (("at the base", base), ("with the gold patch", gold)):
-            if st(status, t) != "passed":
+            if not passes(status, t):
                 problems.append(f"PASS_TO_PASS {t} is {st(status, t)} {where}")
     if len(problems) > MAX_PROBLEMS:
         problems = problems[:MAX_PROBLEMS] + [f"... and {len(problems) - MAX_PROBLEMS} more"]
@@ -175,7 +181,7 @@ def _check_by_grading(task: SweTask, result: CheckResult, timeout: float, backen
     if at_base.infra_error:
         result.problems.append(f"without any patch: {at_base.infra_error}")
         return
-    gold = grade(task, task.patch, backend, timeout_s=timeout)
+    gold = grade(task, task.patch, backend, timeout_s=timeout, gold=True)
     result.at_base, result.at_gold = at_base.statuses, gold.statuses
     if gold.policy_rule:
         result.problems.append(_refused(gold.tampered))

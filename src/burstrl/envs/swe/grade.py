@@ -72,7 +72,7 @@ from burstrl.envs.swe.integrity import (
 from burstrl.envs.swe.repo import BASE_TAG, export_base
 from burstrl.envs.swe.sandboxes import GradingSandbox, SandboxMaker
 from burstrl.envs.swe.task import SweTask
-from burstrl.envs.swe.testlog import dotted_id, parse_junit_xml, status_of
+from burstrl.envs.swe.testlog import EXPECTED, coarse, dotted_id, parse_junit_xml, status_of
 from burstrl.sandbox.backends import SandboxSpec, make_backend
 from burstrl.sandbox.client import SandboxError
 from burstrl.sandbox.protocol import ExecResult
@@ -148,15 +148,19 @@ def reward_of(result: GradeResult, kind: str = "binary") -> float:
     raise ValueError(f"unknown reward kind {kind!r}; expected one of {', '.join(REWARD_KINDS)}")
 
 
-def score(result: GradeResult, task: SweTask, statuses: dict[str, str]) -> GradeResult:
+def score(result: GradeResult, task: SweTask, statuses: dict[str, str],
+          expected: dict[str, str] | None = None) -> GradeResult:
     """Fill the scores from per-test statuses. A test id missing from the log counts as failed,
-    and only "passed" passes (a skipped existing test has stopped proving anything).
+    and only "passed" passes (a skipped existing test has stopped proving anything); "xfailed" and
+    "xpassed" pass only where `expected` (the gold patch's run) shows that same outcome: a plugin
+    that marks every test xfail would otherwise turn every failure into a pass.
 
     With no target tests, "all target tests pass" holds vacuously (f2p = 1); `tasks check`
     flags such tasks.
     """
     def passed(tid: str) -> bool:
-        return status_of(statuses, tid) == "passed"
+        s = status_of(statuses, tid)
+        return s == "passed" or (s in EXPECTED and expected is not None and status_of(expected, tid) == s)
 
     f2p, p2p = _unique(task.FAIL_TO_PASS), _unique(task.PASS_TO_PASS)
     result.statuses = {tid: status_of(statuses, tid) for tid in f2p + p2p}
@@ -189,11 +193,14 @@ def extract_patch(sandbox: GradingSandbox, repo_dir: str = REPO_DIR, base: str =
 
 
 def grade(task: SweTask, patch: str, pool_or_backend: SandboxMaker | str, *, timeout_s: float = 300,
-          policy: DiffPolicy | None = None) -> GradeResult:
+          policy: DiffPolicy | None = None, gold: bool = False) -> GradeResult:
     """Grade one attempt's patch in a fresh sandbox; see the module docstring for infra errors.
 
     `policy`: the task set's exceptions to the diff policy (merged with the task's own
-    `extra.diff_policy`); a patch the policy refuses is `tampered` before any test runs."""
+    `extra.diff_policy`); a patch the policy refuses is `tampered` before any test runs.
+    `gold`: this is the task's gold patch, whose xfail outcomes are by definition the expected ones;
+    otherwise a graded test reported xfailed/xpassed passes only if the gold run (`gold_run`,
+    once per task) shows the same."""
     start = time.monotonic()
     policy = DiffPolicy.of(task.extra.get("diff_policy"), policy)
     result = GradeResult(instance_id=task.instance_id)
@@ -205,7 +212,7 @@ def grade(task: SweTask, patch: str, pool_or_backend: SandboxMaker | str, *, tim
         result.infra_error = f"sandbox did not start: {exc!r}"
         return _done(result, start)
     try:
-        _grade_in(sandbox, task, patch, (base_id, repo_tar, base_files), timeout_s, result, policy)
+        _grade_in(sandbox, task, patch, (base_id, repo_tar, base_files), timeout_s, result, policy, gold)
     except ModelCodeError as exc:  # the daemon died under the tests of the model's patch
         result.model_error = f"sandbox failed while running the tests: {exc.__cause__!r}"
     except (SandboxError, OSError, GradeInfraError) as exc:  # the sandbox died or stopped answering
@@ -217,6 +224,13 @@ def grade(task: SweTask, patch: str, pool_or_backend: SandboxMaker | str, *, tim
         result.fail("test_patch_blocked: the patch keeps the task's test patch from applying")
     elif not (result.infra_error or result.model_error) and (result.timed_out or result.runner_error):
         _judge_against_base(task, patch, creator, timeout_s, result)
+    if not gold and not (result.infra_error or result.model_error or result.reason) \
+            and any(s in EXPECTED for s in result.statuses.values()):
+        reference = gold_run(task, creator, timeout_s, policy)
+        if reference.infra_error:
+            result.infra_error = f"xfail outcomes need the gold run, which failed: {reference.infra_error}"
+        else:
+            score(result, task, result.statuses, reference.statuses)
     return _done(result, start)
 
 
@@ -241,6 +255,23 @@ def _judge_against_base(task: SweTask, patch: str, creator: SandboxMaker, timeou
 _BASE_RUNS: OrderedDict[tuple[str, ...], GradeResult] = OrderedDict()
 
 
+def gold_run(task: SweTask, creator: SandboxMaker, timeout_s: float, policy: DiffPolicy | None = None) -> GradeResult:
+    """The task's gold patch graded, once per task in this process (kept beside the base runs):
+    its xfailed/xpassed outcomes are the only ones an attempt's may match."""
+    key = ("gold", task.repo, task.base_commit, task.test_cmd, hashlib.sha256(task.patch.encode()).hexdigest(),
+           hashlib.sha256(task.test_patch.encode()).hexdigest(), *_unique(task.FAIL_TO_PASS + task.PASS_TO_PASS))
+    with _base_lock:
+        if key in _BASE_RUNS:
+            return _BASE_RUNS[key]
+    result = grade(task, task.patch, creator, timeout_s=timeout_s, policy=policy, gold=True)
+    if not result.infra_error:
+        with _base_lock:
+            _BASE_RUNS[key] = result
+            while len(_BASE_RUNS) > 64:
+                _BASE_RUNS.popitem(last=False)
+    return result
+
+
 def base_run(task: SweTask, creator: SandboxMaker, timeout_s: float) -> GradeResult:
     """The task's tests without any patch (a fresh sandbox), measured once per task in this process.
 
@@ -260,7 +291,7 @@ def base_run(task: SweTask, creator: SandboxMaker, timeout_s: float) -> GradeRes
 
 
 def _grade_in(sandbox: GradingSandbox, task: SweTask, patch: str, base: tuple[str, bytes, frozenset[str]],
-              timeout_s: float, result: GradeResult, policy: DiffPolicy) -> None:
+              timeout_s: float, result: GradeResult, policy: DiffPolicy, gold: bool = False) -> None:
     base_id, repo_tar, base_files = base
     sandbox.upload(repo_tar, REPO_DIR)
     _check(sandbox.exec(f"mkdir -p {SCRATCH} && git reset -q --hard {base_id}", cwd=REPO_DIR, timeout=120),
@@ -297,21 +328,23 @@ def _grade_in(sandbox: GradingSandbox, task: SweTask, patch: str, base: tuple[st
     except (SandboxError, OSError) as exc:
         raise ModelCodeError() from exc
     result.log, result.test_seconds = cap_log(run["text"]), run["seconds"]
-    judge_run(task, run, report, result)
+    judge_run(task, run, report, result, gold)
 
 
-def judge_run(task: SweTask, run: GradingRun, report: dict[str, str] | None, result: GradeResult) -> None:
-    """Scores from one run's log and report, with the integrity checks of `integrity.verdict`."""
+def judge_run(task: SweTask, run: GradingRun, report: dict[str, str] | None, result: GradeResult,
+              gold: bool = False) -> None:
+    """Scores from one run's log and report, with the integrity checks of `integrity.verdict`
+    (xfail outcomes not yet credited unless this is the gold run: `grade` asks the gold run)."""
     graded = _unique(task.FAIL_TO_PASS + task.PASS_TO_PASS)
     statuses, tampered, finished = verdict(task.test_cmd, run, report, graded)
-    score(result, task, statuses)
+    score(result, task, statuses, statuses if gold else None)
     if run["timed_out"]:
         result.timed_out = True  # partial statuses kept; the base run decides (`_judge_against_base`)
         result.fail("")
     elif tampered:
         result.tampered = tampered
         result.fail(f"tampered: {tampered}")
-    elif not finished and any(s == "passed" for s in result.statuses.values()):
+    elif not finished and any(coarse(s) == "passed" for s in result.statuses.values()):
         result.fail(f"run_incomplete: the runner exited {run['exit_code']} without its final summary, "
                     "report or end marker; nothing it printed is credited")
     else:

@@ -72,7 +72,7 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import TypedDict
 
-from burstrl.envs.swe.testlog import SEVERITY, parse_test_log, status_of
+from burstrl.envs.swe.testlog import SEVERITY, coarse, parse_test_log, status_of
 
 CONFIG_NAMES = frozenset({"conftest.py", "pytest.ini", ".pytest.ini", "tox.ini", "setup.cfg", "pyproject.toml",
                           "sitecustomize.py", "usercustomize.py"})
@@ -243,7 +243,8 @@ def cross_check(log: dict[str, str], report: dict[str, str] | None, graded: Sequ
     for tid in graded:
         a = status_of(log, tid)
         b = status_of(report, tid) if report is not None else "missing"
-        if a != b and "passed" in (a, b) and (strict or "missing" not in (a, b)):
+        ca, cb = coarse(a), coarse(b)  # the report cannot say XPASS; xfail outcomes agree as passes here
+        if ca != cb and "passed" in (ca, cb) and (strict or "missing" not in (a, b)):
             bad.append(f"{tid} (log {a}, report {b})")
         present = [s for s in (a, b) if s != "missing"]
         out[tid] = max(present, key=lambda s: SEVERITY[s]) if present else "missing"
@@ -279,7 +280,7 @@ def verdict(test_cmd: str, run: GradingRun, report: dict[str, str] | None,
         finished = summary and (kind != "pytest" or report is not None)
     if run.get("nonce") and end_marker(run["text"], run["nonce"]) is None:
         finished = False
-        if summary and not tampered and not run["timed_out"] and "passed" in statuses.values():
+        if summary and not tampered and not run["timed_out"] and "passed" in map(coarse, statuses.values()):
             tampered = ("the runner's final summary is in the log but the grader's end marker is not: "
                         "the process ended before the runner returned")
     return statuses, tampered, finished

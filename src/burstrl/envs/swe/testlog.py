@@ -2,7 +2,9 @@
 
 Why parse text: the grader and `tasks check` run whatever `test_cmd` a task names inside a
 sandbox and get its output back; the output is all they have. Statuses are "passed", "failed",
-"error" or "skipped". Where two lines speak of one test (the `-v` line and the failure section, or
+"error", "skipped", "xfailed" and "xpassed" (pytest's XFAIL / XPASS, unittest's expected
+failure): not passes by themselves; the grader credits them only where the gold patch's run shows
+the same outcome (`grade.score`), so a plugin that marks every test xfail earns nothing. Where two lines speak of one test (the `-v` line and the failure section, or
 pytest's PASSED for the call and ERROR for its teardown) the worst status wins: the code under test
 writes into the same output, and a line it prints must never turn the runner's FAILED into a pass
 (see `integrity`).
@@ -20,12 +22,13 @@ import re
 import xml.etree.ElementTree as ET
 
 # Higher is worse: when one test id is reported twice, the worst wins.
-SEVERITY = {"error": 3, "failed": 2, "skipped": 1, "passed": 0}
+SEVERITY = {"error": 4, "failed": 3, "skipped": 2, "xfailed": 2, "xpassed": 1, "passed": 0}
+EXPECTED = frozenset({"xfailed", "xpassed"})  # outcomes a test's xfail marker produced
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 # unittest -v: "test_y (tests.test_mod.TestX.test_y) ... ok" (the docstring line may sit between).
 _UT_HEAD = re.compile(r"^(\w+) \(([\w.]+)\)")
-_UT_STATUS = {"ok": "passed", "FAIL": "failed", "ERROR": "error", "expected failure": "passed",
+_UT_STATUS = {"ok": "passed", "FAIL": "failed", "ERROR": "error", "expected failure": "xfailed",
               "unexpected success": "failed"}
 # unittest failure sections: "FAIL: test_y (tests.test_mod.TestX.test_y)" (+ " (i=1)" for subtests).
 _UT_SECTION = re.compile(r"^(FAIL|ERROR): (\w+) \(([\w.]+)\)")
@@ -33,8 +36,8 @@ _UT_SECTION = re.compile(r"^(FAIL|ERROR): (\w+) \(([\w.]+)\)")
 _PY_SUMMARY = re.compile(r"^(PASSED|FAILED|ERROR|XFAIL|XPASS|SKIPPED) (?![\[(])(\S.*?)(?: - .*)?$")
 # pytest -v: "path::test PASSED [ 50%]".
 _PY_VERBOSE = re.compile(r"^(\S+::\S.*?) (PASSED|FAILED|ERROR|XFAIL|XPASS|SKIPPED)\b")
-_PY_STATUS = {"PASSED": "passed", "FAILED": "failed", "ERROR": "error", "XFAIL": "passed",
-              "XPASS": "passed", "SKIPPED": "skipped"}
+_PY_STATUS = {"PASSED": "passed", "FAILED": "failed", "ERROR": "error", "XFAIL": "xfailed",
+              "XPASS": "xpassed", "SKIPPED": "skipped"}
 
 
 def _unittest_id(name: str, where: str) -> str:
@@ -63,7 +66,7 @@ class _Worst(dict):
 
 
 def parse_test_log(text: str) -> dict[str, str]:
-    """Map each test id found in `text` to "passed", "failed", "error" or "skipped" (worst wins)."""
+    """Map each test id found in `text` to its status (see the module docstring; worst wins)."""
     out: dict[str, str] = _Worst()
     pending: str | None = None  # a unittest test whose status has not been printed yet
     for raw in _ANSI.sub("", text).splitlines():
@@ -109,7 +112,8 @@ def parse_junit_xml(text: str) -> dict[str, str]:
 
     Keys are `classname.name` (pytest's classname is the dotted module path plus class), so they
     match unittest ids directly and pytest ids through `dotted_id`. An expected failure (pytest
-    writes it as skipped of type `pytest.xfail`) is "passed", as in the log.
+    writes it as skipped of type `pytest.xfail`) is "xfailed", as in the log; JUnit has no
+    unexpected-pass form (pytest writes XPASS as a pass), so `coarse` compares the two sources.
     """
     out: dict[str, str] = _Worst()
     for case in ET.fromstring(text).iter("testcase"):
@@ -126,5 +130,10 @@ def _junit_status(case: ET.Element) -> str:
     if "failure" in tags:
         return "failed"
     if "skipped" in tags:
-        return "passed" if tags["skipped"].get("type") == "pytest.xfail" else "skipped"
+        return "xfailed" if tags["skipped"].get("type") == "pytest.xfail" else "skipped"
     return "passed"
+
+
+def coarse(status: str) -> str:
+    """A status as a report without xfail outcomes can state it: "xfailed"/"xpassed" -> "passed"."""
+    return "passed" if status in EXPECTED else status
