@@ -1,16 +1,17 @@
-"""What the diff policy costs a graded attempt (issue 34): grading time per attempt, and the policy's share.
+"""What screening a patch costs a graded attempt (issue 34): the diff policy and the static scan.
 
 In one run, on toy SWE tasks (`tasks make-toy`, difficulty 1) in namespace sandboxes, one at a time:
-- each task's gold patch graded (`grade`), the time of the whole grade and, inside it, of the policy
-  step (`grade.policy_violation`: parsing the diff, the rules and, when the patch adds a new
-  top-level module, one `python3 -I` probe in the grading sandbox), timed by wrapping that function;
+- each task's gold patch graded (`grade`), the time of the whole grade and, inside it, of the two
+  screening steps, timed by wrapping them: `policy_violation` (parsing the diff, the rules and,
+  when the patch adds a new top-level module, one `python3 -I` probe in the grading sandbox) and
+  `scan_changes` (each changed .py file read back from the sandbox and parsed, with its base);
 - the same gold patch plus a new root module (`<task>_notes.py`, allowed by the task set's policy:
   toy repositories keep their code in a package), which makes the policy ask the sandbox's
   interpreter (the shadowing probe): the worst case an honest patch can cost;
 - `diffpolicy.check` alone on every gold patch, many times: the pure rules' cost.
 
-The reference is the same grade with the policy's measured time taken out, which is what grading
-cost before the policy (the rest of `grade` is unchanged); both come from the same calls.
+The reference is the same grade with the screening's measured time taken out, which is what
+grading cost before it (the rest of `grade` is unchanged); both come from the same calls.
 
     .venv/bin/python benchmarks/grading_policy.py            # 8 tasks x 3 rounds
     .venv/bin/python benchmarks/grading_policy.py --quick    # 3 tasks x 1 round
@@ -47,16 +48,18 @@ def main() -> None:
     from burstrl.sandbox.pool import SandboxPool
 
     spent: list[float] = []
-    real = grade_mod.policy_violation
 
-    def timed(*a, **kw):  # instrumentation: the policy step's own time inside each grade
-        t0 = time.perf_counter()
-        try:
-            return real(*a, **kw)
-        finally:
-            spent.append(time.perf_counter() - t0)
+    def timed(real):  # instrumentation: the screening steps' own time inside each grade
+        def call(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return real(*a, **kw)
+            finally:
+                spent.append(time.perf_counter() - t0)
+        return call
 
-    grade_mod.policy_violation = timed
+    grade_mod.policy_violation = timed(grade_mod.policy_violation)
+    grade_mod.scan_changes = timed(grade_mod.scan_changes)
     with tempfile.TemporaryDirectory(prefix="bench-policy-") as tmp:
         tasks = make_toy_tasks(Path(tmp) / "toy", args.tasks, seed=3, difficulty=1)
         rows: dict[str, list[tuple[float, float]]] = {"gold": [], "gold+new_module": []}

@@ -55,8 +55,10 @@ class EvalConfig(Section):
     max_sandboxes: int = Field(4, ge=1, description="Attempts running at once (swe: its max_sandboxes too).")
     max_turns: int = Field(6, ge=1, description="SWE: agent turns per attempt (its max_turns).")
     seed: int = Field(0, description="Seed of the sampling seeds.")
-    swe: SweEnvConfig = Field(default_factory=SweEnvConfig, description="The swe environment's options, as "
-                              "orchestrator.swe of a run (e.g. reward = \"f2p\").")
+    swe: SweEnvConfig = Field(default_factory=lambda: SweEnvConfig(suspicious="flag"),
+                              description="The swe environment's options, as orchestrator.swe of a run (e.g. "
+                              "reward = \"f2p\"); suspicious defaults to \"flag\" here: an evaluation records "
+                              "the static scan's findings and scores as usual.")
     options: dict[str, Any] = Field(default_factory=dict, description="Options of an environment named "
                                     "package.module:Class, validated by its own model as orchestrator.env.NAME of "
                                     "a run is (--env-option KEY=VALUE sets them).")

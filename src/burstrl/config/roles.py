@@ -280,6 +280,11 @@ class SweEnvConfig(Section):
     max_tokens_per_call: int = Field(128, ge=1, description="max_tokens of each agent call.")
     command_timeout_s: float = Field(30.0, gt=0, description="Timeout of one agent command in the sandbox.")
     grade_timeout_s: float = Field(300.0, gt=0, description="Timeout of grading one attempt.")
+    suspicious: Literal["zero", "flag"] = Field(
+        "zero", description="What the static scan of the changed code (envs/swe/scan.py: runner internals, gc, "
+        "frames, atexit, os._exit, /proc/self, writes into builtins or sys.modules, ctypes, marshal) does: zero = "
+        "the attempt scores 0 untested (training), flag = recorded only (burstrl eval's default)."
+    )
     diff_allow: list[str] = Field(
         default_factory=list, description="Globs of paths an attempt's patch may change beyond the diff policy's "
         "default (new files outside the source directories, runner config); binaries, bytecode, packaging "

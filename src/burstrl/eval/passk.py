@@ -107,18 +107,26 @@ def summarize_task(records: list[AttemptRecord], ks: Iterable[int] | None = None
     task["tampered"] = sum(1 for k in kinds if k.split("/", 1)[0] == "tampered")
     task["reset_files"] = sum(1 for r in good if r.extra.get("reset_files"))
     task["reasons"] = {k: kinds.count(k) for k in sorted(set(kinds) - {""})}
+    flagged = [sorted({f.rsplit(": ", 1)[-1] for f in r.extra.get("suspicious") or []}) for r in good]
+    task["suspicious"] = {rule: sum(rule in f for f in flagged) for rule in sorted({x for f in flagged for x in f})}
     return task
 
 
 def reason_kind(record: AttemptRecord) -> str:
     """The kind of a named model failure ("tampered" of "tampered: ..."), "" for none; a patch the
-    diff policy refused is "tampered/<rule>" (per rule, so a policy that starts probing shows)."""
+    diff policy refused is "tampered/<rule>" and one the static scan zeroed "suspicious/<rule>"
+    (per rule, so a policy that starts probing shows)."""
     reason = record.reason or str(record.extra.get("reason") or "")
     if not reason:
         return ""
     kind, _, rest = reason.partition(":")
+    kind = kind.strip()
     m = re.match(r"\s*diff policy (\w+):", rest)
-    return f"{kind.strip()}/{m.group(1)}" if kind.strip() == "tampered" and m else kind.strip()
+    if kind == "tampered" and m:
+        return f"tampered/{m.group(1)}"
+    if kind == "suspicious" and rest.strip():  # "suspicious: path: rule, path: rule": the first rule
+        return f"suspicious/{rest.split(',', 1)[0].rsplit(': ', 1)[-1].strip()}"
+    return kind
 
 
 def pass_keys(task: dict[str, Any]) -> list[str]:
@@ -158,6 +166,11 @@ def summarize_overall(tasks: dict[str, dict[str, Any]]) -> dict[str, Any]:
         for kind, count in t.get("reasons", {}).items():
             reasons[kind] = reasons.get(kind, 0) + count
     overall["reasons"] = dict(sorted(reasons.items()))
+    suspicious: dict[str, int] = {}  # attempts whose changed code the static scan flagged, per rule
+    for t in tasks.values():
+        for rule, count in t.get("suspicious", {}).items():
+            suspicious[rule] = suspicious.get(rule, 0) + count
+    overall["suspicious"] = dict(sorted(suspicious.items()))
     return overall
 
 

@@ -120,7 +120,9 @@ def _reasons_markdown(results: dict[str, Any], limit: int = 10) -> list[str]:
     """Named model failures by kind, then the first few reasons verbatim (what a person checks
     when `tampered` or `reset_files` is not 0: is the policy gaming the grader?)."""
     kinds = results["summary"]["overall_all"].get("reasons") or {}
+    flagged = results["summary"]["overall_all"].get("suspicious") or {}
     rows = ["| reason | attempts |", "|---|---|"] + [f"| {_cell(k)} | {v} |" for k, v in kinds.items()]
+    rows += [f"| flagged by the static scan: {_cell(k)} | {v} |" for k, v in flagged.items()]
     examples = []
     for r in results.get("records", []):
         reason = r.get("reason") or (r.get("extra") or {}).get("reason")
@@ -169,10 +171,13 @@ def render_eval_markdown(results: dict[str, Any], png_name: str) -> str:
     if summary.get("excluded"):
         lines += [f"Excluded (flawed) tasks: {', '.join(_cell(t) for t in summary['excluded'])}", ""]
     lines += _overall_markdown(summary)
-    if summary["overall_all"].get("reasons") or summary["overall_all"].get("reset_files"):
+    overall = summary["overall_all"]
+    if overall.get("reasons") or overall.get("reset_files") or overall.get("suspicious"):
         lines += ["", "## Failure reasons and reward integrity", "",
-                  "`tampered`: the grader caught forged test results (reward 0). `reset files`: the patch "
-                  "touched tests or test configuration, reset before grading.", ""]
+                  "`tampered`: the grader caught forged test results or the diff policy refused the patch "
+                  "(`tampered/<rule>`; reward 0). `suspicious`: the static scan found a forgery's primitives "
+                  "in the changed code (per rule; reward 0 when training). `reset files`: the patch touched "
+                  "tests or test configuration, reset before grading.", ""]
         lines += _reasons_markdown(results)
     if results.get("comparison"):
         lines += ["", "## Comparison", ""]

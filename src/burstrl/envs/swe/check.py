@@ -196,6 +196,9 @@ def _check_by_grading(task: SweTask, result: CheckResult, timeout: float, backen
         result.problems.append(f"the test runner runs no graded test with the gold patch: {gold.runner_error}")
         return
     result.problems += _judge(task, result.at_base, result.at_gold)
+    if gold.suspicious:  # training (suspicious = "zero") would score the gold fix 0
+        result.problems.append(f"the static scan flags what the gold patch adds: {', '.join(gold.suspicious[:5])} "
+                               "(train this task set with orchestrator.swe.suspicious = \"flag\")")
     if gold.reset_files and not gold.resolved:
         result.problems.append(f"the gold patch edits files grading resets: {', '.join(gold.reset_files[:8])}")
 

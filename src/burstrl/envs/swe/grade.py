@@ -55,22 +55,20 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from burstrl.envs.swe import diffpolicy
 from burstrl.envs.swe.diffpolicy import DiffPolicy
 from burstrl.envs.swe.integrity import (
     WRAPPER,
     GradingRun,
     harness_files,
-    nearest_test_dir,
     new_report_dir,
     runner_error,
     runner_kind,
-    suspicious_lines,
     verdict,
     wrapped_command,
 )
 from burstrl.envs.swe.repo import BASE_TAG, export_base
 from burstrl.envs.swe.sandboxes import GradingSandbox, SandboxMaker
+from burstrl.envs.swe.screen import GradeInfraError, policy_violation, scan_changes
 from burstrl.envs.swe.task import SweTask
 from burstrl.envs.swe.testlog import EXPECTED, coarse, dotted_id, parse_junit_xml, status_of
 from burstrl.sandbox.backends import SandboxSpec, make_backend
@@ -109,7 +107,7 @@ class GradeResult:
     tampered: str = ""  # non-empty: the results were forged (integrity) or the diff policy refused the patch; 0
     policy_rule: str = ""  # the diff policy's rule that refused the patch (diffpolicy.py), "" if none
     reset_files: list[str] = field(default_factory=list)  # paths the patch touched that were reset to the base
-    suspicious: list[str] = field(default_factory=list)  # patch lines that reach for harness internals
+    suspicious: list[str] = field(default_factory=list)  # "path: rule" the patch adds (scan.py)
     runner_error: str = ""  # the runner ran no graded test; its own error
     test_patch_blocked: bool = False  # the test patch did not apply after the model's patch
     timed_out: bool = False
@@ -193,14 +191,17 @@ def extract_patch(sandbox: GradingSandbox, repo_dir: str = REPO_DIR, base: str =
 
 
 def grade(task: SweTask, patch: str, pool_or_backend: SandboxMaker | str, *, timeout_s: float = 300,
-          policy: DiffPolicy | None = None, gold: bool = False) -> GradeResult:
+          policy: DiffPolicy | None = None, gold: bool = False, suspicious: str = "flag") -> GradeResult:
     """Grade one attempt's patch in a fresh sandbox; see the module docstring for infra errors.
 
     `policy`: the task set's exceptions to the diff policy (merged with the task's own
     `extra.diff_policy`); a patch the policy refuses is `tampered` before any test runs.
     `gold`: this is the task's gold patch, whose xfail outcomes are by definition the expected ones;
     otherwise a graded test reported xfailed/xpassed passes only if the gold run (`gold_run`,
-    once per task) shows the same."""
+    once per task) shows the same. `suspicious`: "flag" records what the static scan (`scan.py`)
+    finds in the changed code; "zero" (training) also scores such an attempt 0 without running it."""
+    if suspicious not in ("flag", "zero"):
+        raise ValueError(f"suspicious must be 'flag' or 'zero', got {suspicious!r}")
     start = time.monotonic()
     policy = DiffPolicy.of(task.extra.get("diff_policy"), policy)
     result = GradeResult(instance_id=task.instance_id)
@@ -212,7 +213,7 @@ def grade(task: SweTask, patch: str, pool_or_backend: SandboxMaker | str, *, tim
         result.infra_error = f"sandbox did not start: {exc!r}"
         return _done(result, start)
     try:
-        _grade_in(sandbox, task, patch, (base_id, repo_tar, base_files), timeout_s, result, policy, gold)
+        _grade_in(sandbox, task, patch, (base_id, repo_tar, base_files), timeout_s, result, policy, gold, suspicious)
     except ModelCodeError as exc:  # the daemon died under the tests of the model's patch
         result.model_error = f"sandbox failed while running the tests: {exc.__cause__!r}"
     except (SandboxError, OSError, GradeInfraError) as exc:  # the sandbox died or stopped answering
@@ -291,7 +292,8 @@ def base_run(task: SweTask, creator: SandboxMaker, timeout_s: float) -> GradeRes
 
 
 def _grade_in(sandbox: GradingSandbox, task: SweTask, patch: str, base: tuple[str, bytes, frozenset[str]],
-              timeout_s: float, result: GradeResult, policy: DiffPolicy, gold: bool = False) -> None:
+              timeout_s: float, result: GradeResult, policy: DiffPolicy, gold: bool = False,
+              suspicious: str = "flag") -> None:
     base_id, repo_tar, base_files = base
     sandbox.upload(repo_tar, REPO_DIR)
     _check(sandbox.exec(f"mkdir -p {SCRATCH} && git reset -q --hard {base_id}", cwd=REPO_DIR, timeout=120),
@@ -309,12 +311,15 @@ def _grade_in(sandbox: GradingSandbox, task: SweTask, patch: str, base: tuple[st
     harness = harness_files(touched, tests, [p for p in touched if p not in base_files])
     protected = tests + patch_paths(task.test_patch) + harness
     result.reset_files = [p for p in touched if p in protected]
-    result.suspicious = suspicious_lines(patch, tests)
     try:
         reset_paths(sandbox, protected, base_id)
     except GradeInfraError as exc:  # a fresh repo resets; only the patch (symlinks, dirs) can stop it
         result.tampered = f"the test files could not be reset after the patch: {exc}"
         result.fail(f"tampered: {result.tampered}")
+        return
+    result.suspicious = scan_changes(sandbox, [p for p in touched if p not in protected], repo_tar, REPO_DIR)
+    if result.suspicious and suspicious == "zero":  # training: a forgery's primitives score 0, untested
+        result.fail(f"suspicious: {', '.join(result.suspicious[:5])}")
         return
     if task.test_patch.strip():
         ok, msg = apply_in(sandbox, task.test_patch, "test.patch")
@@ -349,26 +354,6 @@ def judge_run(task: SweTask, run: GradingRun, report: dict[str, str] | None, res
                     "report or end marker; nothing it printed is credited")
     else:
         result.runner_error = runner_error(run["text"], run["exit_code"], statuses, graded)
-
-
-def policy_violation(sandbox: GradingSandbox, patch: str, base_files: frozenset[str], tests: Sequence[str],
-                     policy: DiffPolicy) -> diffpolicy.Violation | None:
-    """The diff policy's verdict; `shadowing` asks the grading sandbox's `python3` (isolated mode,
-    from `/`, the patch not yet applied) which new top-level names it already imports."""
-    if not patch.strip():
-        return None
-    test_dirs = {t.rpartition("/")[0] for t in tests} | {r for t in tests if (r := nearest_test_dir(t))}
-    verdict = diffpolicy.check(patch, base_files, test_dirs, policy)
-    if verdict.violation is not None:
-        return verdict.violation
-
-    def importable(names: list[str]) -> set[str]:
-        cmd = shlex.join(["python3", "-I", "-c", diffpolicy.IMPORTABLE_PROBE, *names])
-        res = sandbox.exec(cmd, cwd="/", timeout=120)
-        _check(res, "ask the test interpreter which module names it imports")
-        return set(res.stdout.split())
-
-    return diffpolicy.shadowing(verdict.new_top_level, importable)
 
 
 def apply_in(sandbox: GradingSandbox, patch: str, name: str) -> tuple[bool, str]:
@@ -534,10 +519,6 @@ def _creator(pool_or_backend: SandboxMaker | str) -> SandboxMaker:
 def _spec(task: SweTask) -> SandboxSpec:
     return SandboxSpec(image=Path(task.image) if task.image else None, cpu_limit=task.cpu,
                        memory_limit_mb=task.memory, workdir_mb=task.disk)
-
-
-class GradeInfraError(RuntimeError):
-    """A grading step that cannot fail for a model's reason failed (resetting the fresh repo)."""
 
 
 class ModelCodeError(RuntimeError):

@@ -55,11 +55,12 @@ report and marker then all agree), or dig the end-marker nonce out of the wrappe
 process that must write to it, nor a value from code in the same interpreter. A command the
 wrapper does not reproduce (`cd sub && pytest`, `tox`, a custom runner) gets no end marker, and a
 runner other than pytest gets no report cross-check. Those attacks need deliberate code aimed at
-the harness's internals, so `suspicious` lists the lines of the patch that reach for them
-(`atexit`, `sys.argv`, `_pytest`, `junit`, `os._exit`, result classes): a reader of
-`burstrl eval` sees a policy that starts down that road. An out-of-process channel (a runner in a
-separate process reporting over a pipe, tests isolated from the code's interpreter) would close
-it; that changes how tests run and is not done here.
+the harness's internals, so the static scan (`scan.py`, AST of the changed files) records what the
+patch adds of a forgery's primitives (runner internals, `gc`, frames, `atexit`, `os._exit`,
+`/proc/self`, writes into `builtins` / `sys.modules`, `ctypes`, `marshal`), and under
+`orchestrator.swe.suspicious = "zero"` (training's default) such an attempt scores 0. An
+out-of-process channel (a runner in a separate process reporting over a pipe, tests isolated from
+the code's interpreter) would close the channel itself; that is the sealed run, not built yet.
 """
 
 from __future__ import annotations
@@ -84,9 +85,6 @@ RUNNER_MODULES = frozenset({"unittest", "pytest", "_pytest", "pluggy", "iniconfi
 _PYTEST_FINAL = re.compile(r"^=*\s*(?:no tests ran|\d+ (?:passed|failed|errors?|skipped|deselected|xfailed|xpassed|"
                            r"warnings?|rerun)\b.*?) in [\d.]+s\b.*?=*$")
 _UNITTEST_FINAL = re.compile(r"^Ran \d+ tests? in [\d.]+s$")
-SUSPICIOUS = re.compile(r"\batexit\b|\bsys\.argv\b|/proc/self/cmdline|\b_pytest\b|junit|\bos\._exit\b|"
-                        r"TestResult|TextTestRunner|TestReport|pytest_runtest|\bPASSED\b|sys\.stdout\.write\(.*ok")
-
 
 def runner_kind(test_cmd: str) -> str:
     """"pytest", "unittest" or "" (a runner whose output format the grader does not know)."""
@@ -297,16 +295,3 @@ def runner_error(text: str, exit_code: int, statuses: dict[str, str], graded: Se
         return ""
     tail = [line for line in text.strip().splitlines() if line.strip()][-12:]
     return f"exit {exit_code}: " + " | ".join(tail)[-1500:] if tail else f"exit {exit_code}, no output"
-
-
-def suspicious_lines(patch: str, test_files: Sequence[str]) -> list[str]:
-    """Added lines of the patch, outside the graded test files, that reach for harness internals."""
-    out: list[str] = []
-    current = ""
-    for line in patch.splitlines():
-        if line.startswith("+++ "):
-            current = line[6:] if line.startswith("+++ b/") else ""
-            continue
-        if line.startswith("+") and current not in test_files and SUSPICIOUS.search(line):
-            out.append(f"{current}: {line[1:].strip()[:160]}")
-    return out[:20]
