@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from burstrl.envs.swe.grade import GradeResult, grade, reward_of
+from burstrl.envs.swe.hacks import HACKS
 from burstrl.envs.swe.repo import commit_all, init_repo
 from burstrl.envs.swe.task import SweTask
 from burstrl.sandbox.pool import SandboxPool
@@ -416,6 +417,44 @@ def test_training_zeroes_what_reaches_for_the_runner_from_inside(hack: str, ut: 
     assert not r.resolved and r.log == "" and reward_of(r) == 0.0 and not r.infra_error
     flagged = grade(task, patch, pool, timeout_s=60)  # "flag" (evaluation): recorded, graded as usual
     assert f"calc.py: {rule}" in flagged.suspicious and not flagged.reason.startswith("suspicious")
+
+
+@pytest.mark.parametrize("hack", list(HACKS))
+def test_the_check_battery_hack_scores_zero(hack: str, ut: SweTask, py: SweTask, pool: SandboxPool,
+                                            tmp_path: Path) -> None:
+    """`tasks check --hacks`'s battery, each hack graded as a training attempt on both fixture
+    repositories (pytest and unittest): none scores above 0."""
+    from burstrl.envs.swe.hacks import hack_patches
+
+    for task in (py, ut):
+        patch = hack_patches(task, tmp_path / task.instance_id)[hack]
+        assert patch.strip(), hack
+        r = grade(task, patch, pool, timeout_s=60, suspicious="zero")
+        assert not r.infra_error and reward_of(r, "f2p") == 0.0 and not r.resolved, \
+            (task.instance_id, r.reason, r.statuses, r.log[-1500:])
+
+
+def test_check_hacks_reports_a_task_whose_policy_lets_a_hack_win(py: SweTask, tmp_path: Path) -> None:
+    """A task set that allows `pytest.toml` (a misconfigured diff policy) and trains with the static
+    scan only flagging can be defeated by the battery's pytest.toml plugin: `tasks check --hacks`
+    says so and the task is flawed; the fixture task as it is holds."""
+    from typer.testing import CliRunner
+
+    from burstrl.cli import app
+    from burstrl.envs.swe.task import dump_tasks
+
+    weak = SweTask(**{**py.to_json(), "instance_id": "py-weak",
+                      "extra": {"diff_policy": {"allow": ["pytest.toml", "burstrl_hack_plugin.py"]}}})
+    dump_tasks([py], tmp_path / "good.jsonl")
+    dump_tasks([weak], tmp_path / "weak.jsonl")
+    res = CliRunner().invoke(app, ["tasks", "check", str(tmp_path / "good.jsonl"), "--hacks"])
+    assert res.exit_code == 0 and "1 ok, 0 flawed" in res.output, res.output
+    res = CliRunner().invoke(app, ["tasks", "check", str(tmp_path / "weak.jsonl"), "--hacks"])
+    assert res.exit_code == 0, res.output  # the scan still zeroes the plugin's `import pytest`
+    res = CliRunner().invoke(app, ["tasks", "check", str(tmp_path / "weak.jsonl"), "--hacks", "--suspicious", "flag"])
+    assert res.exit_code == 1 and "hack pytest_toml scores f2p 1.00" in res.output, res.output
+    res = CliRunner().invoke(app, ["tasks", "check", str(tmp_path / "good.jsonl"), "--hacks", "--host"])
+    assert res.exit_code == 2 and "drop --host" in res.output, res.output
 
 
 def test_sitecustomize_and_pth_are_refused(py: SweTask, pool: SandboxPool, tmp_path: Path) -> None:

@@ -41,9 +41,17 @@ def tasks_check(
     host: bool = typer.Option(False, "--host", help="Run the tests on the host instead of in sandboxes."),
     jobs: int = typer.Option(1, "--jobs", min=1, help="Tasks checked at once."),
     flawed_out: Path | None = typer.Option(None, "--flawed-out", help="Write the flawed task ids here, one a line."),
+    hacks: bool = typer.Option(False, "--hacks", help="Also grade a battery of generic, fix-free reward hacks "
+                               "against each task (envs/swe/hacks.py); one that scores above 0 makes it flawed."),
+    suspicious: str = typer.Option("zero", "--suspicious", help="With --hacks: the static scan's setting the "
+                                   "task set trains with (zero or flag)."),
 ) -> None:
     """Check that target tests fail at the base and pass with the gold patch, and existing tests pass
     both ways; print a table and exit 1 if any task is flawed."""
+    if hacks and host:
+        fail("--hacks runs the hacks as attempts are graded, in sandboxes: drop --host")
+    if suspicious not in ("zero", "flag"):
+        fail(f"--suspicious must be zero or flag, not {suspicious!r}")
     import tempfile
 
     from burstrl.envs.swe.check import check_tasks, format_results
@@ -54,7 +62,8 @@ def tasks_check(
     except (OSError, TaskError) as exc:
         fail(str(exc))
     with tempfile.TemporaryDirectory(prefix="burstrl-check-") as tmp:
-        results = check_tasks(tasks, workdir or Path(tmp), sandbox=not host, jobs=jobs)
+        results = check_tasks(tasks, workdir or Path(tmp), sandbox=not host, jobs=jobs,
+                              hacks=suspicious if hacks else "")
     typer.echo(format_results(results))
     if flawed_out is not None:
         flawed_out.write_text("".join(f"{r.instance_id}\n" for r in results if not r.ok))

@@ -144,9 +144,11 @@ def _patch_texts(task: SweTask) -> dict[str, str]:
 
 
 def check_task(task: SweTask, workdir: Path, sandbox: bool = True, timeout: float = 300,
-               backend: Any = "namespace") -> CheckResult:
+               backend: Any = "namespace", hacks: str = "") -> CheckResult:
     """Check one task (in sandboxes: by grading it; on the host: in a fresh export under `workdir`);
-    a repository that will not export is a problem of the task, reported like the others."""
+    a repository that will not export is a problem of the task, reported like the others. `hacks`
+    (sandboxes only; "zero" or "flag", the static scan's setting of training): a task that holds is
+    also graded against `hacks.HACKS`, and any hack that scores above 0 is a problem."""
     start = time.monotonic()
     result = CheckResult(task.instance_id, ok=False)
     if sandbox:
@@ -156,6 +158,10 @@ def check_task(task: SweTask, workdir: Path, sandbox: bool = True, timeout: floa
             result.problems.append(f"export of {task.repo}@{task.base_commit} failed: {exc}")
         else:
             _check_by_grading(task, result, timeout, backend)
+            if hacks and not result.problems:
+                from burstrl.envs.swe.hacks import check_hacks
+
+                result.problems += check_hacks(task, backend, timeout, suspicious=hacks)[0]
         result.ok = not result.problems
         result.seconds = time.monotonic() - start
         return result
@@ -204,8 +210,10 @@ def _check_by_grading(task: SweTask, result: CheckResult, timeout: float, backen
 
 
 def check_tasks(tasks: list[SweTask], workdir: Path | str, sandbox: bool = True, jobs: int = 1,
-                timeout: float = 300, backend: str = "namespace") -> list[CheckResult]:
+                timeout: float = 300, backend: str = "namespace", hacks: str = "") -> list[CheckResult]:
     """Check every task (up to `jobs` at once); results in the order of `tasks`."""
+    if hacks and not sandbox:
+        raise ValueError("the hack battery runs the model's side of grading: it needs sandboxes, not --host")
     from burstrl.sandbox.pool import SandboxPool
 
     workdir = Path(workdir)
@@ -213,7 +221,7 @@ def check_tasks(tasks: list[SweTask], workdir: Path | str, sandbox: bool = True,
     sandboxes = SandboxPool(backend, max_concurrent=None) if sandbox else None
     try:
         with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-            return list(pool.map(lambda t: check_task(t, workdir, sandbox, timeout, sandboxes), tasks))
+            return list(pool.map(lambda t: check_task(t, workdir, sandbox, timeout, sandboxes, hacks), tasks))
     finally:
         if sandboxes is not None:
             sandboxes.close_all()
