@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from burstrl.envs.swe.grade import GradeResult, grade, reward_of
-from burstrl.envs.swe.hacks import HACKS
+from burstrl.envs.swe.hacks import HACKS, PLUGIN  # the plugin every config hack loads
 from burstrl.envs.swe.repo import commit_all, init_repo
 from burstrl.envs.swe.task import SweTask
 from burstrl.sandbox.pool import SandboxPool
@@ -106,16 +106,6 @@ for n in range(3, 64):
     if target.startswith("pipe:") or target.endswith("test.log"):
         os.write(n, ("\\n".join(lines) + "\\n").encode())
 os._exit(0)""")
-PLUGIN = """import pytest
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    outcome = yield
-    report = outcome.get_result()
-    report.outcome = "passed"
-    report.longrepr = None
-"""
 SHADOW_MAIN = """import sys
 for tid in sys.argv[1:]:
     if not tid.startswith("-"):

@@ -28,8 +28,9 @@ from typing import Any
 from burstrl.envs.swe import diffpolicy
 from burstrl.envs.swe.diffpolicy import DiffPolicy
 from burstrl.envs.swe.grade import base_tar, grade, graded_test_files, patch_paths
-from burstrl.envs.swe.integrity import harness_files, nearest_test_dir, runner_error
+from burstrl.envs.swe.integrity import harness_files, runner_error
 from burstrl.envs.swe.repo import export_base
+from burstrl.envs.swe.screen import test_dirs
 from burstrl.envs.swe.task import SweTask
 from burstrl.envs.swe.testlog import EXPECTED, parse_test_log, status_of
 
@@ -110,9 +111,8 @@ def _steps(task: SweTask, run: Exec, repo: str, patches: str, result: CheckResul
         return
     run("git reset -q --hard && git clean -fdq", repo)
     base_files = frozenset(run("git ls-files", repo)[1].split())
-    tests = graded_test_files(task, base_files)
-    test_dirs = {t.rpartition("/")[0] for t in tests} | {r for t in tests if (r := nearest_test_dir(t))}
-    verdict = diffpolicy.check(task.patch, base_files, test_dirs, DiffPolicy.of(task.extra.get("diff_policy")))
+    dirs = test_dirs(graded_test_files(task, base_files))
+    verdict = diffpolicy.check(task.patch, base_files, dirs, DiffPolicy.of(task.extra.get("diff_policy")))
     if verdict.violation is not None:  # (on the host no interpreter is asked about shadowing)
         result.problems.append(_refused(str(verdict.violation)))
         return

@@ -150,7 +150,7 @@ def check(patch: str, base_files: frozenset[str], test_dirs: Iterable[str], poli
     base_dirs = {p.rpartition("/")[0] for p in base_files} | {""}
     top: list[str] = []
     for change in parse_changes(patch):
-        for path in {change.path, change.old_path} - {""}:
+        for path in dict.fromkeys(p for p in (change.path, change.old_path) if p):  # new name first
             violation = _rule(change, path, sources, tests, base_dirs, base_files, policy)
             if violation is not None:
                 return Verdict(violation)

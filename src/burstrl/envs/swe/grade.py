@@ -50,7 +50,7 @@ import threading
 import time
 import xml.etree.ElementTree as ET
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -259,31 +259,33 @@ _BASE_RUNS: OrderedDict[tuple[str, ...], GradeResult] = OrderedDict()
 def gold_run(task: SweTask, creator: SandboxMaker, timeout_s: float, policy: DiffPolicy | None = None) -> GradeResult:
     """The task's gold patch graded, once per task in this process (kept beside the base runs):
     its xfailed/xpassed outcomes are the only ones an attempt's may match."""
-    key = ("gold", task.repo, task.base_commit, task.test_cmd, hashlib.sha256(task.patch.encode()).hexdigest(),
-           hashlib.sha256(task.test_patch.encode()).hexdigest(), *_unique(task.FAIL_TO_PASS + task.PASS_TO_PASS))
-    with _base_lock:
-        if key in _BASE_RUNS:
-            return _BASE_RUNS[key]
-    result = grade(task, task.patch, creator, timeout_s=timeout_s, policy=policy, gold=True)
-    if not result.infra_error:
-        with _base_lock:
-            _BASE_RUNS[key] = result
-            while len(_BASE_RUNS) > 64:
-                _BASE_RUNS.popitem(last=False)
-    return result
+    return _run_once(("gold", hashlib.sha256(task.patch.encode()).hexdigest(), *_task_key(task)),
+                     lambda: grade(task, task.patch, creator, timeout_s=timeout_s, policy=policy, gold=True),
+                     lambda r: not r.infra_error)
 
 
 def base_run(task: SweTask, creator: SandboxMaker, timeout_s: float) -> GradeResult:
     """The task's tests without any patch (a fresh sandbox), measured once per task in this process.
 
     Only runs that say something about the task are kept (not one whose sandbox failed)."""
-    key = (task.repo, task.base_commit, task.test_cmd, hashlib.sha256(task.test_patch.encode()).hexdigest(),
-           *_unique(task.FAIL_TO_PASS + task.PASS_TO_PASS))
+    return _run_once(_task_key(task),
+                     lambda: grade(task, "", creator, timeout_s=timeout_s),  # an empty patch: no policy applies
+                     lambda r: not r.infra_error or r.infra_error.startswith("task error"))
+
+
+def _task_key(task: SweTask) -> tuple[str, ...]:
+    return (task.repo, task.base_commit, task.test_cmd, hashlib.sha256(task.test_patch.encode()).hexdigest(),
+            *_unique(task.FAIL_TO_PASS + task.PASS_TO_PASS))
+
+
+def _run_once(key: tuple[str, ...], run: Callable[[], GradeResult],
+              keep: Callable[[GradeResult], bool]) -> GradeResult:
+    """`run()`'s result, cached under `key` (the last 64 kept) when `keep` says it is about the task."""
     with _base_lock:
         if key in _BASE_RUNS:
             return _BASE_RUNS[key]
-    result = grade(task, "", creator, timeout_s=timeout_s)  # an empty patch: no policy applies
-    if not result.infra_error or result.infra_error.startswith("task error"):
+    result = run()
+    if keep(result):
         with _base_lock:
             _BASE_RUNS[key] = result
             while len(_BASE_RUNS) > 64:

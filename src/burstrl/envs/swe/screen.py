@@ -52,14 +52,18 @@ def scan_changes(sandbox: GradingSandbox, paths: Sequence[str], repo_tar: bytes,
     return found[:50]
 
 
+def test_dirs(tests: Sequence[str]) -> set[str]:
+    """The graded test files' directories and their test roots: where a conftest.py is a test file."""
+    return {t.rpartition("/")[0] for t in tests} | {r for t in tests if (r := nearest_test_dir(t))}
+
+
 def policy_violation(sandbox: GradingSandbox, patch: str, base_files: frozenset[str], tests: Sequence[str],
                      policy: DiffPolicy) -> diffpolicy.Violation | None:
     """The diff policy's verdict; `shadowing` asks the grading sandbox's `python3` (isolated mode,
     from `/`, the patch not yet applied) which new top-level names it already imports."""
     if not patch.strip():
         return None
-    test_dirs = {t.rpartition("/")[0] for t in tests} | {r for t in tests if (r := nearest_test_dir(t))}
-    verdict = diffpolicy.check(patch, base_files, test_dirs, policy)
+    verdict = diffpolicy.check(patch, base_files, test_dirs(tests), policy)
     if verdict.violation is not None:
         return verdict.violation
 
