@@ -160,8 +160,7 @@ class Engine:
             for req in [*self.waiting, *self._inbox]:  # stopping: nobody is left waiting forever
                 req.error = "replica shutting down"
                 self._report_done(req, "abort")
-            for _, done in self._jobs:
-                done.set_exception(RuntimeError("replica shutting down"))
+            self._fail_jobs("replica shutting down")
             for i in reversed(range(len(self.rows))):
                 self.rows[i].finish_reason = "abort"
                 self._leave(i)
@@ -171,9 +170,16 @@ class Engine:
             for req in [*self.rows, *self.waiting, *self._inbox]:
                 req.error = self.error
                 self._report_done(req, "error")
+            self._fail_jobs(f"engine died: {self.error}")  # a prover waiting on a dead engine hears at once
             if self.on_fatal is not None:
                 self.on_fatal(self.error)
             raise
+
+    def _fail_jobs(self, why: str) -> None:
+        with self._cv:
+            jobs, self._jobs = self._jobs, deque()
+        for _, done in jobs:
+            done.set_exception(RuntimeError(why))
 
     def _iterate(self) -> bool:
         with self._cv:
