@@ -225,7 +225,7 @@ def test_spoofed_results_are_tampered(hack: str, ut: SweTask, py: SweTask, pool:
         control = host_run(task, patch, tmp_path)
         out = control.stdout + control.stderr
         assert control.returncode == 0 and "FAIL" not in out and ("OK" in out or "2 passed" in out), out[-1500:]
-    r = grade(task, patch, pool, timeout_s=60)
+    r = grade(task, patch, pool, timeout_s=60, seal=False)  # the sealed run never reads these: test_sealed_run.py
     assert_zero(r)
     assert r.tampered and r.reason.startswith("tampered: ") and r.parts()["tampered"], (r.statuses, r.log[-2000:])
     assert r.suspicious and any(w in " ".join(r.suspicious) for w in ("atexit", "os_exit"))
@@ -337,11 +337,12 @@ def test_xfail_and_xpass_are_not_passes_unless_the_gold_run_shows_them(py: SweTa
     """Code under test registers a plugin (through pytest's config object, found with `gc`) that
     marks every test xfail: the failing target test reports XFAIL, the passing one XPASS, and the
     run exits 0. Those used to count as passes. Now they pass only where the gold run shows the
-    same outcome, and it shows "passed" for both."""
+    same outcome, and it shows "passed" for both. Unsealed: a sealed run refuses the `gc` walk
+    itself (test_sealed_run.py); this rule holds for the runs the seal cannot take."""
     patch = patch_of(Path(py.repo), {"calc.py": XFAIL_EVERYTHING})
     control = host_run(py, patch, tmp_path)
     assert control.returncode == 0 and "1 xfailed, 1 xpassed" in control.stdout, control.stdout[-1500:]
-    r = grade(py, patch, pool, timeout_s=60)
+    r = grade(py, patch, pool, timeout_s=60, seal=False)
     assert r.statuses == {"tests/test_calc.py::test_add": "xfailed", "tests/test_calc.py::test_mul": "xpassed"}, \
         (r.statuses, r.log[-1500:])
     assert not r.resolved and r.f2p == 0.0 and r.p2p_failed == 1 and not r.infra_error
@@ -545,7 +546,8 @@ def test_eval_report_counts_tampered_and_reset_attempts(ut: SweTask, py: SweTask
                                                         tmp_path: Path) -> None:
     from burstrl.eval.swe_report import make_results, render_eval_markdown
 
-    graded = [grade(py, patch_of(Path(py.repo), {"calc.py": PY_SPOOF}), pool, timeout_s=60),
+    graded = [grade(py, patch_of(Path(py.repo), {"calc.py": PY_SPOOF}), pool, timeout_s=60, seal=False),
+              grade(ut, patch_of(Path(ut.repo), {"calc.py": NONCE_FROM_FRAME}), pool, timeout_s=60),
               grade(py, patch_of(Path(py.repo), HARNESS["conftest_in_subdir"][1]), pool, timeout_s=60),
               grade(ut, ut.patch, pool, timeout_s=60),
               grade(py, patch_of(Path(py.repo), POLICY["pytest_toml"][1]), pool, timeout_s=60),
@@ -557,12 +559,13 @@ def test_eval_report_counts_tampered_and_reset_attempts(ut: SweTask, py: SweTask
                for i, r in enumerate(graded)]
     results = make_results(records)
     overall = results["summary"]["overall"]
-    assert overall["tampered"] == 2 and overall["reset_files"] == 1
-    # the diff policy's and the static scan's, per rule
-    assert overall["reasons"] == {"suspicious/runner_import": 1, "tampered": 1, "tampered/runner_config": 1}
-    assert overall["suspicious"] == {"atexit": 1, "gc": 1, "runner_import": 1}
+    assert overall["tampered"] == 3 and overall["reset_files"] == 1
+    # the diff policy's, the sealed run's and the static scan's, per rule
+    assert overall["reasons"] == {"suspicious/runner_import": 1, "tampered": 1, "tampered/frame": 1,
+                                  "tampered/runner_config": 1}
+    assert overall["suspicious"] == {"atexit": 1, "frame": 1, "gc": 1, "runner_import": 1}
     md = render_eval_markdown(results, "report.png")
-    assert "| tampered | 2 |" in md and "| reset_files | 1 |" in md and "## Failure reasons" in md
+    assert "| tampered | 3 |" in md and "| reset_files | 1 |" in md and "## Failure reasons" in md
     assert "| tampered/runner_config | 1 |" in md and "| flagged by the static scan: gc | 1 |" in md
     assert "reset before grading: tests/conftest.py" in md and "tampered: " in md
 

@@ -4,17 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from burstrl.envs.swe.grade import (
-    GradeResult,
-    cap_log,
-    dotted_id,
-    grading_command,
-    parse_junit_xml,
-    patch_paths,
-    reward_of,
-    score,
-)
+from burstrl.envs.swe.grade import GradeResult, dotted_id, parse_junit_xml, patch_paths, reward_of, score
 from burstrl.envs.swe.task import SweTask
+from burstrl.envs.swe.testrun import cap_log, grading_command
 
 
 def make_task(f2p: list[str], p2p: list[str], test_cmd: str = "python3 -m unittest -v") -> SweTask:
@@ -151,7 +143,7 @@ def test_graded_test_files_are_found_from_ids() -> None:
 
 
 def test_junit_path_from_the_test_command() -> None:
-    from burstrl.envs.swe.grade import junit_path
+    from burstrl.envs.swe.testrun import junit_path
 
     assert junit_path(make_task([], [], "python3 -m pytest -rA --junitxml=out/r.xml")) == "/work/repo/out/r.xml"
     assert junit_path(make_task([], [], "pytest --junit-xml /tmp/r.xml -q")) == "/tmp/r.xml"

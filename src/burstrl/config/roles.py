@@ -285,6 +285,12 @@ class SweEnvConfig(Section):
         "frames, atexit, os._exit, /proc/self, writes into builtins or sys.modules, ctypes, marshal) does: zero = "
         "the attempt scores 0 untested (training), flag = recorded only (burstrl eval's default)."
     )
+    seal: bool = Field(
+        True, description="Run the graded tests sealed (envs/swe/seal.py: results signed by an audit hook and "
+        "collected out of the code's reach; a forgery's primitives end the attempt as tampered) wherever the "
+        "test command is a plain `python -m pytest|unittest`; false runs them unsealed (log, report and end "
+        "marker checks only)."
+    )
     diff_allow: list[str] = Field(
         default_factory=list, description="Globs of paths an attempt's patch may change beyond the diff policy's "
         "default (new files outside the source directories, runner config); binaries, bytecode, packaging "

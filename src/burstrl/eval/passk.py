@@ -114,14 +114,14 @@ def summarize_task(records: list[AttemptRecord], ks: Iterable[int] | None = None
 
 def reason_kind(record: AttemptRecord) -> str:
     """The kind of a named model failure ("tampered" of "tampered: ..."), "" for none; a patch the
-    diff policy refused is "tampered/<rule>" and one the static scan zeroed "suspicious/<rule>"
+    diff policy or the sealed run refused is "tampered/<rule>" and one the static scan zeroed "suspicious/<rule>"
     (per rule, so a policy that starts probing shows)."""
     reason = record.reason or str(record.extra.get("reason") or "")
     if not reason:
         return ""
     kind, _, rest = reason.partition(":")
     kind = kind.strip()
-    m = re.match(r"\s*diff policy (\w+):", rest)
+    m = re.match(r"\s*(?:diff policy|sealed run) (\w+):", rest)
     if kind == "tampered" and m:
         return f"tampered/{m.group(1)}"
     if kind == "suspicious" and rest.strip():  # "suspicious: path: rule, path: rule": the first rule

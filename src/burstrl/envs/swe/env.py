@@ -190,7 +190,7 @@ class SweEnv:
         grader = pool.tracker() if hasattr(pool, "tracker") else pool
         policy = DiffPolicy(tuple(self.cfg.diff_allow), tuple(self.cfg.diff_deny))
         graded = await asyncio.to_thread(grade, swe, patch, grader, timeout_s=self.cfg.grade_timeout_s, policy=policy,
-                                         suspicious=self.cfg.suspicious)
+                                         suspicious=self.cfg.suspicious, seal=self.cfg.seal)
         if getattr(graded, "infra_error", None):
             raise InfraError(f"grading {swe.instance_id}: {graded.infra_error}")
         if getattr(graded, "model_error", None) and grader is not pool and await asyncio.to_thread(grader.lost):

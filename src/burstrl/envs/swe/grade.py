@@ -42,13 +42,11 @@ from __future__ import annotations
 import hashlib
 import io
 import re
-import secrets
 import shlex
 import tarfile
 import tempfile
 import threading
 import time
-import xml.etree.ElementTree as ET
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -56,35 +54,31 @@ from pathlib import Path
 from typing import Any
 
 from burstrl.envs.swe.diffpolicy import DiffPolicy
-from burstrl.envs.swe.integrity import (
-    WRAPPER,
-    GradingRun,
-    harness_files,
-    new_report_dir,
-    runner_error,
-    runner_kind,
-    verdict,
-    wrapped_command,
-)
+from burstrl.envs.swe.integrity import GradingRun, harness_files, runner_error, verdict
 from burstrl.envs.swe.repo import BASE_TAG, export_base
 from burstrl.envs.swe.sandboxes import GradingSandbox, SandboxMaker
 from burstrl.envs.swe.screen import GradeInfraError, policy_violation, scan_changes
+from burstrl.envs.swe.seal import judge as judge_sealed
+from burstrl.envs.swe.seal import seal_off
 from burstrl.envs.swe.task import SweTask
 from burstrl.envs.swe.testlog import EXPECTED, coarse, dotted_id, parse_junit_xml, status_of
+from burstrl.envs.swe.testrun import (
+    REPO_DIR,
+    SCRATCH,
+    cap_log,
+    check,
+    grading_command,
+    read_report,
+    run_tests,
+    unique,
+)
 from burstrl.sandbox.backends import SandboxSpec, make_backend
 from burstrl.sandbox.client import SandboxError
-from burstrl.sandbox.protocol import ExecResult
 
 __all__ = ["GradeResult", "reward_of", "score", "grade", "extract_patch", "dotted_id", "parse_junit_xml",
            "status_of", "patch_paths", "graded_test_files", "grading_command"]
 
-REPO_DIR = "/work/repo"
-SCRATCH = "/tmp/burstrl-grade"  # outside the repo: patches and logs never enter `git status`
-LOG_CAP = 64 * 1024  # chars of test log kept in a result (head and tail)
-LOG_READ_CAP = 8 * 1024 * 1024  # bytes of a test log read back (head and tail); the daemon reads <= 16 MiB
 REWARD_KINDS = ("binary", "f2p", "strict")
-TEST_ENV = {"PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1"}  # unbuffered: the log keeps the real order
-_JUNIT_OPT = re.compile(r"--junit-?xml[= ](\S+)")
 
 
 @dataclass
@@ -108,6 +102,8 @@ class GradeResult:
     policy_rule: str = ""  # the diff policy's rule that refused the patch (diffpolicy.py), "" if none
     reset_files: list[str] = field(default_factory=list)  # paths the patch touched that were reset to the base
     suspicious: list[str] = field(default_factory=list)  # "path: rule" the patch adds (scan.py)
+    sealed: bool = False  # the tests ran sealed (seal.py): results signed out of the code's reach
+    seal_off: str = ""  # why the run was not sealed ("" when it was, or no test ran)
     runner_error: str = ""  # the runner ran no graded test; its own error
     test_patch_blocked: bool = False  # the test patch did not apply after the model's patch
     timed_out: bool = False
@@ -160,7 +156,7 @@ def score(result: GradeResult, task: SweTask, statuses: dict[str, str],
         s = status_of(statuses, tid)
         return s == "passed" or (s in EXPECTED and expected is not None and status_of(expected, tid) == s)
 
-    f2p, p2p = _unique(task.FAIL_TO_PASS), _unique(task.PASS_TO_PASS)
+    f2p, p2p = unique(task.FAIL_TO_PASS), unique(task.PASS_TO_PASS)
     result.statuses = {tid: status_of(statuses, tid) for tid in f2p + p2p}
     result.f2p_total, result.p2p_total = len(f2p), len(p2p)
     result.f2p_passed = sum(passed(t) for t in f2p)
@@ -191,7 +187,8 @@ def extract_patch(sandbox: GradingSandbox, repo_dir: str = REPO_DIR, base: str =
 
 
 def grade(task: SweTask, patch: str, pool_or_backend: SandboxMaker | str, *, timeout_s: float = 300,
-          policy: DiffPolicy | None = None, gold: bool = False, suspicious: str = "flag") -> GradeResult:
+          policy: DiffPolicy | None = None, gold: bool = False, suspicious: str = "flag",
+          seal: bool = True) -> GradeResult:
     """Grade one attempt's patch in a fresh sandbox; see the module docstring for infra errors.
 
     `policy`: the task set's exceptions to the diff policy (merged with the task's own
@@ -199,12 +196,14 @@ def grade(task: SweTask, patch: str, pool_or_backend: SandboxMaker | str, *, tim
     `gold`: this is the task's gold patch, whose xfail outcomes are by definition the expected ones;
     otherwise a graded test reported xfailed/xpassed passes only if the gold run (`gold_run`,
     once per task) shows the same. `suspicious`: "flag" records what the static scan (`scan.py`)
-    finds in the changed code; "zero" (training) also scores such an attempt 0 without running it."""
+    finds in the changed code; "zero" (training) also scores such an attempt 0 without running it.
+    `seal`: run the tests sealed where the command allows (`seal.py`); False runs every task
+    unsealed, with the log, report and end-marker checks of `integrity` only."""
     if suspicious not in ("flag", "zero"):
         raise ValueError(f"suspicious must be 'flag' or 'zero', got {suspicious!r}")
     start = time.monotonic()
     policy = DiffPolicy.of(task.extra.get("diff_policy"), policy)
-    result = GradeResult(instance_id=task.instance_id)
+    result = GradeResult(instance_id=task.instance_id, seal_off="" if seal else "turned off by the grader's caller")
     base_id, repo_tar, base_files = base_tar(task)
     creator = _creator(pool_or_backend)
     try:
@@ -275,7 +274,7 @@ def base_run(task: SweTask, creator: SandboxMaker, timeout_s: float) -> GradeRes
 
 def _task_key(task: SweTask) -> tuple[str, ...]:
     return (task.repo, task.base_commit, task.test_cmd, hashlib.sha256(task.test_patch.encode()).hexdigest(),
-            *_unique(task.FAIL_TO_PASS + task.PASS_TO_PASS))
+            *unique(task.FAIL_TO_PASS + task.PASS_TO_PASS))
 
 
 def _run_once(key: tuple[str, ...], run: Callable[[], GradeResult],
@@ -298,7 +297,7 @@ def _grade_in(sandbox: GradingSandbox, task: SweTask, patch: str, base: tuple[st
               suspicious: str = "flag") -> None:
     base_id, repo_tar, base_files = base
     sandbox.upload(repo_tar, REPO_DIR)
-    _check(sandbox.exec(f"mkdir -p {SCRATCH} && git reset -q --hard {base_id}", cwd=REPO_DIR, timeout=120),
+    check(sandbox.exec(f"mkdir -p {SCRATCH} && git reset -q --hard {base_id}", cwd=REPO_DIR, timeout=120),
            "reset to the base")
     tests = graded_test_files(task, base_files)
     violation = policy_violation(sandbox, patch, base_files, tests, policy)
@@ -329,8 +328,10 @@ def _grade_in(sandbox: GradingSandbox, task: SweTask, patch: str, base: tuple[st
             result.infra_error = f"task error: test_patch does not apply on the base: {msg}"
             result.test_patch_blocked = bool(patch.strip())
             return
+    changed = [p for p in touched if p not in protected]
+    result.seal_off = result.seal_off or seal_off(task.test_cmd, changed, base_files)
     try:
-        run = run_tests(sandbox, task, timeout_s)
+        run = run_tests(sandbox, task, timeout_s, None if result.seal_off else changed)
         report = read_report(sandbox, run["report"])
     except (SandboxError, OSError) as exc:
         raise ModelCodeError() from exc
@@ -342,8 +343,15 @@ def judge_run(task: SweTask, run: GradingRun, report: dict[str, str] | None, res
               gold: bool = False) -> None:
     """Scores from one run's log and report, with the integrity checks of `integrity.verdict`
     (xfail outcomes not yet credited unless this is the gold run: `grade` asks the gold run)."""
-    graded = _unique(task.FAIL_TO_PASS + task.PASS_TO_PASS)
-    statuses, tampered, finished = verdict(task.test_cmd, run, report, graded)
+    graded = unique(task.FAIL_TO_PASS + task.PASS_TO_PASS)
+    sealed, exit_code = run.get("seal") is not None or not result.seal_off, run["exit_code"]
+    if sealed:
+        statuses, tampered, finished = judge_sealed(run.get("seal"), graded)
+        result.sealed = bool((run.get("seal") or {}).get("hook"))
+        exit_code = (run.get("seal") or {}).get("returncode")
+        exit_code = 1 if exit_code is None else int(exit_code)  # no verdict: the collector was killed
+    else:
+        statuses, tampered, finished = verdict(task.test_cmd, run, report, graded)
     score(result, task, statuses, statuses if gold else None)
     if run["timed_out"]:
         result.timed_out = True  # partial statuses kept; the base run decides (`_judge_against_base`)
@@ -351,11 +359,14 @@ def judge_run(task: SweTask, run: GradingRun, report: dict[str, str] | None, res
     elif tampered:
         result.tampered = tampered
         result.fail(f"tampered: {tampered}")
+    elif sealed and not finished and any(s != "missing" for s in statuses.values()):  # ended mid-run
+        result.fail(f"run_incomplete: the test process ended (exit {exit_code}) before the runner "
+                    "returned; nothing it reported is credited")
     elif not finished and any(coarse(s) == "passed" for s in result.statuses.values()):
         result.fail(f"run_incomplete: the runner exited {run['exit_code']} without its final summary, "
                     "report or end marker; nothing it printed is credited")
     else:
-        result.runner_error = runner_error(run["text"], run["exit_code"], statuses, graded)
+        result.runner_error = runner_error(run["text"], exit_code, statuses, graded)
 
 
 def apply_in(sandbox: GradingSandbox, patch: str, name: str) -> tuple[bool, str]:
@@ -398,7 +409,7 @@ def graded_test_files(task: SweTask, base_files: frozenset[str]) -> list[str]:
     file (`path.py::...`); a unittest id `a.b.C.test` is matched to `a/b/C.py`, `a/b.py`, ...
     """
     found: list[str] = []
-    for tid in _unique(task.FAIL_TO_PASS + task.PASS_TO_PASS):
+    for tid in unique(task.FAIL_TO_PASS + task.PASS_TO_PASS):
         if "::" in tid:
             candidates = [tid.split("::", 1)[0]]
         else:
@@ -415,75 +426,10 @@ def reset_paths(sandbox: GradingSandbox, paths: Sequence[str], base_id: str) -> 
     patch lands on exactly the files it was made against whatever the model patch did to them."""
     if not paths:
         return
-    quoted = " ".join(shlex.quote(p) for p in _unique(paths))
+    quoted = " ".join(shlex.quote(p) for p in unique(paths))
     cmd = (f'for f in {quoted}; do if git cat-file -e {base_id}:"$f" 2>/dev/null; '
            f'then git checkout -q {base_id} -- "$f"; else rm -rf -- "$f"; fi || exit 1; done')
-    _check(sandbox.exec(cmd, cwd=REPO_DIR, timeout=120), "reset the test patch's files")
-
-
-def grading_command(task: SweTask, options: str = "", test_cmd: str = "") -> str:
-    """`test_cmd` (the task's unless given; then the grader's `options`) followed by the target and
-    existing test ids."""
-    ids = _unique(task.FAIL_TO_PASS) + [t for t in _unique(task.PASS_TO_PASS) if t not in task.FAIL_TO_PASS]
-    return " ".join([test_cmd or task.test_cmd, *([options] if options else []), *(shlex.quote(t) for t in ids)])
-
-
-def run_tests(sandbox: GradingSandbox, task: SweTask, timeout_s: float) -> GradingRun:
-    """One run of the graded tests: {text, timed_out, exit_code, seconds, report, nonce}.
-
-    The log is stdout and stderr interleaved, through a file (exec output is capped and would drop
-    the middle of a long log). In a fresh random directory (`integrity`): for pytest the grader's
-    own JUnit report (`report`, with `-rA` added), and for a plain `python -m pytest|unittest`
-    command the wrapper that ends the run with a marker holding `nonce` ("" when not wrapped).
-    """
-    log = f"{SCRATCH}/test.log"
-    rdir, nonce = new_report_dir(), secrets.token_hex(16)
-    options, report = "", junit_path(task)
-    wrapped = wrapped_command(task.test_cmd, f"{rdir}/w.py") or ""
-    prep = f"rm -f {shlex.quote(report)}; " if report else ""  # a committed fake report must not count
-    if runner_kind(task.test_cmd) == "pytest":
-        report, options, prep = f"{rdir}/report.xml", f"-rA --junitxml={rdir}/report.xml", ""
-    _check(sandbox.exec(f"mkdir -m 700 {rdir}", timeout=60), "make the report directory")
-    if wrapped:
-        sandbox.write_file(f"{rdir}/w.py", WRAPPER.encode())
-        sandbox.write_file(f"{rdir}/nonce", nonce.encode())
-    start = time.monotonic()
-    res = sandbox.exec(f"{prep}{{ {grading_command(task, options, wrapped)} ; }} > {log} 2>&1", cwd=REPO_DIR,
-                       timeout=timeout_s, env=TEST_ENV)
-    seconds = time.monotonic() - start
-    # Over the daemon's read limit (16 MiB): keep the head and the tail, where the statuses are.
-    sandbox.exec(f"if [ $(stat -c %s {log}) -gt {LOG_READ_CAP} ]; then {{ head -c {LOG_READ_CAP // 2} {log}; "
-                 f"echo; echo '... [elided] ...'; tail -c {LOG_READ_CAP // 2} {log}; }} > {log}.cut && "
-                 f"mv {log}.cut {log}; fi", timeout=60)
-    text = sandbox.read_file(log).decode("utf-8", "replace")
-    return {"text": text, "timed_out": bool(res.timed_out), "exit_code": res.exit_code, "seconds": round(seconds, 3),
-            "report": report, "nonce": nonce if wrapped else ""}
-
-
-def junit_path(task: SweTask) -> str:
-    """Where the test command writes a JUnit XML report (`--junitxml=PATH`), absolute; "" if not."""
-    m = _JUNIT_OPT.search(task.test_cmd)
-    if m is None:
-        return ""
-    return m.group(1) if m.group(1).startswith("/") else f"{REPO_DIR}/{m.group(1)}"
-
-
-def read_report(sandbox: GradingSandbox, path: str) -> dict[str, str] | None:
-    """Statuses from the JUnit report at `path`; None if there is none or it is torn (a crashed run)."""
-    if not path:
-        return None
-    try:
-        return parse_junit_xml(sandbox.read_file(path).decode("utf-8", "replace"))
-    except (SandboxError, ET.ParseError):
-        return None
-
-
-def cap_log(text: str, cap: int = LOG_CAP) -> str:
-    """Head and tail of a long log: the start says what ran, the end says how it ended."""
-    if len(text) <= cap:
-        return text
-    half = cap // 2
-    return f"{text[:half]}\n... [{len(text) - cap} chars elided] ...\n{text[-half:]}"
+    check(sandbox.exec(cmd, cwd=REPO_DIR, timeout=120), "reset the test patch's files")
 
 
 _BASE_CACHE: OrderedDict[tuple[str, str], tuple[str, bytes, frozenset[str]]] = OrderedDict()
@@ -525,15 +471,6 @@ def _spec(task: SweTask) -> SandboxSpec:
 
 class ModelCodeError(RuntimeError):
     """The sandbox failed while it ran the model's patch (its tests): the model's doing (the cause)."""
-
-
-def _check(res: ExecResult, what: str) -> None:
-    if res.exit_code != 0:
-        raise GradeInfraError(f"could not {what}: {(res.stderr or res.stdout).strip()[-2000:]}")
-
-
-def _unique(ids: Sequence[str]) -> list[str]:
-    return list(dict.fromkeys(ids))
 
 
 def _done(result: GradeResult, start: float) -> GradeResult:

@@ -31,12 +31,15 @@ from burstrl.envs.swe.task import SweTask
 PLUGIN = """import pytest
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    outcome = yield
-    report = outcome.get_result()
-    report.outcome = "passed"
-    report.longrepr = None
+def _passes(*args, **kwargs):
+    return None
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if hasattr(item, "obj"):
+            item.obj = _passes
 """
 ATEXIT_SPOOF = """
 import atexit as _burstrl_hack_atexit

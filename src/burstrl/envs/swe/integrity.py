@@ -58,9 +58,11 @@ runner other than pytest gets no report cross-check. Those attacks need delibera
 the harness's internals, so the static scan (`scan.py`, AST of the changed files) records what the
 patch adds of a forgery's primitives (runner internals, `gc`, frames, `atexit`, `os._exit`,
 `/proc/self`, writes into `builtins` / `sys.modules`, `ctypes`, `marshal`), and under
-`orchestrator.swe.suspicious = "zero"` (training's default) such an attempt scores 0. An
-out-of-process channel (a runner in a separate process reporting over a pipe, tests isolated from
-the code's interpreter) would close the channel itself; that is the sealed run, not built yet.
+`orchestrator.swe.suspicious = "zero"` (training's default) such an attempt scores 0. The
+sealed run (`seal.py`) closes these channels for the commands it can run (a plain
+`python -m pytest|unittest`, the runner not the code under test): results signed by an audit hook
+and collected out of the code's reach, the primitives above refused; the channels here then serve
+only the runs it cannot seal.
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ import secrets
 import shlex
 import sys
 from collections.abc import Iterable, Sequence
-from typing import TypedDict
+from typing import Any, TypedDict
 
 from burstrl.envs.swe.testlog import SEVERITY, coarse, parse_test_log, status_of
 
@@ -260,6 +262,7 @@ class GradingRun(TypedDict):
     seconds: float
     report: str  # where the JUnit report was written ("" if none)
     nonce: str  # the secret of the wrapper's end marker ("" when the command was not wrapped)
+    seal: dict[str, Any] | None  # the sealed run's verdict (seal.py); None when unsealed or it printed none
 
 
 def verdict(test_cmd: str, run: GradingRun, report: dict[str, str] | None,
