@@ -210,3 +210,15 @@ def test_the_bootstrap_reports_honest_code_as_the_runner_saw_it(tmp_path: Path) 
     verdict = sealed(tmp_path, HONEST.replace("a + b", "a - b"))
     assert verdict["complete"] and verdict["tampered"] == [] and verdict["exit"] == 1, verdict
     assert verdict["statuses"] == {IDS[0]: "failed", IDS[1]: "passed"}
+
+
+def test_a_subprocess_cannot_read_the_test_process_memory_or_fds(py: SweTask, pool: SandboxPool) -> None:
+    """Processes the tests start run without the hook; the test process is non-dumpable, so one of
+    the same user cannot read its memory (where the key lives) or reopen its fds (the pipe)."""
+    code = ("\nimport os, subprocess\n"
+            "_mem = subprocess.run(['head', '-c', '64', '/proc/%d/mem' % os.getpid()], capture_output=True)\n"
+            "_fds = subprocess.run(['ls', '/proc/%d/fd' % os.getpid()], capture_output=True)\n"
+            "if _mem.returncode == 0 or _fds.returncode == 0:  # read: the target test fails\n"
+            "    def add(a, b):\n        return 0\n")
+    r = grade(py, patch_of(Path(py.repo), {"calc.py": GOLD_CALC + code}), pool, timeout_s=60)
+    assert r.sealed and r.resolved and not r.tampered, (r.reason, r.statuses, r.log[-1500:])  # both were denied
