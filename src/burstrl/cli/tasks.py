@@ -34,6 +34,29 @@ def tasks_make_toy(
     typer.echo(f"{len(tasks)} tasks -> {out / 'tasks.jsonl'}")
 
 
+@tasks_app.command("make-functions")
+def tasks_make_functions(
+    out: Path = typer.Argument(..., help="Directory to write: OUT/tasks.jsonl and OUT/repo (missing or empty)."),
+    n: int = typer.Option(300, "--n", min=1, help="Number of tasks (distinct problems)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the problems' names, arguments, constants and tests."),
+    split: str = typer.Option("train", "--split", help="train, or test (held out: other templates, and "
+                              "constants training never sees)."),
+    force: bool = typer.Option(False, "--force", help="Write into a non-empty OUT."),
+) -> None:
+    """Generate one-function Python problems (a def line and docstring to complete; hidden tests)."""
+    from burstrl.envs.functions.tasks import make_function_tasks
+
+    if split not in ("train", "test"):
+        fail(f"--split must be train or test, not {split!r}")
+    if out.exists() and any(out.iterdir()) and not force:
+        fail(f"{out} is not empty (use --force)")
+    try:
+        tasks = make_function_tasks(out, n, seed=seed, split=split)
+    except ValueError as exc:
+        fail(str(exc))
+    typer.echo(f"{len(tasks)} tasks -> {out / 'tasks.jsonl'}")
+
+
 @tasks_app.command("check")
 def tasks_check(
     file: Path = typer.Argument(..., help="Task file (JSONL)."),

@@ -47,6 +47,10 @@ class ChatClient(Protocol):
         """The assistant's reply text to `messages` (the whole conversation so far)."""
         ...
 
+    async def complete(self, prompt: str, max_tokens: int | None = None, stop: list[str] | None = None) -> str:
+        """The model's continuation of `prompt` as plain text (no chat template: base models)."""
+        ...
+
 
 class Environment(Protocol):
     """Tasks, a rollout loop against a chat client, rewards with named parts, and demonstrations."""

@@ -32,6 +32,7 @@ _REGISTRY: dict[str, str] = {
     "toy": "burstrl.envs.toy:ToyEnv",
     "toy_multi": "burstrl.envs.toy_multi:MultiToyEnv",
     "swe": "burstrl.envs.swe.env:SweEnv",
+    "functions": "burstrl.envs.functions.env:FunctionsEnv",
 }
 ENV_NAMES = tuple(_REGISTRY)
 

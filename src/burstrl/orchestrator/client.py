@@ -1,6 +1,6 @@
 """The orchestrator's side of the router: one session's chat client, traces, and version pinning.
 
-Why one small module: the environment only sees `SessionClient.chat`; everything an attempt needs
+Why one small module: the environment only sees `SessionClient.chat` (and `complete`); everything an attempt needs
 from the fleet (the version a group starts on, the captured calls, their release) goes through the
 router over HTTP, and every failure that means "a replica is gone" becomes one exception type the
 scheduler retries on.
@@ -56,6 +56,22 @@ class SessionClient:
         _raise_for(r, f"chat call {self.calls + 1}")
         self.calls += 1
         return r.json()["choices"][0]["message"]["content"] or ""
+
+    async def complete(self, prompt: str, max_tokens: int | None = None, stop: list[str] | None = None) -> str:
+        """A plain completion of `prompt` (no chat template: for base models), in the same session."""
+        body: dict[str, Any] = {"model": self.model, "prompt": prompt, "temperature": self.temperature,
+                                "max_tokens": max_tokens or self.max_tokens, "seed": self.seed + self.calls,
+                                "session_id": self.session_id}
+        if stop:
+            body["stop"] = stop
+        try:
+            r = await self.http.post(f"{self.router}/v1/completions", json=body,
+                                     headers={SESSION_HEADER: self.session_id})
+        except httpx.TransportError as exc:
+            raise ReplicaFailure(f"completion call {self.calls + 1}: {type(exc).__name__}: {exc}") from None
+        _raise_for(r, f"completion call {self.calls + 1}")
+        self.calls += 1
+        return r.json()["choices"][0]["text"] or ""
 
 
 async def assign(http: httpx.AsyncClient, router: str, session_id: str) -> str:

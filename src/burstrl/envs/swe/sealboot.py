@@ -211,6 +211,15 @@ def _test_process(box, w, log, runner, args, changed, rdir):
         sys.path[0] = os.getcwd()  # as `python -m` has it: the working directory first
         send, allow = _install(box.pop(), w, changed, rdir)
         code = _run(runner, list(args), send, allow)
+    except SystemExit as exc:  # as the interpreter ends on it (argparse's usage errors: 2)
+        code = exc.code if isinstance(exc.code, int) else 1
+        if exc.code is not None and not isinstance(exc.code, int):
+            sys.stderr.write("%s\n" % (exc.code,))
+    except BaseException:  # as `python -m` would: the traceback in the log, exit 1, no end message
+        import traceback
+
+        traceback.print_exc()
+        code = 1
     finally:
         try:
             sys.stdout.flush()

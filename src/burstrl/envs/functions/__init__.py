@@ -1,0 +1,1 @@
+"""One-function Python problems for base models: completion prompts, hidden tests, sealed grading."""

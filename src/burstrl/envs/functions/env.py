@@ -1,0 +1,183 @@
+"""`FunctionsEnv`: write one Python function from its def line and docstring; graded by hidden tests.
+
+One attempt is one completion call (no chat template: made for base models): the prompt is the
+task's def line and docstring, the model writes the body, stopped at the end of the function (stop
+strings, then the first line that is not indented). The body goes into the task's stub file as a
+patch and is graded like any coding attempt (`envs/swe/grade.py`): diff policy, static scan, the
+sealed test run in a fresh sandbox. A syntax error, a timeout or an infinite loop fails the tests:
+the model's 0. Reward = the share of the hidden tests passed (`f2p`), `resolved` = all of them.
+A grading sandbox that could not start (infra) is an `InfraError`: the attempt is re-run, never
+scored.
+
+Options (`[orchestrator.env.functions]`): the task set (generated into RUN_DIR/functions-tasks on
+first use, or a `tasks make-functions` output), its split, sandboxes, limits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import threading
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field
+
+from burstrl.atomic import build_dir
+from burstrl.config import Section
+from burstrl.envs.base import ChatClient, InfraError, Outcome, Task
+from burstrl.envs.swe.task import SweTask, load_tasks
+
+STOP = ["\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\n@", "\nassert ", "\n\n\n"]
+PARTS = ("resolved", "f2p", "apply_ok", "tampered", "tests_timeout")
+
+
+class FunctionsOptions(Section):
+    tasks: str = Field("", description="A `burstrl tasks make-functions` directory (its tasks.jsonl); empty = "
+                       "generate `n_tasks` of each split into RUN_DIR/functions-tasks on first use.")
+    n_tasks: int = Field(300, ge=1, description="Tasks generated per split when `tasks` is empty.")
+    seed: int = Field(0, description="Seed of the generated tasks.")
+    split: Literal["train", "test"] = Field("train", description="The split attempts are drawn from.")
+    max_tokens: int = Field(48, ge=1, description="max_tokens of the completion (the function body).")
+    backend: Literal["auto", "namespace", "oci", "runsc"] = Field("auto", description="Sandbox backend of grading.")
+    max_sandboxes: int = Field(8, ge=1, description="Grading sandboxes alive at once.")
+    grade_timeout_s: float = Field(60.0, gt=0, description="Timeout of one attempt's tests (an infinite loop "
+                                   "is the model's 0 once the tests without it finish in half that).")
+    suspicious: Literal["zero", "flag"] = Field("zero", description="The static scan of the body: zero = "
+                                                "an attempt reaching for a forgery's primitives scores 0.")
+
+
+class FunctionsEnv:
+    """One-function Python problems (`envs/functions/templates.py`), completion style."""
+
+    name = "functions"
+    max_difficulty = 1
+    Options = FunctionsOptions
+
+    def __init__(self, cfg: FunctionsOptions | None = None, run_dir: Path | str = ".") -> None:
+        self.cfg, self.run_dir = cfg or FunctionsOptions(), Path(run_dir)
+        self._tasks: dict[str, list[SweTask]] = {}
+        self._pool: Any = None
+        self._lock = threading.Lock()
+
+    # ---- tasks ----
+    def tasks(self, split: str) -> list[SweTask]:
+        if split not in self._tasks:
+            path = Path(self.cfg.tasks) / "tasks.jsonl" if self.cfg.tasks else self._generated(split)
+            tasks = [t for t in load_tasks(path) if t.extra.get("split") == split]
+            if not tasks:
+                raise ValueError(f"{path}: no functions task of split {split!r}")
+            self._tasks[split] = tasks
+        return self._tasks[split]
+
+    def _generated(self, split: str) -> Path:
+        """The split's tasks, made once per run directory (temp dir renamed into place)."""
+        from burstrl.envs.functions.tasks import make_function_tasks
+
+        out = self.run_dir / "functions-tasks" / split
+
+        def make(tmp: Path) -> None:
+            tasks = make_function_tasks(tmp, self.cfg.n_tasks, self.cfg.seed, split)
+            for t in tasks:  # the repository moves with the directory
+                t.repo = str(out.absolute() / Path(t.repo).relative_to(tmp.absolute()))
+            from burstrl.envs.swe.task import dump_tasks
+
+            dump_tasks(tasks, tmp / "tasks.jsonl")
+
+        if not (out / "tasks.jsonl").exists():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            build_dir(out, make, accept=lambda made: (made / "tasks.jsonl").exists(), prefix=".functions-")
+        return out / "tasks.jsonl"
+
+    def make_tasks(self, n: int, seed: int, difficulty: int = 1, split: str = "") -> list[Task]:
+        """`n` tasks of the split (`split`, else the configured one), picked deterministically by seed."""
+        pool = self.tasks(split or self.cfg.split)
+        out = []
+        for i in range(n):
+            digest = hashlib.sha256(f"{seed}:{i}".encode()).digest()
+            t = pool[int.from_bytes(digest[:8], "big") % len(pool)]
+            out.append(Task(id=t.instance_id, env=self.name, difficulty=1, data=t.to_json()))
+        return out
+
+    def demonstrations(self, tasks: list[Task]) -> list[dict[str, list[dict[str, str]]]]:
+        """Not used for base models (no chat template); the gold body as a one-turn chat for completeness."""
+        out = []
+        for t in tasks:
+            swe = SweTask.from_json(t.data)
+            body = _gold_body(swe)
+            out.append({"messages": [{"role": "user", "content": swe.extra["prompt"]},
+                                     {"role": "assistant", "content": body}]})
+        return out
+
+    # ---- one attempt ----
+    def pool(self) -> Any:
+        with self._lock:
+            if self._pool is None:
+                from burstrl.sandbox.pool import SandboxPool
+
+                self._pool = SandboxPool(self.cfg.backend, max_concurrent=self.cfg.max_sandboxes)
+        return self._pool
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close_all()
+
+    async def rollout(self, client: ChatClient, task: Task) -> Outcome:
+        from burstrl.envs.functions.tasks import attempt_patch, stub_path
+        from burstrl.envs.swe.grade import grade, reward_of
+
+        swe = SweTask.from_json(task.data)
+        prompt = swe.extra["prompt"]
+        text = await client.complete(prompt, max_tokens=self.cfg.max_tokens, stop=STOP)
+        body = function_body(text)
+        path = stub_path(swe.instance_id)
+        stub = f"{prompt}    raise NotImplementedError\n"
+        patch = attempt_patch(path, stub, prompt + body)
+        r = await asyncio.to_thread(grade, swe, patch, self.pool(), timeout_s=self.cfg.grade_timeout_s,
+                                    suspicious=self.cfg.suspicious)
+        if r.infra_error:
+            raise InfraError(f"grading {swe.instance_id}: {r.infra_error}")
+        reward = 0.0 if r.model_error else reward_of(r, "f2p")
+        parts = {"resolved": float(r.resolved), "f2p": r.f2p, "apply_ok": float(r.apply_ok),
+                 "tampered": float(bool(r.tampered)), "tests_timeout": float(r.reason.startswith("tests_timeout"))}
+        reason = r.reason or (f"model_error: {r.model_error}" if r.model_error else "")
+        info: dict[str, Any] = {"body": body[:2000], "statuses": r.statuses, "kind": failure_kind(r, body)}
+        if reason:
+            info["reason"] = reason
+        return Outcome(reward=reward, parts=parts, passed=r.resolved, info=info)
+
+
+def function_body(text: str) -> str:
+    """The completion up to the end of the function: lines until the first non-empty line that is
+    not indented (the model went on to write something else), with a final newline."""
+    kept: list[str] = []
+    for line in text.split("\n"):
+        if line.strip() and not line[:1].isspace():
+            break
+        kept.append(line)
+    body = "\n".join(kept).rstrip()
+    return body + "\n" if body else ""
+
+
+def failure_kind(r: Any, body: str) -> str:
+    """What went wrong, for decomposing what RL learned: ok, empty, syntax, timeout, error, wrong, partial."""
+    if r.resolved:
+        return "ok"
+    if not body.strip():
+        return "empty"
+    if r.reason.startswith("tests_timeout"):
+        return "timeout"
+    if r.reason or r.tampered or r.model_error:
+        return r.reason.split(":", 1)[0] or "tampered"
+    text = r.log or ""
+    if "SyntaxError" in text or "IndentationError" in text:
+        return "syntax"
+    statuses = list(r.statuses.values())
+    if statuses and all(s == "error" for s in statuses):
+        return "error"
+    return "partial" if r.f2p > 0 else "wrong"
+
+
+def _gold_body(swe: SweTask) -> str:
+    added = [line[1:] for line in swe.patch.splitlines() if line.startswith("+") and not line.startswith("+++")]
+    return "\n".join(added[-1:]) + "\n"

@@ -1,0 +1,101 @@
+"""The functions environment (issue 35): one completion per attempt, graded in real sandboxes, sealed."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from pathlib import Path
+
+import httpx
+import pytest
+
+from burstrl.envs.functions.env import FunctionsEnv, FunctionsOptions
+from burstrl.envs.swe.task import SweTask
+from burstrl.orchestrator.client import SessionClient, fetch_trace, release
+from tests.integration.conftest import ADMIN_TOKEN, start_server, stop_server
+
+pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None,
+                                reason="bubblewrap (bwrap) is not installed: `make system-deps` as root")
+
+
+class Scripted:
+    """The model's side, scripted: the completion each call returns (what the replica would sample)."""
+
+    def __init__(self, text: str) -> None:
+        self.text, self.calls, self.prompts = text, 0, []
+
+    async def chat(self, messages, max_tokens=None) -> str:
+        raise AssertionError("a base-model environment never chats")
+
+    async def complete(self, prompt: str, max_tokens: int | None = None, stop: list[str] | None = None) -> str:
+        self.calls += 1
+        self.prompts.append(prompt)
+        return self.text
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory):
+    e = FunctionsEnv(FunctionsOptions(n_tasks=12, backend="namespace", max_sandboxes=4, grade_timeout_s=8),
+                     tmp_path_factory.mktemp("run"))
+    yield e
+    e.close()
+
+
+def gold_body(env: FunctionsEnv, task) -> str:
+    swe = SweTask.from_json(task.data)
+    return next(line[1:] for line in swe.patch.splitlines() if line.startswith("+    return"))
+
+
+def test_attempts_are_graded_by_their_hidden_tests(env: FunctionsEnv) -> None:
+    [task] = env.make_tasks(1, seed=5)
+    body = gold_body(env, task)
+    cases = {  # completion -> (reward, passed, kind)
+        "gold_then_more": (body + "\n\ndef unrelated():\n    return 0\n", 1.0, True, "ok"),
+        "wrong": ("    return None\n", 0.0, False, "wrong"),
+        "syntax": ("    return (\n", 0.0, False, "syntax"),
+        "not_a_body": ("print('hello')\n", 0.0, False, "empty"),
+        "infinite_loop": ("    while True:\n        pass\n", 0.0, False, "timeout"),
+        "heap_walk": ("    import gc\n    gc.get_objects()\n" + body + "\n", 0.0, False, "suspicious"),
+    }
+
+    async def go():
+        return await asyncio.gather(*(env.rollout(Scripted(text), task) for text, *_ in cases.values()))
+
+    outcomes = asyncio.run(go())
+    for (name, (_, reward, passed, kind)), out in zip(cases.items(), outcomes, strict=True):
+        assert (out.reward, out.passed, out.info["kind"]) == (reward, passed, kind), (name, out)
+    assert outcomes[0].parts["resolved"] == 1.0 and outcomes[0].parts["f2p"] == 1.0
+    assert outcomes[4].info["reason"].startswith("tests_timeout") and outcomes[4].parts["tests_timeout"] == 1.0
+
+
+def test_splits_are_generated_once_per_run_and_differ(env: FunctionsEnv) -> None:
+    train = env.make_tasks(12, seed=0)
+    test = env.make_tasks(12, seed=0, split="test")
+    assert {t.id.split("-")[1] for t in train} == {"train"} and {t.id.split("-")[1] for t in test} == {"test"}
+    assert env.make_tasks(12, seed=0) == train  # the same tasks again: made once, read back
+    assert (env.run_dir / "functions-tasks" / "train" / "tasks.jsonl").exists()
+
+
+def test_a_live_replica_completes_and_captures_the_attempt(env: FunctionsEnv, tiny_model_dir: Path,
+                                                           tmp_path: Path) -> None:
+    """Through a real replica (the tiny model): one completion call, captured with its token ids, graded."""
+    server = start_server(tiny_model_dir, tmp_path / "replica")
+    try:
+        [task] = env.make_tasks(1, seed=9)
+
+        async def go():
+            async with httpx.AsyncClient(timeout=120) as http:
+                client = SessionClient(http, server.url, "fn-live-1", "base", temperature=1.0, max_tokens=16,
+                                       seed=3)
+                out = await env.rollout(client, task)
+                trace = await fetch_trace(http, server.url, "fn-live-1", ADMIN_TOKEN)
+                await release(http, server.url, "fn-live-1", ADMIN_TOKEN)
+                return client, out, trace
+
+        client, out, trace = asyncio.run(go())
+        assert client.calls == 1 and len(trace["calls"]) == 1
+        call = trace["calls"][0]
+        assert call["prompt_ids"] and len(call["completion_ids"]) == len(call["logprobs"]) <= 48
+        assert 0.0 <= out.reward <= 1.0 and "kind" in out.info
+    finally:
+        stop_server(server)
