@@ -67,7 +67,7 @@ def eval_command(
             fail(f"--env-option {item!r}: expected KEY=VALUE")
     cfg = command_config(EvalConfig, ctx, sugar)
     if options:  # the env's section is known once the config names the env (module:Class: `options`)
-        section = "options" if ":" in cfg.env else cfg.env
+        section = cfg.env if cfg.env in ("swe",) else "options"  # a typed section, else the env's own model
         sections = [f"--{section}.{key.strip()}={value}" for key, _, value in options]
         cfg = command_config(EvalConfig, ctx, sugar + sections, prefix="--env-option: ")
     if dry_run:
