@@ -74,3 +74,14 @@ def test_an_attempt_patch_applies_with_git(body: str, tmp_path: Path) -> None:
     assert res.returncode == 0, (res.stderr, patch)
     subprocess.run(["git", "apply", "-"], cwd=repo, input=patch, text=True, check=True)
     assert (repo / path).read_text() == new
+
+
+def test_eval_options_reach_the_functions_env(tmp_path: Path) -> None:
+    """`burstrl eval --env functions --env-option KEY=VALUE` fills the env's own options (validated by it)."""
+    from typer.testing import CliRunner
+
+    from burstrl.cli import app
+
+    ok = CliRunner().invoke(app, ["eval", "--model", str(tmp_path), "--env", "functions", "--env-option",
+                                  "n_tasks=50", "--dry-run"])
+    assert ok.exit_code == 0 and "[options]" in ok.output and "n_tasks = 50" in ok.output, ok.output
