@@ -99,3 +99,18 @@ def test_a_live_replica_completes_and_captures_the_attempt(env: FunctionsEnv, ti
         assert 0.0 <= out.reward <= 1.0 and "kind" in out.info
     finally:
         stop_server(server)
+
+
+def test_tasks_check_flags_tests_that_reject_a_correct_variant(tmp_path: Path) -> None:
+    """`tasks check` grades each task's other correct body too: a task whose tests pin one way of
+    writing the answer (here a 'variant' that is really wrong stands in for such tests) is flawed."""
+    from burstrl.envs.functions.tasks import attempt_patch, make_function_tasks
+    from burstrl.envs.swe.check import check_tasks
+
+    good, bad = make_function_tasks(tmp_path / "set", 2, 0, "test")
+    prompt = bad.extra["prompt"]
+    bad.extra["variants"] = [attempt_patch(bad.extra["file"], prompt + "    raise NotImplementedError\n",
+                                           prompt + "    return None\n")]
+    results = check_tasks([good, bad], tmp_path / "work")
+    assert results[0].ok, results[0].problems
+    assert not results[1].ok and "reject a correct variant" in " ".join(results[1].problems)

@@ -37,14 +37,16 @@ def test_the_held_out_split_has_unseen_templates_and_unseen_constants() -> None:
 
 
 def test_the_reference_passes_its_tests_and_the_stub_fails_them(tmp_path: Path) -> None:
-    """Every hidden test passes on the reference and fails on the stub (one unittest run each way)."""
+    """Every hidden test passes on the reference and on the other correct body (the variant), and
+    fails on the stub (one unittest run each way)."""
     problems = make_problems(60, 3, "test") + make_problems(60, 3, "train")
-    for which, ok in (("solution", True), ("stub", False)):
+    assert all(p.variant for p in problems)
+    for which, ok in (("solution", True), ("variant_solution", True), ("stub", False)):
         root = tmp_path / which
         (root / "fns").mkdir(parents=True)
         (root / "fns" / "__init__.py").write_text("")
         for i, p in enumerate(problems):
-            (root / "fns" / f"m{i}.py").write_text(p.solution if ok else stub(p))
+            (root / "fns" / f"m{i}.py").write_text(getattr(p, which) if ok else stub(p))
             (root / f"test_m{i}.py").write_text(hidden_tests(f"m{i}", p))
         res = subprocess.run([sys.executable, "-m", "unittest", "discover", "-p", "test_m*.py"], cwd=root,
                              capture_output=True, text=True, timeout=300)

@@ -127,6 +127,7 @@ def _task(iid: str, p: Problem, repo: str, base: str, seed: int, split: str) -> 
         version="functions-1", difficulty=1, test_cmd=TEST_CMD, memory=512, disk=256,
         extra={"split": split, "seed": seed, "template": p.template, "category": CATEGORY[p.template],
                "prompt": p.prompt, "file": path,
+               "variants": [attempt_patch(path, stub(p), p.variant_solution)] if p.variant else [],
                "stub_sha": hashlib.sha256(stub(p).encode()).hexdigest()[:16]},
     )
 

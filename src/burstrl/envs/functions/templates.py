@@ -101,6 +101,23 @@ TEMPLATES: tuple[Template, ...] = (
              "Return the sum of the values in the dict {a}.", "return sum({a}.values())", "dict", held_out=True),
 )
 
+# Another correct body per template: the hidden tests must accept it too (`tasks check` grades it),
+# so a test that pins one way of writing the answer shows up as a flawed task.
+VARIANTS = {
+    "mul_const": "return {c} * {a}", "add_const": "return {c} + {a}", "sub_pair": "return -({b} - {a})",
+    "max_pair": "return {a} if {a} >= {b} else {b}", "square_plus": "return {a} ** 2 + {c}",
+    "is_even": "return not {a} % 2", "divisible": "return not {a} % {c}",
+    "clamp_max": "return {a} if {a} < {c} else {c}", "far_apart": "return {a} - {b} > {c} or {b} - {a} > {c}",
+    "sign": "return 0 if {a} == 0 else (1 if {a} > 0 else -1)", "repeat": "return ''.join({a} for _ in range({c}))",
+    "count_letter": "return sum(1 for x_ in {a} if x_ == '{ch}')", "prefix": "return {a}[0:{c}]",
+    "upper": "return ''.join(x_.upper() for x_ in {a})", "starts_with": "return {a}[:1] == '{ch}'",
+    "reverse": "return ''.join(reversed({a}))", "last": "return {a}[len({a}) - 1]",
+    "sum_squares": "return sum([v ** 2 for v in {a}])", "count_above": "return len([v for v in {a} if v > {c}])",
+    "add_each": "return list(map(lambda v: v + {c}, {a}))", "evens": "return list(filter(lambda v: v % 2 == 0, {a}))",
+    "get_default": "return {a}['{k}'] if '{k}' in {a} else {c}", "num_keys": "return len({a}.keys())",
+    "has_key": "return {a}.get('{k}') is not None", "sum_values": "return sum(v for v in {a}.values())",
+}
+
 
 @dataclass(frozen=True)
 class Problem:
@@ -111,6 +128,7 @@ class Problem:
     args: tuple[str, ...]
     doc: str
     body: str  # the reference body (one line, no indent)
+    variant: str  # another correct body ("" if none)
     cases: tuple[tuple[tuple[Any, ...], Any], ...]  # (arguments, expected result)
 
     @property
@@ -125,6 +143,10 @@ class Problem:
     @property
     def solution(self) -> str:
         return f"{self.prompt}    {self.body}\n"
+
+    @property
+    def variant_solution(self) -> str:
+        return f"{self.prompt}    {self.variant}\n" if self.variant else ""
 
 
 def make_problem(t: Template, rng: random.Random, test_consts: bool, n_cases: int = 5) -> Problem:
@@ -146,7 +168,8 @@ def make_problem(t: Template, rng: random.Random, test_consts: bool, n_cases: in
         if any(call == seen for seen, _ in cases):
             continue
         cases.append((call, ref(*call)))
-    return Problem(t.key, name, args, t.doc.format(**names), body, tuple(cases))
+    variant = VARIANTS.get(t.key, "").format(**names)
+    return Problem(t.key, name, args, t.doc.format(**names), body, variant, tuple(cases))
 
 
 def _compile(name: str, args: tuple[str, ...], body: str) -> Any:

@@ -207,6 +207,11 @@ def _check_by_grading(task: SweTask, result: CheckResult, timeout: float, backen
                                "(train this task set with orchestrator.swe.suspicious = \"flag\")")
     if gold.reset_files and not gold.resolved:
         result.problems.append(f"the gold patch edits files grading resets: {', '.join(gold.reset_files[:8])}")
+    for i, variant in enumerate(task.extra.get("variants") or []):  # other correct fixes the task names
+        other = grade(task, variant, backend, timeout_s=timeout)
+        if not other.infra_error and not other.resolved:
+            result.problems.append(f"the tests reject a correct variant of the fix (extra.variants[{i}]: "
+                                   f"{other.reason or other.statuses})")
 
 
 def check_tasks(tasks: list[SweTask], workdir: Path | str, sandbox: bool = True, jobs: int = 1,
