@@ -342,6 +342,10 @@ def replica_urls(router: RoleProcess) -> list[str]:
     return [r["url"] for r in HTTP.get(router.url + "/v1/replicas", timeout=10).json()["replicas"]]
 
 
+def dropped(router: RoleProcess) -> int:
+    return HTTP.get(router.url + "/v1/stats", timeout=10).json()["totals"]["replicas_dropped"]
+
+
 def rehomes(router: RoleProcess) -> int:
     return HTTP.get(router.url + "/v1/stats", timeout=10).json()["totals"]["rehomes"]
 
@@ -359,7 +363,7 @@ def test_regression_replica_dies_mid_stream_client_gets_an_error_event(fakes) ->
     error = json.loads(events[2])["error"]  # the cut third event is dropped, not passed on half
     assert len(events) == 3 and error["code"] == 503 and error["type"] == "server_error"
     assert "[DONE]" not in events and "retry" in error["message"].lower()
-    assert a.url not in replica_urls(router)
+    assert dropped(router) == 1  # it may be back already: given with --replicas, it still answers scrapes
     client = OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0)
     stream = client.completions.create(model="base", prompt="again", stream=True, extra_body={"session_id": "cut"})
     assert [c.choices[0].text for c in stream] == ["t0", "t1", "t2"]  # re-homed on B, whole
@@ -390,7 +394,7 @@ def test_regression_call_accepted_then_lost_is_not_retried(fakes) -> None:
     error = r.json()["error"]
     assert error["type"] == "server_error" and "safe" in error["message"] and "not retried" in error["message"]
     assert a.calls() == before + 1 and b.calls() == 0  # sent once, never a second time
-    assert a.url not in replica_urls(router)
+    assert dropped(router) == 1  # it may be back already: given with --replicas, it still answers scrapes
     again = HTTP.post(router.url + "/v1/completions", json={"model": "base", "prompt": "x", "session_id": "once"},
                       timeout=30)
     assert again.status_code == 200 and b.calls() == 1 and rehomes(router) == 1

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 import pytest
 from starlette.requests import ClientDisconnect
 
-from burstrl.router.server import RelayResponse
+from burstrl.router.relay import RelayResponse
 
 SCOPE = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "method": "POST", "path": "/"}
 

@@ -219,6 +219,22 @@ class RouteConfig(Section):
         600.0, gt=0, description="Timeout of every call forwarded to a replica (connect: 5 s)."
     )
     max_body_bytes: int = Field(8 << 20, ge=1024, description="Largest JSON request body.")
+    scrape_timeout_s: float = Field(
+        0.0, ge=0, description="Total deadline of one scrape of a replica (both requests and both answers, "
+        "however slowly they arrive); 0 = max(2, 2 x scrape_s), at most request_timeout_s."
+    )
+    max_scrape_bytes: int = Field(
+        16 << 20, ge=1024, description="Largest scrape answer (`/v1/loads`, `/v1/models`) read from a replica; "
+        "a longer one marks the replica bad (out of rotation until it answers sanely)."
+    )
+    max_answer_bytes: int = Field(
+        64 << 20, ge=1024, description="Largest non-streaming answer relayed from a replica; a longer one is "
+        "refused with a 502 that names this cap (the router never holds more of it)."
+    )
+    max_event_bytes: int = Field(
+        8 << 20, ge=1024, description="Largest single event of a relayed stream (SSE: up to its blank line); "
+        "a longer one ends the stream with an error event that names this cap."
+    )
     max_sessions: int = Field(
         1_000_000, ge=1, description="Sessions the router remembers (home, pinned version, kind); beyond "
         "it the longest-unseen are forgotten first (finished ones are forgotten anyway)."

@@ -54,6 +54,7 @@ class ReplicaView:
     versions: set[str] = field(default_factory=set)
     healthy: bool = True
     draining: bool = False  # being removed: keeps its sessions, gets no new ones
+    bad_reason: str = ""  # why its last scrape answer was not trusted (out of rotation until a sane one)
     recent_assignments: list[NewSession] = field(default_factory=list)
     assigned: int = 0  # placements recorded here, ever (a scrape keeps those made after it was sent)
     held_over: list[int] = field(default_factory=list)  # scrapes each leading recent_assignment stayed unshown

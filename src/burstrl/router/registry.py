@@ -15,7 +15,7 @@ import random
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -39,6 +39,7 @@ LATEST = "latest"  # the model name that asks the router to pick the version
 # an idle session (its default `session_ttl_s`), so a live session is never dropped for idling.
 SESSION_GRACE_S = 1800.0
 MAX_SESSIONS = 1_000_000
+DROPPED = "#dropped"  # marks the home of a session whose replica was dropped (`remove`)
 MAX_CAPACITY_TOKENS = 1 << 53  # beyond this a capacity is not a KV budget, and float math on it overflows
 
 
@@ -79,6 +80,10 @@ class RouterCounters:
     replicas_unanswered: int = 0  # times a replica left rotation for unanswered scrapes (it stays scraped)
     sessions_pruned: int = 0  # forgotten without a DELETE: finished, expired, or over `max_sessions`
     trace_release_failures: int = 0  # a DELETE could not release the part of a capture left on an old home
+    scrapes_rejected: int = 0  # scrape answers not trusted (bad shape, size or numbers): replica marked bad
+    scrape_errors: int = 0  # exceptions in the scrape loops (logged; the loops go on)
+    replicas_readded: int = 0  # `--replicas` replicas registered again when they answered after a drop
+    answers_refused: int = 0  # relayed answers over `max_answer_bytes` or with an event over `max_event_bytes`
 
 
 class Registry:
@@ -133,14 +138,27 @@ class Registry:
         return view
 
     def remove(self, url: str) -> bool:
-        """Drop a replica (drain or death); its sessions re-home on their next call."""
+        """Drop a replica (drain or death); its sessions re-home on their next call.
+
+        They re-home even if the replica is registered again before that call (a `--replicas` replica
+        comes back when it answers a scrape): a caller was told its retry goes to another replica, and
+        a replica that was dropped may have restarted without their caches and captures. Their home
+        becomes `URL#dropped` (`DROPPED`), which no replica URL can be (fragments are refused), and its
+        re-homing avoids that replica; O(sessions), once a drop.
+        """
         url = url.rstrip("/")
         self.failures.pop(url, None)
         self.cache_hit_rate.pop(url, None)
         self.cache_counts.pop(url, None)
         self.live_versions.pop(url, None)
         self.evicted.pop(url, None)
-        return self.replicas.pop(url, None) is not None
+        if url not in self.replicas:
+            return False
+        for sid, home in self.homes.items():
+            if home == url:
+                self.homes[sid] = url + DROPPED
+        del self.replicas[url]
+        return True
 
     def mark_dead(self, url: str) -> None:
         """A connection to the replica failed: stop routing there at once, counted."""
@@ -189,7 +207,7 @@ class Registry:
         view.versions = {m["id"] for m in models.get("data", [])} | set(loads.get("versions", []))
         view.cached_blocks = block_summary(loads)
         keep_recent(view, mark)
-        view.healthy = True
+        view.healthy, view.bad_reason = True, ""
         self.failures[url] = 0
         self.cache_hit_rate[url] = float(loads.get("cache_hit_rate", 0.0))
         self.cache_counts[url] = {name: int(loads.get(name, 0)) for name in
@@ -224,6 +242,18 @@ class Registry:
             self.counters.replicas_unanswered += 1
             return True
         return False
+
+    def reject(self, url: str, reason: str) -> bool:
+        """A scrape answer not to be trusted (`answers.BadAnswer`): the replica leaves rotation now with the
+        reason, keeps its registration and is scraped on; a sane answer (`apply_scrape`) puts it back.
+        True when this changed its state (for one log line, not one per scrape)."""
+        view = self.replicas.get(url)
+        if view is None:
+            return False
+        self.counters.scrapes_rejected += 1
+        changed = view.healthy or view.bad_reason != reason
+        view.healthy, view.bad_reason = False, reason
+        return changed
 
     # --- placement --------------------------------------------------------------------------
 
@@ -282,7 +312,7 @@ class Registry:
                 return view
             self.homes.pop(session_id, None)
             self.counters.rehomes += 1
-            return self._assign(session)
+            return self._assign(session, avoid=home.removesuffix(DROPPED))
         if version not in self.models():
             raise RouteError(404, f"model {version!r} not found; served: {sorted(self.models())}",
                              "not_found_error")
@@ -343,10 +373,14 @@ class Registry:
         pressed = getattr(self.policy, "pressed", None)
         return pressed is not None and pressed(session, view)
 
-    def _choose(self, session: NewSession) -> ReplicaView:
+    def _choose(self, session: NewSession, avoid: str = "") -> ReplicaView:
+        """The policy's pick, away from `avoid` (the home a session is re-homed from) unless only it serves."""
+        others = [v for v in self.replicas.values() if v.id != avoid]
         try:
-            view = self.policy.choose(session, list(self.replicas.values()), self.rng)
+            view = self.policy.choose(session, others, self.rng)
         except NoReplicaError as exc:
+            if len(others) < len(self.replicas):
+                return self._choose(session)
             raise RouteError(503, str(exc), "server_error") from None
         record_assignment(view, session)
         return view
@@ -362,8 +396,8 @@ class Registry:
         if view is not None and view.in_flight > 0:
             view.in_flight -= 1
 
-    def _assign(self, session: NewSession) -> ReplicaView:
-        view = self._choose(session)
+    def _assign(self, session: NewSession, avoid: str = "") -> ReplicaView:
+        view = self._choose(session, avoid)
         self.homes[session.id] = view.id
         self.pinned[session.id] = session.version
         self.kinds[session.id] = session.kind
@@ -445,16 +479,12 @@ class Registry:
                 "capacity_tokens": view.capacity_tokens, "projected_headroom": headroom,
                 "versions": sorted(view.versions), "cache_hit_rate": self.cache_hit_rate.get(view.id, 0.0),
                 "thrash": counts.get("thrash", 0), "evictions": counts.get("evictions", 0),
+                "bad_reason": view.bad_reason,
             })
         spread = self.version_spread()
-        c = self.counters
         return {"replicas": per_replica, "versions": {"live_sessions": spread, "in_use": len(spread),
                                                       "latest": newest_routable_version(list(self.replicas.values()))},
-                "totals": {"replicas": len(per_replica), "sessions": len(self.homes), "rehomes": c.rehomes,
-                           "rehomes_overflow": c.rehomes_overflow, "rehomes_pressure": c.rehomes_pressure,
-                           "requests": c.requests, "errors": c.errors, "replicas_dropped": c.replicas_dropped,
-                           "replicas_unanswered": c.replicas_unanswered,
-                           "sessions_pruned": c.sessions_pruned, "trace_release_failures": c.trace_release_failures,
+                "totals": {"replicas": len(per_replica), "sessions": len(self.homes), **asdict(self.counters),
                            "thrash": sum(r["thrash"] for r in per_replica),
                            "evictions": sum(r["evictions"] for r in per_replica),
                            "cache_hit_rate": self.fleet_hit_rate()}}
@@ -475,30 +505,3 @@ class Registry:
         hits = sum(c.get("prefix_cache_hit_tokens", 0) for c in self.cache_counts.values())
         queries = sum(c.get("prefix_cache_queries_tokens", 0) for c in self.cache_counts.values())
         return hits / queries if queries else 0.0
-
-
-def prometheus_text(stats: dict[str, Any]) -> str:
-    """`/v1/stats` as Prometheus text: totals as counters/gauges, per-replica gauges by label."""
-    totals = stats["totals"]
-    lines = []
-    for name, kind in (("requests", "counter"), ("errors", "counter"), ("rehomes", "counter"),
-                       ("rehomes_overflow", "counter"), ("rehomes_pressure", "counter"), ("replicas_dropped", "counter"),
-                       ("replicas_unanswered", "counter"), ("sessions_pruned", "counter"),
-                       ("trace_release_failures", "counter"), ("sessions", "gauge"), ("replicas", "gauge")):
-        metric = f"burstrl_router_{name}" + ("_total" if kind == "counter" else "")
-        lines += [f"# TYPE {metric} {kind}", f"{metric} {totals[name]}"]
-    for name in ("thrash", "evictions", "cache_hit_rate"):  # summed over the replicas' own counters
-        metric = f"burstrl_router_fleet_{name}"
-        lines += [f"# TYPE {metric} gauge", f"{metric} {float(totals[name])}"]
-    lines.append("# TYPE burstrl_router_versions_in_use gauge")
-    lines.append(f"burstrl_router_versions_in_use {stats['versions']['in_use']}")
-    lines.append("# TYPE burstrl_router_version_live_sessions gauge")
-    for version, count in stats["versions"]["live_sessions"].items():
-        lines.append(f'burstrl_router_version_live_sessions{{version="{version}"}} {count}')
-    for field in ("sessions", "live_sessions", "used_tokens", "capacity_tokens", "projected_headroom",
-                  "cache_hit_rate", "thrash", "evictions"):
-        metric = f"burstrl_router_replica_{field}"
-        lines.append(f"# TYPE {metric} gauge")
-        for r in stats["replicas"]:
-            lines.append(f'{metric}{{replica="{r["url"]}",pool="{r["pool"]}"}} {float(r[field])}')
-    return "\n".join(lines) + "\n"

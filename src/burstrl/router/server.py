@@ -8,6 +8,7 @@ and a caller gets either an answer or a clear JSON error, never a hang. A call t
 already have run (the connection broke after it was sent) is never retried, since it would run
 twice: the replica is dropped and the caller gets a 503 (mid-stream: a final SSE error event and
 no `[DONE]`) that is safe to retry, because the session's next call goes to another replica.
+What a replica answers is relayed with caps (`relay.py`); replicas are scraped by `scrape.Scraper`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import os
 import re
 import secrets
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -47,7 +48,10 @@ from burstrl.protocol.http import (
     session_id_from,
 )
 from burstrl.protocol.process import bind_socket, print_ready, socket_url
-from burstrl.router.registry import LATEST, Registry, RouteError, prometheus_text, validate_url
+from burstrl.router.metrics import prometheus_text
+from burstrl.router.registry import LATEST, Registry, RouteError, validate_url
+from burstrl.router.relay import drop, forward
+from burstrl.router.scrape import Scraper
 from burstrl.router.traces import MAYBE_RAN, NEVER_SENT, forward_trace
 
 log = logging.getLogger(__name__)
@@ -141,7 +145,7 @@ def prompt_blocks(body: dict[str, Any], version: str) -> tuple[int, ...]:
 
 
 class Router:
-    """State shared by the handlers: config, registry, token, HTTP client and the scrape task."""
+    """State shared by the handlers: config, registry, token, HTTP client and the scrapes (`scrape.Scraper`)."""
 
     def __init__(self, cfg: RouteConfig, token: str, registry: Registry | None = None) -> None:
         self.cfg = cfg
@@ -150,58 +154,11 @@ class Router:
                                              version_pools=tuple(cfg.version_pools), max_sessions=cfg.max_sessions)
         self.client: httpx.AsyncClient | None = None
         self.lock = asyncio.Lock()  # serialises placement against scrapes; held briefly, never across I/O
-        self.unlisted: set[str] = set()  # replicas already warned about for not listing their sessions
+        self.scraper = Scraper(cfg, self.registry, self.lock, self.http, token, static=cfg.replicas)
 
     def http(self) -> httpx.AsyncClient:
         assert self.client is not None, "router client used outside the app lifespan"
         return self.client
-
-    async def scrape(self, url: str) -> bool:
-        """One scrape of `/v1/loads` and `/v1/models` with the cluster token (replicas list their
-        sessions only to it); a failure counts toward dropping the replica, a 503 drops it at once."""
-        timeout = min(self.cfg.request_timeout_s, max(2.0, 2 * self.cfg.scrape_s))
-        auth = {"Authorization": f"Bearer {self.token}"}
-        mark = self.registry.scrape_mark(url)
-        try:
-            answers = await asyncio.gather(self.http().get(url + "/v1/loads", timeout=timeout, headers=auth),
-                                           self.http().get(url + "/v1/models", timeout=timeout, headers=auth))
-        except httpx.HTTPError as exc:
-            return await self.scrape_failed(url, None, f"{type(exc).__name__}: {exc}")
-        statuses = [r.status_code for r in answers if r.status_code != 200]
-        if statuses:
-            status = 503 if 503 in statuses else statuses[0]
-            return await self.scrape_failed(url, status, f"HTTP {status}")
-        try:
-            loads_body, models_body = answers[0].json(), answers[1].json()
-            if "sessions" not in loads_body and url not in self.unlisted:  # pruning would forget its sessions
-                self.unlisted.add(url)
-                log.warning("replica %s lists no sessions to the router: does it have the cluster token?", url)
-            async with self.lock:
-                view = self.registry.replicas.get(url)
-                back = view is not None and not view.healthy
-                self.registry.apply_scrape(url, loads_body, models_body, mark)
-            if back:
-                log.info("replica %s answered a scrape again: back in rotation", url)
-        except (ValueError, TypeError, KeyError, AttributeError) as exc:  # answered, but not a load report
-            return await self.scrape_failed(url, None, f"malformed answer: {type(exc).__name__}: {exc}")
-        return True
-
-    async def scrape_failed(self, url: str, status: int | None, why: str) -> bool:
-        async with self.lock:
-            if self.registry.scrape_failed(url, status):
-                gone = "dropped" if url not in self.registry.replicas else "out of rotation until it answers"
-                log.warning("replica %s %s after a failed scrape (%s)", url, gone, why)
-        return False
-
-    async def scrape_loop(self) -> None:
-        """Refresh every replica's view each `scrape_s`, then forget finished sessions; until cancelled."""
-        while True:
-            urls = list(self.registry.replicas)
-            if urls:
-                await asyncio.gather(*(self.scrape(u) for u in urls))
-            async with self.lock:
-                self.registry.prune()
-            await asyncio.sleep(self.cfg.scrape_s)
 
     def require_token(self, request: Request) -> None:
         if not bearer_matches(request.headers, self.token):
@@ -220,8 +177,8 @@ def build_app(router: Router, on_ready: Callable[[], None] | None = None) -> Fas
         router.client = httpx.AsyncClient(timeout=timeout, limits=limits)
         for url in router.cfg.replicas:
             router.registry.add(url)
-        await asyncio.gather(*(router.scrape(u) for u in list(router.registry.replicas)))
-        task = asyncio.create_task(router.scrape_loop())
+        await asyncio.gather(*(router.scraper.scrape_guarded(u) for u in list(router.registry.replicas)))
+        task = asyncio.create_task(router.scraper.run())
         if on_ready is not None:
             on_ready()
         try:
@@ -277,7 +234,7 @@ def build_app(router: Router, on_ready: Callable[[], None] | None = None) -> Fas
             raise RouteError(400, "capacity_tokens must be an integer")
         async with router.lock:
             view = reg.add(body.get("url", ""), pool, float(weight), capacity)
-        scraped = await router.scrape(view.id)  # routable at once, not after the next tick
+        scraped = await router.scraper.scrape_guarded(view.id)  # routable at once, not after the next tick
         return JSONResponse({"url": view.id, "pool": view.pool, "weight": view.weight,
                              "scraped": scraped, "versions": sorted(view.versions)}, status_code=201)
 
@@ -301,6 +258,7 @@ def build_app(router: Router, on_ready: Callable[[], None] | None = None) -> Fas
         router.require_token(request)
         async with router.lock:
             removed = reg.remove(url)
+            router.scraper.forget(url)
         if not removed:
             raise RouteError(404, f"replica {url!r} is not registered", "not_found_error")
         return {"url": url.rstrip("/"), "removed": True}
@@ -308,7 +266,7 @@ def build_app(router: Router, on_ready: Callable[[], None] | None = None) -> Fas
     @app.get("/v1/replicas")
     async def list_replicas() -> dict[str, Any]:
         return {"replicas": [{"url": v.id, "pool": v.pool, "weight": v.weight, "healthy": v.healthy,
-                              "draining": v.draining,
+                              "draining": v.draining, "bad_reason": v.bad_reason,
                               "capacity_tokens": v.capacity_tokens, "versions": sorted(v.versions)}
                              for v in reg.replicas.values()]}
 
@@ -381,10 +339,10 @@ async def proxy(router: Router, request: Request, path: str) -> Response:
             response = await _counted_forward(router, url, path, raw, headers, bool(body.get("stream")))
         except NEVER_SENT as exc:
             log.warning("replica %s refused a call (%s); re-homing session %s", url, type(exc).__name__, sid)
-            await _drop(router, url)
+            await drop(router, url)
             continue
         except MAYBE_RAN as exc:
-            await _drop(router, url)
+            await drop(router, url)
             raise RouteError(503, f"replica {url} failed after it accepted the call ({type(exc).__name__}); "
                              "not retried, since it may have run there. Retrying is safe: the replica is "
                              "dropped and the session's next call goes to another replica", "server_error") from None
@@ -404,98 +362,13 @@ async def _counted_forward(router: Router, replica: str, path: str, raw: bytes, 
     A stream's count ends when its `RelayResponse` ends (however it ends), not when its headers arrive.
     """
     try:
-        response = await _forward(router, replica, path, raw, headers, stream)
+        response = await forward(router, replica, path, raw, headers, stream)
     except BaseException:
         router.registry.call_ended(replica)
         raise
     if not isinstance(response, StreamingResponse):
         router.registry.call_ended(replica)
     return response
-
-
-async def _drop(router: Router, url: str) -> None:
-    """A replica whose connection failed leaves rotation now; its sessions re-home on their next call."""
-    async with router.lock:
-        router.registry.mark_dead(url)
-
-
-async def _forward(router: Router, replica: str, path: str, raw: bytes, headers: dict[str, str],
-                   stream: bool) -> Response:
-    client = router.http()
-    if not stream:
-        r = await client.post(replica + path, content=raw, headers=headers)
-        return Response(r.content, status_code=r.status_code,
-                        media_type=r.headers.get("content-type", "application/json"))
-    upstream = await client.send(client.build_request("POST", replica + path, content=raw, headers=headers),
-                                 stream=True)
-    async def cleanup() -> None:
-        router.registry.call_ended(replica)
-        await upstream.aclose()
-
-    return RelayResponse(relay(router, replica, upstream), cleanup, status_code=upstream.status_code,
-                         media_type=upstream.headers.get("content-type", "text/event-stream"))
-
-
-class RelayResponse(StreamingResponse):
-    """A relayed stream whose cleanup (the call's in-flight count, the upstream connection) runs
-    however the response ends.
-
-    Why not the relay generator's `finally`: a client gone before the headers are sent makes
-    Starlette's first `send` raise, so the generator is never iterated and an un-started generator
-    runs no `finally`: each such client leaked an in-flight count (skewing placement) and an
-    upstream connection from the pool, while the replica went on generating for nobody.
-    """
-
-    def __init__(self, content: AsyncIterator[bytes], cleanup: Callable[[], Awaitable[None]], **kwargs: Any) -> None:
-        super().__init__(content, **kwargs)
-        self._cleanup = cleanup
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self._cleanup()
-
-
-async def relay(router: Router, replica: str, upstream: httpx.Response) -> AsyncIterator[bytes]:
-    """Pass a replica's SSE stream on, whole events only; a broken stream ends in an error event.
-
-    Why whole events: a replica that dies mid-stream leaves a cut event and no `[DONE]`; passing
-    the cut part on, or just ending, would make a half answer look complete. Instead the cut
-    event is dropped and a final `data: {"error": ...}` (what OpenAI clients raise on) follows;
-    the replica is dropped, so the session's retry goes to another replica.
-    """
-    pending = b""
-    try:
-        async for chunk in upstream.aiter_raw():
-            pending += chunk
-            start = max(0, len(pending) - len(chunk) - 3)  # a separator may straddle the chunk boundary
-            cut = max(_end_after(pending, b"\n\n", start), _end_after(pending, b"\r\n\r\n", start))
-            if cut:
-                yield pending[:cut]
-                pending = pending[cut:]
-        if pending:
-            yield pending
-    except httpx.TimeoutException:
-        router.registry.counters.errors += 1
-        yield _sse_error(504, f"replica {replica} timed out mid-stream; the partial answer is void")
-    except httpx.HTTPError as exc:
-        router.registry.counters.errors += 1
-        log.warning("stream from %s broke (%s); replica dropped", replica, type(exc).__name__)
-        await _drop(router, replica)
-        yield _sse_error(503, f"replica {replica} failed mid-stream ({type(exc).__name__}); the partial "
-                         "answer is void. Retrying is safe: the replica is dropped and the session's next "
-                         "call goes to another replica")
-
-
-def _end_after(data: bytes, separator: bytes, start: int) -> int:
-    """Where the data after the last `separator` (found at or after `start`) begins; 0 if none."""
-    at = data.rfind(separator, start)
-    return at + len(separator) if at >= 0 else 0
-
-
-def _sse_error(status: int, message: str) -> bytes:
-    return f"data: {json.dumps(error_body(status, message, 'server_error'))}\n\n".encode()
 
 
 def _auth_of(request: Request) -> dict[str, str]:
