@@ -34,6 +34,7 @@ from burstrl.config.roles import (
     ModelConfig,
     OrchestrateConfig,
     OrchestratorSection,
+    RequestLimitsConfig,
     RouteConfig,
     ServeConfig,
     SweEnvConfig,
@@ -46,7 +47,7 @@ from burstrl.config.run import AutoscaleConfig, ChaosConfig, FleetConfig, RayCon
 __all__ = [
     "AutoscaleConfig", "ChaosConfig", "ConfigError", "CurriculumConfig", "EngineConfig", "EvalConfig",
     "FleetConfig", "HttpServerSection", "LoraConfigSection", "ModelConfig", "OrchestrateConfig", "OrchestratorSection",
-    "RayConfig", "RouteConfig", "RunConfig", "Section", "ServeConfig", "SftConfig", "SweEnvConfig",
+    "RayConfig", "RequestLimitsConfig", "RouteConfig", "RunConfig", "Section", "ServeConfig", "SftConfig", "SweEnvConfig",
     "TrainConfig", "TrainerSection", "WeightsConfig", "dump_toml", "load_config", "load_tree",
     "merge", "parse_command_line", "parse_overrides", "read_config_file", "validate",
 ]

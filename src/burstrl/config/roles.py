@@ -88,6 +88,11 @@ class HttpServerSection(Section):
     ssl_certfile: str = Field("", description="TLS certificate (PEM); with ssl_keyfile enables HTTPS.")
     ssl_keyfile: str = Field("", description="TLS private key (PEM).")
     max_body_bytes: int = Field(8 << 20, ge=1024, description="Largest JSON request body.")
+    request_workers: int = Field(
+        0, ge=0, description="Threads that parse, check, render and tokenize generation requests, so the "
+        "event loop (health, loads, every other client) never waits on one request's parsing; 0 = the cores "
+        "this process may use."
+    )
     max_shard_bytes: int = Field(2 << 30, ge=1024, description="Largest adapter shard upload.")
     bulk_port: int = Field(
         0, ge=-1, le=65535, description="Port of the bulk listener for adapter shards (same host and "
@@ -105,12 +110,32 @@ class HttpServerSection(Section):
     )
 
 
+class RequestLimitsConfig(Section):
+    """Sizes a generation request may have, checked on the raw body before any tokenizing or template
+    rendering (inference/limits.py), so an oversized request costs milliseconds before its 400."""
+
+    max_prompt_chars: int = Field(
+        0, ge=0, description="Most characters of a prompt's text (a completions prompt, or all message "
+        "contents of a chat together) and of the stop strings; 0 = 16 per token of max_model_len."
+    )
+    max_messages: int = Field(
+        0, ge=0, description="Most messages (and most text content parts) of a chat request; 0 = max_model_len "
+        "(every message renders to at least one token)."
+    )
+    max_json_items: int = Field(
+        0, ge=0, description="Most JSON values in a request body, counted on the raw bytes before it is parsed "
+        "(parsing holds the interpreter lock ~0.1 us per value); 0 = 8 per token of max_model_len + 4096."
+    )
+    max_json_depth: int = Field(64, ge=8, le=512, description="Deepest nesting of a request body's JSON.")
+
+
 class ServeConfig(Section):
     """`burstrl serve`: one inference replica."""
 
     model: ModelConfig = Field(default_factory=ModelConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
     server: HttpServerSection = Field(default_factory=HttpServerSection)
+    limits: RequestLimitsConfig = Field(default_factory=RequestLimitsConfig)
     served_model_name: str = Field("base", description="Name the base model is served under.")
     adapters: dict[str, str] = Field(
         default_factory=dict, description="Adapters loaded at start: name -> PEFT directory."

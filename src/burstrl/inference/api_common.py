@@ -9,12 +9,15 @@ on `request.app.state.replica` (set by `server.build_app`).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from burstrl.inference import openai_api as api
+from burstrl.inference.limits import RequestLimits, check_json_size
 from burstrl.inference.replica import InferenceReplica
 from burstrl.protocol.http import BodyTooLarge, bearer_matches, read_body
 
@@ -56,16 +59,40 @@ def require_engine(rep: InferenceReplica) -> None:
 async def read_json(request: Request, limit: int) -> Any:
     """The body as JSON: 413 past `limit` bytes, 400 if malformed, too deep or not valid Unicode."""
     body = await read_limited(request, limit)
-    try:
+    with _as_api_errors(api.MAX_JSON_DEPTH):
         data = json.loads(body)
         api.check_json(data)
+    return data
+
+
+def decode_request(raw: bytes, limits: RequestLimits, check: Callable[[dict[str, Any], RequestLimits], None]) -> Any:
+    """A generation request's body as JSON, each size checked before the work it bounds.
+
+    Runs on a request worker (`inference.workers`): JSON values counted on the raw bytes before
+    `json.loads` builds them, then `check` (`limits.check_chat`/`check_completion`) on the parsed
+    body before its strings and lists are walked (`check_json`), validated or tokenized. Every
+    failure is a 400 naming what failed; the result still goes through `parse`.
+    """
+    with _as_api_errors(limits.max_json_depth):
+        check_json_size(raw, limits)
+        data = json.loads(raw)
+        if isinstance(data, dict):
+            check(data, limits)
+        api.check_json(data, limits.max_json_depth)
+    return data
+
+
+@contextmanager
+def _as_api_errors(max_depth: int) -> Iterator[None]:
+    """Errors of reading a JSON body as the caller's 400s."""
+    try:
+        yield
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"malformed JSON body: {exc}") from None
     except RecursionError:
-        raise ApiError(400, f"JSON nested deeper than {api.MAX_JSON_DEPTH} levels") from None
-    except ValueError as exc:
+        raise ApiError(400, f"JSON nested deeper than {max_depth} levels") from None
+    except ValueError as exc:  # a limit (LimitError), check_json's depth or surrogate
         raise ApiError(400, str(exc)) from None
-    return data
 
 
 async def read_limited(request: Request, limit: int) -> bytes:

@@ -15,6 +15,7 @@ and is counted as a continuity break.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from burstrl.inference.sessions import ReplicaSession
@@ -48,7 +49,11 @@ def normalize_messages(messages: Any) -> list[dict[str, str]]:
 
 
 class ChatTokenizer:
-    """Renders the tokenizer's chat template and builds prompt ids with continuity."""
+    """Renders the tokenizer's chat template and builds prompt ids with continuity.
+
+    Called from the replica's request workers (`inference.workers`), several at once: the counters
+    take a lock, the tokenizer is only read.
+    """
 
     def __init__(self, tokenizer: Any) -> None:
         if not getattr(tokenizer, "chat_template", None):
@@ -56,6 +61,10 @@ class ChatTokenizer:
         self.tokenizer = tokenizer
         self.continued = 0
         self.breaks = 0
+        self._lock = threading.Lock()
+        # Compile the template now: compiling is one call that holds the interpreter lock ~0.2 s,
+        # which the first request would otherwise make every other client wait for.
+        self.render([{"role": "user", "content": ""}], generation_prompt=True)
 
     def render(self, messages: list[dict[str, str]], generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
@@ -68,11 +77,17 @@ class ChatTokenizer:
         """Token ids for this call's prompt; continuous with the session's last call when possible."""
         if session.messages is not None and session.completion_ids:
             ids = self._continue(messages, session)
+            self._count(continued=ids is not None)
             if ids is not None:
-                self.continued += 1
                 return ids
-            self.breaks += 1
         return self.encode(self.render(messages, generation_prompt=True))
+
+    def _count(self, continued: bool) -> None:
+        with self._lock:
+            if continued:
+                self.continued += 1
+            else:
+                self.breaks += 1
 
     def _continue(self, messages: list[dict[str, str]], session: ReplicaSession) -> list[int] | None:
         prev = session.messages

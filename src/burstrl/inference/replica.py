@@ -23,9 +23,11 @@ from burstrl.config import ServeConfig
 from burstrl.inference.adapters import AdapterRegistry
 from burstrl.inference.bulk import BulkReceiver, tls_context
 from burstrl.inference.chat import ChatError, ChatTokenizer
-from burstrl.inference.engine import Engine
+from burstrl.inference.engine import Engine, default_threads
+from burstrl.inference.limits import RequestLimits
 from burstrl.inference.openai_api import TokenText
 from burstrl.inference.sessions import SessionTable
+from burstrl.inference.workers import RequestWorkers
 from burstrl.protocol.process import pid_alive, read_owner, write_owner
 from burstrl.protocol.versions import version_name
 from burstrl.weights.volume import latest
@@ -59,6 +61,8 @@ class InferenceReplica:
     cluster_token: str
     max_model_len: int
     state_dir: Path
+    limits: RequestLimits  # request sizes checked before parsing (inference.limits)
+    workers: RequestWorkers  # parse, render and tokenize off the event loop; stopped on close
     owns_state_dir: bool = False  # a temp dir made for this replica: removed on close
     counters: ReplicaCounters = field(default_factory=ReplicaCounters)
     bulk: BulkReceiver | None = None  # the shard listener (inference.bulk); stopped on close
@@ -69,6 +73,7 @@ class InferenceReplica:
             log.info("adapter %s freed (last session released)", name)
 
     def close(self) -> None:
+        self.workers.close()
         if self.bulk is not None:
             self.bulk.close()
         self.engine.stop()
@@ -106,7 +111,9 @@ def build_replica(cfg: ServeConfig) -> InferenceReplica:
     replica = InferenceReplica(cfg=cfg, engine=engine, registry=registry, sessions=sessions, tokenizer=tokenizer,
                       chat=chat, text=TokenText(tokenizer), admin_token=_admin_token(cfg, state_dir),
                       cluster_token=cfg.server.cluster_token or os.environ.get("BURSTRL_CLUSTER_TOKEN", ""),
-                      max_model_len=max_len, state_dir=state_dir, owns_state_dir=not cfg.server.state_dir)
+                      max_model_len=max_len, state_dir=state_dir, limits=RequestLimits.derive(cfg.limits, max_len),
+                      workers=RequestWorkers(cfg.server.request_workers or default_threads()),
+                      owns_state_dir=not cfg.server.state_dir)
     engine.on_release = replica.collect_retired
     registry.verify = engine.prove_adapter  # every version is proven on first load, as the model was at start
     for name, path in cfg.adapters.items():

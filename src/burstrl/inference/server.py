@@ -7,6 +7,11 @@ engine serves on. A replica whose engine is dead says so on `/health`, `/v1/load
 `/v1/models` (503), so the router drops it. A client that disconnects mid-request has its
 request aborted at the next token boundary, freeing its batch slot.
 
+No request's size holds the others: a generation body is checked against the limits
+(`inference.limits`: JSON values, characters, token ids, messages, nesting) before it is parsed,
+rendered or tokenized, and all of that runs on the replica's request workers
+(`inference.workers`), so the event loop only moves bytes and answers `/health` and `/v1/loads` on time.
+
 Traces hold prompts and completions: reading them, and the per-session part of `/v1/loads`,
 needs the admin token or the cluster token (the router's scrapes).
 
@@ -34,10 +39,11 @@ from burstrl.inference import admin_routes
 from burstrl.inference import openai_api as api
 from burstrl.inference.api_common import (
     ApiError,
+    decode_request,
     first_error,
     is_reader,
     parse,
-    read_json,
+    read_limited,
     replica_of,
     require_admin,
     require_engine,
@@ -45,6 +51,7 @@ from burstrl.inference.api_common import (
 )
 from burstrl.inference.chat import ChatError, normalize_messages
 from burstrl.inference.engine import Request as EngineRequest
+from burstrl.inference.limits import check_chat, check_completion
 from burstrl.inference.metrics import prometheus_text
 from burstrl.inference.replica import InferenceReplica, build_replica
 from burstrl.inference.sessions import SessionError
@@ -118,11 +125,8 @@ async def chat(request: Request) -> Response:
     rep = replica_of(request)
     if rep.chat is None:
         raise ApiError(400, "this model has no chat template; use /v1/completions")
-    body = parse(api.ChatRequest, await read_json(request, rep.cfg.server.max_body_bytes))
-    try:
-        messages = normalize_messages(body.messages)
-    except ChatError as exc:
-        raise ApiError(400, str(exc)) from None
+    raw = await read_limited(request, rep.cfg.server.max_body_bytes)
+    body, messages = await rep.workers.run(_prepare_chat, rep, raw)
     top = (body.top_logprobs or 0) if body.logprobs else 0
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     return await _generate(rep, request, body, "chat", messages=messages, top_logprobs=top,
@@ -132,8 +136,8 @@ async def chat(request: Request) -> Response:
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
     rep = replica_of(request)
-    body = parse(api.CompletionRequest, await read_json(request, rep.cfg.server.max_body_bytes))
-    prompt = _completion_prompt(rep, body)
+    raw = await read_limited(request, rep.cfg.server.max_body_bytes)
+    body, prompt = await rep.workers.run(_prepare_completion, rep, raw)
     top = body.logprobs or 0
     max_tokens = body.max_tokens if body.max_tokens is not None else api.COMPLETIONS_DEFAULT_MAX_TOKENS
     return await _generate(rep, request, body, "text", prompt_ids=prompt, top_logprobs=top,
@@ -183,6 +187,21 @@ async def metrics(request: Request) -> PlainTextResponse:
     return PlainTextResponse(prometheus_text(replica_of(request)), media_type="text/plain; version=0.0.4")
 
 
+def _prepare_chat(rep: InferenceReplica, raw: bytes) -> tuple[api.ChatRequest, list[dict[str, str]]]:
+    """On a request worker: a chat body checked against the limits, validated, its messages normalized."""
+    body = parse(api.ChatRequest, decode_request(raw, rep.limits, check_chat))
+    try:
+        return body, normalize_messages(body.messages)
+    except ChatError as exc:
+        raise ApiError(400, str(exc)) from None
+
+
+def _prepare_completion(rep: InferenceReplica, raw: bytes) -> tuple[api.CompletionRequest, list[int]]:
+    """On a request worker: a completions body checked against the limits, validated, its prompt tokenized."""
+    body = parse(api.CompletionRequest, decode_request(raw, rep.limits, check_completion))
+    return body, _completion_prompt(rep, body)
+
+
 def _completion_prompt(rep: InferenceReplica, body: Any) -> list[int]:
     """Token ids of a completions prompt: text, token ids, or a one-element batch of either."""
     ids = body.input_ids if body.input_ids is not None else body.prompt
@@ -215,8 +234,8 @@ async def _generate(rep: InferenceReplica, request: Request, body: Any, kind: st
     loop = asyncio.get_running_loop()
     events: asyncio.Queue[str] = asyncio.Queue()
     try:  # until the engine owns the request, every way out must free the session
-        if messages is not None:
-            prompt_ids = rep.chat.prompt_ids(messages, session)
+        if messages is not None:  # rendered and tokenized off the loop; the session stays busy meanwhile
+            prompt_ids = await rep.workers.run(rep.chat.prompt_ids, messages, session)
         params = _params(rep, body, prompt_ids, max_tokens, top_logprobs)
         req = EngineRequest(
             id=rid, session=session, prompt_ids=prompt_ids, params=params, version=body.model,
