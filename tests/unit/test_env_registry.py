@@ -26,11 +26,13 @@ def repo_on_path(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_built_in_names_are_the_same_environments_as_before(tmp_path: Path) -> None:
-    assert ENV_NAMES == ("toy", "toy_multi", "swe")
+    assert ENV_NAMES == ("toy", "toy_multi", "swe", "functions")
     assert isinstance(get_env("toy"), ToyEnv) and get_env("toy_multi").name == "toy_multi"
     swe = get_env("swe", OrchestratorSection(swe={"toy_tasks": 3}), tmp_path)
     assert isinstance(swe, SweEnv) and swe.cfg.toy_tasks == 3 and swe.run_dir == tmp_path
     assert get_env("swe").cfg.toy_tasks == 64  # no options: the model's defaults
+    functions = get_env("functions", OrchestratorSection(env={"functions": {"n_tasks": 5}}), tmp_path)
+    assert type(functions).__name__ == "FunctionsEnv" and functions.cfg.n_tasks == 5
 
 
 def test_a_third_party_environment_by_module_and_class_gets_its_own_validated_options(tmp_path: Path) -> None:

@@ -86,7 +86,7 @@ def burstrl(*args: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize(("args", "message"), [
     (["--env", "nope"], "unknown environment 'nope'"),
     (["--env", "swe"], "--env swe needs --tasks"),
-    (["--env", "toy", "--env-option", "max_turns=2"], "unknown config key 'toy"),
+    (["--env", "toy", "--env-option", "max_turns=2"], "environment 'toy' takes no options"),
     (["--env", "swe", "--tasks", "TASKS", "--env-option", "nonsense"], "expected KEY=VALUE"),
     (["--env", "swe", "--tasks", "TASKS", "--env-option", "reward=bogus"], "config key 'swe.reward'"),
     (["--env", "toy", "--tasks", "TASKS"], "makes its own tasks"),

@@ -37,7 +37,7 @@ class EvalConfig(Section):
     run's checkpoints."""
 
     model: str = Field(description="Base model directory (HF format).")
-    env: str = Field("swe", description="Environment: swe, toy, toy_multi (any registered one).")
+    env: str = Field("swe", description="Environment: swe, toy, toy_multi, functions (any registered one).")
     tasks: str = Field("", description="SWE tasks (JSONL); required for env swe.")
     n: int = Field(16, ge=1, description="Other envs: tasks the environment makes.")
     split: str = Field("test", description="Other envs: task split (held-out test by default).")

@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 EVENT_END = re.compile(rb"\r\n\r\n|\n\n")  # what ends a server-sent event
 
 
-class Router(Protocol):
+class RouterState(Protocol):
     """What a relay needs of the router (`server.Router`): its caps, client, registry and lock."""
 
     cfg: RouteConfig
@@ -44,7 +44,7 @@ class Router(Protocol):
     def http(self) -> httpx.AsyncClient: ...
 
 
-async def forward(router: Router, replica: str, path: str, raw: bytes, headers: dict[str, str],
+async def forward(router: RouterState, replica: str, path: str, raw: bytes, headers: dict[str, str],
                   stream: bool) -> Response:
     """Send one call to `replica` and answer with what it answers (capped); a stream as a `RelayResponse`."""
     client = router.http()
@@ -67,7 +67,7 @@ async def forward(router: Router, replica: str, path: str, raw: bytes, headers: 
                          media_type=media_type)
 
 
-async def read_capped(router: Router, replica: str, upstream: httpx.Response) -> bytes:
+async def read_capped(router: RouterState, replica: str, upstream: httpx.Response) -> bytes:
     """A non-streaming answer's body, or a 502 naming `max_answer_bytes` as soon as it is known to pass it."""
     cap = router.cfg.max_answer_bytes
     length = upstream.headers.get("content-length", "")
@@ -105,7 +105,7 @@ class RelayResponse(StreamingResponse):
             await self._cleanup()
 
 
-async def relay(router: Router, replica: str, upstream: httpx.Response) -> AsyncIterator[bytes]:
+async def relay(router: RouterState, replica: str, upstream: httpx.Response) -> AsyncIterator[bytes]:
     """Pass a replica's SSE stream on as its events complete, each at most `max_event_bytes`; a broken
     stream or an event over the cap ends in an error event."""
     cap, pending = router.cfg.max_event_bytes, bytearray()
@@ -137,7 +137,7 @@ async def relay(router: Router, replica: str, upstream: httpx.Response) -> Async
                         "call goes to another replica")
 
 
-async def drop(router: Router, url: str) -> None:
+async def drop(router: RouterState, url: str) -> None:
     """A replica whose connection failed leaves rotation now; its sessions re-home on their next call."""
     async with router.lock:
         router.registry.mark_dead(url)

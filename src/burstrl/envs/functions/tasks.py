@@ -21,7 +21,7 @@ import hashlib
 import random
 from pathlib import Path
 
-from burstrl.envs.functions.templates import TEMPLATES, Problem, Template, make_problem
+from burstrl.envs.functions.templates import TEMPLATES, FunctionTemplate, Problem, make_problem
 from burstrl.envs.swe.repo import commit_all, init_repo
 from burstrl.envs.swe.task import SweTask, dump_tasks
 
@@ -57,7 +57,7 @@ def make_problems(n: int, seed: int, split: str) -> list[Problem]:
     return out
 
 
-def takes_constant(t: Template) -> bool:
+def takes_constant(t: FunctionTemplate) -> bool:
     """Whether the template's problems carry a constant (a number, letter or key) in their body."""
     return any(f"{{{name}}}" in t.body for name in ("c", "ch", "k"))
 

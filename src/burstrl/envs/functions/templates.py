@@ -27,7 +27,7 @@ WORDS = ("banana", "cherry", "kiwi", "mango", "papaya", "river", "stone", "zebra
 
 
 @dataclass(frozen=True)
-class Template:
+class FunctionTemplate:
     key: str
     category: str
     names: tuple[str, ...]  # function names (may use {c} / {ch})
@@ -38,66 +38,66 @@ class Template:
     held_out: bool = False
 
 
-TEMPLATES: tuple[Template, ...] = (
+TEMPLATES: tuple[FunctionTemplate, ...] = (
     # arithmetic
-    Template("mul_const", "arith", ("times_{c}", "scale_by_{c}", "multiply_by_{c}"), (("x",), ("n",), ("value",)),
+    FunctionTemplate("mul_const", "arith", ("times_{c}", "scale_by_{c}", "multiply_by_{c}"), (("x",), ("n",), ("value",)),
              "Return {a} multiplied by {c}.", "return {a} * {c}", "int"),
-    Template("add_const", "arith", ("add_{c}", "plus_{c}", "increase_by_{c}"), (("x",), ("n",), ("count",)),
+    FunctionTemplate("add_const", "arith", ("add_{c}", "plus_{c}", "increase_by_{c}"), (("x",), ("n",), ("count",)),
              "Return {a} plus {c}.", "return {a} + {c}", "int"),
-    Template("sub_pair", "arith", ("subtract", "difference", "minus"), (("a", "b"), ("x", "y"), ("first", "second")),
+    FunctionTemplate("sub_pair", "arith", ("subtract", "difference", "minus"), (("a", "b"), ("x", "y"), ("first", "second")),
              "Return {a} minus {b}.", "return {a} - {b}", "int2"),
-    Template("max_pair", "arith", ("larger", "maximum", "bigger_of"), (("a", "b"), ("x", "y"), ("left", "right")),
+    FunctionTemplate("max_pair", "arith", ("larger", "maximum", "bigger_of"), (("a", "b"), ("x", "y"), ("left", "right")),
              "Return the larger of {a} and {b}.", "return max({a}, {b})", "int2"),
-    Template("square_plus", "arith", ("square_plus_{c}", "squared_and_{c}"), (("x",), ("n",)),
+    FunctionTemplate("square_plus", "arith", ("square_plus_{c}", "squared_and_{c}"), (("x",), ("n",)),
              "Return the square of {a} plus {c}.", "return {a} * {a} + {c}", "int", held_out=True),
     # conditions
-    Template("is_even", "cond", ("is_even", "even", "check_even"), (("n",), ("x",), ("number",)),
+    FunctionTemplate("is_even", "cond", ("is_even", "even", "check_even"), (("n",), ("x",), ("number",)),
              "Return True if {a} is even, otherwise False.", "return {a} % 2 == 0", "int"),
-    Template("divisible", "cond", ("divisible_by_{c}", "is_multiple_of_{c}"), (("n",), ("x",), ("number",)),
+    FunctionTemplate("divisible", "cond", ("divisible_by_{c}", "is_multiple_of_{c}"), (("n",), ("x",), ("number",)),
              "Return True if {a} is divisible by {c}, otherwise False.", "return {a} % {c} == 0", "int"),
-    Template("clamp_max", "cond", ("at_most_{c}", "cap_at_{c}", "limit_{c}"), (("x",), ("n",), ("value",)),
+    FunctionTemplate("clamp_max", "cond", ("at_most_{c}", "cap_at_{c}", "limit_{c}"), (("x",), ("n",), ("value",)),
              "Return {a}, but never more than {c}.", "return min({a}, {c})", "int"),
-    Template("far_apart", "cond", ("far_apart", "differ_by_more_than_{c}"), (("a", "b"), ("x", "y")),
+    FunctionTemplate("far_apart", "cond", ("far_apart", "differ_by_more_than_{c}"), (("a", "b"), ("x", "y")),
              "Return True if {a} and {b} differ by more than {c}, otherwise False.", "return abs({a} - {b}) > {c}",
              "int2"),
-    Template("sign", "cond", ("sign", "sign_of"), (("x",), ("n",)),
+    FunctionTemplate("sign", "cond", ("sign", "sign_of"), (("x",), ("n",)),
              "Return 1 if {a} is positive, -1 if it is negative and 0 if it is zero.",
              "return (({a} > 0) - ({a} < 0))", "int", held_out=True),
     # strings
-    Template("repeat", "str", ("repeat_{c}", "copies_{c}"), (("s",), ("text",), ("word",)),
+    FunctionTemplate("repeat", "str", ("repeat_{c}", "copies_{c}"), (("s",), ("text",), ("word",)),
              "Return the string {a} repeated {c} times.", "return {a} * {c}", "str"),
-    Template("count_letter", "str", ("count_{ch}", "number_of_{ch}"), (("s",), ("text",), ("word",)),
+    FunctionTemplate("count_letter", "str", ("count_{ch}", "number_of_{ch}"), (("s",), ("text",), ("word",)),
              "Return how many times the letter '{ch}' appears in {a}.", "return {a}.count('{ch}')", "str"),
-    Template("prefix", "str", ("first_{c}", "head_{c}"), (("s",), ("text",), ("word",)),
+    FunctionTemplate("prefix", "str", ("first_{c}", "head_{c}"), (("s",), ("text",), ("word",)),
              "Return the first {c} characters of {a}.", "return {a}[:{c}]", "str"),
-    Template("upper", "str", ("shout", "to_upper", "upper_case"), (("s",), ("text",), ("word",)),
+    FunctionTemplate("upper", "str", ("shout", "to_upper", "upper_case"), (("s",), ("text",), ("word",)),
              "Return {a} in upper case.", "return {a}.upper()", "str"),
-    Template("starts_with", "str", ("starts_with_{ch}", "begins_with_{ch}"), (("s",), ("text",), ("word",)),
+    FunctionTemplate("starts_with", "str", ("starts_with_{ch}", "begins_with_{ch}"), (("s",), ("text",), ("word",)),
              "Return True if {a} starts with the letter '{ch}', otherwise False.", "return {a}.startswith('{ch}')",
              "str"),
-    Template("reverse", "str", ("reverse", "backwards"), (("s",), ("text",)),
+    FunctionTemplate("reverse", "str", ("reverse", "backwards"), (("s",), ("text",)),
              "Return the string {a} reversed.", "return {a}[::-1]", "str", held_out=True),
     # lists
-    Template("last", "list", ("last", "last_item", "final_element"), (("xs",), ("items",), ("values",)),
+    FunctionTemplate("last", "list", ("last", "last_item", "final_element"), (("xs",), ("items",), ("values",)),
              "Return the last element of the list {a}.", "return {a}[-1]", "ints"),
-    Template("sum_squares", "list", ("sum_of_squares", "square_sum"), (("xs",), ("numbers",), ("values",)),
+    FunctionTemplate("sum_squares", "list", ("sum_of_squares", "square_sum"), (("xs",), ("numbers",), ("values",)),
              "Return the sum of the squares of the numbers in {a}.", "return sum(v * v for v in {a})", "ints"),
-    Template("count_above", "list", ("count_above_{c}", "how_many_over_{c}"), (("xs",), ("numbers",), ("values",)),
+    FunctionTemplate("count_above", "list", ("count_above_{c}", "how_many_over_{c}"), (("xs",), ("numbers",), ("values",)),
              "Return how many numbers in {a} are greater than {c}.", "return sum(1 for v in {a} if v > {c})", "ints"),
-    Template("add_each", "list", ("add_{c}_to_each", "shift_by_{c}"), (("xs",), ("numbers",), ("values",)),
+    FunctionTemplate("add_each", "list", ("add_{c}_to_each", "shift_by_{c}"), (("xs",), ("numbers",), ("values",)),
              "Return a new list with {c} added to each number in {a}.", "return [v + {c} for v in {a}]", "ints"),
-    Template("evens", "list", ("evens", "only_even"), (("xs",), ("numbers",)),
+    FunctionTemplate("evens", "list", ("evens", "only_even"), (("xs",), ("numbers",)),
              "Return a list of the even numbers in {a}, in their order.", "return [v for v in {a} if v % 2 == 0]",
              "ints", held_out=True),
     # dicts
-    Template("get_default", "dict", ("lookup_{k}", "value_of_{k}"), (("d",), ("table",), ("counts",)),
+    FunctionTemplate("get_default", "dict", ("lookup_{k}", "value_of_{k}"), (("d",), ("table",), ("counts",)),
              "Return the value stored under the key '{k}' in the dict {a}, or {c} if the key is missing.",
              "return {a}.get('{k}', {c})", "dict"),
-    Template("num_keys", "dict", ("num_keys", "size", "count_keys"), (("d",), ("table",), ("counts",)),
+    FunctionTemplate("num_keys", "dict", ("num_keys", "size", "count_keys"), (("d",), ("table",), ("counts",)),
              "Return the number of keys in the dict {a}.", "return len({a})", "dict"),
-    Template("has_key", "dict", ("has_{k}", "contains_{k}"), (("d",), ("table",), ("counts",)),
+    FunctionTemplate("has_key", "dict", ("has_{k}", "contains_{k}"), (("d",), ("table",), ("counts",)),
              "Return True if the dict {a} has the key '{k}', otherwise False.", "return '{k}' in {a}", "dict"),
-    Template("sum_values", "dict", ("total", "sum_values"), (("d",), ("counts",)),
+    FunctionTemplate("sum_values", "dict", ("total", "sum_values"), (("d",), ("counts",)),
              "Return the sum of the values in the dict {a}.", "return sum({a}.values())", "dict", held_out=True),
 )
 
@@ -149,7 +149,7 @@ class Problem:
         return f"{self.prompt}    {self.variant}\n" if self.variant else ""
 
 
-def make_problem(t: Template, rng: random.Random, test_consts: bool, n_cases: int = 5) -> Problem:
+def make_problem(t: FunctionTemplate, rng: random.Random, test_consts: bool, n_cases: int = 5) -> Problem:
     """A concrete problem of template `t`: names, argument names and constants drawn from `rng`
     (constants from the held-out ranges when `test_consts`); expected results from the reference."""
     c = rng.choice(TEST_CONSTS if test_consts else TRAIN_CONSTS)
