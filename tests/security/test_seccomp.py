@@ -12,6 +12,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -64,9 +65,34 @@ print(json.dumps(out))
 NUMS = json.dumps({n: TABLE[n] for n in ("keyctl", "mount", "clone", "unshare")} if TABLE else {})
 
 
+def root_binds() -> list[str]:
+    """The host's top-level directories read-only, but not /tmp, /run and the kernel's: `--ro-bind / /`
+    binds every mount below it too, and another test's sandbox mount under /tmp that goes away
+    mid-way made bwrap fail ("Can't bind mount /oldroot/ ... No such file or directory")."""
+    out: list[str] = []
+    for name in sorted(os.listdir("/")):
+        path = f"/{name}"
+        if name in ("tmp", "run", "proc", "dev", "sys"):
+            continue
+        if os.path.islink(path):
+            out += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            out += ["--ro-bind", path, path]
+    return out
+
+
+def tmp_binds() -> list[str]:
+    """The probe's interpreter where it lives under /tmp (a clean clone's venv), read-only."""
+    out: list[str] = []
+    for path in sorted({sys.prefix, sys.base_prefix, os.path.dirname(os.path.dirname(os.path.abspath(PYTHON)))}):
+        if path.startswith("/tmp/"):
+            out += ["--ro-bind", path, path]
+    return out
+
+
 def bwrap(*extra: str, pass_fds: tuple[int, ...] = ()) -> dict:
-    argv = [BWRAP, "--unshare-all", "--die-with-parent", "--ro-bind", "/", "/", "--dev", "/dev",
-            "--proc", "/proc", "--tmpfs", "/tmp", *extra, PYTHON, "-c", PROBE, NUMS]
+    argv = [BWRAP, "--unshare-all", "--die-with-parent", *root_binds(), "--dev", "/dev",
+            "--proc", "/proc", "--tmpfs", "/tmp", *tmp_binds(), *extra, PYTHON, "-c", PROBE, NUMS]
     proc = subprocess.run(argv, check=False, pass_fds=pass_fds, capture_output=True, text=True,
                           timeout=30)
     assert proc.returncode == 0, proc.stderr
