@@ -45,33 +45,27 @@ class SessionClient:
         self.calls = 0
 
     async def chat(self, messages: list[dict[str, str]], max_tokens: int | None = None) -> str:
-        body = {"model": self.model, "messages": messages, "temperature": self.temperature,
-                "max_tokens": max_tokens or self.max_tokens, "seed": self.seed + self.calls,
-                "session_id": self.session_id}
-        try:
-            r = await self.http.post(f"{self.router}/v1/chat/completions", json=body,
-                                     headers={SESSION_HEADER: self.session_id})
-        except httpx.TransportError as exc:
-            raise ReplicaFailure(f"chat call {self.calls + 1}: {type(exc).__name__}: {exc}") from None
-        _raise_for(r, f"chat call {self.calls + 1}")
-        self.calls += 1
-        return r.json()["choices"][0]["message"]["content"] or ""
+        r = await self._call("chat", "/v1/chat/completions", {"messages": messages}, max_tokens)
+        return r["choices"][0]["message"]["content"] or ""
 
     async def complete(self, prompt: str, max_tokens: int | None = None, stop: list[str] | None = None) -> str:
         """A plain completion of `prompt` (no chat template: for base models), in the same session."""
-        body: dict[str, Any] = {"model": self.model, "prompt": prompt, "temperature": self.temperature,
-                                "max_tokens": max_tokens or self.max_tokens, "seed": self.seed + self.calls,
-                                "session_id": self.session_id}
-        if stop:
-            body["stop"] = stop
+        r = await self._call("completion", "/v1/completions", {"prompt": prompt, **({"stop": stop} if stop else {})},
+                             max_tokens)
+        return r["choices"][0]["text"] or ""
+
+    async def _call(self, what: str, path: str, fields: dict[str, Any], max_tokens: int | None) -> dict[str, Any]:
+        """One call of this session (model, sampling, seed and session id bound); its JSON answer."""
+        body = {"model": self.model, **fields, "temperature": self.temperature,
+                "max_tokens": max_tokens or self.max_tokens, "seed": self.seed + self.calls,
+                "session_id": self.session_id}
         try:
-            r = await self.http.post(f"{self.router}/v1/completions", json=body,
-                                     headers={SESSION_HEADER: self.session_id})
+            r = await self.http.post(f"{self.router}{path}", json=body, headers={SESSION_HEADER: self.session_id})
         except httpx.TransportError as exc:
-            raise ReplicaFailure(f"completion call {self.calls + 1}: {type(exc).__name__}: {exc}") from None
-        _raise_for(r, f"completion call {self.calls + 1}")
+            raise ReplicaFailure(f"{what} call {self.calls + 1}: {type(exc).__name__}: {exc}") from None
+        _raise_for(r, f"{what} call {self.calls + 1}")
         self.calls += 1
-        return r.json()["choices"][0]["text"] or ""
+        return r.json()
 
 
 async def assign(http: httpx.AsyncClient, router: str, session_id: str) -> str:
