@@ -24,17 +24,8 @@ from burstrl.envs.swe.hacks import FAKE_RUN_EXIT, JUNIT_AT_EXIT, NONCE_FROM_FRAM
 from burstrl.envs.swe.seal import BOOTSTRAP, TAG, judge, read_verdict, seal_off, sealed_command
 from burstrl.envs.swe.task import SweTask
 from burstrl.sandbox.pool import SandboxPool
-from tests.security.test_reward_hacks import (
-    CALC,
-    GOLD_CALC,
-    PY_FAKE_RUN,
-    PY_TESTS,
-    PYTEST_CMD,
-    UT_TESTS,
-    make_repo,
-    patch_of,
-    task_of,
-)
+from tests.security import test_reward_hacks as reward_hacks
+from tests.security.test_reward_hacks import CALC, GOLD_CALC, PY_FAKE_RUN, patch_of
 
 HONEST = GOLD_CALC + """
 import collections
@@ -71,18 +62,7 @@ def pool():
         yield p
 
 
-@pytest.fixture(scope="module")
-def ut(tmp_path_factory: pytest.TempPathFactory) -> SweTask:
-    repo = make_repo(tmp_path_factory.mktemp("ut"), "ut", {"tests/__init__.py": "", "tests/test_calc.py": UT_TESTS},
-                     vendor_pytest=False)
-    return task_of(repo, "ut", ["tests.test_calc.TestAdd.test_add"], ["tests.test_calc.TestMul.test_mul"],
-                   "python3 -m unittest -v")
-
-
-@pytest.fixture(scope="module")
-def py(tmp_path_factory: pytest.TempPathFactory) -> SweTask:
-    repo = make_repo(tmp_path_factory.mktemp("py"), "py", {"tests/test_calc.py": PY_TESTS}, vendor_pytest=True)
-    return task_of(repo, "py", ["tests/test_calc.py::test_add"], ["tests/test_calc.py::test_mul"], PYTEST_CMD)
+ut, py = reward_hacks.ut, reward_hacks.py  # the same fixture repositories (a pytest and a unittest task)
 
 
 # ---- through the grader ----
