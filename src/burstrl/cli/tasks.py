@@ -26,10 +26,7 @@ def tasks_make_toy(
     """Generate toy Python repositories with injected bugs, and their task file."""
     from burstrl.envs.swe.toygen import make_toy_tasks
 
-    if split not in ("train", "test"):
-        fail(f"--split must be train or test, not {split!r}")
-    if out.exists() and any(out.iterdir()) and not force:
-        fail(f"{out} is not empty (use --force)")
+    _check_output(out, split, force)
     tasks = make_toy_tasks(out, n, seed=seed, difficulty=difficulty, split=split)
     typer.echo(f"{len(tasks)} tasks -> {out / 'tasks.jsonl'}")
 
@@ -46,15 +43,20 @@ def tasks_make_functions(
     """Generate one-function Python problems (a def line and docstring to complete; hidden tests)."""
     from burstrl.envs.functions.tasks import make_function_tasks
 
-    if split not in ("train", "test"):
-        fail(f"--split must be train or test, not {split!r}")
-    if out.exists() and any(out.iterdir()) and not force:
-        fail(f"{out} is not empty (use --force)")
+    _check_output(out, split, force)
     try:
         tasks = make_function_tasks(out, n, seed=seed, split=split)
     except ValueError as exc:
         fail(str(exc))
     typer.echo(f"{len(tasks)} tasks -> {out / 'tasks.jsonl'}")
+
+
+def _check_output(out: Path, split: str, force: bool) -> None:
+    """A generator's arguments: a known split, and an OUT it may write into."""
+    if split not in ("train", "test"):
+        fail(f"--split must be train or test, not {split!r}")
+    if out.exists() and any(out.iterdir()) and not force:
+        fail(f"{out} is not empty (use --force)")
 
 
 @tasks_app.command("check")
