@@ -87,7 +87,7 @@ def test_gemma_captured_logprobs_equal_an_fp32_forward_past_the_window(server: S
     first = complete(server, story, session="gemma-window", max_tokens=12, temperature=1.0, seed=1)
     second_prompt = story + first["choices"][0]["text"] + " Then the robot said:"
     complete(server, second_prompt, session="gemma-window", max_tokens=12, temperature=1.0, seed=2)
-    calls = server.get("/v1/traces/gemma-window")["calls"]
+    calls = server.get("/v1/traces/gemma-window?full=true")["calls"]
     assert len(calls[0]["prompt_ids"]) > 512 and calls[1]["cached_tokens"] > 512
     model, _ = reference
     with model.disable_adapter():
@@ -111,7 +111,7 @@ def test_two_lora_versions_at_once_with_prefix_sharing_capture_exact_logprobs(se
         list(pool.map(lambda r: complete(server, r[2], session=r[0], model=r[1], max_tokens=16,
                                          temperature=1.0, seed=3), runs))
     complete(server, prompt + "return", session="v1-b", model="policy-v1", max_tokens=8, temperature=1.0, seed=4)
-    traces = {sid: server.get(f"/v1/traces/{sid}")["calls"] for sid in ("v1-a", "v2-a", "v1-b")}
+    traces = {sid: server.get(f"/v1/traces/{sid}?full=true")["calls"] for sid in ("v1-a", "v2-a", "v1-b")}
     assert traces["v1-b"][0]["cached_tokens"] >= 16  # shared whole blocks of v1-a's prompt
     assert traces["v2-a"][0]["cached_tokens"] == 0 and traces["v1-a"][0]["cached_tokens"] == 0
     worst = {}
@@ -130,7 +130,7 @@ def test_a_lora_step_on_gemma_recomputes_the_captured_logprobs(server: Server, g
     for i in range(2):  # one group of two attempts with different rewards: a nonzero advantage
         sid = f"gemma-train-{i}"
         complete(server, "def add(a, b):\n    return", session=sid, max_tokens=6, temperature=1.0, seed=i)
-        calls = server.get(f"/v1/traces/{sid}")["calls"]
+        calls = server.get(f"/v1/traces/{sid}?full=true")["calls"]
         turns = [Turn(prompt_ids=c["prompt_ids"], completion_ids=c["completion_ids"], logprobs=c["logprobs"],
                       version=0, replica=server.url) for c in calls]
         rollouts.append(Rollout(id=sid, turns=turns, reward=float(i)))

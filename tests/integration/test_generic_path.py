@@ -77,7 +77,7 @@ def test_gemma3_sessions_past_the_window_capture_exact_logprobs(server: Server, 
         r = HTTP.post(server.url + "/v1/chat/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
         messages += [r.json()["choices"][0]["message"], {"role": "user", "content": "And then?"}]
-    calls = server.get(f"/v1/traces/{session}")["calls"]
+    calls = server.get(f"/v1/traces/{session}?full=true")["calls"]
     assert calls[1]["cached_tokens"] > 6 and len(calls[1]["prompt_ids"]) > 40
     for call in calls:
         ids = call["prompt_ids"] + call["completion_ids"]

@@ -37,7 +37,7 @@ def attempt(server: Server, model: str, task: toy.ToyTask, sid: str, seed: int) 
         "seed": seed, "session_id": sid})
     r.raise_for_status()
     total, parts = toy.reward(task, r.json()["choices"][0]["message"]["content"])
-    calls = HTTP.get(f"{server.url}/v1/traces/{sid}", headers=server.admin(), timeout=30).json()["calls"]
+    calls = HTTP.get(f"{server.url}/v1/traces/{sid}?full=true", headers=server.admin(), timeout=30).json()["calls"]
     HTTP.delete(f"{server.url}/v1/traces/{sid}", headers=server.admin(), timeout=30)
     version = 0 if model == "base" else int(model.removeprefix("policy-v"))
     turns = [Turn(prompt_ids=c["prompt_ids"], completion_ids=c["completion_ids"], logprobs=c["logprobs"],

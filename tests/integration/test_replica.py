@@ -114,7 +114,7 @@ def test_logprobs_equal_a_fresh_forward_pass(loaded: Server, tiny_model_dir: Pat
     for turn in range(2):
         r = chat(loaded, session, messages, model=version, max_tokens=16, temperature=1.0, seed=turn)
         messages += [r["choices"][0]["message"], {"role": "user", "content": "And then?"}]
-    trace = loaded.get(f"/v1/traces/{session}")
+    trace = loaded.get(f"/v1/traces/{session}?full=true")
     assert trace["calls"][1]["cached_tokens"] > 0
     for call in trace["calls"]:
         ids = call["prompt_ids"] + call["completion_ids"]

@@ -78,7 +78,7 @@ def start_s_on_small_then_crowd_it(router, small, big, rng: random.Random, token
 def capture_spans_both_then_released(router, small, big, prompts: list[list[int]], first_out: list[int]) -> None:
     """Session `s` moved from `small` to `big`: its trace through the router is both parts in order,
     and a DELETE releases both (the router forgets it)."""
-    trace = HTTP.get(router.url + "/v1/traces/s", headers=ADMIN, timeout=30).json()
+    trace = HTTP.get(router.url + "/v1/traces/s?full=true", headers=ADMIN, timeout=30).json()
     assert trace["replicas"] == [small.url, big.url] and trace["replica"] == big.url
     assert [c["prompt_ids"] for c in trace["calls"]] == prompts
     assert trace["calls"][0]["completion_ids"] == first_out

@@ -15,6 +15,7 @@ import pytest
 
 from burstrl.envs.swe.agent import AgentLimits, run_agent
 from burstrl.orchestrator.client import SessionClient
+from burstrl.protocol.capture import expand_calls
 from tests.http_client import HTTP
 
 from .conftest import ADMIN_TOKEN
@@ -42,10 +43,13 @@ def test_agent_attempt_is_captured(server, calc_sandbox, calc_task):
     assert len(calls) == result.turns and all(c["completion_ids"] for c in calls)
     assert all(len(c["logprobs"]) == len(c["completion_ids"]) for c in calls)
     # Token continuity: each call's prompt starts with the previous call's prompt + sampled ids.
-    for prev, call, turn in zip(calls, calls[1:], result.transcript[1:], strict=False):
+    # The replica stores each such call as a delta: only the ids after that head (inference.capture).
+    whole = expand_calls(calls)
+    for prev, call, delta, turn in zip(whole, whole[1:], calls[1:], result.transcript[1:], strict=False):
         if not turn["context_elided"]:
             head = prev["prompt_ids"] + prev["completion_ids"]
             assert call["prompt_ids"][:len(head)] == head
+            assert delta["prefix_tokens"] == len(head) and not delta["diverged"]
 
 
 def test_minisweagent_bridge_runs_an_attempt(server, calc_sandbox, calc_task):

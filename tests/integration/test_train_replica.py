@@ -29,7 +29,7 @@ def sample_group(server: Server, model: str, prompt: str, tag: str, size: int, s
             "model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 6,
             "temperature": 1.0, "seed": rng.randrange(10**6), "session_id": sid})
         assert r.status_code == 200, r.text
-        calls = HTTP.get(f"{server.url}/v1/traces/{sid}", headers=server.admin()).json()["calls"]
+        calls = HTTP.get(f"{server.url}/v1/traces/{sid}?full=true", headers=server.admin()).json()["calls"]
         version = 0 if model == "base" else int(model.removeprefix("policy-v"))
         turns = [Turn(prompt_ids=c["prompt_ids"], completion_ids=c["completion_ids"], logprobs=c["logprobs"],
                       version=version, replica=server.url) for c in calls]

@@ -3,7 +3,7 @@ import threading
 import pytest
 
 from burstrl.inference import sessions as sessions_mod
-from burstrl.inference.sessions import CallRecord, SessionError, SessionTable
+from burstrl.inference.sessions import SessionError, SessionTable
 
 
 @pytest.fixture
@@ -158,16 +158,6 @@ def test_concurrent_begin_only_one_wins():
     for t in threads:
         t.join()
     assert sorted(results, key=str) == [409] * 7 + ["ok"]
-
-
-def test_call_record_to_json():
-    rec = CallRecord(request_id="r", version="base", prompt_ids=[1, 2], completion_ids=[3],
-                     logprobs=[-0.5], finish_reason="stop", cached_tokens=1,
-                     timings={"total_s": 0.1}, created=1.0)
-    data = rec.to_json()
-    assert data["prompt_ids"] == [1, 2] and data["finish_reason"] == "stop"
-    assert set(data) == {"request_id", "version", "prompt_ids", "completion_ids", "logprobs",
-                         "finish_reason", "cached_tokens", "timings", "created"}
 
 
 def test_session_id_with_trailing_newline_is_400():

@@ -57,6 +57,24 @@ class EngineConfig(Section):
     session_ttl_s: float = Field(
         1800.0, gt=0, description="A session idle this long is released (cache and trace)."
     )
+    session_max_life_s: float = Field(
+        14400.0, gt=0, description="A session this old is released when idle, however often it calls "
+        "(the idle TTL alone restarts on every call)."
+    )
+    capture_max_session_tokens: int = Field(
+        0, ge=0, description="Most token ids one session's capture holds (records are deltas, so an "
+        "honest session holds about its context); past it the session's later calls are served but not "
+        "recorded and the trace reports them dropped; 0 = 4 x max_model_len."
+    )
+    capture_max_total_tokens: int = Field(
+        1 << 24, ge=1, description="Most token ids all sessions' captures hold together (~8 bytes each); "
+        "past it new records are dropped and reported as dropped by the replica's cap."
+    )
+    diverged_calls: Literal["segment", "refuse"] = Field(
+        "segment", description="A call whose prompt does not extend its session's previous call (an "
+        "edited history, or another client on the session id): recorded marked `diverged` (segment), "
+        "or refused with a 409 naming the session (refuse)."
+    )
     thrash_window_s: float = Field(
         60.0, gt=0, description="A session evicted again within this window of its re-fill is thrashing."
     )
@@ -137,6 +155,11 @@ class ServeConfig(Section):
     server: HttpServerSection = Field(default_factory=HttpServerSection)
     limits: RequestLimitsConfig = Field(default_factory=RequestLimitsConfig)
     served_model_name: str = Field("base", description="Name the base model is served under.")
+    content_special_tokens: Literal["text", "parse"] = Field(
+        "text", description="Special-token strings typed inside chat message content: tokenized as text "
+        "(the template's structure tokens come from the template alone, so tool output cannot forge a "
+        "turn), or parsed into the special tokens (vLLM's default)."
+    )
     adapters: dict[str, str] = Field(
         default_factory=dict, description="Adapters loaded at start: name -> PEFT directory."
     )

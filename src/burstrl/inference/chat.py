@@ -18,6 +18,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from burstrl.inference.plaintext import PlainTextError, SpecialText, content_spans
 from burstrl.inference.sessions import ReplicaSession
 
 
@@ -55,10 +56,12 @@ class ChatTokenizer:
     take a lock, the tokenizer is only read.
     """
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, content_special_tokens: str = "text") -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise ChatError("the tokenizer has no chat template; use /v1/completions")
         self.tokenizer = tokenizer
+        self.special = SpecialText(tokenizer)
+        self.parse_special = content_special_tokens == "parse"  # vLLM's behaviour (inference.plaintext)
         self.continued = 0
         self.breaks = 0
         self._lock = threading.Lock()
@@ -74,13 +77,28 @@ class ChatTokenizer:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def prompt_ids(self, messages: list[dict[str, str]], session: ReplicaSession) -> list[int]:
-        """Token ids for this call's prompt; continuous with the session's last call when possible."""
-        if session.messages is not None and session.completion_ids:
-            ids = self._continue(messages, session)
-            self._count(continued=ids is not None)
-            if ids is not None:
-                return ids
-        return self.encode(self.render(messages, generation_prompt=True))
+        """Token ids for this call's prompt; continuous with the session's last call when possible.
+
+        ChatError (a 400) for messages whose special-token text cannot be kept as text.
+        """
+        try:
+            if session.messages is not None and session.completion_ids:
+                ids = self._continue(messages, session)
+                self._count(continued=ids is not None)
+                if ids is not None:
+                    return ids
+            text = self.render(messages, generation_prompt=True)
+            return self._encode_render(messages, text, 0, 0)
+        except PlainTextError as exc:
+            raise ChatError(str(exc)) from None
+
+    def _encode_render(self, messages: list[dict[str, str]], text: str, start: int, new_from: int) -> list[int]:
+        """Ids of `text`, the render of `messages` from character `start` on, with the contents of
+        messages[new_from:] kept as text (inference.plaintext)."""
+        if self.parse_special or not self.special.any_in(messages[new_from:]):
+            return self.encode(text[start:])
+        spans = [(a - start, b - start) for a, b in content_spans(self.render, messages, True, text) if a >= start]
+        return self.special.encode(text[start:], spans)
 
     def _count(self, continued: bool) -> None:
         with self._lock:
@@ -106,5 +124,8 @@ class ChatTokenizer:
         sampled = self.tokenizer.decode(session.completion_ids, skip_special_tokens=False)
         if not reply_text.startswith(sampled):
             return None
-        rest = reply_text[len(sampled):] + full[len(with_reply):]
-        return session.prompt_ids + session.completion_ids + self.encode(rest)
+        tail = reply_text[len(sampled):]  # the template's end of the assistant turn
+        if self.parse_special or not self.special.any_in(messages[n + 1:]):
+            return session.prompt_ids + session.completion_ids + self.encode(tail + full[len(with_reply):])
+        rest = self._encode_render(messages, full, len(with_reply), n + 1)
+        return session.prompt_ids + session.completion_ids + self.encode(tail) + rest

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from burstrl.config import EngineConfig
+from burstrl.inference.capture import CallRecord, new_record
 from burstrl.inference.kvcache import SessionCache
 from burstrl.inference.lora import AdapterError, LoraAdapter, LoraBatch
 from burstrl.inference.paged import BlockTable, KVPool, PagedDecode, PagedPrefill, RowsOutOfBlocks
@@ -34,8 +35,8 @@ from burstrl.inference.prefix import block_hashes
 from burstrl.inference.probe import adapter_mismatch, select_runner
 from burstrl.inference.request import EngineCounters, Request
 from burstrl.inference.sampling import History, sample
-from burstrl.inference.sessions import CallRecord, SessionTable
-from burstrl.protocol.blocks import BLOCK_TOKENS, prefix_block_hashes
+from burstrl.inference.sessions import SessionTable
+from burstrl.protocol.blocks import BLOCK_TOKENS, cache_scope, prefix_block_hashes
 
 log = logging.getLogger(__name__)
 
@@ -494,7 +495,7 @@ class Engine:
             session.kv_tokens = 0
         if req.text is None:
             req.text = self.tokenizer.decode(req.completion_ids, skip_special_tokens=True)
-        session.messages = req.messages
+        session.messages, session.cache_salt = req.messages, req.cache_salt
         session.prompt_ids = req.prompt_ids
         session.completion_ids = req.completion_ids
         session.completion_text = req.text
@@ -508,7 +509,7 @@ class Engine:
         c[reason] = c.get(reason, 0) + 1
         session = req.session
         if self.cfg.capture and not session.ephemeral and req.error is None:
-            session.calls.append(self._record(req))
+            self.sessions.capture(session, self._record(req))
         self.sessions.end(session)
         req.on_done(req)
 
@@ -519,9 +520,8 @@ class Engine:
             "ttft_s": (req.t_first or req.t_end) - req.t_submit,
             "total_s": req.t_end - req.t_submit,
         }
-        return CallRecord(
-            request_id=req.id, version=req.version, prompt_ids=list(req.prompt_ids),
-            completion_ids=list(req.completion_ids), logprobs=list(req.logprobs),
+        return new_record(
+            req.id, req.version, req.prompt_ids, req.completion_ids, req.logprobs,
             finish_reason=req.finish_reason or "", cached_tokens=req.cached_tokens,
             timings=timings, created=time.time(),
         )
@@ -539,10 +539,11 @@ class Engine:
             n = (s.kv_tokens if s.busy else self.cache.cached_length(s.id)) // BLOCK_TOKENS
             if n == 0 or len(keys) >= max_blocks:
                 continue
-            key = (s.id, s.version, n, len(s.prompt_ids))
+            key = (s.id, s.version, s.cache_salt, n, len(s.prompt_ids))
             hashes = self._summary_memo.get(key)
             if hashes is None:
-                hashes = prefix_block_hashes((s.prompt_ids + s.completion_ids)[: n * BLOCK_TOKENS], s.version)
+                hashes = prefix_block_hashes((s.prompt_ids + s.completion_ids)[: n * BLOCK_TOKENS],
+                                             cache_scope(s.version, s.cache_salt))
             memo[key] = hashes
             keys.update(hashes[: max_blocks - len(keys)])
         self._summary_memo = memo

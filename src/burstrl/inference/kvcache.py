@@ -27,7 +27,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from burstrl.inference.paged import BlockTable, KVPool
-from burstrl.inference.prefix import PrefixIndex
+from burstrl.inference.prefix import KvNamespace, PrefixIndex
 
 
 @dataclass
@@ -47,7 +47,7 @@ class CacheStats:
 class _Entry:
     table: BlockTable
     tokens: list[int]
-    namespace: int  # the adapter version whose weights computed these keys/values
+    namespace: KvNamespace  # the adapter version (and cache_salt) whose request computed these
     last_used: float = field(default_factory=time.monotonic)
 
 
@@ -94,7 +94,7 @@ class SessionCache:
         """Running sequences that left (finished, failed, dropped) no longer hold `tokens`."""
         self.running_tokens -= tokens
 
-    def take(self, session_id: str, prompt: list[int], namespace: int) -> tuple[BlockTable | None, int]:
+    def take(self, session_id: str, prompt: list[int], namespace: KvNamespace) -> tuple[BlockTable | None, int]:
         """Remove a session's idle cache for a new call; returns (table, reusable prefix length).
 
         The table is cut to the reusable prefix. At least one prompt token is always left to
@@ -112,7 +112,7 @@ class SessionCache:
         entry.table.truncate(self.pool, reuse)
         return entry.table, reuse
 
-    def share(self, prompt: list[int], namespace: int) -> tuple[BlockTable | None, int]:
+    def share(self, prompt: list[int], namespace: KvNamespace) -> tuple[BlockTable | None, int]:
         """A new table holding the longest prefix of `prompt` found in any cache of `namespace`,
         sharing the donor's blocks (no copy). Release it if the call cannot start yet.
 
@@ -136,7 +136,7 @@ class SessionCache:
             return None, 0
         return source.fork_prefix(self.pool, reuse), reuse
 
-    def add_running(self, request_id: str, table: BlockTable, prompt: list[int], namespace: int) -> None:
+    def add_running(self, request_id: str, table: BlockTable, prompt: list[int], namespace: KvNamespace) -> None:
         """Offer a running request's prefilled prompt as a donor (until `remove_running`)."""
         key = f" {request_id}"  # a space: never a session id
         self._running[key] = (table, prompt, namespace)
@@ -176,7 +176,7 @@ class SessionCache:
     def unreserve(self, blocks: int) -> None:
         self.reserved_blocks -= blocks
 
-    def put(self, session_id: str, table: BlockTable, tokens: list[int], namespace: int) -> None:
+    def put(self, session_id: str, table: BlockTable, tokens: list[int], namespace: KvNamespace) -> None:
         """A finished call's table becomes idle (most recently used). `tokens` match table.length."""
         old = self._pop(session_id)  # never two entries (and two budget charges) for one session
         if old is not None:

@@ -5,7 +5,7 @@ optional field we read accepts an explicit `null` (= its default), and a bad val
 it. A field we know but do not implement (beam search, tools, structured output, ...) is a 400 when
 set to anything but its no-op value: accepting and ignoring it would silently change what the
 client asked for. Extensions: request `return_token_ids`, `session_id`, `top_k`, `min_p`,
-`ignore_eos`, `input_ids`, `min_tokens`, `stop_token_ids`, `repetition_penalty`; response
+`ignore_eos`, `input_ids`, `min_tokens`, `stop_token_ids`, `repetition_penalty`, `cache_salt`; response
 `choices[].token_ids`, `prompt_token_ids`, `choices[].stop_reason`,
 `usage.prompt_tokens_details.cached_tokens`, `meta_info.weight_version`.
 """
@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 if TYPE_CHECKING:  # parsing and shapes need no torch; only the replica's engine does
     from burstrl.inference.engine import Request
@@ -78,6 +78,8 @@ class _Common(BaseModel):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    # vLLM's field: prefix sharing (and the router's prefix index) only between requests of the same salt
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
 
 
 class ChatRequest(_Common):

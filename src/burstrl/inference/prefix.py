@@ -17,9 +17,10 @@ token by token.
 from __future__ import annotations
 
 BLOCK = 32
+KvNamespace = int | tuple[int, str]  # an adapter's uid, with a request's cache_salt when it has one
 
 
-def block_hashes(tokens: list[int], limit: int | None = None, namespace: int = 0) -> list[int]:
+def block_hashes(tokens: list[int], limit: int | None = None, namespace: KvNamespace = 0) -> list[int]:
     """Chained hashes of the full BLOCK-token blocks of tokens[:limit], seeded by the namespace."""
     n = len(tokens) if limit is None else min(limit, len(tokens))
     out, prev = [], hash(("kv-namespace", namespace))
@@ -36,7 +37,7 @@ class PrefixIndex:
         self._owners: dict[int, dict[str, None]] = {}  # insertion-ordered set
         self._hashes: dict[str, list[int]] = {}
 
-    def add(self, session_id: str, tokens: list[int], namespace: int = 0) -> None:
+    def add(self, session_id: str, tokens: list[int], namespace: KvNamespace = 0) -> None:
         hashes = block_hashes(tokens, namespace=namespace)
         self._hashes[session_id] = hashes
         for h in hashes:
@@ -50,7 +51,7 @@ class PrefixIndex:
                 if not owners:
                     del self._owners[h]
 
-    def longest(self, prompt: list[int], namespace: int = 0) -> tuple[str | None, int]:
+    def longest(self, prompt: list[int], namespace: KvNamespace = 0) -> tuple[str | None, int]:
         """(a session of `namespace` holding the most leading blocks of `prompt`, how many blocks)."""
         best, blocks = None, 0
         for i, h in enumerate(block_hashes(prompt, namespace=namespace)):

@@ -22,6 +22,7 @@ from typing import Any
 from burstrl.config import ServeConfig
 from burstrl.inference.adapters import AdapterRegistry
 from burstrl.inference.bulk import BulkReceiver, tls_context
+from burstrl.inference.capture import CaptureLimits
 from burstrl.inference.chat import ChatError, ChatTokenizer
 from burstrl.inference.engine import Engine, default_threads
 from burstrl.inference.limits import RequestLimits
@@ -100,12 +101,14 @@ def build_replica(cfg: ServeConfig) -> InferenceReplica:
     else:
         sweep_dead_state_dirs(Path(tempfile.gettempdir()))
         state_dir = make_state_dir(Path(tempfile.gettempdir()))
-    sessions = SessionTable(cfg.engine.session_ttl_s)
+    per_session = cfg.engine.capture_max_session_tokens or 4 * max_len
+    sessions = SessionTable(cfg.engine.session_ttl_s, cfg.engine.session_max_life_s,
+                            CaptureLimits(per_session, cfg.engine.capture_max_total_tokens))
     engine = Engine(model, tokenizer, cfg.engine, eos_token_ids(model, tokenizer), sessions, max_len)
     registry = AdapterRegistry.for_layers(state_dir, engine.runner.layers, engine.runner.dtype,
                                           engine.runner.device, cfg.server.upload_ttl_s)
     try:
-        chat = ChatTokenizer(tokenizer)
+        chat = ChatTokenizer(tokenizer, cfg.content_special_tokens)
     except ChatError:
         chat = None
     replica = InferenceReplica(cfg=cfg, engine=engine, registry=registry, sessions=sessions, tokenizer=tokenizer,

@@ -14,6 +14,7 @@ import torch
 
 from burstrl.inference.lora import LoraAdapter
 from burstrl.inference.paged import BlockTable
+from burstrl.inference.prefix import KvNamespace
 from burstrl.inference.sampling import SamplingParams
 from burstrl.inference.sessions import ReplicaSession
 
@@ -31,6 +32,7 @@ class Request:
     on_done: Callable[[Request], None]
     on_token: Callable[[Request], None] | None = None
     messages: list[dict] | None = None
+    cache_salt: str | None = None  # vLLM's field: prefix sharing only between requests of the same salt
     completion_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
@@ -50,9 +52,11 @@ class Request:
     generator: torch.Generator | None = None
 
     @property
-    def namespace(self) -> int:
-        """The KV namespace: keys/values are only ever reused within one adapter version."""
-        return 0 if self.adapter is None else self.adapter.uid
+    def namespace(self) -> KvNamespace:
+        """The KV namespace: keys/values are only ever reused within one adapter version, and within
+        one `cache_salt` (compared exactly, so two salts never share a block, hash collisions or not)."""
+        uid = 0 if self.adapter is None else self.adapter.uid
+        return uid if self.cache_salt is None else (uid, self.cache_salt)
 
 
 @dataclass

@@ -145,14 +145,16 @@ async def completions(request: Request) -> Response:
 
 
 @router.get("/v1/traces/{session_id:path}")
-async def get_trace(session_id: str, request: Request) -> dict[str, Any]:
+async def get_trace(session_id: str, request: Request, full: bool = False) -> dict[str, Any]:
+    """The session's records: deltas (`inference.capture`), or with `?full=true` whole prompts."""
     rep = replica_of(request)
     require_reader(rep, request)
     session = rep.sessions.get(session_id)
     if session is None:
         raise ApiError(404, f"unknown session {session_id!r}", "not_found_error")
+    calls = await rep.workers.run(session.capture.calls_json, full)
     return {"session_id": session.id, "version": session.version, "busy": session.busy,
-            "calls": [c.to_json() for c in list(session.calls)]}
+            "calls": calls, **session.capture.summary()}
 
 
 @router.delete("/v1/traces/{session_id:path}")
@@ -235,11 +237,12 @@ async def _generate(rep: InferenceReplica, request: Request, body: Any, kind: st
     events: asyncio.Queue[str] = asyncio.Queue()
     try:  # until the engine owns the request, every way out must free the session
         if messages is not None:  # rendered and tokenized off the loop; the session stays busy meanwhile
-            prompt_ids = await rep.workers.run(rep.chat.prompt_ids, messages, session)
+            prompt_ids = await rep.workers.run(_chat_prompt, rep, messages, session)
+        _check_extends(rep, session, prompt_ids)
         params = _params(rep, body, prompt_ids, max_tokens, top_logprobs)
         req = EngineRequest(
             id=rid, session=session, prompt_ids=prompt_ids, params=params, version=body.model,
-            adapter=adapter, messages=messages,
+            adapter=adapter, messages=messages, cache_salt=body.cache_salt,
             on_done=lambda _: _notify(loop, events, "done"),
             on_token=(lambda _: _notify(loop, events, "token")) if body.stream else None,
         )
@@ -258,6 +261,25 @@ async def _generate(rep: InferenceReplica, request: Request, body: Any, kind: st
         raise ApiError(500, f"engine error: {req.error}", "server_error")
     build = api.chat_response if kind == "chat" else api.completion_response
     return JSONResponse(build(req, body.model, body.return_token_ids, want_logprobs, rep.text))
+
+
+def _chat_prompt(rep: InferenceReplica, messages: list[dict[str, str]], session: Any) -> list[int]:
+    """On a request worker: the chat prompt's ids (`chat.ChatTokenizer`), its refusals as 400s."""
+    try:
+        return rep.chat.prompt_ids(messages, session)
+    except ChatError as exc:
+        raise ApiError(400, str(exc)) from None
+
+
+def _check_extends(rep: InferenceReplica, session: Any, prompt_ids: list[int]) -> None:
+    """With `engine.diverged_calls = "refuse"`, a call must extend its session's previous call: the
+    session belongs to the history of its first caller, not to whoever knows its id."""
+    if rep.cfg.engine.diverged_calls != "refuse" or session.ephemeral or not session.completion_ids:
+        return
+    head = session.history()
+    if prompt_ids[:len(head)] != head:
+        raise ApiError(409, f"session {session.id!r}: this prompt does not extend the session's previous "
+                            "call (edited history or another client); start a new session")
 
 
 def _notify(loop: asyncio.AbstractEventLoop, events: asyncio.Queue[str], event: str) -> None:

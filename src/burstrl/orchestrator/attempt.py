@@ -15,11 +15,13 @@ trained on, never re-run.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import httpx
 
 from burstrl.envs.base import Environment, Task
 from burstrl.orchestrator.client import ReplicaFailure, SessionClient, fetch_trace, release
+from burstrl.protocol.capture import REPLICA_CAP, expand_calls
 from burstrl.protocol.versions import version_number
 from burstrl.store.types import Rollout, Turn
 
@@ -36,16 +38,38 @@ async def run_attempt(http: httpx.AsyncClient, router: str, env: Environment, ta
         trace = await fetch_trace(http, router, rollout_id, admin_token)
     finally:
         await release(http, router, rollout_id, admin_token)
-    calls = trace.get("calls", [])
-    if len(calls) != client.calls:
-        raise ReplicaFailure(f"capture lost: {client.calls} calls made, {len(calls)} in the trace "
-                             f"(the session moved replicas mid-rollout)")
-    if any(c["version"] != version for c in calls):
-        raise ReplicaFailure(f"trace versions {sorted({c['version'] for c in calls})} != {version}")
+    calls = _whole_calls(trace, client.calls, version)
     replica = str(trace.get("replica", ""))
     turns = [Turn(prompt_ids=c["prompt_ids"], completion_ids=c["completion_ids"], logprobs=c["logprobs"],
                   version=version_number(version), replica=replica) for c in calls]
-    return Rollout(id=rollout_id, turns=turns, reward=outcome.reward, reward_parts=outcome.parts,
-                   status="failed" if outcome.info.get("reason") else "complete", reason=outcome.info.get("reason"),
+    reward, reason, passed = outcome.reward, outcome.info.get("reason"), bool(outcome.passed)
+    if trace.get("dropped_calls"):  # the rollout outgrew its session's capture cap: the model's doing
+        reward, passed = 0.0, False
+        reason = f"capture truncated: {trace['dropped_calls']} calls past the session's capture cap"
+    return Rollout(id=rollout_id, turns=turns, reward=reward, reward_parts=outcome.parts,
+                   status="failed" if reason else "complete", reason=reason,
                    timings={"rollout_s": t1 - t0, "total_s": time.monotonic() - t0},
-                   passed=bool(outcome.passed), calls=client.calls)
+                   passed=passed, calls=client.calls)
+
+
+def _whole_calls(trace: dict[str, Any], made: int, version: str) -> list[dict[str, Any]]:
+    """The trace's calls with whole prompts, checked against what the client did.
+
+    A call missing from the trace (the session moved replicas mid-rollout), one on another version,
+    or calls dropped by the replica's total capture cap (other sessions filled it) are infra faults:
+    `ReplicaFailure`, the attempt re-runs. Calls dropped by the session's own cap are counted, not
+    faults: the rollout made them (`run_attempt` scores it 0).
+    """
+    dropped = trace.get("dropped_calls") or 0
+    if trace.get("dropped_reason") == REPLICA_CAP:
+        raise ReplicaFailure(f"capture dropped {dropped} calls: the replica's total capture cap was full")
+    try:
+        calls = expand_calls(trace.get("calls", []))
+    except ValueError as exc:
+        raise ReplicaFailure(f"bad trace: {exc}") from None
+    if len(calls) + dropped != made:
+        raise ReplicaFailure(f"capture lost: {made} calls made, {len(calls)} in the trace "
+                             f"(the session moved replicas mid-rollout)")
+    if any(c["version"] != version for c in calls):
+        raise ReplicaFailure(f"trace versions {sorted({c['version'] for c in calls})} != {version}")
+    return calls

@@ -29,3 +29,10 @@ def prefix_block_hashes(tokens: list[int], version: str, max_blocks: int | None 
         prev = hashlib.blake2b(prev + ids.tobytes(), digest_size=8).digest()
         out.append(int.from_bytes(prev, "little") >> 1)
     return out
+
+
+def cache_scope(version: str, salt: str | None) -> str:
+    """The seed of a prompt's block keys: its version, and its `cache_salt` when it has one, so the
+    router's prefix index never matches a salted prompt against another salt's (or no salt's) blocks,
+    as the replica's cache never shares them."""
+    return version if not salt else f"{version}\x00cache_salt:{salt}"

@@ -36,7 +36,7 @@ from fastapi.responses import (
 from starlette.exceptions import HTTPException
 
 from burstrl.config import RouteConfig
-from burstrl.protocol.blocks import BLOCK_TOKENS, prefix_block_hashes
+from burstrl.protocol.blocks import BLOCK_TOKENS, cache_scope, prefix_block_hashes
 from burstrl.protocol.http import (
     SESSION_HEADERS,
     SESSION_ID,
@@ -141,7 +141,8 @@ def prompt_blocks(body: dict[str, Any], version: str) -> tuple[int, ...]:
 
     Text and chat prompts give none: the router holds no tokenizer, so their placement is by load.
     """
-    return tuple(prefix_block_hashes(prompt_ids(body), version))
+    salt = body.get("cache_salt")
+    return tuple(prefix_block_hashes(prompt_ids(body), cache_scope(version, salt if isinstance(salt, str) else None)))
 
 
 class Router:
@@ -295,8 +296,9 @@ def build_app(router: Router, on_ready: Callable[[], None] | None = None) -> Fas
         return PlainTextResponse(prometheus_text(reg.stats()), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/traces/{session_id:path}")
-    async def get_trace(session_id: str, request: Request) -> Response:
-        return await forward_trace(router.registry, router.lock, router.http(), "GET", session_id, _auth_of(request))
+    async def get_trace(session_id: str, request: Request, full: bool = False) -> Response:
+        return await forward_trace(router.registry, router.lock, router.http(), "GET", session_id,
+                                   _auth_of(request), full)
 
     @app.delete("/v1/traces/{session_id:path}")
     async def delete_trace(session_id: str, request: Request) -> Response:

@@ -28,7 +28,7 @@ DEAD = NEVER_SENT + MAYBE_RAN
 
 
 async def forward_trace(registry: Registry, lock: asyncio.Lock, client: httpx.AsyncClient, method: str,
-                        session_id: str, request_headers: dict[str, str]) -> Response:
+                        session_id: str, request_headers: dict[str, str], full: bool = False) -> Response:
     """Forward GET/DELETE of a session's trace to its replicas (each checks the token itself).
 
     `lock` is the router's: the registry is read and changed under it, never across I/O.
@@ -37,14 +37,16 @@ async def forward_trace(registry: Registry, lock: asyncio.Lock, client: httpx.As
     replica that recorded part of it, in order). A successful DELETE also drops the session from
     the router's maps; the parts left on earlier homes are released only after the home's release
     succeeded, best effort (a failure there only costs that replica memory until its session TTL)
-    and counted.
+    and counted. `full` asks each replica for whole prompts instead of deltas (`inference.capture`);
+    either way each part's first record has no prefix, so the parts concatenate.
     """
     async with lock:
         urls = registry.trace_homes(session_id)
 
     async def request(url: str) -> httpx.Response:
         try:
-            return await client.request(method, f"{url}/v1/traces/{session_id}", headers=request_headers)
+            return await client.request(method, f"{url}/v1/traces/{session_id}", headers=request_headers,
+                                        params={"full": "true"} if full else None)
         except DEAD as exc:
             async with lock:
                 registry.mark_dead(url)
@@ -82,7 +84,23 @@ async def forward_trace(registry: Registry, lock: asyncio.Lock, client: httpx.As
                              "server_error")
         data["calls"] = [call for part in parts for call in part["calls"]]
         data["busy"] = any(bool(part.get("busy")) for part in parts)
+        data.update(_merged_counts(parts))
     return _answer(data)
+
+
+COUNTS = ("stored_tokens", "diverged_calls", "dropped_calls", "dropped_tokens")
+
+
+def _merged_counts(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The capture summary of a session recorded in parts: counts summed, the first drop's reason."""
+    out: dict[str, Any] = {}
+    for key in COUNTS:
+        values = [part.get(key) or 0 for part in parts]
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+            raise RouteError(502, f"a replica answered a trace with a bad {key}", "server_error")
+        out[key] = sum(values)
+    out["dropped_reason"] = next((p.get("dropped_reason") for p in parts if p.get("dropped_reason")), None)
+    return out
 
 
 def _answer(data: dict[str, Any]) -> Response:
