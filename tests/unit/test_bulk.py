@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import hashlib
+import shutil
 import socket
+import subprocess
+import time
 
 import httpx
 import pytest
 import torch
 
 from burstrl.inference.adapters import AdapterRegistry
-from burstrl.inference.bulk import BulkReceiver
+from burstrl.inference.bulk import BulkReceiver, tls_context
 from burstrl.model.lora import make_random_adapter
 from burstrl.protocol.adapters import pack_adapter
 from tests.http_client import HTTP
@@ -41,6 +44,34 @@ def bulk(registry):
     receiver.close()
 
 
+@pytest.fixture
+def make_bulk(registry):
+    """Receivers with other options than `bulk`'s, each closed at teardown (again, if the test did)."""
+    made: list[BulkReceiver] = []
+
+    def make(**options) -> BulkReceiver:
+        made.append(BulkReceiver(registry, TOKEN, **{"max_shard_bytes": 1 << 24, "max_connections": 4,
+                                                     "idle_timeout_s": 2.0, **options}))
+        return made[-1]
+
+    yield make
+    for receiver in made:
+        receiver.close()
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory):
+    """A self-signed certificate for 127.0.0.1 and its key (an EC key: quick to make)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl CLI not installed")
+    d = tmp_path_factory.mktemp("tls")
+    cert, key = d / "cert.pem", d / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                    "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    return cert, key
+
+
 def url(bulk: BulkReceiver, name: str, index: int) -> str:
     return f"http://127.0.0.1:{bulk.port}/v1/adapters/{name}/shards/{index}"
 
@@ -55,6 +86,37 @@ def raw(bulk: BulkReceiver, head: bytes, body: bytes = b"") -> socket.socket:
     s = socket.create_connection(("127.0.0.1", bulk.port), timeout=30)
     s.sendall(head + body)
     return s
+
+
+def read_to_end(s: socket.socket) -> bytes:
+    """All the listener sends until it closes `s` (a reset ends it too); its timeout if it never does."""
+    got = b""
+    try:
+        while chunk := s.recv(65536):
+            got += chunk
+    except ConnectionResetError:
+        pass
+    return got
+
+
+def drip(s: socket.socket, data: bytes, interval_s: float = 0.2) -> int:
+    """Send `data` a byte every `interval_s` until the listener closes `s`; the bytes sent by then."""
+    s.settimeout(interval_s)
+    for sent in range(len(data)):
+        try:
+            s.sendall(data[sent:sent + 1])
+            if not s.recv(1):
+                return sent + 1
+            return -1  # an answer: the listener should not send one to a head it never got
+        except TimeoutError:
+            continue
+        except (ConnectionResetError, BrokenPipeError):
+            return sent
+    return len(data)
+
+
+HEAD = (b"PUT /v1/adapters/policy-v1/shards/0?of=1 HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer bulk-token\r\n"
+        b"Content-Length: 3\r\n\r\n")
 
 
 def test_shards_out_of_order_and_resent_commit(bulk, registry, adapter_dir):
@@ -160,16 +222,91 @@ def test_garbage_request_line_does_not_stop_the_listener(bulk, registry):
     assert put(bulk, "policy-v1", 0, 1, b"abc").status_code == 200
 
 
-def test_connections_past_the_limit_are_closed_and_stalled_ones_time_out(bulk, registry):
-    idle = [socket.create_connection(("127.0.0.1", bulk.port), timeout=30) for _ in range(4)]
-    extra = socket.create_connection(("127.0.0.1", bulk.port), timeout=30)
-    with extra:
-        assert extra.recv(1) == b""  # closed at once: every slot is held
-    assert bulk.counters.over_capacity >= 1
-    for s in idle:  # idle_timeout_s (2 s) frees the slots held by stalled senders
+def test_silent_and_dripping_connections_do_not_hold_the_slots(make_bulk, registry):
+    bulk = make_bulk(max_connections=4, header_timeout_s=60.0, idle_timeout_s=60.0)
+    silent = [socket.create_connection(("127.0.0.1", bulk.port), timeout=30) for _ in range(8)]
+    partial = [raw(bulk, HEAD[:50]) for _ in range(4)]  # half a request line, then nothing
+    r = put(bulk, "policy-v1", 0, 1, b"abc")  # accepted after all of them (the accept queue is FIFO)
+    assert r.status_code == 200, r.text
+    c = bulk.counters
+    assert (c.slow_headers, c.crowded_out, c.over_capacity) == (0, 0, 0)  # all 12 were still open meanwhile
+    start = time.monotonic()
+    bulk.close()  # shuts them down and joins their threads: no waiting for their 60 s deadline
+    assert time.monotonic() - start < 30
+    for s in silent + partial:
         with s:
-            assert s.recv(1) == b""
-    wait_for(lambda: put(bulk, "policy-v1", 0, 1, b"abc").status_code == 200, 30, "a free slot", interval=0.02)
+            assert read_to_end(s) == b""
+
+
+def test_a_head_dripped_byte_by_byte_is_closed_at_its_deadline(make_bulk, registry):
+    bulk = make_bulk(header_timeout_s=1.0, idle_timeout_s=60.0)  # a byte per 0.2 s resets no deadline
+    start = time.monotonic()
+    with socket.create_connection(("127.0.0.1", bulk.port), timeout=30) as s:
+        sent = drip(s, HEAD)
+    assert time.monotonic() - start >= 1.0 and 0 <= sent < len(HEAD), sent  # ~25 s to drip it all
+    wait_for(lambda: bulk.counters.slow_headers == 1, 30, "the slow head to be counted", interval=0.02)
+    assert bulk.counters.shards == 0 and registry.staged() == []
+
+
+def test_the_oldest_connection_without_a_head_is_crowded_out(make_bulk, registry):
+    bulk = make_bulk(max_pending=4, header_timeout_s=60.0, idle_timeout_s=60.0)
+    silent = [socket.create_connection(("127.0.0.1", bulk.port), timeout=30) for _ in range(5)]
+    with silent[0] as s:
+        assert read_to_end(s) == b""  # the fifth one crowded out the first
+    r = put(bulk, "policy-v1", 0, 1, b"abc")  # and this one the second
+    assert r.status_code == 200, r.text
+    with silent[1] as s:
+        assert read_to_end(s) == b""
+    wait_for(lambda: bulk.counters.crowded_out == 2, 30, "two crowded out", interval=0.02)
+    for s in silent[2:]:
+        s.close()
+
+
+@pytest.mark.parametrize("method", [b"PUT", b"GET"])
+def test_a_wrong_token_is_answered_401_first_and_the_connection_closed(make_bulk, registry, method):
+    bulk = make_bulk(header_timeout_s=60.0, idle_timeout_s=60.0)  # so only the refusal can close it
+    head = HEAD.replace(b"PUT", method).replace(b"bulk-token", b"wrong").replace(b": 3", b": 1000")
+    with raw(bulk, head.replace(b"\r\n\r\n", b"\r\nExpect: 100-continue\r\n\r\n")) as s:
+        reply = read_to_end(s)  # the 1000 body bytes never sent: no waiting for them
+    assert reply.startswith(b"HTTP/1.1 401") and b"Connection: close" in reply, reply  # no 100 Continue
+    assert bulk.counters.refused == 1 and registry.staged() == []
+
+
+def test_authenticated_requests_past_max_connections_are_answered_503(make_bulk, registry):
+    bulk = make_bulk(max_connections=4, header_timeout_s=60.0, idle_timeout_s=60.0)  # the held ones stay
+    expecting = HEAD.replace(b"\r\n\r\n", b"\r\nExpect: 100-continue\r\n\r\n")
+    held = [raw(bulk, expecting) for _ in range(4)]
+    for s in held:  # 100 Continue comes once the request holds its slot; the bodies are held back
+        assert s.recv(4096).startswith(b"HTTP/1.1 100")
+    with raw(bulk, HEAD) as s:
+        reply = read_to_end(s)
+    assert reply.startswith(b"HTTP/1.1 503") and bulk.counters.over_capacity == 1, reply
+    held[0].sendall(b"abc")
+    with held[0] as s:
+        assert b"HTTP/1.1 200" in s.recv(4096)
+    for s in held[1:]:
+        s.close()  # truncated bodies: their slots come free too
+    wait_for(lambda: bulk.counters.truncated == 3, 30, "the held bodies dropped", interval=0.02)
+    assert put(bulk, "policy-v1", 0, 1, b"abc").status_code == 200
+
+
+def test_a_tls_handshake_counts_against_the_head_deadline(make_bulk, registry, tls_files):
+    from burstrl.weights.bulk_send import BulkConnection
+
+    cert, key = tls_files
+    bulk = make_bulk(ssl_context=tls_context(str(cert), str(key)), max_connections=2, header_timeout_s=2.0,
+                     idle_timeout_s=60.0)
+    silent = [socket.create_connection(("127.0.0.1", bulk.port), timeout=30) for _ in range(3)]  # no ClientHello
+    conn = BulkConnection("127.0.0.1", bulk.port, TOKEN, tls=True, verify=str(cert))
+    try:
+        status, answer = conn.put("/v1/adapters/policy-v1/shards/0", {"of": 1}, b"abc", {})
+    finally:
+        conn.close()
+    assert status == 200, answer
+    for s in silent:
+        with s:
+            assert read_to_end(s) == b""
+    wait_for(lambda: bulk.counters.slow_headers >= 3, 30, "the silent handshakes counted", interval=0.02)
 
 
 def test_close_stops_the_listener(registry):
