@@ -242,12 +242,13 @@ def test_idle_and_half_sent_connections_time_out(tmp_path: Path, monkeypatch: py
     are both closed by the daemon; a connection past the cap evicts the oldest unauthenticated one."""
     import threading
 
+    from burstrl.sandbox import connections
     from burstrl.sandbox import daemon as daemon_mod
     from burstrl.sandbox.runtime import Runtime
 
     monkeypatch.setattr(daemon_mod, "IDLE_TIMEOUT_S", 0.5)
     monkeypatch.setattr(daemon_mod, "READ_TIMEOUT_S", 0.5)
-    monkeypatch.setattr(daemon_mod, "MAX_CONNECTIONS", 4)
+    monkeypatch.setattr(connections, "MAX_CONNECTIONS", 4)
     app = daemon_mod.Daemon(Runtime(root=str(tmp_path)), TOKEN)
     path = str(tmp_path / "sd.sock")
     server = daemon_mod.make_server(app, path)

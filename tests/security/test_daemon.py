@@ -191,6 +191,104 @@ def test_client_refuses_another_process_socket(daemon: Daemon, tmp_path: Path) -
         _stop(impostor)
 
 
+def _raw_exec(d: Daemon, **request: object) -> tuple[dict, int]:
+    """POST /exec over a plain socket: (the answer, the bytes of its body as received)."""
+    body = json.dumps(request).encode()
+    head = (f"POST /exec HTTP/1.1\r\nX-Sandbox-Token: {TOKEN}\r\nContent-Length: {len(body)}\r\n"
+            "Connection: close\r\n\r\n").encode()
+    chunks = []
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(120)
+        s.connect(d.socket_path)
+        s.sendall(head + body)
+        while chunk := s.recv(1 << 20):
+            chunks.append(chunk)
+    status, _, payload = b"".join(chunks).partition(b"\r\n\r\n")
+    assert status.startswith(b"HTTP/1.1 200"), status[:200]
+    return json.loads(payload), len(payload)
+
+
+FRAMING = 4096  # the rest of the JSON answer and the elision notes
+
+
+@pytest.mark.parametrize("cmd, cap, written", [
+    ("head -c 10M /dev/urandom", 1 << 20, (10 << 20, 0)),  # over the cap in raw bytes too
+    ("head -c 1M /dev/urandom", 2 << 20, (1 << 20, 0)),  # under it raw, ~6x over it once escaped
+    ("head -c 3M /dev/urandom; head -c 3M /dev/urandom >&2", 1 << 20, (3 << 20, 3 << 20)),
+    ("head -c 4M /dev/zero", 1 << 20, (4 << 20, 0)),  # NUL bytes: 6 each, as \\u0000
+], ids=["10M-random", "1M-random-under-cap", "both-streams", "4M-nul"])
+def test_output_cap_counts_the_bytes_on_the_wire(daemon: Daemon, cmd: str, cap: int,
+                                                 written: tuple[int, int]) -> None:
+    """Issue 37: the cap was counted before encoding, so invalid UTF-8 went out ~6x the cap (a
+    64 MiB cap ran the daemon out of memory at 256 MiB). Now each stream's text stays within
+    the cap once JSON-escaped, and the bytes dropped are counted (a head and a tail are kept)."""
+    res, size = _raw_exec(daemon, cmd=cmd, max_output_bytes=cap, timeout=120)
+    assert res["exit_code"] == 0 and res["truncated"], {k: v for k, v in res.items() if "std" not in k}
+    assert size <= 2 * cap + FRAMING, (size, cap)
+    for stream, raw in zip(("stdout", "stderr"), written, strict=True):
+        assert len(json.dumps(res[stream])) - 2 <= cap + 64, stream  # the text and its elision note
+        elided = res[f"{stream}_elided_bytes"]
+        assert (raw - cap <= elided < raw) if raw else elided == 0, (stream, elided)
+    assert daemon.client().health().status == "ok"
+
+
+def test_capture_fits_any_mix_within_the_cap() -> None:
+    """The capture on its own, over random mixes of what escapes to 1, 2, 6 or 12 bytes and of
+    undecodable bytes and cut characters: the text fits the cap once escaped (plus the note), and
+    a stream that fits comes back exactly as the plain decode."""
+    import random
+
+    from burstrl.sandbox.output import OutputCapture
+
+    rng = random.Random(37)
+    pieces = [b"a", b'"', b"\\", b"\n", b"\x01", "é".encode(), "€".encode(), "😀".encode(), b"\xff",
+              b"\xe2\x82", b"\x80"]
+    for _ in range(2000):
+        data = b"".join(rng.choice(pieces) for _ in range(rng.randint(0, 300)))
+        cap = OutputCapture(rng.randint(2, 400))
+        for i in range(0, len(data), 7):
+            cap.feed(data[i:i + 7])
+        text = cap.text()
+        note = len(f"\n[... {cap.elided} bytes elided ...]\n") + 2 if cap.elided else 0
+        assert len(json.dumps(text)) - 2 <= cap.limit + note, (data, cap.limit)
+        if not cap.elided:
+            assert text == data.decode("utf-8", "replace")
+
+
+def test_an_invalid_utf8_flood_at_a_large_cap_keeps_the_daemon_small(daemon: Daemon) -> None:
+    """At a 16 MiB cap, 100 MiB of random bytes: the daemon holds the raw cap, the text and its
+    JSON (+51 MB here); counted before encoding it held the text at 6x the cap (+207 MB)."""
+    base = _peak_mb(daemon)
+    res, size = _raw_exec(daemon, cmd="head -c 100M /dev/urandom", max_output_bytes=16 << 20, timeout=300)
+    assert res["truncated"] and size <= (16 << 20) + FRAMING
+    assert _peak_mb(daemon) - base < 120, (_peak_mb(daemon), base)
+
+
+def _peak_mb(d: Daemon) -> float:
+    """The daemon's peak resident memory so far (VmHWM)."""
+    for line in Path(f"/proc/{d.pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmHWM")
+
+
+def test_lowered_oom_scores_are_raised_again(tmp_path: Path) -> None:
+    """What a pid 1 daemon does every reap interval, on a stand-in /proc: every process but itself
+    below 1000 goes back to 1000; gone or foreign processes are skipped."""
+    from burstrl.sandbox.guard import reassert_oom_scores
+
+    for pid, score in {"1": "0", "5": "0", "6": "1000", "7": None, "self": "0"}.items():
+        (tmp_path / pid).mkdir()
+        if score is not None:
+            (tmp_path / pid / "oom_score_adj").write_text(score + "\n")
+    (tmp_path / "8").mkdir()
+    (tmp_path / "8" / "oom_score_adj").mkdir()  # cannot be opened for writing: skipped
+    assert reassert_oom_scores(1, str(tmp_path)) == 1
+    assert (tmp_path / "5" / "oom_score_adj").read_text().startswith("1000")
+    assert (tmp_path / "1" / "oom_score_adj").read_text() == "0\n"  # its own: left alone
+    assert (tmp_path / "6" / "oom_score_adj").read_text() == "1000\n"
+
+
 def test_commands_get_a_high_oom_score(daemon: Daemon) -> None:
     c = daemon.client()
     assert c.exec("cat /proc/self/oom_score_adj").stdout == "1000\n"

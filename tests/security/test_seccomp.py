@@ -1,7 +1,9 @@
-"""The seccomp deny-list inside real bubblewrap (issue 15, defect 10): with `--seccomp FD`, code in
-the sandbox gets EPERM from keyctl, unshare, mount and clone(CLONE_NEWUSER), which bwrap's user
-namespace would otherwise allow, while python, subprocess and git keep working. Then the same
-policy as an OCI profile under real runc (libseccomp), where root and runc are available.
+"""The seccomp filter inside real bubblewrap (issue 15, defect 10; issue 37): with `--seccomp FD`,
+code in the sandbox gets EPERM from keyctl, unshare, mount and clone(CLONE_NEWUSER), which bwrap's
+user namespace would otherwise allow, ENOSYS from io_setup, and no socket of a family outside the
+allow-list (vsock, packet, netlink other than NETLINK_ROUTE), while python, subprocess, git, unix
+socketpairs and inet sockets keep working. Then the same policy as an OCI profile under real runc
+(libseccomp), where root and runc are available.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ pytestmark = [
 
 # Inside the sandbox: errno of each probe (0: it worked), then whether git and a thread run.
 PROBE = r"""
-import ctypes, json, os, shutil, subprocess, sys, threading
+import ctypes, json, os, shutil, socket, subprocess, sys, threading
 nums = json.loads(sys.argv[1])
 libc = ctypes.CDLL(None, use_errno=True)
 libc.syscall.restype = ctypes.c_long
@@ -46,11 +48,26 @@ def sc(nr, *args):
     if r > 0 and nr == nums["clone"]:
         os.waitpid(r, 0)
     return ctypes.get_errno() if r == -1 else 0
+def family(f, t, p=0, pair=False):
+    try:
+        (socket.socketpair if pair else socket.socket)(f, t, p)
+        return 0
+    except OSError as e:
+        return e.errno
+ctx = ctypes.c_ulong(0)
 out = {
     "keyctl": sc(nums["keyctl"], 0, -3, 0),
     "mount": sc(nums["mount"], b"none", b"/tmp", b"tmpfs", 0, 0),
     "clone_newuser": sc(nums["clone"], 0x10000000 | 17, 0, 0, 0, 0),
     "unshare": sc(nums["unshare"], 0x10000000),
+    "io_setup": sc(nums["io_setup"], 1, ctypes.addressof(ctx)),
+    "vsock": family(40, socket.SOCK_STREAM),
+    "vsock_pair": family(40, socket.SOCK_STREAM, pair=True),
+    "packet": family(17, socket.SOCK_DGRAM),
+    "netlink_diag": family(16, socket.SOCK_RAW, 4),
+    "netlink_route": family(16, socket.SOCK_RAW, 0),
+    "unix_pair": family(socket.AF_UNIX, socket.SOCK_STREAM, pair=True),
+    "inet": family(socket.AF_INET, socket.SOCK_STREAM),
 }
 git = shutil.which("git")
 out["git"] = git is None or b"git version" in subprocess.run([git, "--version"], capture_output=True).stdout
@@ -62,7 +79,12 @@ out["thread"] = box == [1]
 print(json.dumps(out))
 """
 
-NUMS = json.dumps({n: TABLE[n] for n in ("keyctl", "mount", "clone", "unshare")} if TABLE else {})
+NUMS = json.dumps({n: TABLE[n] for n in ("keyctl", "mount", "clone", "unshare", "io_setup")} if TABLE else {})
+# Issue 37: refused with these errnos (runsc, whose sentry answers every refusal with EPERM, is not
+# run here); the allowed families must still work.
+REFUSED = {"io_setup": errno.ENOSYS, "vsock": errno.EAFNOSUPPORT, "vsock_pair": errno.EAFNOSUPPORT,
+           "packet": errno.EAFNOSUPPORT, "netlink_diag": errno.EPROTONOSUPPORT}
+ALLOWED = ("netlink_route", "unix_pair", "inet")
 
 
 def root_binds() -> list[str]:
@@ -115,6 +137,8 @@ def test_bwrap_with_filter_denies_and_keeps_tools_working() -> None:
         os.close(fd)
     for name in ("keyctl", "mount", "clone_newuser", "unshare"):
         assert out[name] == errno.EPERM, (name, out)
+    assert {n: out[n] for n in REFUSED} == REFUSED
+    assert {n: out[n] for n in ALLOWED} == dict.fromkeys(ALLOWED, 0)
     assert out["git"] is True
     assert out["true"] == 0
     assert out["thread"] is True
@@ -169,4 +193,6 @@ def test_runc_with_oci_profile_denies(tmp_path: Path) -> None:
     assert isinstance(out, dict), out
     for name in ("keyctl", "mount", "clone_newuser", "unshare"):
         assert out[name] == errno.EPERM, (name, out)
+    assert {n: out[n] for n in REFUSED} == REFUSED  # libseccomp compiled the family rules as meant
+    assert {n: out[n] for n in ALLOWED} == dict.fromkeys(ALLOWED, 0)
     assert out["git"] is True and out["true"] == 0 and out["thread"] is True

@@ -17,10 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from burstrl.sandbox.backends import seccomp
+from burstrl.sandbox.backends import seccomp, seccomp_rules
 from burstrl.sandbox.backends.seccomp import (
-    CLONE_NS_FLAGS,
-    DENIED,
     RET_ALLOW,
     RET_ERRNO,
     RET_KILL_PROCESS,
@@ -29,6 +27,7 @@ from burstrl.sandbox.backends.seccomp import (
     syscall_numbers,
     write_program_fd,
 )
+from burstrl.sandbox.backends.seccomp_rules import CLONE_NS_FLAGS, DENIED
 
 AUDIT = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
 GETPID = {"x86_64": 39, "aarch64": 172}
@@ -39,9 +38,11 @@ HOST = {"amd64": "x86_64", "arm64": "aarch64"}.get(platform.machine().lower(), p
 EPERM, ENOSYS = RET_ERRNO | errno.EPERM, RET_ERRNO | errno.ENOSYS
 
 
-def run_bpf(prog: bytes, nr: int, arch: int, arg0: int = 0) -> int:
-    """Evaluate the filter on one seccomp_data, with only the opcodes the module emits."""
-    data = struct.pack("<iIQ6Q", nr, arch, 0, arg0, 0, 0, 0, 0, 0)
+def run_bpf(prog: bytes, nr: int, arch: int, arg0: int = 0, args: tuple[int, ...] = ()) -> int:
+    """Evaluate the filter on one seccomp_data (args[0..5]; `arg0` alone for short), with only the
+    opcodes the module emits."""
+    full = (list(args) if args else [arg0]) + [0] * 6
+    data = struct.pack("<iIQ6Q", nr, arch, 0, *full[:6])
     insns = [struct.unpack_from("<HBBI", prog, i) for i in range(0, len(prog), 8)]
     pc, acc = 0, 0
     while True:
@@ -98,12 +99,18 @@ def test_program_structure(arch: str) -> None:
     assert len(prog) % 8 == 0
     insns = [struct.unpack_from("<HBBI", prog, i) for i in range(0, len(prog), 8)]
     x32 = 1 if arch == "x86_64" else 0
-    assert len(insns) == 4 + x32 + len(syscall_numbers(arch)) + 1 + 3 + 3
+    rules = seccomp.enforced(arch)  # one JEQ per enforced line of the table, then ALLOW
+    dispatch = insns[4 + x32:4 + x32 + len(rules)]
+    assert [(code, k) for code, _, _, k in dispatch] == [(0x15, TABLES[arch][r.syscall]) for r in rules]
+    assert insns[4 + x32 + len(rules)] == (0x06, 0, 0, RET_ALLOW)
     assert insns[0] == (0x20, 0, 0, 4)  # load arch
     assert insns[1] == (0x15, 1, 0, AUDIT[arch])
     assert insns[2] == (0x06, 0, 0, RET_KILL_PROCESS)
     assert insns[3] == (0x20, 0, 0, 0)  # load nr
-    assert insns[-3:] == [(0x06, 0, 0, RET_ALLOW), (0x06, 0, 0, EPERM), (0x06, 0, 0, ENOSYS)]
+    rets = []  # the program ends with ALLOW and one RET per errno used, for the condition blocks
+    while insns[-1 - len(rets)][0] == 0x06:
+        rets.append(insns[-1 - len(rets)][3])
+    assert {RET_ALLOW, EPERM, ENOSYS} <= set(rets) and len(set(rets)) == len(rets)
     for i, (code, jt, jf, _) in enumerate(insns):  # every jump lands inside the program
         assert code == 0x06 or i + 1 + max(jt, jf) < len(insns)
 
@@ -141,9 +148,10 @@ def test_oci_profile_shape(arch: str) -> None:
                                      if arch == "x86_64" else ["SCMP_ARCH_AARCH64", "SCMP_ARCH_ARM"])
     first = prof["syscalls"][0]
     assert first == {"names": list(syscall_numbers(arch)), "action": "SCMP_ACT_ERRNO", "errnoRet": 1}
-    assert prof["syscalls"][1] == {"names": ["clone3"], "action": "SCMP_ACT_ERRNO",
-                                   "errnoRet": errno.ENOSYS}
-    clone_rules = prof["syscalls"][2:]
+    assert prof["syscalls"][1] == {"names": [n for n in seccomp_rules.ENOSYS_DENIED if n in TABLES[arch]],
+                                   "action": "SCMP_ACT_ERRNO", "errnoRet": errno.ENOSYS}
+    assert "clone3" in prof["syscalls"][1]["names"]
+    clone_rules = [r for r in prof["syscalls"] if r["names"] == ["clone"]]
     assert sum(r["args"][0]["value"] for r in clone_rules) == CLONE_NS_FLAGS
     for r in clone_rules:
         (cond,) = r["args"]

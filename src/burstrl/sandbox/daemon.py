@@ -21,11 +21,12 @@ is how a backend passes `SandboxSpec.env` and an image's `Env`. With `--inherit-
 own environment (read after SANDBOX_TOKEN and SANDBOXD_ENV are removed from it) is the base, under
 the JSON: for a backend that already sets the spec's env on the daemon process.
 
-Holding against its own commands: at most MAX_CONNECTIONS connections, a new one evicting the
-oldest connection that is not serving an authenticated request (so idle or half-sent connections
-can never lock the harness out), read timeouts, and the daemon makes itself non-dumpable so its
-commands (same uid) cannot ptrace it or take its fds. When it is pid 1 of its pid namespace it
-reaps orphans, and no signal from inside (`kill -9 -1`) reaches it.
+Holding against its own commands: at most `connections.MAX_CONNECTIONS` connections, a new one
+evicting the oldest connection that is not serving an authenticated request (so idle or half-sent
+connections can never lock the harness out), read timeouts, and the daemon makes itself
+non-dumpable so its commands (same uid) cannot ptrace it or take its fds. When it is pid 1 of its
+pid namespace it reaps orphans, raises back to 1000 the oom_score_adj of any command that lowered
+its own, and no signal from inside (`kill -9 -1`) reaches it (`guard`).
 """
 
 from __future__ import annotations
@@ -42,11 +43,12 @@ import sys
 import threading
 import time
 import traceback
-from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Tuple
 from urllib.parse import parse_qs, urlsplit
 
 import burstrl
+from burstrl.sandbox.connections import ConnectionCap
+from burstrl.sandbox.guard import guard_signals, protect_self, reap_forever
 from burstrl.sandbox.protocol import (
     ENDPOINTS,
     MAX_BODY,
@@ -67,11 +69,10 @@ DRAIN_LIMIT = 1 << 20  # a refused request's body up to this size is read and dr
 REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found",
            405: "Method Not Allowed", 410: "Gone", 411: "Length Required", 413: "Payload Too Large",
            431: "Request Header Fields Too Large", 500: "Internal Server Error", 503: "Service Unavailable"}
-MAX_CONNECTIONS = 48  # each is a thread, and threads count against the sandbox's pids limit
 IDLE_TIMEOUT_S = 300.0  # a connection waiting for its next request (a client reconnects on a drop)
 READ_TIMEOUT_S = 30.0  # each read of the rest of a request once its first line came
-REAP_INTERVAL_S = 0.5  # how often a pid 1 daemon reaps orphaned zombies
 ENV_VAR = "SANDBOXD_ENV"
+WRITE_SLICE = 1 << 20  # a response body is written this many bytes at a time (smaller: with its head)
 
 
 class _Request:
@@ -238,11 +239,19 @@ class _Handler(socketserver.StreamRequestHandler):
         return body if len(body) == length else None
 
     def _send(self, status: int, body: Dict[str, Any], keep_alive: bool) -> None:
-        data = json.dumps(body).encode("utf-8")
+        """One response. `json.dumps` escapes to ASCII, so its length is the Content-Length and a
+        large body goes out a slice at a time: an exec's output (up to 2 x MAX_OUTPUT_BYTES on the
+        wire) is then held once as JSON, not again as bytes and again joined to the head."""
+        data = json.dumps(body)
         head = (f"HTTP/1.1 {status} {REASONS.get(status, 'Error')}\r\nContent-Type: application/json\r\n"
                 f"Content-Length: {len(data)}\r\n" + ("" if keep_alive else "Connection: close\r\n") + "\r\n")
         try:
-            self.wfile.write(head.encode("latin-1") + data)
+            if len(data) <= WRITE_SLICE:  # one write, one packet
+                self.wfile.write((head + data).encode("ascii"))
+                return
+            self.wfile.write(head.encode("ascii"))
+            for i in range(0, len(data), WRITE_SLICE):
+                self.wfile.write(data[i:i + WRITE_SLICE].encode("ascii"))
         except OSError:  # the client went away; nothing to tell it
             pass
 
@@ -258,64 +267,13 @@ def _check_route(req: _Request, daemon: Daemon) -> None:
         raise ProtocolError(405, f"{req.path} takes {want}, not {req.method}")
 
 
-class _Bounded:
-    """Connection cap for a threading server: at the cap, a new connection evicts the oldest one
-    that is not serving an authenticated request; when every one is, the new one is refused.
-
-    Why evict rather than refuse: idle or half-sent connections (anyone inside the sandbox can open
-    them) must not lock out the harness, whose client reconnects and retries on a dropped one.
-    """
-
-    def init_bounds(self) -> None:
-        self._conns: "OrderedDict[socket.socket, bool]" = OrderedDict()  # socket -> busy
-        self._conns_lock = threading.Lock()
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._admit(request):
-            _refuse(request)
-            super().shutdown_request(request)  # type: ignore[misc]
-            return
-        super().process_request(request, client_address)  # type: ignore[misc]
-
-    def shutdown_request(self, request: Any) -> None:
-        with self._conns_lock:
-            self._conns.pop(request, None)
-        super().shutdown_request(request)  # type: ignore[misc]
-
-    def set_busy(self, request: Any, busy: bool) -> None:
-        with self._conns_lock:
-            if request in self._conns:
-                self._conns[request] = busy
-
-    def _admit(self, request: Any) -> bool:
-        with self._conns_lock:
-            if len(self._conns) >= MAX_CONNECTIONS:
-                victim = next((s for s, busy in self._conns.items() if not busy), None)
-                if victim is None:
-                    return False
-                del self._conns[victim]
-                with contextlib.suppress(OSError):
-                    victim.shutdown(socket.SHUT_RDWR)  # its thread reads EOF and ends
-            self._conns[request] = False
-            return True
-
-
-def _refuse(request: socket.socket) -> None:
-    """Tell a refused connection why, without ever blocking on it."""
-    body = json.dumps(error_body(503, f"over {MAX_CONNECTIONS} connections all serving requests")).encode()
-    head = f"HTTP/1.1 503 Service Unavailable\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
-    with contextlib.suppress(OSError):
-        request.setblocking(False)
-        request.send(head.encode("latin-1") + body)
-
-
-class _UnixServer(_Bounded, socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+class _UnixServer(ConnectionCap, socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     daemon_threads = True
     block_on_close = False
     request_queue_size = 128
 
 
-class _TCPServer(_Bounded, socketserver.ThreadingMixIn, socketserver.TCPServer):
+class _TCPServer(ConnectionCap, socketserver.ThreadingMixIn, socketserver.TCPServer):
     daemon_threads = True
     block_on_close = False
     allow_reuse_address = True
@@ -383,36 +341,6 @@ def read_base_env(env_file: Optional[str], inherit: bool = False) -> Dict[str, s
     return dict(own, **env)
 
 
-def protect_self() -> None:
-    """Make the daemon non-dumpable: commands of the same uid can then neither ptrace it nor read its
-    memory or take its fds (`pidfd_getfd`), and its /proc files are not theirs to open.
-
-    What it cannot do unprivileged: lower its own oom_score_adj (commands raise theirs instead).
-    """
-    with contextlib.suppress(Exception):  # ctypes or libc may be missing in a minimal image
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE = 4
-
-
-def guard_signals() -> None:
-    """Stop on SIGTERM/SIGINT, except as pid 1: there a handler would let any command stop the
-    daemon with `kill 1` (the kernel drops signals to a namespace's init only where it has none),
-    so those signals are ignored and the harness ends the sandbox with /close or SIGKILL from outside.
-    """
-    if os.getpid() != 1:
-        return
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
-                signal.SIGALRM, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU):
-        signal.signal(sig, signal.SIG_IGN)
-
-
-def _reap_forever(runtime: Runtime) -> None:
-    while True:
-        time.sleep(REAP_INTERVAL_S)
-        runtime.reap_orphans()
-
-
 def run_sandboxd(socket_path: Optional[str] = None, host: str = "127.0.0.1", port: Optional[int] = None,
                  token_file: Optional[str] = None, root: str = "/", work_dir: Optional[str] = None,
                  env_file: Optional[str] = None, inherit_env: bool = False, listen_fd: Optional[int] = None,
@@ -429,7 +357,7 @@ def run_sandboxd(socket_path: Optional[str] = None, host: str = "127.0.0.1", por
         signal.signal(sig, lambda *_: daemon.stop_soon())
     guard_signals()
     if os.getpid() == 1:
-        threading.Thread(target=_reap_forever, args=(runtime,), name="reaper", daemon=True).start()
+        threading.Thread(target=reap_forever, args=(runtime,), name="reaper", daemon=True).start()
     ready: Dict[str, Any] = {"event": "ready", "pid": os.getpid()}
     if listen_fd is not None:
         ready["fd"] = listen_fd

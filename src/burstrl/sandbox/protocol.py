@@ -114,6 +114,8 @@ class ExecRequest:
 
     `env` is merged over the runtime's minimal default env (never the daemon's own, which may hold
     the token). `request_id` makes a retry safe: a repeated id returns the first run's result.
+    `max_output_bytes` caps each stream in the bytes its text takes in the JSON answer (escaped:
+    an undecodable byte is 6 bytes there), not in the bytes the command wrote.
     """
 
     cmd: Union[str, List[str]]
@@ -133,9 +135,10 @@ class ExecRequest:
 
 @dataclass
 class ExecResult:
-    """What a command did. Output is utf-8 text (undecodable bytes replaced); when a stream passed
-    `max_output_bytes`, its head and tail are kept around an elision marker and the number of bytes
-    dropped is reported. `exit_code` is -N when a signal N ended the command (-9 on timeout)."""
+    """What a command did. Output is utf-8 text (undecodable bytes replaced); when a stream's text
+    would pass `max_output_bytes` on the wire, its head and tail are kept around an elision marker
+    and the number of bytes the command wrote that were dropped is reported. `exit_code` is -N when
+    a signal N ended the command (-9 on timeout)."""
 
     stdout: str
     stderr: str

@@ -3,19 +3,21 @@
 The daemon is a thin HTTP shell over `Runtime`; tests and local tools can use it directly.
 Standard library only (it runs inside sandbox images that hold nothing but a Python 3).
 
-Commands. Each runs in a new process group (session) with stdin on /dev/null, a minimal default
-env (never the daemon's own: it may hold the token) and the requested cwd. Both streams are read
-concurrently with a selector and capped per stream, keeping the head and the tail. On timeout the
-whole process group is SIGKILLed and the partial output returned. When the command's leader exits,
-output is read for a short grace (`EXIT_GRACE_S`) until both pipes close, then the whole group is
-SIGKILLed: a command that leaves background children behind (`sleep 100 &`) returns as soon as it
-exits, and no process outlives the request that started it. That is the choice: every exec is
-self-contained; a process that must persist across requests has to escape with `setsid` (and then
-lives until the sandbox is torn down).
+Commands. Each runs in a new process group (session) with stdin on /dev/null, a minimal default env
+(never the daemon's own: it may hold the token) and the requested cwd. Both streams are read
+concurrently with a selector and capped per stream, keeping the head and the tail; the cap counts
+the bytes the text takes on the wire, JSON-escaped (see `output.OutputCapture`), not the raw bytes.
+On timeout the whole process group is SIGKILLed and the partial output returned. When the command's
+leader exits, output is read for a short grace (`EXIT_GRACE_S`) until both pipes close, then the
+whole group is SIGKILLed: a command that leaves background children behind (`sleep 100 &`) returns
+as soon as it exits, and no process outlives the request that started it. That is the choice: every
+exec is self-contained; a process that must persist across requests has to escape with `setsid`
+(and then lives until the sandbox is torn down).
 
 Files. Paths must resolve (symlinks followed) inside `root`; anything else is a 400. `root` is "/"
 inside a real sandbox, whose own walls do the isolating; in tests it is a temp dir. Relative paths
-and cwds are taken from `work_dir`.
+and cwds are taken from `work_dir`. The checks (regular files only, archive members that stay
+inside `dest`) are in `files`.
 
 Retries. An exec with a `request_id` already seen returns the recorded result instead of running
 again; one still running is waited for. So a client that retries after a dropped connection never
@@ -28,25 +30,27 @@ Environment. Every command gets `DEFAULT_ENV`, overlaid by the base env the daem
 
 Protection (what an unprivileged daemon can do against its own commands). Commands start with
 `oom_score_adj` 1000, so the OOM killer picks them before the daemon (the daemon cannot lower its
-own score without CAP_SYS_RESOURCE). When the daemon is pid 1 of its pid namespace, no signal from
-inside the namespace can kill it (`kill -9 -1` included) and it reaps the orphans there.
+own score without CAP_SYS_RESOURCE; a command may lower its own back to 0, which a pid 1 daemon
+undoes within half a second: `guard.reassert_oom_scores`). When the daemon is pid 1 of its pid
+namespace, no signal from inside the namespace can kill it (`kill -9 -1` included) and it reaps
+the orphans there.
 """
 
 from __future__ import annotations
 
 import base64
-import binascii
 import contextlib
 import os
 import selectors
 import signal
-import stat
 import subprocess
 import threading
 import time
 from collections import OrderedDict
-from typing import Dict, Iterator, List, Optional, Set, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
+from burstrl.sandbox.files import check_member, decode_content, extract_member, inside, open_regular, os_errors
+from burstrl.sandbox.output import OutputCapture
 from burstrl.sandbox.protocol import (
     ExecRequest,
     ExecResult,
@@ -70,35 +74,6 @@ DROPPED_IDS = 65536  # ids whose result was dropped, remembered so a retry answe
 # one's own score needs no privilege; a missing /proc only loses the protection.
 OOM_PREFIX = "{ echo 1000 >/proc/self/oom_score_adj; } 2>/dev/null; "
 DRAIN_CHUNKS = 64  # after a kill, read at most this many chunks still buffered in a pipe
-
-
-class _Capture:
-    """One stream's output: the first half of the cap and the last half, with the gap counted."""
-
-    def __init__(self, limit: int):
-        self.head_cap = limit // 2
-        self.tail_cap = limit - self.head_cap
-        self.head = bytearray()
-        self.tail = bytearray()
-        self.elided = 0
-
-    def feed(self, data: bytes) -> None:
-        room = self.head_cap - len(self.head)
-        if room > 0:
-            self.head += data[:room]
-            data = data[room:]
-        if data:
-            self.tail += data
-            extra = len(self.tail) - self.tail_cap
-            if extra > 0:
-                del self.tail[:extra]
-                self.elided += extra
-
-    def text(self) -> str:
-        if not self.elided:  # head and tail are contiguous: decode together so no char is split
-            return bytes(self.head + self.tail).decode("utf-8", "replace")
-        return (self.head.decode("utf-8", "replace") + f"\n[... {self.elided} bytes elided ...]\n"
-                + self.tail.decode("utf-8", "replace"))
 
 
 class _Recorded:
@@ -222,7 +197,8 @@ class Runtime:
             proc.wait()
             with self._lock:
                 self._running.discard(proc.pid)
-        return ExecResult(stdout=out.text(), stderr=err.text(), exit_code=proc.returncode, timed_out=timed_out,
+        stdout, stderr = out.text(), err.text()  # first: fitting the wire may elide more
+        return ExecResult(stdout=stdout, stderr=stderr, exit_code=proc.returncode, timed_out=timed_out,
                           truncated=bool(out.elided or err.elided), stdout_elided_bytes=out.elided,
                           stderr_elided_bytes=err.elided, duration_s=time.monotonic() - start)
 
@@ -256,8 +232,8 @@ class Runtime:
     def read_file(self, req: ReadFileRequest) -> ReadFileResult:
         """The first `max_bytes` of a regular file, base64-encoded."""
         real = self.resolve(req.path)
-        with _os_errors(req.path):
-            fd = _open_regular(req.path, real, os.O_RDONLY)
+        with os_errors(req.path):
+            fd = open_regular(req.path, real, os.O_RDONLY)
             with os.fdopen(fd, "rb") as f:
                 st = os.fstat(fd)
                 data = f.read(req.max_bytes + 1)
@@ -269,11 +245,11 @@ class Runtime:
     def write_file(self, req: WriteFileRequest) -> WriteFileResult:
         """Write (create or truncate) a file with `mode`, creating parent directories if asked."""
         real = self.resolve(req.path)
-        data = _decode_content(req)
-        with _os_errors(req.path):
+        data = decode_content(req)
+        with os_errors(req.path):
             if req.mkdir:
                 os.makedirs(os.path.dirname(real), exist_ok=True)
-            fd = _open_regular(req.path, real, os.O_WRONLY | os.O_CREAT, req.mode)
+            fd = open_regular(req.path, real, os.O_WRONLY | os.O_CREAT, req.mode)
             try:
                 os.ftruncate(fd, 0)  # only now: a fifo or device must never be truncated or written
                 os.fchmod(fd, req.mode)  # the umask and an existing file's mode must not win
@@ -294,11 +270,11 @@ class Runtime:
             with tarfile.open(fileobj=io.BytesIO(req.archive), mode="r:*") as tar:
                 members = tar.getmembers()
                 for member in members:
-                    _check_member(member)
-                with _os_errors(req.dest):
+                    check_member(member)
+                with os_errors(req.dest):
                     os.makedirs(dest, exist_ok=True)
                     for member in members:
-                        _extract(tar, member, dest)
+                        extract_member(tar, member, dest)
         except tarfile.TarError as exc:
             raise ProtocolError(400, f"bad tar archive: {exc}") from None
         return UploadResult(dest=dest, files=len(members))
@@ -306,15 +282,15 @@ class Runtime:
     def resolve(self, path: str) -> str:
         """The real path (symlinks followed) of `path`, which must lie inside the root, else 400."""
         real = os.path.realpath(os.path.join(self.work_dir, path))
-        if not _inside(real, self.root):
+        if not inside(real, self.root):
             raise ProtocolError(400, f"path '{path}' is outside the sandbox root")
         return real
 
 
-def _collect(proc: subprocess.Popen, deadline: float, limit: int) -> Tuple[_Capture, _Capture, bool]:
+def _collect(proc: subprocess.Popen, deadline: float, limit: int) -> Tuple[OutputCapture, OutputCapture, bool]:
     """Read both pipes until they close after the leader exited (+ grace) or the deadline passes."""
     assert proc.stdout is not None and proc.stderr is not None
-    caps = {proc.stdout.fileno(): _Capture(limit), proc.stderr.fileno(): _Capture(limit)}
+    caps = {proc.stdout.fileno(): OutputCapture(limit), proc.stderr.fileno(): OutputCapture(limit)}
     out_fd, err_fd = list(caps)
     sel = selectors.DefaultSelector()
     for fd in caps:
@@ -361,7 +337,7 @@ def _collect(proc: subprocess.Popen, deadline: float, limit: int) -> Tuple[_Capt
     return caps[out_fd], caps[err_fd], timed_out
 
 
-def _read_into(fd: int, cap: _Capture, drain: bool = False) -> bool:
+def _read_into(fd: int, cap: OutputCapture, drain: bool = False) -> bool:
     """Read one chunk; False at EOF (or, when draining, when nothing is left to read now)."""
     try:
         data = os.read(fd, READ_CHUNK)
@@ -392,27 +368,6 @@ def _pidfd_open(pid: int) -> Optional[int]:
         return None
 
 
-def _open_regular(path: str, real: str, flags: int, mode: int = 0o644) -> int:
-    """Open `real` only if it is a regular file (400 otherwise); blocking mode once checked.
-
-    Why O_NONBLOCK and the type check: opening a fifo blocks until a peer opens the other end, and a
-    device may never end, so a request thread would hang forever. O_NOFOLLOW: `real` is already
-    resolved, so a symlink there now was swapped in after the check.
-    """
-    with contextlib.suppress(FileNotFoundError):
-        if not stat.S_ISREG(os.lstat(real).st_mode):
-            raise ProtocolError(400, f"'{path}' is not a regular file")
-    fd = os.open(real, flags | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ProtocolError(400, f"'{path}' is not a regular file")
-        os.set_blocking(fd, True)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
 def _wrap_argv(argv: List[str], env: Dict[str, str], cwd: str) -> List[str]:
     """`argv` run through the shell prefix that raises its oom_score_adj before it execs.
 
@@ -437,67 +392,3 @@ def _find(prog: str, path: str, cwd: str) -> Optional[str]:
 def _kill_group(pgid: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)
-
-
-def _inside(path: str, root: str) -> bool:
-    return root == os.sep or path == root or path.startswith(root + os.sep)
-
-
-@contextlib.contextmanager
-def _os_errors(path: str) -> Iterator[None]:
-    """Turn the OS's refusals into the HTTP statuses a client can act on."""
-    try:
-        yield
-    except FileNotFoundError:
-        raise ProtocolError(404, f"'{path}': no such file or directory") from None
-    except PermissionError:
-        raise ProtocolError(403, f"'{path}': permission denied") from None
-    except (IsADirectoryError, NotADirectoryError, FileExistsError) as exc:
-        raise ProtocolError(400, f"'{path}': {exc.strerror}") from None
-    except OSError as exc:
-        if exc.errno is not None and exc.strerror:
-            raise ProtocolError(400, f"'{path}': {exc.strerror}") from None
-        raise
-
-
-def _decode_content(req: WriteFileRequest) -> bytes:
-    if req.text is not None:
-        return req.text.encode("utf-8")
-    assert req.content_b64 is not None
-    try:
-        return base64.b64decode(req.content_b64, validate=True)
-    except (binascii.Error, ValueError):
-        raise ProtocolError(400, "field 'content_b64' is not valid base64") from None
-
-
-def _check_member(member) -> None:
-    """Refuse, before anything is written, members whose name or link target leaves `dest`."""
-    name = member.name
-    if os.path.isabs(name) or ".." in name.split("/"):
-        raise ProtocolError(400, f"archive member '{name}': absolute path or '..' refused")
-    if member.ischr() or member.isblk() or member.isfifo():
-        raise ProtocolError(400, f"archive member '{name}': device or fifo refused")
-    if member.issym():
-        target = os.path.normpath(os.path.join(os.path.dirname(name), member.linkname))
-        if os.path.isabs(member.linkname) or target == ".." or target.startswith("../"):
-            raise ProtocolError(400, f"archive member '{name}': symlink leaving the destination refused")
-    if member.islnk() and (os.path.isabs(member.linkname) or ".." in member.linkname.split("/")):
-        raise ProtocolError(400, f"archive member '{name}': hard link leaving the destination refused")
-
-
-def _extract(tar, member, dest: str) -> None:
-    """Extract one member after checking, against what is on disk now, that it lands in `dest`.
-
-    The lexical checks cannot see symlinks (an earlier member or a file already there); this real
-    path check can, so no write ever goes through a link to outside `dest`.
-    """
-    paths: List[str] = [os.path.join(dest, member.name)]
-    if member.islnk():
-        paths.append(os.path.join(dest, member.linkname))
-    if member.issym():  # where the new link would point, through the links already on disk
-        paths.append(os.path.join(dest, os.path.dirname(member.name), member.linkname))
-    for path in paths:
-        if not _inside(os.path.realpath(path), dest):
-            raise ProtocolError(400, f"archive member '{member.name}': resolves outside the destination")
-    kwargs = {"filter": "data"} if hasattr(tar, "extraction_filter") else {}
-    tar.extract(member, dest, set_attrs=not member.issym(), **kwargs)

@@ -1,5 +1,6 @@
 """What every sandbox backend shares: the spec, the `Sandbox` handle, the limits report, and the
-plumbing to start the daemon as a sandbox's entry process and wait until it listens.
+daemon's command line and socket handover as a sandbox's entry process (starting that process and
+waiting until the daemon listens: `launch`; the rlimits every process starts with: `limits`).
 
 Why one concrete `Sandbox` class for all backends: a sandbox is, to its user, a daemon client
 plus a way to tear everything down; only how it was started differs, so a backend hands over a
@@ -10,15 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import os
-import queue
-import selectors
 import shutil
 import socket
 import subprocess
 import threading
-import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -43,19 +40,50 @@ SOCKET_NAME = "sandboxd.sock"
 TOKEN_NAME = "token"
 # How long a backend waits for the daemon's own /close before killing the sandbox anyway.
 CLOSE_GRACE_S = 5.0
+# How long a close waits for the killed processes to be gone before it names the ones left: only a
+# process stuck in the kernel (D state) takes more than a moment, however busy the machine.
+GONE_WAIT_S = 30.0
 # sun_path is 108 bytes including the terminating NUL.
 MAX_SOCKET_PATH = 107
+
+# The bootstrap's own first argument (removed before the daemon parses its argv): after the ready line,
+# fds 0-2 become the sandbox's /dev/null (see `_DETACH`).
+DETACH_FLAG = "--detach-stdio"
+# Where the runtime's stdio are host fds a command can open (gVisor lets commands open /proc/1/fd/*,
+# the daemon's being non-dumpable notwithstanding): the ready line goes out on the host's stdout,
+# then the daemon holds the sandbox's /dev/null on 0-2 and no host pipe or log file. Nothing the
+# daemon writes later reaches the harness there (its tracebacks included): the price of no host fd.
+_DETACH = """\
+import os
+class _Detach:
+    def __init__(self, out):
+        self.out, self.line = out, False
+    def write(self, s):
+        self.line = self.line or "\\n" in s
+        return self.out.write(s)
+    def flush(self):
+        self.out.flush()
+        if self.line:
+            null = os.open("/dev/null", os.O_RDWR)
+            for fd in (0, 1, 2):
+                os.dup2(null, fd)
+            os.close(null)
+            sys.stdout = self.out
+"""
 
 # `-I` ignores PYTHONPATH and the user site, so the daemon's import path is exactly the stdlib plus
 # the read-only code mount, whatever env the spec gives the commands. PR_SET_PDEATHSIG (prctl 1)
 # makes the daemon die with its parent (bwrap's init or `runc run`), so no runtime leaves it behind.
 _BOOTSTRAP = f"""\
 import runpy, sys
-try:
+{_DETACH}try:
     import ctypes
     ctypes.CDLL(None).prctl(1, 9)
 except Exception:
     pass
+if sys.argv[1:2] == [{DETACH_FLAG!r}]:
+    del sys.argv[1]
+    sys.stdout = _Detach(sys.stdout)
 sys.path.insert(0, {CODE_MOUNT!r})
 runpy.run_module("burstrl.sandbox.daemon", run_name="__main__", alter_sys=True)
 """
@@ -196,19 +224,22 @@ def src_dir() -> Path:
     return Path(burstrl.__file__).resolve().parent.parent
 
 
-def daemon_argv(python: str = "python3", fds: tuple[int, int] | None = None) -> list[str]:
+def daemon_argv(python: str = "python3", fds: tuple[int, int] | None = None,
+                detach_stdio: bool = False) -> list[str]:
     """The daemon's command line; `--inherit-env`: the env the backend gave the daemon
     (`SandboxSpec.env`, an image's `Env`) is the base env of every command.
 
     `fds` (listening socket, token pipe) as inherited by the daemon: the socket then exists only
     on the host and nothing of it is mounted inside; without them the daemon makes its socket in
     the bound socket dir and reads the token file there (runtimes that cannot pass fds: runsc).
+    `detach_stdio`: once the ready line is out the daemon's stdio are the sandbox's /dev/null, for a
+    runtime whose commands can open the daemon's fds (runsc; see `_DETACH`).
     """
     if fds is not None:
         where = ["--listen-fd", str(fds[0]), "--token-fd", str(fds[1])]
     else:
         where = ["--socket", f"{RUN_MOUNT}/{SOCKET_NAME}", "--token-file", f"{RUN_MOUNT}/{TOKEN_NAME}"]
-    return [python, "-I", "-c", _BOOTSTRAP, *where, "--inherit-env"]
+    return [python, "-I", "-c", _BOOTSTRAP, *([DETACH_FLAG] if detach_stdio else []), *where, "--inherit-env"]
 
 
 class Handover:
@@ -287,95 +318,6 @@ def remove_tree(path: Path) -> None:
     shutil.rmtree(path, onerror=fix)
 
 
-class _Spawner:
-    """Starts every sandbox process from one thread that lives as long as the interpreter.
-
-    Why: PR_SET_PDEATHSIG (bwrap's --die-with-parent) fires when the *thread* that forked the
-    child exits, not the process; a sandbox started from a pool worker thread would be killed
-    when that thread ends. Measured here: bwrap started from a thread that exits 0.3 s later dies.
-    """
-
-    def __init__(self) -> None:
-        self._jobs: queue.Queue[tuple[Callable[[], Any], queue.Queue[Any]]] = queue.Queue()
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-
-    def call(self, fn: Callable[[], Any]) -> Any:
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="sandbox-spawner", daemon=True)
-                self._thread.start()
-        reply: queue.Queue[Any] = queue.Queue(maxsize=1)
-        self._jobs.put((fn, reply))
-        ok, value = reply.get()
-        if not ok:
-            raise value
-        return value
-
-    def _loop(self) -> None:
-        while True:
-            fn, reply = self._jobs.get()
-            try:
-                reply.put((True, fn()))
-            except BaseException as exc:  # handed to the caller, who raises it
-                reply.put((False, exc))
-
-
-spawner = _Spawner()
-
-
-def spawn(argv: list[str], env: dict[str, str], log: Path, pass_fds: Sequence[int] = ()) -> subprocess.Popen[bytes]:
-    """Popen from the long-lived spawner thread, in a new process group; stderr to `log`."""
-    def start() -> subprocess.Popen[bytes]:
-        with open(log, "ab") as err:
-            return subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                    stderr=err, start_new_session=True, pass_fds=tuple(pass_fds))
-    return spawner.call(start)
-
-
-def wait_ready(proc: subprocess.Popen[bytes], timeout: float, log: Path) -> dict[str, Any]:
-    """Read the daemon's `{"event": "ready"}` line, then drain its stdout to `log` in a thread
-    that ends when the sandbox does (so a chatty daemon never blocks on a full pipe)."""
-    assert proc.stdout is not None
-    deadline = time.monotonic() + timeout
-    buf = b""
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        while b"\n" not in buf:
-            left = deadline - time.monotonic()
-            if left <= 0 or not sel.select(left):
-                raise TimeoutError(f"sandbox daemon not ready after {timeout:.1f}s; {log_tail(log)}")
-            chunk = os.read(proc.stdout.fileno(), 65536)
-            if not chunk:
-                raise RuntimeError(f"sandbox exited before it was ready (rc={proc.wait()}); "
-                                   f"{log_tail(log)}")
-            buf += chunk
-    line, rest = buf.split(b"\n", 1)
-    event = json.loads(line)
-    if event.get("event") != "ready":
-        raise RuntimeError(f"unexpected first line from the sandbox daemon: {line[:200]!r}")
-    threading.Thread(target=_drain, args=(proc, rest, log), name="sandbox-stdout", daemon=True).start()
-    return event
-
-
-def _drain(proc: subprocess.Popen[bytes], first: bytes, log: Path) -> None:
-    assert proc.stdout is not None
-    with open(log, "ab") as out:
-        out.write(first)
-        while chunk := proc.stdout.read1(65536):
-            out.write(chunk)
-            out.flush()
-    proc.stdout.close()
-
-
-def log_tail(log: Path, n: int = 2000) -> str:
-    try:
-        text = log.read_bytes()[-n:].decode(errors="replace").strip()
-    except OSError:
-        return "no log"
-    return f"log tail: {text}" if text else "empty log"
-
-
 def kill_group(proc: subprocess.Popen[bytes]) -> None:
     """SIGKILL the runtime's process group and reap it; the pid namespace takes the rest."""
     if proc.poll() is None:
@@ -388,3 +330,12 @@ def kill_group(proc: subprocess.Popen[bytes]) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+class SandboxNotGone(RuntimeError):
+    """A sandbox's close could not end every process of it: `pids` (host pids) are still there.
+    Everything else of the sandbox is removed; what is left is for an operator to look at."""
+
+    def __init__(self, sid: str, pids: list[int]) -> None:
+        super().__init__(f"sandbox {sid}: processes still running after close: {pids}")
+        self.pids = pids

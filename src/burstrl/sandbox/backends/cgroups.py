@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from burstrl.sandbox.backends.base import LimitsReport, SandboxSpec
+from burstrl.sandbox.backends.base import GONE_WAIT_S, LimitsReport, SandboxSpec
 
 CPU_PERIOD_US = 100_000
 V1_CONTROLLERS = ("memory", "pids", "cpu")
@@ -30,8 +30,9 @@ class CgroupSet:
     def procs_files(self) -> list[Path]:
         return [d / "cgroup.procs" for d in self.dirs]
 
-    def kill_all(self) -> None:
-        kill_and_remove([str(d) for d in self.dirs])
+    def kill_all(self) -> list[int]:
+        """Kill every process in the cgroups and remove them; the pids still there after the wait."""
+        return kill_and_remove([str(d) for d in self.dirs])
 
 
 def _mounts() -> list[tuple[str, str, str, set[str]]]:
@@ -140,13 +141,15 @@ def _procs(path: Path) -> list[int]:
         return []
 
 
-def kill_and_remove(dirs: list[str], timeout_s: float = 10.0) -> None:
-    """SIGKILL whatever is left in the cgroups until they are empty, then remove them.
+def kill_and_remove(dirs: list[str], timeout_s: float = GONE_WAIT_S) -> list[int]:
+    """SIGKILL whatever is left in the cgroups until they are empty, then remove them; returns
+    the pids still in them when `timeout_s` ran out ([] when every process is gone).
 
     Why a loop: in v1 a process may fork between the read of cgroup.procs and the kill; the
     pids limit bounds how long that can go on.
     """
     deadline = time.monotonic() + timeout_s
+    left: list[int] = []
     for d in map(Path, dirs):
         if not d.exists():
             continue
@@ -167,3 +170,5 @@ def kill_and_remove(dirs: list[str], timeout_s: float = 10.0) -> None:
                 break
             except OSError:  # EBUSY until the killed processes are reaped
                 time.sleep(0.01)
+        left += _procs(d)
+    return sorted(set(left))

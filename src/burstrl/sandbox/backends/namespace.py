@@ -6,15 +6,21 @@ image's merged root from the LayerCache), its own writable /work and /tmp, and t
 read-only at /opt/burstrl. Limits go through cgroups where the machine allows it.
 
 Run as root (CI, GPU pods), the harness never hands root to sandboxed code: bwrap, the daemon
-and every command run as an unprivileged host uid (`sandbox_uid`, default 65534 nobody), so the
-user namespace maps the inside uid to it; /proc/sys (and /proc/sysrq-trigger where the kernel
+and every command run as an unprivileged host uid (`sandbox_uid` if given, else one leased for
+that sandbox alone: `ids.IdLease`, read as nobody inside), so the user namespace maps the inside uid
+to it; /proc/sys (and /proc/sysrq-trigger where the kernel
 has it) are read-only inside. What stays visible in /proc/self/mountinfo: the host path of each
 bind source within its filesystem (the host's /usr, /etc, ..., the daemon's code; /work is a
 filesystem of its own or an overlay whose options name its dirs). bwrap has no way to hide a
 bind's root field; with /proc/sys read-only and no host uid 0 the path is not a way out.
 
 The daemon's socket is made here and inherited (`Handover`), the token through a pipe: no
-socket dir is mounted inside. A seccomp filter (`seccomp.py`) goes in through `--seccomp`.
+socket dir is mounted inside. A seccomp filter (`seccomp.py`) goes in through `--seccomp`. Every
+process starts with `limits.RLIMITS` (set by `prlimit` before the drop), not the harness's own.
+
+Close holds no cgroup to wait on when run by an ordinary user: it waits on a pidfd of the daemon,
+pid 1 of the sandbox's pid namespace, which the kernel signals only once every other process of
+that namespace is gone (`PidNamespace`).
 """
 
 from __future__ import annotations
@@ -23,7 +29,9 @@ import contextlib
 import dataclasses
 import os
 import secrets
+import select
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -32,10 +40,12 @@ from burstrl.sandbox.backends import cgroups, seccomp
 from burstrl.sandbox.backends.base import (
     CLOSE_GRACE_S,
     CODE_MOUNT,
+    GONE_WAIT_S,
     SOCKET_NAME,
     Handover,
     LimitsReport,
     Sandbox,
+    SandboxNotGone,
     SandboxSpec,
     SandboxState,
     daemon_argv,
@@ -43,14 +53,15 @@ from burstrl.sandbox.backends.base import (
     make_run_dir,
     process_start_time,
     remove_tree,
-    spawn,
     src_dir,
     trusted_client,
-    wait_ready,
     warn_once,
     write_owner,
 )
 from burstrl.sandbox.backends.cgroups import CgroupSet
+from burstrl.sandbox.backends.ids import NOBODY, IdLease, id_block, sandbox_ids
+from burstrl.sandbox.backends.launch import spawn, wait_ready
+from burstrl.sandbox.backends.limits import sandbox_rlimits
 from burstrl.sandbox.backends.workdir import disk_report, prepare_root, release_work
 
 HOST_SYSTEM_DIRS = ("usr", "bin", "lib", "lib32", "lib64", "libx32", "sbin", "etc")
@@ -64,7 +75,6 @@ PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # Then the privilege drop and RLIMIT_NPROC come as argv prefixes (`setpriv`, `prlimit`: util-linux,
 # since dash has no `ulimit -u`), so the cgroup writes happen as root and nothing after them does.
 _ENTER = 'for f in $BURSTRL_CGROUP_PROCS; do echo $$ > "$f" || exit 125; done; exec "$@"'
-NOBODY = 65534
 
 
 @dataclasses.dataclass
@@ -73,6 +83,10 @@ class NamespaceState(SandboxState):
 
     cgroups: CgroupSet | None = None
     mounts: list[Path] = dataclasses.field(default_factory=list)  # unmounted before the dir is removed
+    pid_ns: PidNamespace | None = None  # the daemon's pid namespace, once it is ready
+    uid: int | None = None  # the host uid/gid its processes run as (None: ours, run by an ordinary user)
+    gid: int | None = None
+    lease: IdLease | None = None  # where `uid` is leased for this sandbox alone
 
 
 def default_state_dir() -> Path:
@@ -93,6 +107,8 @@ class NamespaceBackend:
         self.layer_cache = layer_cache
         self.bwrap = shutil.which(bwrap) or bwrap
         self.uid, self.gid = sandbox_ids(sandbox_uid, sandbox_gid)
+        # As root with no uid given: one leased uid per sandbox, instead of nobody for all.
+        self.id_block = id_block() if os.geteuid() == 0 and sandbox_uid is None else None
         if self.uid is not None:  # bwrap, as that uid, must reach its bind sources under state_dir
             os.chmod(self.state_dir, 0o711)
 
@@ -100,8 +116,11 @@ class NamespaceBackend:
         sid = secrets.token_hex(4)
         path = self.state_dir / sid
         path.mkdir(mode=0o700 if self.uid is None else 0o711)
-        state = NamespaceState(path=path)
+        state = NamespaceState(path=path, uid=self.uid, gid=self.gid)
         try:
+            if self.id_block is not None:
+                state.lease = IdLease(*self.id_block)
+                state.uid = state.gid = state.lease.id
             return self._start(sid, spec, state)
         except BaseException:
             _teardown(state, self.layer_cache)
@@ -113,14 +132,15 @@ class NamespaceBackend:
         code = self._reachable(src_dir(), path / "code", state)
         (path / "work").mkdir()
         base = self._base_args(spec, path / "work", state)
-        if self.uid is not None:
-            hand_over([path / "work"], self.uid, self.gid)
+        if state.uid is not None:
+            hand_over([path / "work"], state.uid, state.gid)
         cg = cgroups.create(sid, spec)
         state.cgroups = cg
         report = dataclasses.replace(_report(cg.report), disk=disk_report(state)[0])
         env = {"PATH": PATH, "BURSTRL_CGROUP_PROCS": " ".join(map(str, cg.procs_files))}
         handover, filter_fd = Handover(run, token), seccomp.write_program_fd()
-        argv = ["/bin/sh", "-c", _ENTER, "sh", *self._prefix(spec, report), self.bwrap, *base,
+        argv = ["/bin/sh", "-c", _ENTER, "sh", *self._prefix(spec, report, state), self.bwrap, *base,
+                *(["--uid", str(NOBODY), "--gid", str(NOBODY)] if state.lease else []),
                 *self._common_args(run, code, spec, state.image_env), "--seccomp", str(filter_fd),
                 *daemon_argv(fds=handover.fds)]
         write_owner(path, cgroups=[str(d) for d in cg.dirs])
@@ -134,14 +154,17 @@ class NamespaceBackend:
         write_owner(path, cgroups=[str(d) for d in cg.dirs], pid=proc.pid,
                     pid_start=process_start_time(proc.pid))
         wait_ready(proc, spec.start_timeout_s, log)
+        state.pid_ns = PidNamespace(namespace_init(proc.pid))
         client = trusted_client(run / SOCKET_NAME, token)
         return Sandbox(sid, client, report, path, lambda: _close(state, client, self.layer_cache))
 
-    def _prefix(self, spec: SandboxSpec, report: LimitsReport) -> list[str]:
-        """RLIMIT_NPROC where no cgroup holds pids, then (as root) the drop to the sandbox uid."""
-        prefix = ["prlimit", f"--nproc={spec.pids_limit}"] if report.pids == "rlimit" else []
-        if self.uid is not None:
-            prefix += ["setpriv", f"--reuid={self.uid}", f"--regid={self.gid}", "--clear-groups"]
+    def _prefix(self, spec: SandboxSpec, report: LimitsReport, state: NamespaceState) -> list[str]:
+        """The sandbox's rlimits (`limits.RLIMITS`, RLIMIT_NPROC where no cgroup holds pids), then
+        (as root) the drop to the sandbox uid: setting them first lets root raise a hard limit."""
+        limits = sandbox_rlimits(spec, pids_by_cgroup=report.pids.startswith("cgroup"))
+        prefix = ["prlimit", *(r.option() for r in limits)]
+        if state.uid is not None:
+            prefix += ["setpriv", f"--reuid={state.uid}", f"--regid={state.gid}", "--clear-groups"]
         return prefix
 
     def _base_args(self, spec: SandboxSpec, work: Path, state: NamespaceState) -> list[str]:
@@ -154,7 +177,7 @@ class NamespaceBackend:
         """`path`, or a read-only bind of it at `mount_point` when the sandbox uid cannot walk
         down to it (a layer cache or checkout under root's 0700 home): bwrap, run as that uid,
         resolves its bind sources with that uid's rights."""
-        if self.uid is None or _walkable(path, self.uid, self.gid):
+        if state.uid is None or _walkable(path, state.uid, state.gid):
             return path
         mount_point.mkdir()
         state.mounts.append(mount_point)
@@ -162,7 +185,7 @@ class NamespaceBackend:
             r = subprocess.run(["mount", *opts, str(path), str(mount_point)], capture_output=True, text=True,
                                check=False)
             if r.returncode != 0:
-                raise RuntimeError(f"sandbox uid {self.uid} cannot reach {path}, and binding it "
+                raise RuntimeError(f"sandbox uid {state.uid} cannot reach {path}, and binding it "
                                    f"failed: {r.stderr.strip()}")
         return mount_point
 
@@ -194,18 +217,54 @@ def tmpfs_bytes(spec: SandboxSpec) -> int:
     return max(16, spec.memory_limit_mb // 4) << 20
 
 
-def sandbox_ids(uid: int | None, gid: int | None) -> tuple[int | None, int | None]:
-    """The host uid/gid sandboxed code runs as: None (our own) unless we are root, where it is
-    `uid` or nobody. Never 0: root inside would be root on the host (the core_pattern escape)."""
-    if os.geteuid() != 0:
-        return None, None
-    uid = NOBODY if uid is None else uid
-    gid = uid if gid is None else gid
-    if uid == 0 or gid == 0:
-        raise ValueError("sandbox_uid/sandbox_gid 0 would run sandboxed code as host root")
-    if shutil.which("setpriv") is None:
-        raise RuntimeError("running as root needs setpriv (util-linux) to drop to the sandbox uid")
-    return uid, gid
+class PidNamespace:
+    """A sandbox's pid namespace, held through a pidfd of its init (the daemon, pid 1 inside).
+
+    Why this and not the runtime's pid: killing `bwrap` returns at once, while the kernel kills
+    the namespace's other processes as the init exits; the init's pidfd turns readable only after
+    every other process of the namespace is gone (and its kill reaches every one of them, without
+    cgroups: what an ordinary user has)."""
+
+    def __init__(self, init: int) -> None:
+        self.fd = os.pidfd_open(init)
+        self.pid = init
+        self.ns = os.stat(f"/proc/{init}/ns/pid").st_ino
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            signal.pidfd_send_signal(self.fd, signal.SIGKILL)
+
+    def wait_gone(self, timeout: float = GONE_WAIT_S) -> list[int]:
+        """[] once every process of the namespace is gone; else the host pids still in it."""
+        poll = select.poll()
+        poll.register(self.fd, select.POLLIN)
+        if poll.poll(int(timeout * 1000)):
+            return []
+        return members(self.ns)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def members(ns: int) -> list[int]:
+    """Host pids of the processes in pid namespace `ns` (those we may inspect: ours, or all as root)."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if os.stat(f"/proc/{entry.name}/ns/pid").st_ino == ns:
+                    found.append(int(entry.name))
+    return sorted(found)
+
+
+def namespace_init(runtime: int) -> int:
+    """The host pid of the child of `runtime` (bwrap) that is pid 1 of a pid namespace of its own."""
+    for pid in Path(f"/proc/{runtime}/task/{runtime}/children").read_text().split():
+        status = Path(f"/proc/{pid}/status").read_text()
+        nspid = next(line.split()[1:] for line in status.splitlines() if line.startswith("NSpid:"))
+        if len(nspid) > 1 and nspid[-1] == "1":
+            return int(pid)
+    raise RuntimeError(f"no pid namespace init under process {runtime}")
 
 
 def hand_over(paths: list[Path], uid: int, gid: int | None) -> None:
@@ -298,10 +357,33 @@ def _close(state: NamespaceState, client: Any, layer_cache: Any) -> None:
 
 
 def _teardown(state: NamespaceState, layer_cache: Any) -> None:
+    """Kill every process, then remove what the start made; raises `SandboxNotGone` (after the
+    rest is removed) when some process of the sandbox outlived the kill."""
+    left = _kill(state)
+    _remove(state, layer_cache)
+    if left:  # the uid stays leased (its flock held) while a process of it may still run
+        raise SandboxNotGone(state.path.name, left)
+    if state.lease is not None:
+        state.lease.release()
+        state.lease = None
+
+
+def _kill(state: NamespaceState) -> list[int]:
+    """Kill the daemon (pid 1: the kernel then kills the rest of its namespace), bwrap and the
+    cgroups, and wait until they are gone; returns the host pids of any still there."""
+    pid_ns, state.pid_ns = state.pid_ns, None
+    if pid_ns is not None:
+        pid_ns.kill()
     if state.proc is not None:
         kill_group(state.proc)
-    if state.cgroups is not None:
-        state.cgroups.kill_all()
+    left = state.cgroups.kill_all() if state.cgroups is not None else []
+    if pid_ns is not None:
+        left = sorted({*left, *pid_ns.wait_gone()})
+        pid_ns.close()
+    return left
+
+
+def _remove(state: NamespaceState, layer_cache: Any) -> None:
     mounts, state.mounts = state.mounts, []
     for mount_point in mounts:  # unmounted first: rmtree must never reach the source
         subprocess.run(["umount", "-l", str(mount_point)], capture_output=True, check=False)

@@ -14,7 +14,14 @@ from a command reaches it. runc and crun get the daemon's socket already listeni
 host, passed as fd 3 with the token pipe as fd 4: `--preserve-fds 2`), so no socket dir exists
 inside. runsc cannot pass fds: its daemon makes the socket in a bound dir (`--host-uds=create`),
 and once it is ready the harness takes that dir back (root-owned, 0700: commands can neither
-replace the socket nor read the token, which is deleted).
+replace the socket nor read the token, which is deleted). Under runsc commands can open the
+daemon's fds through /proc/1/fd (the sentry does not apply non-dumpable there), so once its ready
+line is out the daemon's stdio are the sandbox's own /dev/null (`base.DETACH_FLAG`): no host pipe
+or log file is left inside. Every runtime gets `limits.RLIMITS` in config.json.
+
+crun is accepted as a runtime but fails on a machine whose cgroup v2 hierarchy holds a controller
+while v1 is mounted too (crun 1.8: "cgroups in hybrid mode not supported"); the security suite runs
+runc and runsc only.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from burstrl.sandbox.backends.base import (
     Handover,
     LimitsReport,
     Sandbox,
+    SandboxNotGone,
     SandboxSpec,
     SandboxState,
     daemon_argv,
@@ -46,13 +54,14 @@ from burstrl.sandbox.backends.base import (
     make_run_dir,
     process_start_time,
     remove_tree,
-    spawn,
     src_dir,
     trusted_client,
-    wait_ready,
     write_owner,
 )
 from burstrl.sandbox.backends.cgroups import CPU_PERIOD_US, _mounts, _own_paths, _under, kill_and_remove
+from burstrl.sandbox.backends.ids import sandbox_ids
+from burstrl.sandbox.backends.launch import spawn, wait_ready
+from burstrl.sandbox.backends.limits import sandbox_rlimits
 from burstrl.sandbox.backends.namespace import (
     HOST_SECRETS,
     HOST_SYSTEM_DIRS,
@@ -61,7 +70,6 @@ from burstrl.sandbox.backends.namespace import (
     default_state_dir,
     hand_over,
     sandbox_env,
-    sandbox_ids,
     tmpfs_bytes,
 )
 from burstrl.sandbox.backends.workdir import disk_report, prepare_root, release_work
@@ -161,7 +169,8 @@ class OciBackend:
         self._teardown(state)
 
     def _teardown(self, state: OciState) -> None:
-        """Kill, let the runtime clean up, then remove its cgroups ourselves.
+        """Kill, let the runtime clean up, then remove its cgroups ourselves; raises
+        `SandboxNotGone` (after the rest is removed) when a process outlived the kill.
 
         Why the last step: runc's destroy retries rmdir for only ~0.3 s, and under load the
         killed processes take longer to leave their cgroups; runc then drops its state dir anyway
@@ -173,12 +182,14 @@ class OciBackend:
             _wait_then_kill(state.proc)
         if state.cid is not None:
             subprocess.run(self._cmd("delete", "--force", state.cid), capture_output=True)
-        kill_and_remove(state.cgroups)
+        left = kill_and_remove(state.cgroups)
         release_work(state)
         if state.image is not None:
             self.layer_cache.unpin(state.image)
             state.image = None
         remove_tree(state.path)
+        if left:
+            raise SandboxNotGone(state.path.name, left)
 
 
 def _wait_then_kill(proc: subprocess.Popen[bytes], grace_s: float = 2.0) -> None:
@@ -274,10 +285,10 @@ def bundle_config(path: Path, base: Path | None, spec: SandboxSpec, cgroup: str,
         "ociVersion": "1.0.2",
         # The daemon is pid 1: it reaps orphans, and signals from its commands do not reach it.
         "process": {"terminal": False, "user": {"uid": uid or 0, "gid": gid or 0},
-                    "args": daemon_argv(fds=None if gvisor else FDS_INSIDE),
+                    "args": daemon_argv(fds=None if gvisor else FDS_INSIDE, detach_stdio=gvisor),
                     "env": env, "cwd": "/work", "noNewPrivileges": True,
                     "capabilities": {k: [] for k in ("bounding", "effective", "inheritable", "permitted", "ambient")},
-                    "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 1024, "soft": 1024}]},
+                    "rlimits": _rlimits(spec, gvisor)},
         "root": {"path": "rootfs", "readonly": True},
         "hostname": "sandbox",
         "mounts": mounts,
@@ -293,6 +304,14 @@ def bundle_config(path: Path, base: Path | None, spec: SandboxSpec, cgroup: str,
             "readonlyPaths": ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"],
         },
     }
+
+
+def _rlimits(spec: SandboxSpec, gvisor: bool) -> list[dict[str, Any]]:
+    """`limits.RLIMITS` as config.json takes them. Under gVisor RLIMIT_NPROC too: the host's pids
+    cgroup holds the sentry's threads, not the sandbox's processes, and the sentry counts the uid's
+    processes in its own kernel, so that count is the sandbox's alone."""
+    return [{"type": r.name, "hard": r.hard, "soft": r.soft}
+            for r in sandbox_rlimits(spec, pids_by_cgroup=not gvisor)]
 
 
 def _resources(spec: SandboxSpec) -> dict[str, Any]:

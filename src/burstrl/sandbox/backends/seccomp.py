@@ -1,22 +1,21 @@
-"""A seccomp deny-list for sandboxed code, for both backends (issue 15, defect 10).
+"""The seccomp filter for sandboxed code, for every backend (issue 15, defect 10; issue 37).
 
-Why: namespaces and dropped capabilities keep model-written code away from the host's files and
-processes, but every syscall still reaches the host kernel. A handful of syscalls are rarely needed
-by Python, git, pip, pytest or gcc yet make up much of the kernel's attack surface (keyrings, bpf,
-perf, userfaultfd, io_uring, the mount API, module loading, namespace creation) or reach outside
-the sandbox (ptrace, process_vm_*, kcmp, pidfd_getfd, handle-based open). Denying them with EPERM,
-as Docker's default profile does, costs nothing for real workloads and closes those paths.
+The policy is one table, with every decision's reason: `seccomp_rules.RULES` (one line per syscall)
+and `seccomp_rules.FAMILIES` (one line per socket family). This module compiles it, adding only
+the ABI checks below.
 
-Two encodings of the same policy:
+Two encodings of the same table:
 
 * `bpf_program()`: a classic-BPF filter (the raw `struct sock_filter` array) for bubblewrap's
   `--seccomp FD`; `write_program_fd()` puts it in a memfd for `pass_fds`.
-* `oci_profile()`: the OCI runtime-spec `linux.seccomp` object; runc compiles it with libseccomp.
+* `oci_profile()`: the OCI runtime-spec `linux.seccomp` object; runc compiles it with libseccomp,
+  runsc's sentry applies it with `--oci-seccomp`.
 
-Beyond the named deny list, both refuse `clone` with any CLONE_NEW* flag (else denying `unshare`
-is moot) and make `clone3` fail with ENOSYS, whose flags live in memory a filter cannot read;
-glibc then falls back to `clone` (Docker does the same). The BPF filter also kills a process on
-a foreign syscall ABI (i386/arm32 compat) and, on x86_64, refuses every x32 syscall.
+`clone` with any CLONE_NEW* flag is refused (else denying `unshare` is moot) and `clone3` fails with
+ENOSYS, whose flags live in memory a filter cannot read; glibc then falls back to `clone` (Docker
+does the same). The BPF filter also kills a process on a foreign syscall ABI (i386/arm32 compat)
+and, on x86_64, refuses every x32 syscall. Arguments are compared in their low 32 bits where the
+kernel reads an int or a flags word (the BPF filter), or with the mask 0xFFFFFFFF (the OCI profile).
 
 Numbers come from the kernel's tables (x86_64: arch/x86/entry/syscalls/syscall_64.tbl; aarch64:
 include/uapi/asm-generic/unistd.h) and are checked against the installed headers in the tests.
@@ -31,37 +30,12 @@ import platform
 import struct
 import tempfile
 
-__all__ = ["CLONE_NS_FLAGS", "DENIED", "ENOSYS_DENIED", "bpf_program", "oci_profile",
-           "write_program_fd"]
+from burstrl.sandbox.backends.seccomp_rules import ALLOW, DENIED, FAMILIES, FAMILY_LIST, OTHER_PID, RULES, Masked, Rule
 
-DENIED: tuple[str, ...] = (
-    # keyrings (not namespaced), bpf, perf, userfaultfd, io_uring: kernel attack surface
-    "keyctl", "add_key", "request_key", "bpf", "perf_event_open", "userfaultfd",
-    "io_uring_setup", "io_uring_enter", "io_uring_register", "fanotify_init",
-    # reaching other processes, also outside the sandbox
-    "ptrace", "process_vm_readv", "process_vm_writev", "pidfd_getfd", "kcmp",
-    # new namespaces (clone with CLONE_NEW* is refused separately)
-    "unshare", "setns",
-    # the mount API, old and new
-    "mount", "umount2", "pivot_root", "move_mount", "open_tree", "fsopen", "fsmount", "fsconfig",
-    "fspick", "mount_setattr",
-    # file handles bypass the mount namespace
-    "open_by_handle_at", "name_to_handle_at",
-    # kernel, modules, machine-wide state
-    "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module",
-    "create_module", "get_kernel_syms", "query_module", "reboot", "swapon", "swapoff", "acct",
-    "quotactl", "quotactl_fd", "syslog", "vhangup", "nfsservctl", "lookup_dcookie", "uselib",
-    "ustat", "sysfs", "_sysctl", "iopl", "ioperm",
-    # clocks
-    "settimeofday", "clock_settime", "adjtimex", "clock_adjtime",
-)
-"""Syscalls refused with EPERM (personality, chroot, sethostname and the NUMA calls stay allowed)."""
+__all__ = ["bpf_program", "oci_profile", "write_program_fd"]
 
-ENOSYS_DENIED: tuple[str, ...] = ("clone3",)
-"""Syscalls refused with ENOSYS so that libc falls back to one the filter can inspect."""
-
-CLONE_NS_FLAGS = 0x7E020000
-"""CLONE_NEWNS|NEWCGROUP|NEWUTS|NEWIPC|NEWUSER|NEWPID|NEWNET: `clone` with any of them -> EPERM."""
+OCI_FAMILY_SPAN = 64
+"""The OCI profile names families 0..63 one by one (AF_MAX is 46 in 6.x) and refuses >= 64 at once."""
 
 # x86_64: arch/x86/entry/syscalls/syscall_64.tbl (common/64 entries).
 _X86_64: dict[str, int] = {
@@ -78,6 +52,9 @@ _X86_64: dict[str, int] = {
     "lookup_dcookie": 212, "uselib": 134, "ustat": 136, "sysfs": 139, "_sysctl": 156, "iopl": 172,
     "ioperm": 173, "settimeofday": 164, "clock_settime": 227, "adjtimex": 159,
     "clock_adjtime": 305, "clone": 56, "clone3": 435,
+    "socket": 41, "socketpair": 53, "io_setup": 206, "io_destroy": 207, "io_getevents": 208,
+    "io_submit": 209, "io_cancel": 210, "io_pgetevents": 333, "mq_open": 240,
+    "memfd_secret": 447, "mmap": 9, "memfd_create": 319, "shmget": 29, "prlimit64": 302,
 }
 
 # aarch64: include/uapi/asm-generic/unistd.h. It has no create_module, get_kernel_syms,
@@ -94,6 +71,9 @@ _AARCH64: dict[str, int] = {
     "acct": 89, "quotactl": 60, "quotactl_fd": 443, "syslog": 116, "vhangup": 58,
     "nfsservctl": 42, "lookup_dcookie": 18, "settimeofday": 170, "clock_settime": 112,
     "adjtimex": 171, "clock_adjtime": 266, "clone": 220, "clone3": 435,
+    "socket": 198, "socketpair": 199, "io_setup": 0, "io_destroy": 1, "io_getevents": 4,
+    "io_submit": 2, "io_cancel": 3, "io_pgetevents": 292, "mq_open": 180, "memfd_secret": 447,
+    "mmap": 222, "memfd_create": 279, "shmget": 194, "prlimit64": 261,
 }
 
 # name -> (syscall table, AUDIT_ARCH_* of the native ABI, x32 bit or None, OCI architectures)
@@ -114,7 +94,19 @@ RET_KILL_PROCESS = 0x80000000
 RET_ERRNO = 0x00050000
 RET_ALLOW = 0x7FFF0000
 # offsets in struct seccomp_data {int nr; u32 arch; u64 instruction_pointer; u64 args[6];}
-_OFF_NR, _OFF_ARCH, _OFF_ARG0_LO = 0, 4, 16
+# (little-endian on both arches: an argument's low 32 bits come first)
+_OFF_NR, _OFF_ARCH = 0, 4
+
+
+def _arg_lo(i: int) -> int:
+    return 16 + 8 * i
+
+
+def _arg_hi(i: int) -> int:
+    return 16 + 8 * i + 4
+
+
+_Insn = tuple[int, "int | str", "int | str", int]  # (code, jt, jf, k); jt/jf: 0 or a label
 
 
 def _resolve(arch: str | None) -> tuple[str, tuple[dict[str, int], int, int | None, list[str]]]:
@@ -132,35 +124,69 @@ def syscall_numbers(arch: str | None = None) -> dict[str, int]:
     return {n: table[n] for n in DENIED if n in table}
 
 
-@functools.cache  # bytes, made once per arch: every namespace sandbox start hands it to bwrap
-def bpf_program(arch: str | None = None) -> bytes:
-    """The filter as a raw `struct sock_filter` array (8 bytes per instruction, little-endian).
+def enforced(arch: str | None = None) -> tuple[Rule, ...]:
+    """The RULES lines that compile to a check on `arch`: not "allow", and the syscall exists."""
+    table = _resolve(arch)[1][0]
+    return tuple(r for r in RULES if r.action != ALLOW and r.syscall in table)
 
-    arch: "x86_64" or "aarch64" (None: `platform.machine()`); anything else raises ValueError.
-    """
-    _, (table, audit_arch, x32_bit, _) = _resolve(arch)
-    # (code, jt, jf, k) where jt/jf are 0 (next instruction) or the name of a label below
-    prog: list[tuple[int, int | str, int | str, int]] = [
-        (_LD_W_ABS, 0, 0, _OFF_ARCH),
-        (_JEQ_K, 1, 0, audit_arch),  # native ABI: skip the kill
-        (_RET_K, 0, 0, RET_KILL_PROCESS),
-        (_LD_W_ABS, 0, 0, _OFF_NR),
-    ]
-    if x32_bit is not None:  # x32 calls are x86_64 numbers | 0x40000000: refuse them all
-        prog.append((_JGE_K, "eperm", 0, x32_bit))
-    prog += [(_JEQ_K, "eperm", 0, nr) for nr in syscall_numbers(arch).values()]
-    prog += [(_JEQ_K, "enosys", 0, table[n]) for n in ENOSYS_DENIED if n in table]
-    prog += [
-        (_JEQ_K, 0, "allow", table["clone"]),
-        (_LD_W_ABS, 0, 0, _OFF_ARG0_LO),  # clone's flags (low 32 bits) on both arches
-        (_JSET_K, "eperm", "allow", CLONE_NS_FLAGS),
-    ]
-    labels = {"allow": len(prog), "eperm": len(prog) + 1, "enosys": len(prog) + 2}
-    prog += [(_RET_K, 0, 0, RET_ALLOW), (_RET_K, 0, 0, RET_ERRNO | errno.EPERM),
-             (_RET_K, 0, 0, RET_ERRNO | errno.ENOSYS)]
 
+def _errno(action: str) -> int:
+    return getattr(errno, action)
+
+
+def _ret(action: str) -> str:
+    """The label of the instruction returning `action`'s errno (or allowing)."""
+    return "allow" if action == ALLOW else action
+
+
+def _family_split() -> tuple[set[int], dict[int, tuple[int, str]], dict[int, str], str]:
+    """(families allowed whole, {family: (its one allowed protocol, action for the rest)},
+    {named family: action}, the action for unlisted families)."""
+    whole = {f.number for f in FAMILIES if f.action == ALLOW and f.protocol is None}
+    by_proto = {f.number: f.protocol for f in FAMILIES if f.action == ALLOW and f.protocol is not None}
+    rest = {f.number: f.action for f in FAMILIES if f.action != ALLOW and f.number >= 0}
+    default = next(f.action for f in FAMILIES if f.number < 0)
+    protocols = {n: (p, rest.pop(n)) for n, p in by_proto.items()}
+    return whole, protocols, rest, default
+
+
+def _family_block(label: str) -> list[tuple[str | None, _Insn]]:
+    """socket/socketpair: allowed families pass, one protocol of a protocol-limited family passes."""
+    whole, protocols, rest, default = _family_split()
+    out: list[tuple[str | None, _Insn]] = [(label, (_LD_W_ABS, 0, 0, _arg_lo(0)))]
+    out += [(None, (_JEQ_K, "allow", 0, f)) for f in sorted(whole)]
+    out += [(None, (_JEQ_K, f"{label}.{f}", 0, f)) for f in sorted(protocols)]
+    out += [(None, (_JEQ_K, _ret(a), 0, f)) for f, a in sorted(rest.items())]
+    out.append((None, (_JGE_K, _ret(default), 0, 0)))  # always true (unsigned): a plain jump
+    for f, (proto, action) in sorted(protocols.items()):
+        out += [(f"{label}.{f}", (_LD_W_ABS, 0, 0, _arg_lo(2))),
+                (None, (_JEQ_K, "allow", _ret(action), proto))]
+    return out
+
+
+def _other_pid_block(label: str, action: str) -> list[tuple[str | None, _Insn]]:
+    """prlimit64: pid 0 (itself) passes, so does a NULL new limit (a read); the rest get `action`."""
+    return [(label, (_LD_W_ABS, 0, 0, _arg_lo(0))), (None, (_JEQ_K, "allow", 0, 0)),
+            (None, (_LD_W_ABS, 0, 0, _arg_lo(2))), (None, (_JEQ_K, 0, _ret(action), 0)),
+            (None, (_LD_W_ABS, 0, 0, _arg_hi(2))), (None, (_JEQ_K, "allow", _ret(action), 0))]
+
+
+def _condition_block(rule: Rule, label: str) -> list[tuple[str | None, _Insn]]:
+    if isinstance(rule.when, Masked):
+        return [(label, (_LD_W_ABS, 0, 0, _arg_lo(rule.when.arg))),
+                (None, (_JSET_K, _ret(rule.action), "allow", rule.when.mask))]
+    if rule.when == FAMILY_LIST:
+        return _family_block(label)
+    if rule.when == OTHER_PID:
+        return _other_pid_block(label, rule.action)
+    raise AssertionError(f"seccomp: unknown condition {rule.when!r} of {rule.syscall}")
+
+
+def _assemble(lines: list[tuple[str | None, _Insn]]) -> bytes:
+    """Resolve label jumps to relative offsets and pack each `struct sock_filter`."""
+    labels = {name: i for i, (name, _) in enumerate(lines) if name is not None}
     out = bytearray()
-    for i, (code, jt, jf, k) in enumerate(prog):
+    for i, (_, (code, jt, jf, k)) in enumerate(lines):
         offs = [t if isinstance(t, int) else labels[t] - i - 1 for t in (jt, jf)]
         if not all(0 <= o <= 255 for o in offs):
             raise AssertionError(f"seccomp: jump out of range at instruction {i}")
@@ -168,29 +194,98 @@ def bpf_program(arch: str | None = None) -> bytes:
     return bytes(out)
 
 
-def oci_profile(arch: str | None = None, clone_rules: bool = True) -> dict:
-    """The OCI runtime-spec `linux.seccomp` object for the same policy (for runc/libseccomp).
+@functools.cache  # bytes, made once per arch: every namespace sandbox start hands it to bwrap
+def bpf_program(arch: str | None = None) -> bytes:
+    """The filter as a raw `struct sock_filter` array (8 bytes per instruction, little-endian).
 
-    syscalls[0] is the EPERM deny list; later entries refuse clone3 (ENOSYS) and clone with a
-    CLONE_NEW* flag (one rule per flag: libseccomp has no "masked != 0" operator). Without
-    `clone_rules` (runsc: its sentry answers the clone3 rule with EPERM, not ENOSYS, so no thread
-    could start) only the deny list; a namespace made inside gVisor is gVisor's, not the host's.
+    Layout: the ABI check, one JEQ per enforced syscall (to its return, or to its condition's
+    block), ALLOW for everything else, the condition blocks, then ALLOW and one RET per errno
+    used (classic BPF jumps only forward, so the blocks' returns come after them).
+    arch: "x86_64" or "aarch64" (None: `platform.machine()`); anything else raises ValueError.
+    """
+    _, (table, audit_arch, x32_bit, _) = _resolve(arch)
+    rules = enforced(arch)
+    lines: list[tuple[str | None, _Insn]] = [
+        (None, (_LD_W_ABS, 0, 0, _OFF_ARCH)),
+        (None, (_JEQ_K, 1, 0, audit_arch)),  # native ABI: skip the kill
+        (None, (_RET_K, 0, 0, RET_KILL_PROCESS)),
+        (None, (_LD_W_ABS, 0, 0, _OFF_NR)),
+    ]
+    if x32_bit is not None:  # x32 calls are x86_64 numbers | 0x40000000: refuse them all
+        lines.append((None, (_JGE_K, "EPERM", 0, x32_bit)))
+    lines += [(None, (_JEQ_K, _ret(r.action) if r.when is None else f"if.{r.syscall}", 0,
+                      table[r.syscall])) for r in rules]
+    lines.append((None, (_RET_K, 0, 0, RET_ALLOW)))  # every syscall not named
+    for r in rules:
+        if r.when is not None:
+            lines += _condition_block(r, f"if.{r.syscall}")
+    used = sorted({t for _, (_, jt, jf, _) in lines for t in (jt, jf) if isinstance(t, str)}
+                  - {name for name, _ in lines if name is not None} - {"allow"}, key=_errno)
+    lines.append(("allow", (_RET_K, 0, 0, RET_ALLOW)))  # BPF jumps only forward: the blocks' ALLOW
+    lines += [(a, (_RET_K, 0, 0, RET_ERRNO | _errno(a))) for a in used]
+    return _assemble(lines)
+
+
+def _errno_rule(names: list[str], action: str, args: list[dict] | None = None) -> dict:
+    rule: dict = {"names": names, "action": "SCMP_ACT_ERRNO", "errnoRet": _errno(action)}
+    if args:
+        rule["args"] = args
+    return rule
+
+
+def _masked_eq(index: int, mask: int, value: int) -> dict:
+    return {"index": index, "value": mask, "valueTwo": value, "op": "SCMP_CMP_MASKED_EQ"}
+
+
+def _oci_families(names: list[str]) -> list[dict]:
+    """One rule per refused family number below OCI_FAMILY_SPAN, one for all above, one per
+    protocol-limited family (libseccomp has no "not in" operator: the refusals are listed)."""
+    whole, protocols, rest, default = _family_split()
+    out = [_errno_rule(names, rest.get(f, default), [_masked_eq(0, 0xFFFFFFFF, f)])
+           for f in range(OCI_FAMILY_SPAN) if f not in whole and f not in protocols]
+    out.append(_errno_rule(names, default, [{"index": 0, "value": OCI_FAMILY_SPAN, "op": "SCMP_CMP_GE"}]))
+    out += [_errno_rule(names, action, [_masked_eq(0, 0xFFFFFFFF, f),
+                                        {"index": 2, "value": proto, "op": "SCMP_CMP_NE"}])
+            for f, (proto, action) in sorted(protocols.items())]
+    return out
+
+
+def _oci_conditional(rule: Rule) -> list[dict]:
+    """A conditional RULES line as OCI rules (a Masked one: one rule per bit of its mask)."""
+    if isinstance(rule.when, Masked):
+        bits = [1 << b for b in range(32) if rule.when.mask >> b & 1]
+        return [_errno_rule([rule.syscall], rule.action, [_masked_eq(rule.when.arg, bit, bit)])
+                for bit in bits]
+    if rule.when == FAMILY_LIST:
+        return _oci_families([rule.syscall])
+    if rule.when == OTHER_PID:
+        return [_errno_rule([rule.syscall], rule.action,
+                            [{"index": 0, "value": 0, "op": "SCMP_CMP_NE"},
+                             {"index": 2, "value": 0, "op": "SCMP_CMP_NE"}])]
+    raise AssertionError(f"seccomp: unknown condition {rule.when!r} of {rule.syscall}")
+
+
+def oci_profile(arch: str | None = None, clone_rules: bool = True) -> dict:
+    """The OCI runtime-spec `linux.seccomp` object for the same table (for runc/libseccomp, runsc).
+
+    syscalls[0] is the unconditional EPERM list, then one entry per other errno's unconditional
+    list (ENOSYS: clone3, io_*...), then the conditional lines' rules. Without `clone_rules`
+    (runsc: its sentry answers every refusal with EPERM whatever `errnoRet` says, seen with runsc
+    20221219, and an EPERM clone3 leaves glibc no fallback, so no thread could start) clone3 and
+    clone are left out; a namespace made inside gVisor is gVisor's, not the host's.
     """
     _, (table, _, _, oci_arches) = _resolve(arch)
-    ns_bits = [1 << b for b in range(32) if CLONE_NS_FLAGS >> b & 1]
-    return {
-        "defaultAction": "SCMP_ACT_ALLOW",
-        "architectures": list(oci_arches),
-        "syscalls": [
-            {"names": [n for n in DENIED if n in table], "action": "SCMP_ACT_ERRNO",
-             "errnoRet": errno.EPERM},
-            *([{"names": [n for n in ENOSYS_DENIED if n in table], "action": "SCMP_ACT_ERRNO",
-                "errnoRet": errno.ENOSYS}] if clone_rules else []),
-            *({"names": ["clone"], "action": "SCMP_ACT_ERRNO", "errnoRet": errno.EPERM,
-               "args": [{"index": 0, "value": bit, "valueTwo": bit, "op": "SCMP_CMP_MASKED_EQ"}]}
-              for bit in (ns_bits if clone_rules else [])),
-        ],
-    }
+    skip = set() if clone_rules else {"clone", "clone3"}
+    rules = [r for r in enforced(arch) if r.syscall not in skip]
+    actions = list(dict.fromkeys(r.action for r in rules if r.when is None))
+    actions.sort(key=lambda a: a != "EPERM")
+    syscalls = [_errno_rule([r.syscall for r in rules if r.when is None and r.action == a], a)
+                for a in actions]
+    for r in rules:
+        if r.when is not None:
+            syscalls += _oci_conditional(r)
+    return {"defaultAction": "SCMP_ACT_ALLOW", "architectures": list(oci_arches),
+            "syscalls": syscalls}
 
 
 def write_program_fd(arch: str | None = None) -> int:

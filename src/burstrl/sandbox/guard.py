@@ -1,0 +1,89 @@
+"""What the daemon does to hold against its own commands, which run as its uid: it makes itself
+non-dumpable and, as pid 1 of the sandbox's pid namespace, ignores the signals a command could
+send it, reaps the orphans and raises back the OOM scores commands lowered.
+
+Why a module of its own: these are the defences of a process that has no privilege over the
+commands it serves (see `runtime`'s "Protection"), apart from serving requests (`daemon`).
+Standard library only: the daemon imports it inside sandbox images.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from burstrl.sandbox.runtime import Runtime
+
+REAP_INTERVAL_S = 0.5  # how often a pid 1 daemon reaps orphaned zombies and re-raises OOM scores
+COMMAND_OOM_SCORE = 1000  # every command's oom_score_adj (runtime.OOM_PREFIX sets it at start)
+
+
+def protect_self() -> None:
+    """Make the daemon non-dumpable: commands of the same uid can then neither ptrace it nor read its
+    memory or take its fds (`pidfd_getfd`), and its /proc files are not theirs to open.
+
+    What it cannot do unprivileged: lower its own oom_score_adj (commands raise theirs instead, and
+    as pid 1 it raises again any a command lowered: `reassert_oom_scores`).
+    """
+    with contextlib.suppress(Exception):  # ctypes or libc may be missing in a minimal image
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE = 4
+
+
+def guard_signals() -> None:
+    """Stop on SIGTERM/SIGINT, except as pid 1: there a handler would let any command stop the
+    daemon with `kill 1` (the kernel drops signals to a namespace's init only where it has none),
+    so those signals are ignored and the harness ends the sandbox with /close or SIGKILL from outside.
+    """
+    if os.getpid() != 1:
+        return
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
+                signal.SIGALRM, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU):
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def reassert_oom_scores(own_pid: int, proc: str = "/proc") -> int:
+    """Raise every other process in `proc` whose oom_score_adj is below COMMAND_OOM_SCORE back to it;
+    returns how many were raised. Only for a daemon that is pid 1: then `proc` holds its sandbox alone.
+
+    Why: commands start at 1000 so that the OOM killer takes them before the daemon, but any of them
+    may set its own score back to the floor it inherited (0) and then a crowd of processes, each
+    smaller than the daemon, gets the daemon killed. Unprivileged, the daemon can neither lower its
+    own score nor raise that floor (CAP_SYS_RESOURCE); raising a process of its own uid it may. What
+    is left is a window of up to REAP_INTERVAL_S: the backends' cgroups (the daemon outside the
+    commands' memory cgroup) are the fix that needs no race (issue 37).
+    """
+    pids = [name for name in os.listdir(proc) if name.isdigit() and int(name) != own_pid]
+    return sum(_raise_oom_score(f"{proc}/{pid}/oom_score_adj") for pid in pids)
+
+
+def _raise_oom_score(path: str) -> bool:
+    """Set one process's oom_score_adj to COMMAND_OOM_SCORE if it is lower; False if it was not
+    (or the process is gone, or not ours to change)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        if int(os.read(fd, 16)) >= COMMAND_OOM_SCORE:
+            return False
+        os.lseek(fd, 0, os.SEEK_SET)
+        os.write(fd, str(COMMAND_OOM_SCORE).encode())
+        return True
+    except (OSError, ValueError):
+        return False
+    finally:
+        os.close(fd)
+
+
+def reap_forever(runtime: Runtime) -> None:
+    """A pid 1 daemon's reaper thread: every REAP_INTERVAL_S, reap orphans and raise OOM scores."""
+    while True:
+        time.sleep(REAP_INTERVAL_S)
+        runtime.reap_orphans()
+        reassert_oom_scores(os.getpid())
