@@ -16,12 +16,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import json
-import os
 import platform
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,7 +24,7 @@ import pytest
 from burstrl.sandbox.backends import seccomp
 from tests.security import test_backends
 from tests.security.test_backends import _gvisor, _serving
-from tests.security.test_namespace_root import RUN_AS_USER, SRC, _as_user
+from tests.security.test_namespace_root import RUN_AS_USER, run_as_user
 
 ARCH = {"amd64": "x86_64", "arm64": "aarch64"}.get(platform.machine().lower(), platform.machine())
 NR = {"x86_64": seccomp._X86_64, "aarch64": seccomp._AARCH64}.get(ARCH, {})
@@ -222,15 +217,7 @@ def _quote(code: str) -> str:
 def test_the_same_as_an_ordinary_user() -> None:
     """The namespace backend run by an ordinary user (as test_namespace_root does): every refusal
     holds there too, the allowed families work, and the daemon keeps serving after each."""
-    prefix = _as_user()
-    with tempfile.TemporaryDirectory(prefix="burstrl-src-") as src:
-        shutil.copytree(SRC / "burstrl", Path(src) / "burstrl", ignore=shutil.ignore_patterns("__pycache__"))
-        os.chmod(src, 0o755)
-        script = f"ATTACKS = {_user_attacks()!r}\nSRC = {src!r}\n" + RUN_AS_USER
-        r = subprocess.run([*prefix, "/usr/bin/python3", "-c", script], capture_output=True,
-                           text=True, timeout=300, cwd="/tmp", check=False)
-    assert r.returncode == 0, r.stderr[-2000:]
-    res = json.loads(r.stdout.splitlines()[-1])
+    res = run_as_user(RUN_AS_USER, ATTACKS=_user_attacks())
     assert res["rc"] == 0 and res["out"].split()[0] != "0", res
     for name, got in res["attacks"].items():
         assert got["alive"] and "BAD" not in got["out"], (name, got)

@@ -13,6 +13,7 @@ import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -119,6 +120,7 @@ def test_mountinfo_shows_only_what_is_documented(sandbox: Sandbox) -> None:
 RUN_AS_USER = """
 import json, sys, tempfile, warnings
 from pathlib import Path
+from typing import Any
 sys.path.insert(0, SRC)
 warnings.simplefilter("ignore")
 from burstrl.sandbox.backends import make_backend
@@ -158,22 +160,27 @@ def _as_user() -> list[str]:
     return DROP
 
 
+def run_as_user(script: str, **names: Any) -> dict[str, Any]:
+    """Run `script` (which prints one JSON line last) as an ordinary user with `names` defined
+    and SRC a world-readable copy of the package (the checkout may be in a dir the user cannot
+    enter: a clone under a 0700 temp dir or /root); skips where there is no ordinary user to be."""
+    prefix = _as_user()
+    with tempfile.TemporaryDirectory(prefix="burstrl-src-") as src:
+        shutil.copytree(SRC / "burstrl", Path(src) / "burstrl", ignore=shutil.ignore_patterns("__pycache__"))
+        os.chmod(src, 0o755)
+        head = "".join(f"{k} = {v!r}\n" for k, v in {**names, "SRC": src}.items())
+        r = subprocess.run([*prefix, "/usr/bin/python3", "-c", head + script], capture_output=True,
+                           text=True, timeout=300, cwd="/tmp", check=False)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout.splitlines()[-1])
+
+
 def test_ordinary_user_can_create_exec_close() -> None:
     """Defect 8: without writable cgroups the pids limit is RLIMIT_NPROC, set by prlimit (dash
     has no `ulimit -u`); the sandbox starts and runs as the user's own uid. Then the suite's
     attacks on the daemon and the kernel's knobs, run by that user's sandbox, all fail (the
     system python: the sandbox code is stdlib only, and the venv's may be out of the user's reach)."""
-    prefix = _as_user()
-    with tempfile.TemporaryDirectory(prefix="burstrl-src-") as src:
-        # The checkout may be in a dir the user cannot enter (a clone under a 0700 temp dir or
-        # /root): the user imports a world-readable copy of the package instead.
-        shutil.copytree(SRC / "burstrl", Path(src) / "burstrl", ignore=shutil.ignore_patterns("__pycache__"))
-        os.chmod(src, 0o755)
-        script = f"ATTACKS = {ATTACKS!r}\nSRC = {src!r}\n" + RUN_AS_USER
-        r = subprocess.run([*prefix, "/usr/bin/python3", "-c", script], capture_output=True,
-                           text=True, timeout=300, cwd="/tmp", check=False)
-    assert r.returncode == 0, r.stderr[-2000:]
-    res = json.loads(r.stdout.splitlines()[-1])
+    res = run_as_user(RUN_AS_USER, ATTACKS=ATTACKS)
     uid, nproc = res["out"].split()
     assert res["rc"] == 0 and uid != "0"
     if res["pids"] == "rlimit":

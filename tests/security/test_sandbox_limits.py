@@ -8,19 +8,15 @@ What a command sees is read inside with `resource.getrlimit` (gVisor has no /pro
 from __future__ import annotations
 
 import json
-import os
 import resource
 import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from burstrl.sandbox.backends.base import SandboxSpec
 from burstrl.sandbox.backends.limits import RLIMITS
-from tests.security.test_namespace_root import SRC, _as_user
+from tests.security.test_namespace_root import run_as_user
 
 NAMES = [r.name for r in RLIMITS] + ["RLIMIT_NPROC"]
 READ = ("import json, resource\n"
@@ -72,20 +68,6 @@ with make_backend("namespace", state_dir=state).create(SandboxSpec(pids_limit=PI
     r = sb.exec(["python3", "-c", READ])
     print(json.dumps({"limits": json.loads(r.stdout), "pids": sb.limits.pids}))
 """
-
-
-def run_as_user(script: str, **names: Any) -> dict[str, Any]:
-    """Run `script` (which prints one JSON line last) as an ordinary user with `names` defined
-    and SRC a world-readable copy of the package; skips where there is no ordinary user to be."""
-    prefix = _as_user()
-    with tempfile.TemporaryDirectory(prefix="burstrl-src-") as src:
-        shutil.copytree(SRC / "burstrl", Path(src) / "burstrl", ignore=shutil.ignore_patterns("__pycache__"))
-        os.chmod(src, 0o755)
-        head = "".join(f"{k} = {v!r}\n" for k, v in {**names, "SRC": src}.items())
-        r = subprocess.run([*prefix, "/usr/bin/python3", "-c", head + script], capture_output=True,
-                           text=True, timeout=300, cwd="/tmp", check=False)
-    assert r.returncode == 0, r.stderr[-2000:]
-    return json.loads(r.stdout.splitlines()[-1])
 
 
 @pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")
