@@ -26,7 +26,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
-from burstrl.protocol.capture import REPLICA_CAP, SESSION_CAP
+from burstrl.protocol.capture import REPLICA_CAP, SESSION_CAP, expand_calls
 
 __all__ = ["REPLICA_CAP", "SESSION_CAP", "CallRecord", "CaptureLimits", "SessionCapture", "new_record"]
 
@@ -51,16 +51,9 @@ class CallRecord:
     def stored_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.completion_ids)
 
-    def to_json(self, prompt_ids: list[int] | None = None) -> dict[str, Any]:
-        """The wire shape; `prompt_ids` given = the whole prompt (then `prefix_tokens` is 0)."""
-        out = {k: v for k, v in self.__dict__.items() if not isinstance(v, array)}
-        out["completion_ids"] = self.completion_ids.tolist()
-        out["logprobs"] = self.logprobs.tolist()
-        if prompt_ids is None:
-            out["prompt_ids"] = self.prompt_ids.tolist()
-        else:
-            out["prompt_ids"], out["prefix_tokens"] = prompt_ids, 0
-        return out
+    def to_json(self) -> dict[str, Any]:
+        """The wire shape (a delta: `protocol.capture.expand_calls` rebuilds the whole prompt)."""
+        return {k: v.tolist() if isinstance(v, array) else v for k, v in self.__dict__.items()}
 
 
 def new_record(request_id: str, version: str, prompt_ids: list[int], completion_ids: list[int],
@@ -126,12 +119,7 @@ class SessionCapture:
                 "dropped_reason": self.dropped_reason}
 
     def calls_json(self, full: bool) -> list[dict[str, Any]]:
-        """The records on the wire: deltas, or (`full`) each with its whole prompt rebuilt."""
-        if not full:
-            return [c.to_json() for c in self.calls]
-        out, prev = [], array("i")
-        for c in self.calls:
-            prompt = prev[:c.prefix_tokens] + c.prompt_ids
-            out.append(c.to_json(prompt.tolist()))
-            prev = prompt + c.completion_ids
-        return out
+        """The records on the wire: deltas, or (`full`) each with its whole prompt rebuilt, as any
+        reader of the deltas rebuilds it."""
+        calls = [c.to_json() for c in self.calls]
+        return expand_calls(calls) if full else calls
