@@ -1,9 +1,8 @@
 """Issue 37, finding 3: the kernel counts inotify instances (and watches, pending signals, message
 queue bytes, processes...) per host uid across user namespaces, so while every sandbox ran as
 nobody one sandbox holding 128 inotify instances made `inotify_init` fail in every other one.
-Run as root, the namespace backend now gives each sandbox a host uid of its own (leased from a
-block: `ids.IdLease`); gVisor counts in its own kernel, one per sandbox. runc sandboxes still
-share nobody (a runc user namespace must map the container's root too: not done yet).
+Run as root, the namespace and runc backends now give each sandbox a host uid of its own (leased
+from a block: `ids.IdLease`); gVisor counts in its own kernel, one per sandbox.
 """
 
 from __future__ import annotations
@@ -13,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from burstrl.sandbox.backends.base import SandboxSpec, read_owner
+from burstrl.sandbox.backends.base import SandboxSpec
+from burstrl.sandbox.backends.ids import LEASE_DIR
 from tests.waiting import wait_for
 
 ROOT = os.geteuid() == 0
@@ -42,12 +42,9 @@ def _held(sb: Any) -> str | None:
     return r.stdout or None
 
 
-def test_inotify_instances_held_in_one_sandbox_leave_another_its_own(backend: Any,
-                                                                     request: pytest.FixtureRequest) -> None:
+def test_inotify_instances_held_in_one_sandbox_leave_another_its_own(backend: Any) -> None:
     if not ROOT:
         pytest.skip("a uid per sandbox needs root: run by an ordinary user every sandbox is that user")
-    if backend.name == "oci" and not getattr(backend, "gvisor", False):  # runs, and must still fail
-        request.applymarker(pytest.mark.xfail(strict=True, reason="runc sandboxes still share one host uid"))
     spec = SandboxSpec(memory_limit_mb=256)
     with backend.create(spec) as hog, backend.create(spec) as other:
         hog.client.write_file("/tmp/hold.py", HOLD)
@@ -61,20 +58,30 @@ def test_inotify_instances_held_in_one_sandbox_leave_another_its_own(backend: An
     assert held >= 1 and got == "True", (held, got)
 
 
-def test_each_sandbox_runs_as_a_host_uid_of_its_own(tmp_path: Any) -> None:
-    """Three namespace sandboxes at once run as three host uids, none of them root or the
-    harness's, and each still reads as nobody inside."""
+@pytest.mark.parametrize("name", ["namespace", "oci-runc"])
+def test_each_sandbox_runs_as_a_host_uid_of_its_own(name: str) -> None:
+    """Three sandboxes at once run as three host uids, none of them root or the harness's, each
+    let go when its sandbox closes. Inside, a namespace sandbox reads as nobody (its user
+    namespace maps the uid); runc has no user namespace, so its commands read the leased number."""
     if not ROOT:
         pytest.skip("a uid per sandbox needs root")
     from tests.security.conftest import open_backend
 
-    backend, _ = open_backend("namespace")
+    backend, _ = open_backend(name)
     sandboxes = [backend.create(SandboxSpec(memory_limit_mb=128)) for _ in range(3)]
     try:
-        uids = {os.stat(f"/proc/{read_owner(sb.path)['pid']}").st_uid for sb in sandboxes}
+        uids = {_daemon_uid(sb) for sb in sandboxes}
         inside = {sb.exec("id -u").stdout.strip() for sb in sandboxes}
     finally:
         for sb in sandboxes:
             sb.close()
     assert len(uids) == 3 and 0 not in uids and os.getuid() not in uids, uids
-    assert inside == {"65534"}, inside
+    assert inside == ({"65534"} if name == "namespace" else {str(u) for u in uids}), (inside, uids)
+    assert not any((LEASE_DIR / str(u)).exists() for u in uids), "a closed sandbox kept its uid leased"
+
+
+def _daemon_uid(sb: Any) -> int:
+    """The host uid the sandbox's commands run as: the host owner of a file one of them made in
+    /work (the host dir `<sandbox>/work`, bound there on every backend)."""
+    assert sb.exec("touch /work/.owner").exit_code == 0
+    return (sb.path / "work" / ".owner").stat().st_uid

@@ -30,6 +30,7 @@ from burstrl.protocol.process import read_owner as read_owner
 from burstrl.protocol.process import write_owner as write_owner
 
 if TYPE_CHECKING:
+    from burstrl.sandbox.backends.ids import IdLease
     from burstrl.sandbox.backends.quota import SizedDir
     from burstrl.sandbox.images import Image
 
@@ -144,6 +145,9 @@ class SandboxState:
     image: Image | None = None  # pinned in the layer cache until teardown
     image_env: dict[str, str] = field(default_factory=dict)  # the image's `Env`, for the daemon
     sized: list[SizedDir] = field(default_factory=list)  # /work's size-limited filesystems, oldest first
+    uid: int | None = None  # the host uid/gid its processes run as (None: ours, run by an ordinary user)
+    gid: int | None = None
+    lease: IdLease | None = None  # where `uid` is leased for this sandbox alone (released once all are gone)
 
 
 _warned: set[str] = set()

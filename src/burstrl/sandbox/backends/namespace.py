@@ -84,9 +84,6 @@ class NamespaceState(SandboxState):
     cgroups: CgroupSet | None = None
     mounts: list[Path] = dataclasses.field(default_factory=list)  # unmounted before the dir is removed
     pid_ns: PidNamespace | None = None  # the daemon's pid namespace, once it is ready
-    uid: int | None = None  # the host uid/gid its processes run as (None: ours, run by an ordinary user)
-    gid: int | None = None
-    lease: IdLease | None = None  # where `uid` is leased for this sandbox alone
 
 
 def default_state_dir() -> Path:

@@ -9,7 +9,9 @@ runtime never writes into the shared image cache. Limits are the runtime's own (
 sweep finds it even when its state dir is gone).
 
 Who runs as whom: run as root (CI, GPU pods), the daemon and its commands run as `sandbox_uid`
-(nobody), never host uid 0. The daemon is the container's pid 1: it reaps orphans, and no signal
+if given, else under runc/crun as a host uid leased for that sandbox alone (`ids.IdLease`; no user
+namespace, so inside it reads as that number, with no passwd entry) and under runsc as nobody (the
+sentry counts per-uid resources in its own kernel); never host uid 0. The daemon is the container's pid 1: it reaps orphans, and no signal
 from a command reaches it. runc and crun get the daemon's socket already listening (made on the
 host, passed as fd 3 with the token pipe as fd 4: `--preserve-fds 2`), so no socket dir exists
 inside. runsc cannot pass fds: its daemon makes the socket in a bound dir (`--host-uds=create`),
@@ -59,7 +61,7 @@ from burstrl.sandbox.backends.base import (
     write_owner,
 )
 from burstrl.sandbox.backends.cgroups import CPU_PERIOD_US, _mounts, _own_paths, _under, kill_and_remove
-from burstrl.sandbox.backends.ids import sandbox_ids
+from burstrl.sandbox.backends.ids import IdLease, id_block, sandbox_ids
 from burstrl.sandbox.backends.launch import spawn, wait_ready
 from burstrl.sandbox.backends.limits import sandbox_rlimits
 from burstrl.sandbox.backends.namespace import (
@@ -108,13 +110,20 @@ class OciBackend:
         # The runtime's own state (container records) stays with ours, so a sweep finds it.
         self.runtime_root = self.state_dir / f".{Path(runtime).name}-state"
         self.uid, self.gid = sandbox_ids(sandbox_uid, sandbox_gid)
+        # As root with no uid given, runc/crun sandboxes run as a host uid leased for each alone
+        # (the kernel's per-uid counts are not shared; issue 37); gVisor counts in its own kernel.
+        self.id_block = id_block() if self.uid is not None and sandbox_uid is None and not self.gvisor else None
 
     def create(self, spec: SandboxSpec) -> Sandbox:
         sid = secrets.token_hex(4)
         path = self.state_dir / sid
         path.mkdir(mode=0o700)
-        state = OciState(path=path, cgroups=cgroup_dirs(cgroup_name(self.state_dir, sid)))
+        state = OciState(path=path, cgroups=cgroup_dirs(cgroup_name(self.state_dir, sid)), uid=self.uid,
+                         gid=self.gid)
         try:
+            if self.id_block is not None:
+                state.lease = IdLease(*self.id_block)
+                state.uid = state.gid = state.lease.id
             return self._start(sid, spec, state)
         except BaseException:
             self._teardown(state)
@@ -125,10 +134,10 @@ class OciBackend:
         run, token = make_run_dir(path, token_file=self.gvisor)
         (path / "work").mkdir()
         base = prepare_root(self, spec, path / "work", state)
-        if self.uid is not None:
-            hand_over([path / "work", *([run] if self.gvisor else [])], self.uid, self.gid)
+        if state.uid is not None:
+            hand_over([path / "work", *([run] if self.gvisor else [])], state.uid, state.gid)
         cid = f"burstrl-{sid}"
-        config = bundle_config(path, base, spec, cgroup_name(self.state_dir, sid), self.uid, self.gid,
+        config = bundle_config(path, base, spec, cgroup_name(self.state_dir, sid), state.uid, state.gid,
                                gvisor=self.gvisor, image_env=state.image_env)
         (path / "config.json").write_text(json.dumps(config, indent=1))
         delete = self._cmd("delete", "--force", cid)
@@ -188,8 +197,11 @@ class OciBackend:
             self.layer_cache.unpin(state.image)
             state.image = None
         remove_tree(state.path)
-        if left:
+        if left:  # the uid stays leased (its flock held) while a process of it may still run
             raise SandboxNotGone(state.path.name, left)
+        if state.lease is not None:
+            state.lease.release()
+            state.lease = None
 
 
 def _wait_then_kill(proc: subprocess.Popen[bytes], grace_s: float = 2.0) -> None:
