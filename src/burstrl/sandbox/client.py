@@ -100,9 +100,10 @@ def _json_call(target: str, cls: Type[Any], result: type, wait_s: float = 0.0, *
 
 
 def _exec_call(cmd: Union[str, List[str]], timeout: float, cwd: Optional[str], env: Optional[Dict[str, str]],
-               max_output_bytes: int, request_id: Optional[str]) -> _Call:
+               max_output_bytes: int, request_id: Optional[str], private_output: bool) -> _Call:
     return _json_call("/exec", ExecRequest, ExecResult, wait_s=timeout, cmd=cmd, timeout=timeout, cwd=cwd,
-                      env=env, max_output_bytes=max_output_bytes, request_id=request_id or uuid.uuid4().hex)
+                      env=env, max_output_bytes=max_output_bytes, request_id=request_id or uuid.uuid4().hex,
+                      private_output=private_output)
 
 
 def _write_call(path: str, data: Union[bytes, str], mode: int, mkdir: bool) -> _Call:
@@ -274,8 +275,8 @@ class SandboxClient:
 
     def exec(self, cmd: Union[str, List[str]], timeout: float = 60.0, cwd: Optional[str] = None,
              env: Optional[Dict[str, str]] = None, max_output_bytes: int = DEFAULT_OUTPUT_BYTES,
-             request_id: Optional[str] = None) -> ExecResult:
-        return self._do(_exec_call(cmd, timeout, cwd, env, max_output_bytes, request_id))
+             request_id: Optional[str] = None, private_output: bool = False) -> ExecResult:
+        return self._do(_exec_call(cmd, timeout, cwd, env, max_output_bytes, request_id, private_output))
 
     def read_file(self, path: str, max_bytes: int = DEFAULT_READ_BYTES) -> bytes:
         """The file's bytes; SandboxError(413) when it is over `max_bytes`."""
@@ -400,8 +401,8 @@ class AsyncSandboxClient:
 
     async def exec(self, cmd: Union[str, List[str]], timeout: float = 60.0, cwd: Optional[str] = None,
                    env: Optional[Dict[str, str]] = None, max_output_bytes: int = DEFAULT_OUTPUT_BYTES,
-                   request_id: Optional[str] = None) -> ExecResult:
-        return await self._do(_exec_call(cmd, timeout, cwd, env, max_output_bytes, request_id))
+                   request_id: Optional[str] = None, private_output: bool = False) -> ExecResult:
+        return await self._do(_exec_call(cmd, timeout, cwd, env, max_output_bytes, request_id, private_output))
 
     async def read_file(self, path: str, max_bytes: int = DEFAULT_READ_BYTES) -> bytes:
         call = _json_call("/read_file", ReadFileRequest, ReadFileResult, path=path, max_bytes=max_bytes)

@@ -116,6 +116,8 @@ class ExecRequest:
     the token). `request_id` makes a retry safe: a repeated id returns the first run's result.
     `max_output_bytes` caps each stream in the bytes its text takes in the JSON answer (escaped:
     an undecodable byte is 6 bytes there), not in the bytes the command wrote.
+    `private_output`: stdout and stderr are socket pairs, not pipes, so no other process of the
+    sandbox can reopen them through /proc and write into them (`runtime`, "Private output").
     """
 
     cmd: Union[str, List[str]]
@@ -124,6 +126,7 @@ class ExecRequest:
     env: Optional[Dict[str, str]] = None
     max_output_bytes: int = DEFAULT_OUTPUT_BYTES
     request_id: Optional[str] = None
+    private_output: bool = False
 
     def __post_init__(self) -> None:
         _check_types(self)

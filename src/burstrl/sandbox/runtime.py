@@ -14,6 +14,14 @@ as soon as it exits, and no process outlives the request that started it. That i
 exec is self-contained; a process that must persist across requests has to escape with `setsid`
 (and then lives until the sandbox is torn down).
 
+Private output. A command's stdout and stderr are pipes, and any process of the sandbox's uid may
+reopen a pipe through /proc/<pid>/fd/N of a process holding it (the `sh -c` wrapper; under gVisor
+the daemon itself) and write into what the caller reads. An exec with `private_output` gets the
+two ends of unix socket pairs instead, which /proc cannot reopen (ENXIO) and pidfd_getfd may not
+take (seccomp), so only the command and its children write there. Pipes stay the default: with a
+socket, `echo > /dev/stdout` fails (ENXIO), which ordinary scripts do. The grader's sealed run,
+whose verdict line is read from stdout, is private.
+
 Files. Paths must resolve (symlinks followed) inside `root`; anything else is a 400. `root` is "/"
 inside a real sandbox, whose own walls do the isolating; in tests it is a temp dir. Relative paths
 and cwds are taken from `work_dir`. The checks (regular files only, archive members that stay
@@ -43,6 +51,7 @@ import contextlib
 import os
 import selectors
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -181,17 +190,23 @@ class Runtime:
         env = dict(self.env, **(req.env or {}))
         start = time.monotonic()
         argv = ["/bin/sh", "-c", OOM_PREFIX + req.cmd] if isinstance(req.cmd, str) else _wrap_argv(req.cmd, env, cwd)
+        ours, theirs = _output_channels(req.private_output)
         try:
             with self._lock:  # a pid 1 reaper must never reap a leader before it is in _running
-                proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                        stderr=subprocess.PIPE, cwd=cwd, env=env, start_new_session=True)
+                proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=theirs[0], stderr=theirs[1],
+                                        cwd=cwd, env=env, start_new_session=True)
                 self._running.add(proc.pid)
         except OSError as exc:  # like a shell: 127 when not found, 126 when not executable
+            for fd in ours:
+                os.close(fd)
             code = 127 if isinstance(exc, FileNotFoundError) else 126
             return ExecResult(stdout="", stderr=f"{argv[0]}: {exc.strerror}\n", exit_code=code,
                               duration_s=time.monotonic() - start)
+        finally:
+            for fd in theirs:
+                os.close(fd)
         try:
-            out, err, timed_out = _collect(proc, start + req.timeout, req.max_output_bytes)
+            out, err, timed_out = _collect(proc, ours, start + req.timeout, req.max_output_bytes)
         finally:
             _kill_group(proc.pid)  # leader not reaped yet, so the group id cannot have been reused
             proc.wait()
@@ -287,11 +302,29 @@ class Runtime:
         return real
 
 
-def _collect(proc: subprocess.Popen, deadline: float, limit: int) -> Tuple[OutputCapture, OutputCapture, bool]:
-    """Read both pipes until they close after the leader exited (+ grace) or the deadline passes."""
-    assert proc.stdout is not None and proc.stderr is not None
-    caps = {proc.stdout.fileno(): OutputCapture(limit), proc.stderr.fileno(): OutputCapture(limit)}
-    out_fd, err_fd = list(caps)
+def _output_channels(private: bool) -> Tuple[Tuple[int, int], Tuple[int, int]]:
+    """((our stdout end, our stderr end), (the command's)): pipes, or for a private exec unix
+    socket pairs, each one-way (the command cannot read what we never write, nor we write to it)."""
+    ours, theirs = [], []
+    for _ in range(2):
+        if private:
+            a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            a.shutdown(socket.SHUT_WR)
+            b.shutdown(socket.SHUT_RD)
+            r, w = a.detach(), b.detach()
+        else:
+            r, w = os.pipe()
+        ours.append(r)
+        theirs.append(w)
+    return (ours[0], ours[1]), (theirs[0], theirs[1])
+
+
+def _collect(proc: subprocess.Popen, fds: Tuple[int, int], deadline: float,
+             limit: int) -> Tuple[OutputCapture, OutputCapture, bool]:
+    """Read both streams (our ends `fds`, closed here) until they close after the leader exited
+    (+ grace) or the deadline passes."""
+    caps = {fds[0]: OutputCapture(limit), fds[1]: OutputCapture(limit)}
+    out_fd, err_fd = fds
     sel = selectors.DefaultSelector()
     for fd in caps:
         os.set_blocking(fd, False)
@@ -332,8 +365,8 @@ def _collect(proc: subprocess.Popen, deadline: float, limit: int) -> Tuple[Outpu
         sel.close()
         if pidfd is not None:
             os.close(pidfd)
-        proc.stdout.close()
-        proc.stderr.close()
+        os.close(out_fd)
+        os.close(err_fd)
     return caps[out_fd], caps[err_fd], timed_out
 
 

@@ -76,15 +76,24 @@ def seal_off(test_cmd: str, changed: Sequence[str], base_files: frozenset[str]) 
 
 
 def read_verdict(stdout: str) -> dict[str, Any] | None:
-    """The collector's verdict from its stdout, None if there is none (the run was killed)."""
-    for line in reversed(stdout.splitlines()):
-        if line.startswith(TAG):
-            try:
-                verdict = json.loads(line[len(TAG):])
-            except ValueError:
-                return None
-            return verdict if isinstance(verdict, dict) else None
-    return None
+    """The collector's verdict from its stdout, None if there is none (the run was killed).
+
+    The collector prints exactly one verdict line, and the run's stdout is private (a socket no
+    other process can reopen: `runtime`, "Private output"); a second line means something else
+    wrote there, so the first is taken and the run is tampered (`forged_verdict`) whatever it says."""
+    lines = [line for line in stdout.splitlines() if line.startswith(TAG)]
+    if not lines:
+        return None
+    try:
+        verdict = json.loads(lines[0][len(TAG):])
+    except ValueError:
+        return None
+    if not isinstance(verdict, dict):
+        return None
+    if len(lines) > 1:
+        why = f"forged_verdict: {len(lines)} verdict lines on the collector's stdout, where it prints one"
+        verdict["tampered"] = [why, *list(verdict.get("tampered") or [])]
+    return verdict
 
 
 def judge(verdict: dict[str, Any] | None, graded: Sequence[str]) -> tuple[dict[str, str], str, bool]:

@@ -58,7 +58,8 @@ def run_tests(sandbox: GradingSandbox, task: SweTask, timeout_s: float, changed:
         graded = unique(task.FAIL_TO_PASS + task.PASS_TO_PASS)
         sandbox.write_file(f"{rdir}/graded", "".join(f"{t}\n{dotted_id(t)}\n" for t in graded).encode())
         options = "-rA" if runner_kind(task.test_cmd) == "pytest" else ""
-        res, seconds = _timed(sandbox, grading_command(task, options, sealed), timeout_s)
+        # Private: the verdict line is read from stdout, which no other process may then write.
+        res, seconds = _timed(sandbox, grading_command(task, options, sealed), timeout_s, private=True)
         return {"text": read_log(sandbox, log), "timed_out": bool(res.timed_out), "exit_code": res.exit_code,
                 "seconds": seconds, "report": "", "nonce": "", "seal": read_verdict(res.stdout)}
     options, report = "", junit_path(task)
@@ -74,9 +75,9 @@ def run_tests(sandbox: GradingSandbox, task: SweTask, timeout_s: float, changed:
             "seconds": seconds, "report": report, "nonce": nonce if wrapped else "", "seal": None}
 
 
-def _timed(sandbox: GradingSandbox, cmd: str, timeout_s: float) -> tuple[ExecResult, float]:
+def _timed(sandbox: GradingSandbox, cmd: str, timeout_s: float, private: bool = False) -> tuple[ExecResult, float]:
     start = time.monotonic()
-    res = sandbox.exec(cmd, cwd=REPO_DIR, timeout=timeout_s, env=TEST_ENV)
+    res = sandbox.exec(cmd, cwd=REPO_DIR, timeout=timeout_s, env=TEST_ENV, private_output=private)
     return res, round(time.monotonic() - start, 3)
 
 

@@ -178,8 +178,8 @@ class Sandbox:
         self.closed = False
 
     def exec(self, cmd: str | Sequence[str], timeout: float = 60, cwd: str | None = None,
-             env: dict[str, str] | None = None) -> Any:
-        return self.client.exec(cmd, timeout=timeout, cwd=cwd, env=env)
+             env: dict[str, str] | None = None, private_output: bool = False) -> Any:
+        return self.client.exec(cmd, timeout=timeout, cwd=cwd, env=env, private_output=private_output)
 
     def read_file(self, path: str) -> bytes:
         return self.client.read_file(path)
