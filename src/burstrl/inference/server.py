@@ -36,6 +36,7 @@ from starlette.exceptions import HTTPException
 
 from burstrl.config import ServeConfig
 from burstrl.inference import admin_routes
+from burstrl.inference import generate_api as gen
 from burstrl.inference import openai_api as api
 from burstrl.inference.api_common import (
     ApiError,
@@ -115,7 +116,7 @@ async def models(request: Request) -> dict[str, Any]:
     rep = replica_of(request)
     require_engine(rep)
     names = [rep.cfg.served_model_name, *rep.registry.names()]
-    body = models_list(names, rep.cfg.model.path, rep.cfg.served_model_name, rep.registry.paths())
+    body = models_list(names, rep.cfg.model.path, rep.cfg.served_model_name, rep.registry.paths(), rep.max_model_len)
     body["engine_path"] = rep.engine.runner.path  # "fast" (own layer math) or "generic" (the model's forward)
     return body
 
@@ -142,6 +143,17 @@ async def completions(request: Request) -> Response:
     max_tokens = body.max_tokens if body.max_tokens is not None else api.COMPLETIONS_DEFAULT_MAX_TOKENS
     return await _generate(rep, request, body, "text", prompt_ids=prompt, top_logprobs=top,
                            max_tokens=max_tokens, want_logprobs=body.logprobs is not None)
+
+
+@router.post(gen.PATH)
+async def generate(request: Request) -> Response:
+    """vLLM's token-in endpoint (verifiers' train client): a completions call run by `_generate` (`generate_api`)."""
+    rep = replica_of(request)
+    raw = await read_limited(request, rep.cfg.server.max_body_bytes)
+    body, prompt = await rep.workers.run(_prepare_generate, rep, raw)
+    top = body.logprobs or 0
+    return await _generate(rep, request, body, "generate", prompt_ids=prompt, top_logprobs=top,
+                           max_tokens=body.max_tokens, want_logprobs=body.logprobs is not None)
 
 
 @router.get("/v1/traces/{session_id:path}")
@@ -204,6 +216,15 @@ def _prepare_completion(rep: InferenceReplica, raw: bytes) -> tuple[api.Completi
     return body, _completion_prompt(rep, body)
 
 
+def _prepare_generate(rep: InferenceReplica, raw: bytes) -> tuple[api.CompletionRequest, list[int]]:
+    """On a request worker: a generate body checked against the limits, validated, as a completions request."""
+    data = decode_request(raw, rep.limits, gen.check_generate)
+    if not isinstance(data, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    body = gen.to_completion(gen.parse_generate(data))
+    return body, _completion_prompt(rep, body)
+
+
 def _completion_prompt(rep: InferenceReplica, body: Any) -> list[int]:
     """Token ids of a completions prompt: text, token ids, or a one-element batch of either."""
     ids = body.input_ids if body.input_ids is not None else body.prompt
@@ -259,7 +280,7 @@ async def _generate(rep: InferenceReplica, request: Request, body: Any, kind: st
     await _wait_done(rep, request, req, events)
     if req.error is not None:
         raise ApiError(500, f"engine error: {req.error}", "server_error")
-    build = api.chat_response if kind == "chat" else api.completion_response
+    build = {"chat": api.chat_response, "text": api.completion_response, "generate": gen.generate_response}[kind]
     return JSONResponse(build(req, body.model, body.return_token_ids, want_logprobs, rep.text))
 
 

@@ -31,13 +31,15 @@ def error_body(status: int, message: str, kind: str = "invalid_request_error") -
     return {"error": {"message": message, "type": kind, "param": None, "code": status}}
 
 
-def models_list(names: list[str], root: str, base: str = "base",
-                roots: dict[str, str] | None = None) -> dict[str, Any]:
+def models_list(names: list[str], root: str, base: str = "base", roots: dict[str, str] | None = None,
+                max_model_len: int | None = None) -> dict[str, Any]:
     """`/v1/models` as vLLM answers it: adapters name the served base model as `parent` and
-    their own path as `root`; the base model has no parent and its path as root."""
+    their own path as `root`; the base model has no parent and its path as root. `max_model_len`
+    (a replica's context length) is vLLM's extension, which verifiers' client reads before it sends."""
     now = int(time.time())
+    extra = {} if max_model_len is None else {"max_model_len": max_model_len}
     data = [{"id": n, "object": "model", "created": now, "owned_by": "burstrl",
-             "root": (roots or {}).get(n, root), "parent": None if n == base else base} for n in names]
+             "root": (roots or {}).get(n, root), "parent": None if n == base else base, **extra} for n in names]
     return {"object": "list", "data": data}
 
 

@@ -117,18 +117,23 @@ def first_call_tokens(body: dict[str, Any]) -> int:
 
     Why: at placement the size model only knows the task kind; a token-in call already says how
     large the session is, so headroom need not guess for the part it can see. Text prompts give 0.
+    `max_tokens` is top-level (OpenAI) or in `sampling_params` (vLLM's /inference/v1/generate).
     """
     ids = prompt_ids(body)
-    max_tokens = body.get("max_tokens")
+    sampling = body.get("sampling_params")
+    max_tokens = body.get("max_tokens", sampling.get("max_tokens") if isinstance(sampling, dict) else None)
     n = len(ids)
     return min(MAX_TOKENS_HINT, n + (max_tokens if isinstance(max_tokens, int) and max_tokens > 0 and n else 0))
 
 
 def prompt_ids(body: dict[str, Any]) -> list[int]:
-    """The token ids of a token-in call (`input_ids`, or `prompt` as ids or a one-element batch); else []."""
+    """The token ids of a token-in call (`input_ids`, `prompt` as ids or a one-element batch, or
+    /inference/v1/generate's `token_ids`); else []."""
     ids = body.get("input_ids")
     if ids is None:
         ids = body.get("prompt")
+    if ids is None:
+        ids = body.get("token_ids")
     if isinstance(ids, list) and len(ids) == 1 and isinstance(ids[0], list):
         ids = ids[0]
     if not isinstance(ids, list) or not all(type(t) is int and 0 <= t < 1 << 31 for t in ids):
@@ -312,6 +317,11 @@ def build_app(router: Router, on_ready: Callable[[], None] | None = None) -> Fas
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await proxy(router, request, "/v1/completions")
+
+    @app.post("/inference/v1/generate")
+    async def generate(request: Request) -> Response:
+        """vLLM's token-in endpoint (verifiers' train client); the session comes from its X-Session-ID header."""
+        return await proxy(router, request, "/inference/v1/generate")
 
     return app
 
