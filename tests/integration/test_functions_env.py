@@ -73,6 +73,7 @@ def test_splits_are_generated_once_per_run_and_differ(env: FunctionsEnv) -> None
     test = env.make_tasks(12, seed=0, split="test")
     assert {t.id.split("-")[1] for t in train} == {"train"} and {t.id.split("-")[1] for t in test} == {"test"}
     assert env.make_tasks(12, seed=0) == train  # the same tasks again: made once, read back
+    assert len({t.id for t in env.make_tasks(40, seed=3, split="test")}) == min(40, len(env.tasks("test")))
     assert (env.run_dir / "functions-tasks" / "train" / "tasks.jsonl").exists()
 
 
