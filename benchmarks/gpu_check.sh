@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The project's GPU figures in one call, for a session that is lent a CUDA GPU.
 #
-#   bash benchmarks/gpu_check.sh             # needs a CUDA GPU; ~6-9 min on one H200
+#   bash benchmarks/gpu_check.sh             # needs a CUDA GPU; ~6-9 min on one H200 before the functions step (estimated +3-5 min, not run yet)
 #   bash benchmarks/gpu_check.sh --dry-run   # no GPU: checks the commands parse, runs the GRPO step on CPU
 #
 # Prints one JSON object per check on stdout ({"check", "ok", "rc", "seconds", "result"}; "tail" holds
@@ -20,6 +20,10 @@
 #              (vocabulary 2048, not 262k): the fast runner over paged KV with sliding windows and its
 #              start-up probe on a GPU, then the same with --engine-path generic (the two side by side).
 #              The real Gemma 3 270M cannot reach the GPU machine (1 GB; no package registry there).
+#   functions  benchmarks/functions.py --quick on that random Gemma-3-shaped model (device and dtype
+#              auto: CUDA, bf16): the whole RL loop of issue 35 (eval, router, replica, sandboxes,
+#              store, LoRA trainer, pushes) on a GPU, for its step costs (wait_s / compute_s) only:
+#              random weights write no correct function, so its Pass@1 and lift say nothing.
 # Exit status: 0 when every check passed, 1 when one failed, 2 without a GPU (and not --dry-run).
 set -uo pipefail
 
@@ -192,6 +196,7 @@ if [ "$MODE" = run ]; then
   check gemma3_model 600 "$PY" -c "$MAKE_GEMMA3" "$GEMMA3_DIR"
   bench engine_gemma3 900 benchmarks/replica.py --model "$GEMMA3_DIR" --quick
   bench engine_gemma3_generic 900 benchmarks/replica.py --model "$GEMMA3_DIR" --quick --engine-path generic
+  bench functions 900 benchmarks/functions.py --model "$GEMMA3_DIR" --quick --work-dir "$LOGS/functions"
 else
   log "dry run: checking that every command parses (no GPU needed; nothing is measured)"
   check syntax 60 bash -n "$0"
@@ -205,6 +210,7 @@ else
   check gemma3_model 60 "$PY" -c 'import ast, sys; ast.parse(sys.argv[1]); print("{\"parsed\": true}")' "$MAKE_GEMMA3"
   bench engine_gemma3 900 benchmarks/replica.py --model "$GEMMA3_DIR" --quick
   bench engine_gemma3_generic 900 benchmarks/replica.py --model "$GEMMA3_DIR" --quick --engine-path generic
+  bench functions 900 benchmarks/functions.py --model "$GEMMA3_DIR" --quick --work-dir "$LOGS/functions"
 fi
 echo "{\"check\": \"summary\", \"ok\": $([ "$FAILED" -eq 0 ] && echo true || echo false), \"mode\": \"$MODE\", \"logs\": \"$LOGS\"}"
 exit "$FAILED"
