@@ -1,6 +1,6 @@
 """Sandbox backends: where a sandbox's processes run and how they are isolated and limited.
 
-`namespace` uses bubblewrap; `oci` runs an OCI runtime bundle with runc (or crun); `runsc` is
+`namespace` uses bubblewrap; `oci` runs an OCI runtime bundle with runc; `runsc` is
 `oci` with gVisor's runsc, whose user-space kernel stands between sandboxed code and the host's.
 `auto` (the default) is the safest of them that works on this machine: runsc where it runs (as
 root, on Linux), else namespace. All start the same daemon (`burstrl.sandbox.daemon`) as the

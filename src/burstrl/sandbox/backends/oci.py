@@ -1,5 +1,5 @@
 """The `oci` backend: an OCI runtime bundle (config.json + rootfs) run by a runtime named at
-construction: runc (the default), crun, or runsc (gVisor, with `--network=none
+construction: runc (the default) or runsc (gVisor, with `--network=none
 --platform=ptrace`), which take the same bundle and command line.
 
 The bundle's rootfs is a per-sandbox dir of empty mount points: each top-level entry of the base
@@ -9,10 +9,10 @@ runtime never writes into the shared image cache. Limits are the runtime's own (
 sweep finds it even when its state dir is gone).
 
 Who runs as whom: run as root (CI, GPU pods), the daemon and its commands run as `sandbox_uid`
-if given, else under runc/crun as a host uid leased for that sandbox alone (`ids.IdLease`; no user
+if given, else under runc as a host uid leased for that sandbox alone (`ids.IdLease`; no user
 namespace, so inside it reads as that number, with no passwd entry) and under runsc as nobody (the
 sentry counts per-uid resources in its own kernel); never host uid 0. The daemon is the container's pid 1: it reaps orphans, and no signal
-from a command reaches it. runc and crun get the daemon's socket already listening (made on the
+from a command reaches it. runc gets the daemon's socket already listening (made on the
 host, passed as fd 3 with the token pipe as fd 4: `--preserve-fds 2`), so no socket dir exists
 inside. runsc cannot pass fds: its daemon makes the socket in a bound dir (`--host-uds=create`),
 and once it is ready the harness takes that dir back (root-owned, 0700: commands can neither
@@ -21,9 +21,10 @@ daemon's fds through /proc/1/fd (the sentry does not apply non-dumpable there), 
 line is out the daemon's stdio are the sandbox's own /dev/null (`base.DETACH_FLAG`): no host pipe
 or log file is left inside. Every runtime gets `limits.RLIMITS` in config.json.
 
-crun is accepted as a runtime but fails on a machine whose cgroup v2 hierarchy holds a controller
-while v1 is mounted too (crun 1.8: "cgroups in hybrid mode not supported"); the security suite runs
-runc and runsc only.
+Only runc and runsc are accepted (`RUNTIMES`): they are the runtimes the security suite runs.
+crun took the same bundle but failed here (crun 1.8: "cgroups in hybrid mode not supported" on a
+machine whose cgroup v2 hierarchy holds a controller while v1 is mounted too), so it went untested
+and is refused by name rather than listed.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ from burstrl.sandbox.backends.namespace import (
 )
 from burstrl.sandbox.backends.workdir import disk_report, prepare_root, release_work
 
-RUNTIMES = ("runc", "crun", "runsc")
+RUNTIMES = ("runc", "runsc")  # by the binary's name; a path to either is fine
 RO = ["rbind", "ro", "nosuid", "nodev"]
 # gVisor: no network stack at all, the ptrace platform (KVM is not available everywhere), and
 # the right to create the daemon's unix socket on the host through the bound socket dir.
@@ -105,12 +106,15 @@ class OciBackend:
         self.state_dir = Path(state_dir or default_state_dir())
         self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.layer_cache = layer_cache
+        if Path(runtime).name not in RUNTIMES:
+            raise ValueError(f"OCI runtime {runtime!r} is not supported: use one of {', '.join(RUNTIMES)} "
+                             "(crun failed on the test machines' cgroup layout and is untested)")
         self.runtime = shutil.which(runtime) or runtime
         self.gvisor = Path(runtime).name == "runsc"
         # The runtime's own state (container records) stays with ours, so a sweep finds it.
         self.runtime_root = self.state_dir / f".{Path(runtime).name}-state"
         self.uid, self.gid = sandbox_ids(sandbox_uid, sandbox_gid)
-        # As root with no uid given, runc/crun sandboxes run as a host uid leased for each alone
+        # As root with no uid given, runc sandboxes run as a host uid leased for each alone
         # (the kernel's per-uid counts are not shared; issue 37); gVisor counts in its own kernel.
         self.id_block = id_block() if self.uid is not None and sandbox_uid is None and not self.gvisor else None
 
