@@ -51,9 +51,9 @@ def test_dry_run_parses_every_command_and_runs_the_grpo_step_on_cpu(tmp_path: Pa
     assert out.returncode == 0, out.stdout + out.stderr
     by_name = {r["check"]: r for r in rows}
     assert list(by_name) == ["syntax", "gpu_tests", "engine", "grpo_step", "recompute", "push", "gemma3_model",
-                             "engine_gemma3", "engine_gemma3_generic", "summary"]
+                             "engine_gemma3", "engine_gemma3_generic", "functions", "summary"]
     assert all(r["ok"] for r in rows), rows
-    for name in ("engine", "recompute", "push", "gemma3_model", "engine_gemma3", "engine_gemma3_generic"):
+    for name in ("engine", "recompute", "push", "gemma3_model", "engine_gemma3", "engine_gemma3_generic", "functions"):
         assert by_name[name]["result"] == {"parsed": True}
     step = by_name["grpo_step"]["result"]
     assert step["adapter_finite"] and step["tokens"] == 64
