@@ -106,6 +106,55 @@ def test_a_version_no_replica_serves_is_version_gone(cluster) -> None:
         asyncio.run(go())
 
 
+class HostileSdkEnv(MultiToyEnv):
+    """An ecosystem-style env: its own openai SDK (`envs.ecosystem.common.openai_client`) names
+    another session, another version and another session in the body; the session's transport pins
+    all three back, so the attempt's capture holds every call on the group's version."""
+
+    async def rollout(self, client: ChatClient, task: Task) -> Outcome:
+        from burstrl.envs.ecosystem.common import openai_client
+
+        sdk = openai_client(client)
+        other = {"extra_headers": {"X-Session-ID": "someone-else"}, "extra_body": {"session_id": "other"}}
+        messages = [{"role": "user", "content": "hi"}]
+        first = await sdk.chat.completions.create(model="policy-v99", messages=messages, max_tokens=3, **other)
+        messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": "again"}]
+        stream = await sdk.chat.completions.create(model="base", messages=messages, max_tokens=3, stream=True, **other)
+        async for _ in stream:
+            pass
+        await sdk.close()
+        client.raise_failure()
+        return Outcome(reward=0.5)
+
+
+def test_an_sdk_env_is_pinned_to_the_session_and_version_and_counted(cluster) -> None:
+    router, _ = cluster
+    task = MultiToyEnv().make_tasks(1, seed=5, difficulty=1)[0]
+    rollout = attempt(router.url, HostileSdkEnv(), task, "attempt-sdk")
+    assert rollout.calls == 2 and len(rollout.turns) == 2 and {t.version for t in rollout.turns} == {0}
+    assert rollout.turns[1].prompt_ids[:len(rollout.turns[0].prompt_ids)] == rollout.turns[0].prompt_ids
+    assert HTTP.get(f"{router.url}/v1/traces/someone-else", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+                    timeout=10).status_code == 404  # nothing was captured under the SDK's own id
+
+
+def test_an_sdk_call_the_fleet_fails_is_a_replica_failure() -> None:
+    from burstrl.envs.ecosystem.common import openai_client
+    from burstrl.orchestrator.client import SessionClient
+
+    async def go():
+        async with httpx.AsyncClient(timeout=10) as http:
+            client = SessionClient(http, "http://127.0.0.1:9", "s-dead", "base", 1.0, 4, 0)  # port 9: nobody
+            sdk = openai_client(client)
+            with pytest.raises(Exception, match="Connection error"):  # what the environment sees (and may swallow)
+                await sdk.chat.completions.create(model="base", messages=[{"role": "user", "content": "hi"}])
+            await sdk.close()
+            assert client.calls == 0
+            client.raise_failure()
+    with pytest.raises(ReplicaFailure, match="call 1: ConnectError"):
+        asyncio.run(go())
+
+
 def test_a_replica_dying_mid_rollout_fails_the_attempt_instead_of_storing_half_a_capture(cluster) -> None:
     router, servers = cluster
     env = KillHomeAfterFirstCall(servers, router.url)

@@ -9,6 +9,7 @@ ids; the orchestrator then reads the captured calls (the training data) from the
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -69,3 +70,18 @@ class Environment(Protocol):
     def demonstrations(self, tasks: list[Task]) -> list[dict[str, list[dict[str, str]]]]:
         """Chat rows `{"messages": [...]}` with correct replies, for the SFT warm start."""
         ...
+
+
+async def close_env(env: object) -> None:
+    """Stop what an environment holds (sandboxes, a server it started, an adapter's serving loop).
+
+    Optional on an environment: `async aclose()` (awaited on the loop its rollouts ran on: an
+    adapter's servers live there) or `close()` (run in a thread: it may block on processes).
+    """
+    aclose = getattr(env, "aclose", None)
+    if aclose is not None:
+        await aclose()
+        return
+    close = getattr(env, "close", None)
+    if close is not None:
+        await asyncio.to_thread(close)

@@ -36,7 +36,7 @@ import httpx
 
 from burstrl.config import OrchestratorSection, SweEnvConfig
 from burstrl.envs import get_env
-from burstrl.envs.base import Environment, InfraError, Task
+from burstrl.envs.base import Environment, InfraError, Task, close_env
 
 log = logging.getLogger("burstrl.eval")
 INFRA_RETRIES = 2
@@ -142,9 +142,7 @@ async def evaluate_version(url: str, version: str, tasks: list[Task], spec: Eval
             jobs = [_attempt(env, http, url, version, t, k, spec, gate) for t in tasks for k in range(spec.attempts)]
             records = await asyncio.gather(*jobs)
     finally:
-        close = getattr(env, "close", None)
-        if close is not None:
-            close()
+        await close_env(env)
     return list(records)
 
 

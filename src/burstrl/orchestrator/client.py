@@ -8,6 +8,7 @@ scheduler retries on.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
@@ -43,6 +44,7 @@ class SessionClient:
         self.http, self.router, self.session_id, self.model = http, router, session_id, model
         self.temperature, self.max_tokens, self.seed = temperature, max_tokens, seed
         self.calls = 0
+        self.failure: ReplicaFailure | None = None
 
     async def chat(self, messages: list[dict[str, str]], max_tokens: int | None = None) -> str:
         r = await self._call("chat", "/v1/chat/completions", {"messages": messages}, max_tokens)
@@ -53,6 +55,24 @@ class SessionClient:
         r = await self._call("completion", "/v1/completions", {"prompt": prompt, **({"stop": stop} if stop else {})},
                              max_tokens)
         return r["choices"][0]["text"] or ""
+
+    def sdk_http(self) -> httpx.AsyncClient:
+        """An httpx client for an SDK that calls the router itself (an ecosystem environment's openai
+        client, `burstrl.envs.ecosystem`): every generation call it makes is this session's call.
+
+        Why in the transport and not in the SDK's settings: the environment owns the SDK and its
+        headers (verifiers sends its own trace id as the session header), so the session id and the
+        group's version are forced on each request here, whatever the caller set, and each answered
+        call is counted, as `chat` counts its own. A fleet failure (transport error, 5xx, or the
+        version gone) is kept in `failure`: the SDK may swallow it into the environment's own error
+        handling, and the attempt must then re-run, not be scored (`raise_failure`).
+        """
+        return httpx.AsyncClient(transport=_SessionTransport(self), timeout=httpx.Timeout(600.0, connect=30.0))
+
+    def raise_failure(self) -> None:
+        """Raise the fleet failure an SDK call met (see `sdk_http`), if any."""
+        if self.failure is not None:
+            raise self.failure
 
     async def _call(self, what: str, path: str, fields: dict[str, Any], max_tokens: int | None) -> dict[str, Any]:
         """One call of this session (model, sampling, seed and session id bound); its JSON answer."""
@@ -100,3 +120,46 @@ async def release(http: httpx.AsyncClient, router: str, session_id: str, admin_t
     except httpx.TransportError:
         return False
     return r.status_code == 200
+
+
+GENERATION_PATHS = ("/chat/completions", "/completions", "/inference/v1/generate")
+
+
+class _SessionTransport(httpx.AsyncBaseTransport):
+    """`SessionClient.sdk_http`'s transport: pins generation calls to the session and counts them."""
+
+    def __init__(self, session: SessionClient) -> None:
+        self.session, self.inner = session, httpx.AsyncHTTPTransport()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        s = self.session
+        generation = request.method == "POST" and request.url.path.endswith(GENERATION_PATHS)
+        if generation:
+            request = self._pinned(request)
+        try:
+            response = await self.inner.handle_async_request(request)
+        except httpx.TransportError as exc:
+            s.failure = s.failure or ReplicaFailure(f"call {s.calls + 1}: {type(exc).__name__}: {exc}")
+            raise
+        if generation and response.status_code == 200:
+            s.calls += 1
+        elif generation and (response.status_code >= 500 or response.status_code in (404, 409)):
+            s.failure = s.failure or ReplicaFailure(f"call {s.calls + 1}: {response.status_code} from the router")
+        return response
+
+    def _pinned(self, request: httpx.Request) -> httpx.Request:
+        """The request with this session's id and version, whatever the SDK put there."""
+        s = self.session
+        try:
+            body = json.loads(request.content or b"{}")
+        except ValueError:
+            body = None
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in ("content-length", SESSION_HEADER.lower())}
+        headers[SESSION_HEADER] = s.session_id
+        if not isinstance(body, dict):  # not JSON: the replica answers 400; nothing to pin
+            return httpx.Request(request.method, request.url, headers=headers, content=request.content)
+        body.update(model=s.model, session_id=s.session_id)
+        return httpx.Request(request.method, request.url, headers=headers, content=json.dumps(body).encode())
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()

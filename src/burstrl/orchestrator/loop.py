@@ -33,6 +33,7 @@ import httpx
 from burstrl.atomic import write_text
 from burstrl.config import OrchestrateConfig
 from burstrl.envs import Environment, InfraError, Outcome, Task, get_env
+from burstrl.envs.base import close_env
 from burstrl.orchestrator.attempt import run_attempt
 from burstrl.orchestrator.client import ReplicaFailure, VersionGone, assign
 from burstrl.orchestrator.curriculum import Curriculum
@@ -103,6 +104,8 @@ class Orchestrator:
                 self.counters.attempts_abandoned += n
                 self.write_stats(0.0)
                 self.store.close()
+                for env in self.envs.values():
+                    await close_env(env)
 
     async def finished(self) -> bool:
         return bool(self.cfg.steps) and await asyncio.to_thread(self.store.last_step) >= self.cfg.steps
