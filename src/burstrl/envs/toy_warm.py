@@ -170,8 +170,10 @@ def _letter_tasks(seed: int) -> list[toy.ToyTask]:
 
 
 def _warm_recipe(base_dir: Path, target: tuple[float, float], seed: int) -> dict:
-    """Everything the warm model depends on, the base weights' fingerprint included."""
-    base_sha256 = sha256_files(sorted(base_dir.glob("*.safetensors")) + [base_dir / "config.json"])
+    """Everything the warm model depends on, the base weights' and chat template's fingerprint included
+    (the warm model is saved with the base's tokenizer: a new template must reach it)."""
+    template = [p for p in (base_dir / "chat_template.jinja", base_dir / "tokenizer_config.json") if p.is_file()]
+    base_sha256 = sha256_files(sorted(base_dir.glob("*.safetensors")) + [base_dir / "config.json"] + template)
     return {"version": WARM_RECIPE_VERSION, "base_sha256": base_sha256,
             "target": list(target), "seed": seed, "train_tasks": WARM_TRAIN_TASKS,
             "multi_tasks": WARM_MULTI_TASKS, "multi_difficulties": list(WARM_MULTI_DIFFICULTIES),

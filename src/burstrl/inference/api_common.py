@@ -107,7 +107,7 @@ def parse(cls: type[BaseModel], data: Any) -> Any:
     """`data` validated as `cls`; fields we know but do not implement are a 400 naming them."""
     if not isinstance(data, dict):
         raise ApiError(400, "request body must be a JSON object")
-    bad = api.unsupported_fields(data)
+    bad = api.unsupported_fields(data, getattr(cls, "IMPLEMENTED", frozenset()))
     if bad:
         raise ApiError(400, f"not supported by this server: {', '.join(bad)} (see the README's "
                             "vLLM compatibility table)")

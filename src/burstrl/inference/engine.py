@@ -495,7 +495,7 @@ class Engine:
             session.kv_tokens = 0
         if req.text is None:
             req.text = self.tokenizer.decode(req.completion_ids, skip_special_tokens=True)
-        session.messages, session.cache_salt = req.messages, req.cache_salt
+        session.messages, session.tools, session.cache_salt = req.messages, req.tools, req.cache_salt
         session.prompt_ids = req.prompt_ids
         session.completion_ids = req.completion_ids
         session.completion_text = req.text

@@ -13,7 +13,8 @@ Two stages, both in the replica's worker pool (`inference.workers`):
    which nothing else in the process runs, in whichever thread), so the number of values (and the
    nesting) is bounded before it runs.
 2. `check_completion` / `check_chat` on the parsed body, before pydantic, tokenizer or template:
-   O(1) length checks of the fields that drive the later work, plus one pass over the messages.
+   O(1) length checks of the fields that drive the later work, plus one pass over the messages
+   (and the strings of their tool calls and of the request's tools, which the template renders too).
 
 Defaults derive from the model's context (`max_model_len`, in tokens); `ServeConfig.limits` sets them
 explicitly:
@@ -21,7 +22,9 @@ explicitly:
   `server._params` applies after tokenizing);
 - characters: CHARS_PER_TOKEN per token of context. Real text averages 3-5 characters per token;
   a prompt past this ratio cannot fit the context once tokenized;
-- messages: one per token of context: every message renders to at least one token;
+- messages: one per token of context: every message renders to at least one token; so do content
+  parts and tool calls, bounded alike;
+- tools: MAX_TOOLS, OpenAI's own bound;
 - JSON items: ITEMS_PER_TOKEN per token of context plus ITEMS_SLACK, enough for a full context of
   token ids or of messages (about five items each) with every other field at its maximum.
 """
@@ -39,7 +42,8 @@ ITEMS_PER_TOKEN = 8
 ITEMS_SLACK = 4096
 MAX_MODEL_NAME = 256  # a model name is a version name or an adapter name, never a text
 MAX_FIELD_ENTRIES = 1024  # stop, stop_token_ids, logit_bias: the sampler's own bounds are smaller
-
+MAX_TOOLS = 128  # a chat request's tools (OpenAI's own limit)
+TOOL_FIELDS = ("tool_calls", "tool_call_id", "name")  # rendered strings besides content
 
 
 class LimitError(ValueError):
@@ -87,26 +91,56 @@ def check_completion(data: dict[str, Any], limits: RequestLimits) -> None:
 
 
 def check_chat(data: dict[str, Any], limits: RequestLimits) -> None:
-    """Sizes of a /v1/chat/completions body (parsed JSON, not yet validated): messages and their text."""
+    """Sizes of a /v1/chat/completions body (parsed JSON, not yet validated): messages, their text and
+    tool calls, and the tools, whose characters count with the content's."""
     _check_common(data, limits)
+    tools = data.get("tools")
+    if isinstance(tools, list) and len(tools) > MAX_TOOLS:
+        raise LimitError(f"tools has {len(tools)} entries; at most {MAX_TOOLS}")
     messages = data.get("messages")
     if not isinstance(messages, list):
         return  # validation names the error
     if len(messages) > limits.max_messages:
         raise LimitError(f"messages has {len(messages)} entries; this replica takes at most "
                          f"{limits.max_messages} (limits.max_messages)")
-    chars, parts = 0, 0
+    chars, parts, calls = json_chars(tools), 0, 0
     for message in messages:
-        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(message, dict):
+            continue
+        content = message.get("content")
         if isinstance(content, str):
             chars += len(content)
         elif isinstance(content, list):
             parts += len(content)
-            if parts > limits.max_messages:
-                raise LimitError(f"messages have more than {limits.max_messages} content parts; this replica "
-                                 f"takes at most {limits.max_messages} (limits.max_messages)")
+            _check_count("content parts", parts, limits)
             chars += sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
-    _check_chars("messages' content", chars, limits)
+        tool_calls = message.get("tool_calls")
+        if isinstance(tool_calls, list):
+            calls += len(tool_calls)
+            _check_count("tool calls", calls, limits)
+        chars += sum(json_chars(message.get(key)) for key in TOOL_FIELDS)
+    _check_chars("messages' content, tool calls and tools", chars, limits)
+
+
+def _check_count(what: str, count: int, limits: RequestLimits) -> None:
+    if count > limits.max_messages:
+        raise LimitError(f"messages have more than {limits.max_messages} {what}; this replica "
+                         f"takes at most {limits.max_messages} (limits.max_messages)")
+
+
+def json_chars(value: Any) -> int:
+    """Characters of the strings in a JSON value, keys included (its JSON values are bounded already)."""
+    chars, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            chars += len(item)
+        elif isinstance(item, dict):
+            chars += sum(len(k) for k in item if isinstance(k, str))
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return chars
 
 
 def _check_common(data: dict[str, Any], limits: RequestLimits) -> None:

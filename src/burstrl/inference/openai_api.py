@@ -2,12 +2,14 @@
 
 Unknown request fields are ignored (as vLLM does), so any OpenAI client works unchanged; every
 optional field we read accepts an explicit `null` (= its default), and a bad value is a 400 naming
-it. A field we know but do not implement (beam search, tools, structured output, ...) is a 400 when
+it. A field we know but do not implement (beam search, structured output, ...) is a 400 when
 set to anything but its no-op value: accepting and ignoring it would silently change what the
-client asked for. Extensions: request `return_token_ids`, `session_id`, `top_k`, `min_p`,
-`ignore_eos`, `input_ids`, `min_tokens`, `stop_token_ids`, `repetition_penalty`, `cache_salt`; response
-`choices[].token_ids`, `prompt_token_ids`, `choices[].stop_reason`,
-`usage.prompt_tokens_details.cached_tokens`, `meta_info.weight_version`.
+client asked for. Chat serves OpenAI tool calling (`tools`, `tool_choice` "auto"/"none",
+`parallel_tool_calls`; `inference.tools`), completions refuse it. Extensions: request
+`return_token_ids`, `session_id`, `top_k`, `min_p`, `ignore_eos`, `input_ids`, `min_tokens`,
+`stop_token_ids`, `repetition_penalty`, `cache_salt`; response `choices[].token_ids`,
+`prompt_token_ids`, `choices[].stop_reason`, `usage.prompt_tokens_details.cached_tokens`,
+`meta_info.weight_version`.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from burstrl.inference.tools import assistant_message
 
 if TYPE_CHECKING:  # parsing and shapes need no torch; only the replica's engine does
     from burstrl.inference.engine import Request
@@ -50,13 +54,15 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
 }
 
 
-def unsupported_fields(body: dict[str, Any]) -> list[str]:
-    """Fields of `body` set to something this server would otherwise silently ignore."""
-    return [k for k, ok in UNSUPPORTED.items() if k in body and not ok(body[k])]
+def unsupported_fields(body: dict[str, Any], implemented: frozenset[str] = frozenset()) -> list[str]:
+    """Fields of `body` set to something this server would otherwise silently ignore; `implemented`
+    names the ones the endpoint serves (chat: tools)."""
+    return [k for k, ok in UNSUPPORTED.items() if k in body and k not in implemented and not ok(body[k])]
 
 
 class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")
+    IMPLEMENTED: ClassVar[frozenset[str]] = frozenset()  # UNSUPPORTED fields this endpoint serves
 
     model: str
     max_tokens: int | None = None
@@ -83,7 +89,12 @@ class _Common(BaseModel):
 
 
 class ChatRequest(_Common):
+    IMPLEMENTED: ClassVar[frozenset[str]] = frozenset({"tools", "tool_choice"})
+
     messages: list[dict[str, Any]]
+    tools: Any = None  # checked by tools.tool_spec, whose errors name the field
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
@@ -202,11 +213,21 @@ def meta(req: Request) -> dict[str, Any]:
     return {"weight_version": req.version, "session_id": session, "cached_tokens": req.cached_tokens}
 
 
+def chat_message(req: Request) -> tuple[dict[str, Any], str | None]:
+    """The assistant message returned for a finished chat call (its tool calls parsed out when it
+    had tools) and its finish reason: "tool_calls" when a call parsed, as vLLM and OpenAI answer."""
+    if req.text is None:
+        return {"role": "assistant", "content": None}, req.finish_reason
+    message = assistant_message(req.text, req.tools)
+    return message, "tool_calls" if message.get("tool_calls") else req.finish_reason
+
+
 def chat_response(req: Request, model: str, want_ids: bool, want_logprobs: bool, text: TokenText) -> dict[str, Any]:
+    message, finish_reason = chat_message(req)
     choice: dict[str, Any] = {
         "index": 0,
-        "message": {"role": "assistant", "content": req.text},
-        "finish_reason": req.finish_reason,
+        "message": message,
+        "finish_reason": finish_reason,
         "stop_reason": req.stop_reason,
         "logprobs": text.chat_logprobs(req, 0, len(req.completion_ids)) if want_logprobs else None,
     }

@@ -27,7 +27,7 @@ from typing import Any
 UNMATCHED = ("message content holds special-token text, and this chat template transforms content in a way "
              "that cannot be matched to keep it as text; remove the special-token text")
 Span = tuple[int, int]  # [start, end) in the rendered text
-Render = Callable[[list[dict[str, str]], bool], str]
+Render = Callable[[list[dict[str, Any]], bool], str]
 
 
 class PlainTextError(ValueError):
@@ -47,7 +47,7 @@ class SpecialText:
         """Whether `text` holds a special token's string."""
         return self._pattern is not None and self._pattern.search(text) is not None
 
-    def any_in(self, messages: list[dict[str, str]]) -> bool:
+    def any_in(self, messages: list[dict[str, Any]]) -> bool:
         return any(self.found_in(m["content"]) for m in messages)
 
     def encode(self, text: str, spans: list[Span]) -> list[int]:
@@ -90,13 +90,15 @@ def trie_pattern(words: set[str]) -> str:
     return build(trie)
 
 
-def content_spans(render: Render, messages: list[dict[str, str]], generation_prompt: bool, text: str) -> list[Span]:
+def content_spans(render: Render, messages: list[dict[str, Any]], generation_prompt: bool, text: str) -> list[Span]:
     """Where each message's content lies in `text` (= `render(messages, generation_prompt)`).
 
     PlainTextError when the template's render cannot be matched piece by piece.
     """
     nonce = secrets.token_hex(8)
-    marked = [{**m, "content": f"\ue000{nonce}:{i}\ue001"} for i, m in enumerate(messages)]
+    # Empty content holds no special text and is not marked: templates test it (Qwen writes a newline
+    # before an assistant's tool calls only after non-empty content), so a marker there would change the render.
+    marked = [{**m, "content": f"\ue000{nonce}:{i}\ue001"} if m["content"] else m for i, m in enumerate(messages)]
     pieces = re.split(f"\ue000{nonce}:([0-9]+)\ue001", render(marked, generation_prompt))
     # pieces = [template, index, template, index, ..., template]
     spans, pos = [], 0

@@ -17,6 +17,7 @@ from burstrl.inference.paged import BlockTable
 from burstrl.inference.prefix import KvNamespace
 from burstrl.inference.sampling import SamplingParams
 from burstrl.inference.sessions import ReplicaSession
+from burstrl.inference.tools import ToolSpec
 
 
 @dataclass(eq=False)
@@ -32,6 +33,7 @@ class Request:
     on_done: Callable[[Request], None]
     on_token: Callable[[Request], None] | None = None
     messages: list[dict] | None = None
+    tools: ToolSpec | None = None  # chat calls with tools: what the template rendered, how calls are parsed
     cache_salt: str | None = None  # vLLM's field: prefix sharing only between requests of the same salt
     completion_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)

@@ -57,6 +57,7 @@ from burstrl.inference.metrics import prometheus_text
 from burstrl.inference.replica import InferenceReplica, build_replica
 from burstrl.inference.sessions import SessionError
 from burstrl.inference.streaming import stream_response
+from burstrl.inference.tools import ToolError, ToolSpec, tool_spec
 from burstrl.protocol.http import error_body, models_list, session_id_from
 from burstrl.protocol.process import bind_socket, print_ready, socket_url
 
@@ -127,10 +128,10 @@ async def chat(request: Request) -> Response:
     if rep.chat is None:
         raise ApiError(400, "this model has no chat template; use /v1/completions")
     raw = await read_limited(request, rep.cfg.server.max_body_bytes)
-    body, messages = await rep.workers.run(_prepare_chat, rep, raw)
+    body, messages, tools = await rep.workers.run(_prepare_chat, rep, raw)
     top = (body.top_logprobs or 0) if body.logprobs else 0
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    return await _generate(rep, request, body, "chat", messages=messages, top_logprobs=top,
+    return await _generate(rep, request, body, "chat", messages=messages, tools=tools, top_logprobs=top,
                            max_tokens=max_tokens, want_logprobs=bool(body.logprobs))
 
 
@@ -201,12 +202,14 @@ async def metrics(request: Request) -> PlainTextResponse:
     return PlainTextResponse(prometheus_text(replica_of(request)), media_type="text/plain; version=0.0.4")
 
 
-def _prepare_chat(rep: InferenceReplica, raw: bytes) -> tuple[api.ChatRequest, list[dict[str, str]]]:
-    """On a request worker: a chat body checked against the limits, validated, its messages normalized."""
+def _prepare_chat(rep: InferenceReplica, raw: bytes) -> tuple[api.ChatRequest, list[dict[str, Any]], ToolSpec | None]:
+    """On a request worker: a chat body checked against the limits, validated, its messages
+    normalized and its tools checked (`inference.tools`)."""
     body = parse(api.ChatRequest, decode_request(raw, rep.limits, check_chat))
     try:
-        return body, normalize_messages(body.messages)
-    except ChatError as exc:
+        tools = tool_spec(body.tools, body.tool_choice, body.parallel_tool_calls)
+        return body, normalize_messages(body.messages), tools
+    except (ChatError, ToolError) as exc:
         raise ApiError(400, str(exc)) from None
 
 
@@ -243,7 +246,7 @@ def _completion_prompt(rep: InferenceReplica, body: Any) -> list[int]:
 
 async def _generate(rep: InferenceReplica, request: Request, body: Any, kind: str, *, top_logprobs: int,
                     max_tokens: int | None, want_logprobs: bool, messages: list | None = None,
-                    prompt_ids: list[int] | None = None) -> Response:
+                    tools: ToolSpec | None = None, prompt_ids: list[int] | None = None) -> Response:
     if body.n not in (None, 1):
         raise ApiError(400, "n must be 1: start one session per sample")
     rid = api.new_id("chatcmpl" if kind == "chat" else "cmpl")
@@ -258,12 +261,12 @@ async def _generate(rep: InferenceReplica, request: Request, body: Any, kind: st
     events: asyncio.Queue[str] = asyncio.Queue()
     try:  # until the engine owns the request, every way out must free the session
         if messages is not None:  # rendered and tokenized off the loop; the session stays busy meanwhile
-            prompt_ids = await rep.workers.run(_chat_prompt, rep, messages, session)
+            prompt_ids = await rep.workers.run(_chat_prompt, rep, messages, tools, session)
         _check_extends(rep, session, prompt_ids)
         params = _params(rep, body, prompt_ids, max_tokens, top_logprobs)
         req = EngineRequest(
             id=rid, session=session, prompt_ids=prompt_ids, params=params, version=body.model,
-            adapter=adapter, messages=messages, cache_salt=body.cache_salt,
+            adapter=adapter, messages=messages, tools=tools, cache_salt=body.cache_salt,
             on_done=lambda _: _notify(loop, events, "done"),
             on_token=(lambda _: _notify(loop, events, "token")) if body.stream else None,
         )
@@ -284,10 +287,11 @@ async def _generate(rep: InferenceReplica, request: Request, body: Any, kind: st
     return JSONResponse(build(req, body.model, body.return_token_ids, want_logprobs, rep.text))
 
 
-def _chat_prompt(rep: InferenceReplica, messages: list[dict[str, str]], session: Any) -> list[int]:
+def _chat_prompt(rep: InferenceReplica, messages: list[dict[str, Any]], tools: ToolSpec | None,
+                 session: Any) -> list[int]:
     """On a request worker: the chat prompt's ids (`chat.ChatTokenizer`), its refusals as 400s."""
     try:
-        return rep.chat.prompt_ids(messages, session)
+        return rep.chat.prompt_ids(messages, session, tools)
     except ChatError as exc:
         raise ApiError(400, str(exc)) from None
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from burstrl.inference.capture import REPLICA_CAP, SESSION_CAP, CallRecord, CaptureLimits, SessionCapture
+from burstrl.inference.tools import ToolSpec
 from burstrl.protocol.http import SESSION_ID
 
 
@@ -44,6 +45,7 @@ class ReplicaSession:
     kv_tokens: int = 0  # tokens of this session's KV held now (idle cache or running row)
     # token continuity: the last call's conversation and its exact ids
     messages: list[dict[str, Any]] | None = None
+    tools: ToolSpec | None = None  # the last call's tools: a continued call must have the same
     prompt_ids: list[int] = field(default_factory=list)
     completion_ids: list[int] = field(default_factory=list)
     completion_text: str = ""

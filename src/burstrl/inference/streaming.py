@@ -6,6 +6,11 @@ If the client goes away the generator is cancelled and the request aborted, free
 With `return_token_ids`, the prompt ids come where vLLM puts them: at the top level of the first
 chunk for chat, in the first chunk's choice for completions. A request that fails in the engine
 ends with an error event and no `[DONE]`, so a client never takes a cut stream for a whole one.
+
+A chat call with tools (`inference.tools`) holds its text until the end: whether it is content or
+tool calls is known only once the `<tool_call>` blocks are complete. Its last chunk carries the
+whole message as OpenAI streams it (`delta.content`, `delta.tool_calls` with their `index`), with
+the logprobs and token ids of every token.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ async def stream_response(rep: InferenceReplica, req: Request, events: asyncio.Q
     holdback = max((len(s) for s in req.params.stop), default=1) - 1
     sent_tokens, sent_text, finished = 0, "", False
     prompt_ids = {"prompt_token_ids": req.prompt_ids} if body.return_token_ids else {}
+    hold = kind == "chat" and req.tools is not None
     try:
         if kind == "chat":
             first = _chunk(req, body, kind, created, {"role": "assistant", "content": ""}, None, [], None, {})
@@ -39,6 +45,8 @@ async def stream_response(rep: InferenceReplica, req: Request, events: asyncio.Q
                 finished = True  # the engine is done with it: nothing to abort
                 yield _sse(error_body(500, f"engine error: {req.error}", "server_error"))
                 return
+            if hold and not finished:
+                continue
             n = len(req.completion_ids)
             if finished:
                 text = req.text or ""
@@ -55,6 +63,8 @@ async def stream_response(rep: InferenceReplica, req: Request, events: asyncio.Q
             ids = req.completion_ids[sent_tokens:n] if body.return_token_ids else None
             reason = req.finish_reason if finished else None
             content = {"content": delta} if kind == "chat" else delta
+            if hold:
+                content, reason = _whole_message(req)
             extra = {"stop_reason": req.stop_reason} if finished else {}
             if kind == "text" and sent_tokens == 0:
                 extra.update(prompt_ids)
@@ -68,6 +78,15 @@ async def stream_response(rep: InferenceReplica, req: Request, events: asyncio.Q
         if not finished:
             rep.counters.client_disconnects += 1
             rep.engine.abort(req.id)
+
+
+def _whole_message(req: Request) -> tuple[dict[str, Any], str | None]:
+    """The delta of a held chat call: its content, and its tool calls indexed as OpenAI streams them."""
+    message, reason = api.chat_message(req)
+    delta: dict[str, Any] = {"content": message["content"]}
+    if message.get("tool_calls"):
+        delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
+    return delta, reason
 
 
 def _object(kind: str) -> str:

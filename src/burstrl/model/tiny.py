@@ -8,10 +8,13 @@ built locally (a few standard-library sources plus generated words, letters and 
 
 The directory appears atomically (built in a temp dir beside it, then renamed), so a crash never
 leaves half a model where a cache expects a whole one. Same arguments, same Python: same bytes.
+The recipe a cache is checked against holds the chat template's digest, so editing the template
+(package data, not an argument) rebuilds caches made with the old one.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import string
@@ -220,7 +223,9 @@ def _write_weights(out: Path, tokenizer: PreTrainedTokenizerFast, *, layers: int
 
 
 def _recipe(layers: int, hidden: int, vocab: int, seed: int) -> dict:
-    return {"recipe": RECIPE_VERSION, "layers": layers, "hidden": hidden, "vocab": vocab, "seed": seed}
+    template = hashlib.sha256(chat_template().encode()).hexdigest()[:16]
+    return {"recipe": RECIPE_VERSION, "layers": layers, "hidden": hidden, "vocab": vocab, "seed": seed,
+            "chat_template": template}
 
 
 def _read_recipe(out: Path) -> dict | None:
