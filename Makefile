@@ -32,7 +32,7 @@ $(PY):
 # Reinstall only when the dependencies change.
 $(STAMP): pyproject.toml | $(PY)
 	$(PIP) $(TORCH)
-	$(PIP) -e '.[dev,gguf]'
+	$(PIP) -e '.[dev,gguf,verifiers,openenv]'
 	touch $(STAMP)
 
 # In parallel: XDIST workers (4 on 2 cores: about a third of the suite waits on processes, servers and

@@ -138,6 +138,24 @@ def test_an_sdk_env_is_pinned_to_the_session_and_version_and_counted(cluster) ->
                     timeout=10).status_code == 404  # nothing was captured under the SDK's own id
 
 
+def test_an_sdk_call_on_a_version_no_replica_serves_is_version_gone(cluster) -> None:
+    from burstrl.envs.ecosystem.common import openai_client
+    from burstrl.orchestrator.client import SessionClient
+
+    router, _ = cluster
+
+    async def go():
+        async with httpx.AsyncClient(timeout=60) as http:
+            client = SessionClient(http, router.url, "s-sdk-gone", "policy-v99", 1.0, 4, 0)
+            sdk = openai_client(client)
+            with pytest.raises(Exception, match="404"):
+                await sdk.chat.completions.create(model="base", messages=[{"role": "user", "content": "hi"}])
+            await sdk.close()
+            client.raise_failure()
+    with pytest.raises(VersionGone, match="call 1: 404"):
+        asyncio.run(go())
+
+
 def test_an_sdk_call_the_fleet_fails_is_a_replica_failure() -> None:
     from burstrl.envs.ecosystem.common import openai_client
     from burstrl.orchestrator.client import SessionClient

@@ -111,3 +111,23 @@ def test_eval_env_options_of_a_module_class_environment_are_its_own(tmp_path: Pa
     assert "[options]" in r.stdout and "words = 3" in r.stdout
     r = burstrl_eval(tmp_path, "--env-option", "wordz=3", "--difficulty", "99")
     assert r.returncode == 2 and "orchestrator.env.echo: unknown config key 'wordz'" in r.stderr, r.stderr
+
+
+def test_ecosystem_names_need_their_package_and_say_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    for prefix, extra in (("verifiers", "verifiers"), ("openenv", "openenv")):
+        monkeypatch.setitem(sys.modules, prefix, None)  # how Python marks a package as not importable
+        with pytest.raises(ValueError, match=rf"needs the {prefix} package: pip install 'burstrl\[{extra}\]'"):
+            check_env(f"{prefix}:anything")
+    with pytest.raises(ValueError, match="name what to run after 'verifiers:'"):
+        env_class("verifiers:")
+
+
+def test_an_ecosystem_name_is_its_adapter_bound_to_what_it_names() -> None:
+    from burstrl.envs.ecosystem.openenv_env import OpenEnvEnv
+    from burstrl.envs.ecosystem.verifiers_env import VerifiersEnv
+
+    for name, adapter, spec in (("verifiers:vf_sum_v1", VerifiersEnv, "vf_sum_v1"),
+                                ("openenv:http://127.0.0.1:9", OpenEnvEnv, "http://127.0.0.1:9")):
+        cls = env_class(name)
+        assert issubclass(cls, adapter) and cls is not adapter and (cls.spec, cls.name) == (spec, name)
+    assert env_class("verifiers:vf_sum_v1") is not env_class("verifiers:vf_tool_v1")

@@ -19,6 +19,16 @@ class InfraError(RuntimeError):
     model: the orchestrator re-runs the attempt under a new id instead of scoring it."""
 
 
+class ReplicaFailure(RuntimeError):
+    """The fleet failed this attempt (replica gone, version gone, capture lost): retry it elsewhere.
+    Raised by the orchestrator's session client, and by an environment whose own model client
+    met such a failure (envs.ecosystem)."""
+
+
+class VersionGone(ReplicaFailure):
+    """No replica serves the group's version any more: the whole group restarts on a newer one."""
+
+
 @dataclass
 class Task:
     """One task: an id unique across the run, its environment, difficulty and env-specific data (JSON)."""
@@ -50,6 +60,27 @@ class ChatClient(Protocol):
 
     async def complete(self, prompt: str, max_tokens: int | None = None, stop: list[str] | None = None) -> str:
         """The model's continuation of `prompt` as plain text (no chat template: base models)."""
+        ...
+
+
+class SessionChatClient(ChatClient, Protocol):
+    """What an environment that brings its own model client (envs.ecosystem) needs of the session:
+    the router, the session's id, version and sampling, and an HTTP client for its SDK that pins
+    every call to them (the orchestrator's `SessionClient`)."""
+
+    router: str
+    session_id: str
+    model: str
+    temperature: float
+    max_tokens: int
+    seed: int
+
+    def sdk_http(self) -> Any:
+        """An `httpx.AsyncClient` whose generation calls are this session's, counted in `calls`."""
+        ...
+
+    def raise_failure(self) -> None:
+        """Raise the fleet failure (the orchestrator's ReplicaFailure) an SDK call met, if any."""
         ...
 
 

@@ -5,7 +5,9 @@ SkyRL-gym's `register`): adding an environment must touch no library file. The b
 listed here by import path (nothing is imported until asked for, so the light processes that check a
 name stay light); any other is named `package.module:Class` in `orchestrator.envs` (or `burstrl eval
 --env`) and imported in the process that runs it (its module must be importable there, e.g. on
-PYTHONPATH), or registered by code that runs first (`register`).
+PYTHONPATH), or registered by code that runs first (`register`). Environments written for verifiers
+or OpenEnv are named "verifiers:<module>" or "openenv:<url>" and run through their adapters
+(envs.ecosystem), each name bound to its own subclass.
 
 Options: an environment class that declares `Options` (a pydantic model, usually a
 `burstrl.config.Section`) is built as `cls(options, run_dir)`, one that does not as `cls()`. Its
@@ -18,6 +20,7 @@ environment) or the free mapping `orchestrator.env.<name>` (`[orchestrator.env.e
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -36,6 +39,13 @@ _REGISTRY: dict[str, str] = {
 }
 ENV_NAMES = tuple(_REGISTRY)
 
+# Environments written for the ecosystem's standards, named "<prefix>:<what>" (checked before the
+# module:Class form, which the same colon would otherwise mean): prefix -> (adapter, extra, package).
+ECOSYSTEM: dict[str, tuple[str, str, str]] = {
+    "verifiers": ("burstrl.envs.ecosystem.verifiers_env:VerifiersEnv", "verifiers", "verifiers"),
+    "openenv": ("burstrl.envs.ecosystem.openenv_env:OpenEnvEnv", "openenv", "openenv"),
+}
+
 
 def register(name: str, target: str | type) -> None:
     """Make `name` mean `target` (a class, or "module:Class" imported when first used)."""
@@ -50,7 +60,11 @@ def names() -> tuple[str, ...]:
 
 
 def env_class(name: str) -> type:
-    """The class `name` stands for: a registered name or "module:Class" (ValueError otherwise)."""
+    """The class `name` stands for: a registered name, "verifiers:<module>", "openenv:<url>" or
+    "module:Class" (ValueError otherwise)."""
+    prefix, _, spec = name.partition(":")
+    if name not in _REGISTRY and prefix in ECOSYSTEM:
+        return _ecosystem_class(name, prefix, spec)
     target = _REGISTRY.get(name, name if ":" in name else None)
     if target is None:
         raise ValueError(f"unknown environment {name!r}; choose from {', '.join(names())} "
@@ -71,6 +85,27 @@ def env_class(name: str) -> type:
     return cls
 
 
+def _import_target(target: str) -> type:
+    module_name, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+def _ecosystem_class(name: str, prefix: str, spec: str) -> type:
+    """The adapter for an ecosystem environment, bound to `spec` (a subclass per name, so its
+    options live under `orchestrator.env."<name>"` like any environment's).
+
+    Without the extra installed this fails here, before a run starts, with the pip command.
+    """
+    target, extra, package = ECOSYSTEM[prefix]
+    if not spec:
+        raise ValueError(f"environment {name!r}: name what to run after {prefix + ':'!r}")
+    if importlib.util.find_spec(package) is None:
+        raise ValueError(f"environment {name!r} needs the {package} package: pip install 'burstrl[{extra}]'")
+    adapter = _import_target(target)
+    return type(f"{adapter.__name__}[{spec}]", (adapter,), {"spec": spec, "name": name,
+                                                              "__module__": adapter.__module__})
+
+
 def check_env(name: str, options: Any = None) -> None:
     """ValueError (naming the problem) unless `name` is an environment whose options validate.
 
@@ -80,7 +115,11 @@ def check_env(name: str, options: Any = None) -> None:
     """
     if name in _REGISTRY and name not in (getattr(options, "env", None) or {}):
         return
-    env_options(env_class(name), options)
+    cls = env_class(name)
+    opts = env_options(cls, options)
+    check = getattr(cls, "check", None)
+    if check is not None:  # what only the environment can tell (an ecosystem env's own arguments)
+        check(opts)
 
 
 def options_key(cls: type) -> str:

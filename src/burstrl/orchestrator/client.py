@@ -13,15 +13,10 @@ from typing import Any
 
 import httpx
 
+from burstrl.envs.base import ReplicaFailure, VersionGone
 from burstrl.protocol.http import SESSION_HEADER
 
-
-class ReplicaFailure(RuntimeError):
-    """The fleet failed this attempt (replica gone, version gone, capture lost): retry it elsewhere."""
-
-
-class VersionGone(ReplicaFailure):
-    """No replica serves the group's version any more: the whole group restarts on a newer one."""
+__all__ = ["ReplicaFailure", "SessionClient", "VersionGone", "assign", "fetch_trace", "release"]
 
 
 def _raise_for(r: httpx.Response, what: str) -> None:
@@ -144,11 +139,14 @@ class _SessionTransport(httpx.AsyncBaseTransport):
         if generation and response.status_code == 200:
             s.calls += 1
         elif generation and (response.status_code >= 500 or response.status_code in (404, 409)):
-            s.failure = s.failure or ReplicaFailure(f"call {s.calls + 1}: {response.status_code} from the router")
+            detail = (await response.aread())[:300].decode(errors="replace")  # the router's own error: small
+            gone = response.status_code in (404, 409) and "model" in detail
+            failure = (VersionGone if gone else ReplicaFailure)(f"call {s.calls + 1}: {response.status_code} {detail}")
+            s.failure = s.failure or failure
         return response
 
     def _pinned(self, request: httpx.Request) -> httpx.Request:
-        """The request with this session's id and version, whatever the SDK put there."""
+        """The request with this session's id, version and call seed, whatever the SDK put there."""
         s = self.session
         try:
             body = json.loads(request.content or b"{}")
@@ -158,7 +156,7 @@ class _SessionTransport(httpx.AsyncBaseTransport):
         headers[SESSION_HEADER] = s.session_id
         if not isinstance(body, dict):  # not JSON: the replica answers 400; nothing to pin
             return httpx.Request(request.method, request.url, headers=headers, content=request.content)
-        body.update(model=s.model, session_id=s.session_id)
+        body.update(model=s.model, session_id=s.session_id, seed=s.seed + s.calls)  # as `chat` seeds its calls
         return httpx.Request(request.method, request.url, headers=headers, content=json.dumps(body).encode())
 
     async def aclose(self) -> None:

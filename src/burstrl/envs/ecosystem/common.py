@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from burstrl.orchestrator.client import SessionClient
+from burstrl.envs.base import SessionChatClient
 
 
-def openai_client(client: SessionClient) -> Any:
+def openai_client(client: SessionChatClient) -> Any:
     """An `openai.AsyncOpenAI` at the router whose every generation call is `client`'s session on
     its version, counted (`SessionClient.sdk_http`). No retries: a failed call is the fleet's, and
     the attempt re-runs whole (`client.raise_failure()` after the rollout)."""
