@@ -153,3 +153,42 @@ def test_bad_calls_are_400s_naming_the_cause_and_the_replica_serves_on(cluster, 
     except httpx.RemoteProtocolError:  # refused while still sending: the connection is closed on us
         pass
     client_reads(generate(url, "after-errors-" + target, [5, 6, 7]))
+
+
+def test_verifiers_own_train_client_generates_two_turns_captured_exactly(cluster, tiny_model_dir: Path) -> None:
+    """Not a hand-written request: `renderers.client.generate`, the code verifiers' TrainClient
+    calls, renders the chat with the model's own template, sends its body and parses our answer
+    with its own checks; two turns of one session with a cache salt, each captured exactly as
+    answered (ids and logprobs)."""
+    pytest.importorskip("renderers", reason="verifiers' renderers package: pip install 'burstrl[verifiers]'")
+    import asyncio
+
+    from openai import AsyncOpenAI
+    from renderers import DefaultRendererConfig, create_renderer
+    from transformers import AutoTokenizer
+
+    url, _ = cluster
+    renderer = create_renderer(AutoTokenizer.from_pretrained(tiny_model_dir), DefaultRendererConfig())
+    from renderers.client import generate as vf_generate
+
+    async def two_turns() -> list[dict]:
+        sdk = AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        messages = [{"role": "user", "content": "What is 3 + 4?"}]
+        out = []
+        for turn in range(2):
+            answer = await vf_generate(client=sdk, renderer=renderer, messages=messages, model="base",
+                                       sampling_params={"temperature": 1.0, "max_tokens": 5, "seed": 3 + turn},
+                                       cache_salt="run-7", extra_headers={"X-Session-ID": "vf-train-client"})
+            out.append(answer)
+            messages += [{"role": "assistant", "content": answer["content"] or ""},
+                         {"role": "user", "content": "And 5 + 6?"}]
+        await sdk.close()
+        return out
+
+    answers = asyncio.run(two_turns())
+    trace = HTTP.get(f"{url}/v1/traces/vf-train-client?full=true", headers=AUTH, timeout=30).json()
+    assert len(trace["calls"]) == 2
+    for answer, call in zip(answers, trace["calls"], strict=True):
+        assert call["prompt_ids"] == answer["prompt_ids"] and call["completion_ids"] == answer["completion_ids"]
+        assert [round(x, 5) for x in call["logprobs"]] == [round(x, 5) for x in answer["completion_logprobs"]]
+    assert len(answers[0]["completion_ids"]) >= 1
