@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 
 from burstrl.envs.base import ReplicaFailure, VersionGone
-from burstrl.protocol.http import SESSION_HEADER
+from burstrl.protocol.http import SESSION_HEADER, default_ssl_context
 
 __all__ = ["ReplicaFailure", "SessionClient", "VersionGone", "assign", "fetch_trace", "release"]
 
@@ -124,7 +124,7 @@ class _SessionTransport(httpx.AsyncBaseTransport):
     """`SessionClient.sdk_http`'s transport: pins generation calls to the session and counts them."""
 
     def __init__(self, session: SessionClient) -> None:
-        self.session, self.inner = session, httpx.AsyncHTTPTransport()
+        self.session, self.inner = session, httpx.AsyncHTTPTransport(verify=default_ssl_context())
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         s = self.session

@@ -7,8 +7,10 @@ bodies the same way and check bearer tokens the same way; each kept its own copy
 
 from __future__ import annotations
 
+import functools
 import hmac
 import re
+import ssl
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -68,3 +70,15 @@ def bearer_matches(headers: Mapping[str, str], *tokens: str) -> bool:
     scheme, _, given = headers.get("authorization", "").partition(" ")
     return scheme.lower() == "bearer" and any(
         t and hmac.compare_digest(given.encode(), t.encode()) for t in tokens)
+
+
+@functools.cache
+def default_ssl_context() -> ssl.SSLContext:
+    """One verifying TLS context for the process's short-lived HTTP clients.
+
+    Why shared: httpx builds a new one (reading the CA bundle, ~25 ms of CPU) for every client or
+    transport it makes, and the orchestrator makes one per attempt for an environment's own SDK;
+    measured, that was most of the per-episode overhead of the verifiers adapters
+    (benchmarks/ecosystem_overhead.py). A context may be shared by clients and threads.
+    """
+    return ssl.create_default_context()

@@ -30,6 +30,8 @@ from verifiers.v1.harnesses.null import NullHarness
 from verifiers.v1.harnesses.null.program import call_mcp, connect_mcp
 from verifiers.v1.runtimes import ProgramResult
 
+from burstrl.protocol.http import default_ssl_context
+
 HARNESS_ID = "burstrl_inproc_chat"
 MCP_CONNECT_TIMEOUT_S = 60.0  # tool enumeration only, as in verifiers' null program
 
@@ -44,8 +46,8 @@ class InprocChatHarness(NullHarness):
                      mcp_urls: dict[str, str], data: Any) -> ProgramResult:
         messages = self._initial_messages(data)
         tools, dispatch, servers = await self._connect(mcp_urls)
-        async with AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0,
-                               timeout=httpx.Timeout(None, connect=5.0)) as client:
+        http = httpx.AsyncClient(verify=default_ssl_context(), timeout=httpx.Timeout(None, connect=5.0))
+        async with AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0, http_client=http) as client:
             while True:
                 extra = {"tools": tools} if tools else {}
                 completion = await client.chat.completions.create(model=ctx.model, messages=messages, **extra)
