@@ -155,6 +155,7 @@ def test_bad_calls_are_400s_naming_the_cause_and_the_replica_serves_on(cluster, 
     client_reads(generate(url, "after-errors-" + target, [5, 6, 7]))
 
 
+@pytest.mark.slow  # imports verifiers' renderers (and a tokenizer): the fast lane keeps the hand-written calls
 def test_verifiers_own_train_client_generates_two_turns_captured_exactly(cluster, tiny_model_dir: Path) -> None:
     """Not a hand-written request: `renderers.client.generate`, the code verifiers' TrainClient
     calls, renders the chat with the model's own template, sends its body and parses our answer

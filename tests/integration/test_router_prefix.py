@@ -14,6 +14,10 @@ from burstrl.protocol.blocks import BLOCK_TOKENS, prefix_block_hashes
 from tests.http_client import HTTP
 from tests.waiting import wait_for
 
+# Two replica processes and a router for one test (~19 s of the fast lane's time): `make test` runs
+# it; the fast lane keeps the index's unit tests (tests/unit/test_prefix.py, test_router_policies.py).
+pytestmark = pytest.mark.slow
+
 from .conftest import start_server, stop_server
 
 TOKEN = "prefix-cluster-token"

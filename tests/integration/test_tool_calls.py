@@ -50,6 +50,7 @@ def history(call_id: str = "call_1") -> list[dict]:
 
 # ---- a real replica process ----
 
+@pytest.mark.slow  # a replica process; the fast lane keeps the in-process tests below
 def test_tools_are_rendered_into_the_captured_prompt(server: Server, tokenizer) -> None:
     r = post(server, {"messages": [QUESTION], "tools": [ADD], "tool_choice": "auto", "parallel_tool_calls": True,
                       "session_id": "tools-1", "return_token_ids": True})
@@ -63,6 +64,7 @@ def test_tools_are_rendered_into_the_captured_prompt(server: Server, tokenizer) 
     assert "# Tools" not in tokenizer.decode(plain.json()["prompt_token_ids"], skip_special_tokens=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra, needle", [
     ({"tool_choice": "required"}, "'required' is not supported"),
     ({"tool_choice": {"type": "function", "function": {"name": "add"}}}, "naming a function is not supported"),
@@ -79,6 +81,7 @@ def test_bad_tool_requests_are_a_400_naming_the_field(server: Server, extra: dic
     assert legacy.status_code == 400 and "tools" in legacy.json()["error"]["message"]
 
 
+@pytest.mark.slow  # a replica process; the fast lane keeps the in-process tests below
 def test_openai_sdk_round_trip_with_tool_calls_in_history(server: Server, tokenizer) -> None:
     client = sdk(server.url)
     kw = {"model": "base", "messages": history(), "tools": [ADD], "max_tokens": 4, "temperature": 0,

@@ -18,23 +18,37 @@ import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
 import pytest
-import verifiers.v1 as vf
-from verifiers.legacy.errors import EmptyModelResponseError, ModelError, SandboxError
-from verifiers.legacy.utils.error_utils import error_data
-from verifiers.v1.trace import Error, ModelCall, TimeSpan
 
 from burstrl.config import OrchestratorSection
 from burstrl.envs.base import InfraError
-from burstrl.envs.ecosystem import vf_harness, vf_v1
 from burstrl.envs.ecosystem.verifiers_env import VerifiersOptions, detect, module_names
 from burstrl.envs.registry import check_env, env_class, env_options, get_env
 from burstrl.orchestrator.client import ReplicaFailure, SessionClient, VersionGone
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "verifiers_envs"
+
+# verifiers and its types, bound by `verifiers_imported` when this file's first test runs, not at
+# import: xdist collects every file on every worker, and importing verifiers costs ~5 CPU-s.
+vf: Any = None
+EmptyModelResponseError = ModelError = SandboxError = Error = ModelCall = TimeSpan = error_data = None
+vf_harness = vf_v1 = None  # the adapter's modules that import verifiers
+
+
+@pytest.fixture(scope="module", autouse=True)
+def verifiers_imported() -> None:
+    global vf, EmptyModelResponseError, ModelError, SandboxError, Error, ModelCall, TimeSpan, error_data
+    global vf_harness, vf_v1
+    import verifiers.v1 as vf
+    from verifiers.legacy.errors import EmptyModelResponseError, ModelError, SandboxError
+    from verifiers.legacy.utils.error_utils import error_data
+    from verifiers.v1.trace import Error, ModelCall, TimeSpan
+
+    from burstrl.envs.ecosystem import vf_harness, vf_v1
 
 
 @pytest.fixture(autouse=True)
@@ -242,12 +256,13 @@ def test_a_fleet_failure_in_any_call_reruns_the_attempt(status: int, message: st
 
 
 @pytest.mark.parametrize(("error", "raised", "says"), [
-    (Error(type="ProviderError", message="upstream 400: not supported: best_of", status_code=400), RuntimeError,
+    (dict(type="ProviderError", message="upstream 400: not supported: best_of", status_code=400), RuntimeError,
      "the router refused a call"),
-    (Error(type="TaskError", message="task SumTask scoring: boom"), InfraError, "TaskError"),
-    (Error(type="ToolsetError", message="tool server did not start"), InfraError, "ToolsetError"),
+    (dict(type="TaskError", message="task SumTask scoring: boom"), InfraError, "TaskError"),
+    (dict(type="ToolsetError", message="tool server did not start"), InfraError, "ToolsetError"),
 ])
-def test_errors_that_are_not_the_models_are_raised(error: Error, raised: type, says: str) -> None:
+def test_errors_that_are_not_the_models_are_raised(error: dict, raised: type, says: str) -> None:
+    error = Error(**error)
     with pytest.raises(raised, match=says):
         vf_v1.outcome("vf-sum-v1", episode(trace(errors=(error,))), client(), 0.5)
     with pytest.raises(raised, match=says):  # on the episode (a hook of the env) as on a trace
@@ -308,12 +323,13 @@ def answered(n: int) -> SessionClient:
 
 
 @pytest.mark.parametrize("error", [
-    Error(type="ProviderError", message="upstream 400: tool call arguments hold special-token text", status_code=400),
-    Error(type="ToolsetError", message="the tool server died"),
+    dict(type="ProviderError", message="upstream 400: tool call arguments hold special-token text", status_code=400),
+    dict(type="ToolsetError", message="the tool server died"),
 ])
-def test_a_v1_failure_after_the_models_reply_is_the_models(error: Error) -> None:
+def test_a_v1_failure_after_the_models_reply_is_the_models(error: dict) -> None:
     """After a reply, what the env sends carries the model's output: a refused call or a crashed
     tool is scored 0 with its reason, never a re-run a policy could farm, never the run's end."""
+    error = Error(**error)
     out = vf_v1.outcome("vf-tool-v1", episode(trace({"correct": (1.0, 1.0)}, errors=(error,))), answered(1), 0.5)
     assert out.reward == 0.0 and not out.passed and "after the model's reply" in out.info["reason"]
 
