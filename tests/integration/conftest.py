@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -129,6 +132,24 @@ def commit_step_one(store_path: Path, stop: threading.Event, ready: Callable[[Ro
         return taken
     finally:
         store.close()
+
+
+def run_until_step_one(orch: Any, store_path: Path, ready: Callable[[RolloutStore], bool], max_groups: int,
+                       timeout: float) -> list:
+    """Run `orch` (an Orchestrator of one step) while `commit_step_one` stands in for the trainer in a
+    thread; the groups it took. The orchestrator returns once step 1 is committed."""
+
+    async def go() -> list:
+        stop = threading.Event()
+        taken = asyncio.get_running_loop().run_in_executor(
+            ThreadPoolExecutor(1), commit_step_one, store_path, stop, ready, max_groups)
+        try:
+            await asyncio.wait_for(orch.run(), timeout=timeout)
+        finally:
+            stop.set()
+        return await taken
+
+    return asyncio.run(go())
 
 
 def sampled_logprobs(model: torch.nn.Module, ids: list[int], start: int) -> torch.Tensor:

@@ -11,15 +11,15 @@ attempt reached the store with its captured turns and graded parts, and never as
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import selectors
 import signal
 import subprocess
 import sys
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -33,7 +33,7 @@ from burstrl.protocol import process
 from burstrl.protocol.process import ready_url
 from tests.waiting import wait_for
 
-from .conftest import ADMIN_TOKEN, commit_step_one, start_server, stop_server
+from .conftest import ADMIN_TOKEN, run_until_step_one, start_server, stop_server
 
 pytestmark = pytest.mark.slow
 
@@ -59,12 +59,12 @@ def ready_line(proc: subprocess.Popen, timeout: float) -> str:
     raise AssertionError(f"the arith server did not say where it listens within {timeout:.0f} s")
 
 
-@pytest.fixture(scope="module")
-def arith_url(tmp_path_factory: pytest.TempPathFactory):
-    log = tmp_path_factory.mktemp("arith") / "server.log"
+@contextlib.contextmanager
+def arith_server(log: Path, environ: dict[str, str]) -> Iterator[str]:
+    """The arith OpenEnv server in its own process group on a free loopback port: its URL."""
     with open(log, "w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "examples.openenv_envs.arith.server", "--port", "0"],
-                                cwd=REPO, env=pythonpath(), stdout=subprocess.PIPE, stderr=err, text=True,
+                                cwd=REPO, env=environ, stdout=subprocess.PIPE, stderr=err, text=True,
                                 start_new_session=True)
     try:
         url = ready_line(proc, 180)
@@ -78,6 +78,12 @@ def arith_url(tmp_path_factory: pytest.TempPathFactory):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         proc.stdout.close()
+
+
+@pytest.fixture(scope="module")
+def arith_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with arith_server(tmp_path_factory.mktemp("arith") / "server.log", pythonpath()) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -129,9 +135,6 @@ def test_the_adapter_plays_the_real_openenv_server(arith_url: str) -> None:
     assert refused.reward == 0.0 and "invalid action" in refused.info["reason"]
 
 
-def take_first_group(store_path: Path, stop: threading.Event) -> list:
-    return commit_step_one(store_path, stop, lambda store: store.buffered_count() >= 1, max_groups=1)
-
 
 def test_the_orchestrator_stores_groups_of_an_openenv_server(arith_url: str, router, tmp_path: Path) -> None:
     name = f"openenv:{arith_url}"
@@ -143,17 +146,8 @@ def test_the_orchestrator_stores_groups_of_an_openenv_server(arith_url: str, rou
                         ADMIN_TOKEN)
     assert orch.envs[name].options.max_turns == 2
 
-    async def go() -> list:
-        loop = asyncio.get_running_loop()
-        stop = threading.Event()
-        taken = loop.run_in_executor(ThreadPoolExecutor(1), take_first_group, run_dir / "store.sqlite", stop)
-        try:
-            await asyncio.wait_for(orch.run(), timeout=180)  # returns once step 1 is committed
-        finally:
-            stop.set()
-        return await taken
-
-    groups = asyncio.run(go())
+    groups = run_until_step_one(orch, run_dir / "store.sqlite", lambda store: store.buffered_count() >= 1,
+                                max_groups=1, timeout=180)
     assert len(groups) == 1 and len(groups[0].rollouts) == 2
     for r in groups[0].rollouts:
         assert 1 <= len(r.turns) == r.calls <= 2 and all(t.completion_ids for t in r.turns)

@@ -7,13 +7,10 @@ orchestrator and store; a stand-in trainer takes the first group and commits ste
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import subprocess
 import sys
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -22,7 +19,7 @@ from burstrl.config import OrchestrateConfig, OrchestratorSection
 from burstrl.orchestrator.loop import Orchestrator
 from burstrl.protocol import process
 
-from .conftest import ADMIN_TOKEN, commit_step_one, start_server, stop_server
+from .conftest import ADMIN_TOKEN, run_until_step_one, start_server, stop_server
 
 pytestmark = pytest.mark.slow
 
@@ -44,11 +41,6 @@ def router(tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         stop_server(server)
 
 
-def take_first_group(store_path: Path, stop: threading.Event) -> list:
-    """The first stored group becomes step 1 (the orchestrator then stops)."""
-    return commit_step_one(store_path, stop, lambda store: store.buffered_count() >= 1, max_groups=1)
-
-
 def test_the_orchestrator_runs_groups_of_a_module_class_environment(router, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -58,17 +50,8 @@ def test_the_orchestrator_runs_groups_of_a_module_class_environment(router, tmp_
                         ADMIN_TOKEN)
     assert orch.envs[ECHO].options.words == 2
 
-    async def go() -> list:
-        loop = asyncio.get_running_loop()
-        stop = threading.Event()
-        taken = loop.run_in_executor(ThreadPoolExecutor(1), take_first_group, run_dir / "store.sqlite", stop)
-        try:
-            await asyncio.wait_for(orch.run(), timeout=120)  # returns once step 1 is committed
-        finally:
-            stop.set()
-        return await taken
-
-    groups = asyncio.run(go())
+    groups = run_until_step_one(orch, run_dir / "store.sqlite", lambda store: store.buffered_count() >= 1,
+                                max_groups=1, timeout=120)  # the first stored group becomes step 1
     assert len(groups) == 1 and len(groups[0].rollouts) == 2
     assert all(set(r.reward_parts) >= {"exact", "partial"} for r in groups[0].rollouts)
 

@@ -10,14 +10,11 @@ replica's tool support (the tiny random model never calls a tool: one call per r
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import subprocess
 import sys
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -27,7 +24,7 @@ from burstrl.orchestrator.loop import Orchestrator
 from burstrl.protocol import process
 from tests.http_client import HTTP
 
-from .conftest import ADMIN_TOKEN, commit_step_one, start_server, stop_server
+from .conftest import ADMIN_TOKEN, run_until_step_one, start_server, stop_server
 
 pytestmark = pytest.mark.slow
 
@@ -74,12 +71,9 @@ def router(tiny_model_dir: Path, adapters: dict[str, Path], tmp_path_factory: py
         stop_server(server)
 
 
-def take_when_every_env_has_a_group(store_path: Path, stop: threading.Event) -> list:
-    def ready(store) -> bool:
-        ids = [g.task_id for g in store.groups(("buffered",))]
-        return all(any(i.startswith(slug(name)) for i in ids) for name in ENVS)
-
-    return commit_step_one(store_path, stop, ready, max_groups=1000)
+def every_env_has_a_group(store) -> bool:
+    ids = [g.task_id for g in store.groups(("buffered",))]
+    return all(any(i.startswith(slug(name)) for i in ids) for name in ENVS)
 
 
 def test_the_orchestrator_trains_on_every_kind_of_verifiers_environment(examples_path, router, tmp_path: Path) -> None:
@@ -90,18 +84,7 @@ def test_the_orchestrator_trains_on_every_kind_of_verifiers_environment(examples
     orch = Orchestrator(OrchestrateConfig(run_dir=str(run_dir), router=router.url, steps=1, orchestrator=o),
                         ADMIN_TOKEN)
 
-    async def go() -> list:
-        loop = asyncio.get_running_loop()
-        stop = threading.Event()
-        taken = loop.run_in_executor(ThreadPoolExecutor(1), take_when_every_env_has_a_group,
-                                     run_dir / "store.sqlite", stop)
-        try:
-            await asyncio.wait_for(orch.run(), timeout=240)  # returns once step 1 is committed
-        finally:
-            stop.set()
-        return await taken
-
-    groups = asyncio.run(go())
+    groups = run_until_step_one(orch, run_dir / "store.sqlite", every_env_has_a_group, max_groups=1000, timeout=240)
     assert orch.counters.attempts_requeued == 0  # every call captured on the group's version, first time
     for name, weights in ENVS.items():
         mine = [g for g in groups if g.task_id.startswith(slug(name))]
@@ -138,13 +121,15 @@ def burstrl_eval(model: Path, env: str, out: Path, *extra: str) -> dict:
 @pytest.mark.parametrize(("env", "options", "keys", "parts"), [
     ("verifiers:vf-sum-v1", ["--env-option", "args.num_tasks=1"], {"0"}, {"correct", "reply_chars"}),
     ("verifiers:vf-sum-legacy", [], {"0", "1"}, {"correct", "num_turns"}),  # its eval dataset's rows
+    ("verifiers:vf-tool-v1", ["--env-option", "args.num_tasks=1"], {"0"}, {"correct", "used_tool"}),
+    ("verifiers:vf-tool-legacy", [], None, {"correct", "num_turns"}),  # no eval dataset: drawn from its dataset
 ])
 def test_burstrl_eval_runs_a_verifiers_environment(tiny_model_dir: Path, tmp_path: Path, env: str, options: list,
-                                                   keys: set, parts: set) -> None:
+                                                   keys: set | None, parts: set) -> None:
     results = burstrl_eval(tiny_model_dir, env, tmp_path / "eval", *options)
     records = results["records"]
     assert results["config"]["env"] == env and len(records) == 4
-    assert {r["task_id"].rsplit("-e", 1)[1] for r in records} == keys
+    assert keys is None or {r["task_id"].rsplit("-e", 1)[1] for r in records} == keys
     for record in records:
         assert record["task_id"].startswith(slug(env) + "test-") and record["version"] == "base"
         assert record["infra_error"] is None and set(record["parts"]) >= parts, record
