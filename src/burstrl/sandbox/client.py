@@ -298,16 +298,17 @@ class SandboxClient:
         a daemon a command stopped (SIGSTOP under gVisor) would otherwise hold every close for the
         whole timeout.
         """
-        saved = self.timeout
-        if timeout is not None:
-            self.timeout = timeout
+        call, limit = _Call("POST", "/close", dict), self.timeout if timeout is None else timeout
+        conn = self._new_connection(limit)  # its own: another thread's exec may hold `_conn` mid-request
         try:
-            self._do(_Call("POST", "/close", dict), retry=False)
-        except SandboxError as exc:
-            if exc.status != 503 and not (timeout is not None and exc.status == 504):
-                raise
+            self._exchange(conn, call, limit)
+        except socket.timeout:
+            if timeout is None:
+                raise SandboxError(504, f"no answer to /close within {limit:g}s") from None
+        except (*_DROPPED, OSError):
+            pass  # the daemon is gone or going: closed
         finally:
-            self.timeout = saved
+            conn.close()
             self.disconnect()
 
     def disconnect(self) -> None:
@@ -323,19 +324,20 @@ class SandboxClient:
 
     def _connection(self) -> http.client.HTTPConnection:
         if self._conn is None:
-            if self.socket_path is not None:
-                self._conn = _UnixHTTPConnection(self.socket_path, self.timeout, self.expected_pid,
-                                                 self.expected_uid)
-            else:
-                self._conn = _HTTPConnection(self.host, self.port, timeout=self.timeout)
+            self._conn = self._new_connection(self.timeout)
         return self._conn
+
+    def _new_connection(self, timeout: float) -> http.client.HTTPConnection:
+        if self.socket_path is not None:
+            return _UnixHTTPConnection(self.socket_path, timeout, self.expected_pid, self.expected_uid)
+        return _HTTPConnection(self.host, self.port, timeout=timeout)
 
     def _do(self, call: _Call, retry: bool = True) -> Any:
         _check_size(call)
         for attempt in range(2 if retry else 1):
             conn = self._connection()
             try:
-                status, data, will_close = self._exchange(conn, call)
+                status, data, will_close = self._exchange(conn, call, self.timeout)
             except socket.timeout:
                 self.disconnect()
                 raise SandboxError(504, f"no answer to {call.target} within {self.timeout + call.wait_s:g}s") from None
@@ -351,7 +353,7 @@ class SandboxClient:
             return _answer(call, status, data)
         raise AssertionError("unreachable")
 
-    def _exchange(self, conn: http.client.HTTPConnection, call: _Call) -> Tuple[int, bytes, bool]:
+    def _exchange(self, conn: http.client.HTTPConnection, call: _Call, timeout: float) -> Tuple[int, bytes, bool]:
         """(status, body, the daemon closes) of one request; a daemon's early answer is kept.
 
         Connects first if needed (within `timeout`), so the answer's deadline is always
@@ -360,7 +362,7 @@ class SandboxClient:
         """
         if conn.sock is None:
             conn.connect()
-        conn.sock.settimeout(self.timeout + call.wait_s)
+        conn.sock.settimeout(timeout + call.wait_s)
         try:
             conn.request(call.method, call.target, body=call.body, headers=call.headers(self.token))
         except (BrokenPipeError, ConnectionResetError):
