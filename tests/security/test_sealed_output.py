@@ -9,10 +9,10 @@ because its wrapper exec'd the collector). Now the grader's sealed run takes its
 sockets (`ExecRequest.private_output`), which /proc cannot reopen, and a second verdict line is
 itself a tamper verdict. Through the real grader in real sandboxes, on every backend.
 
-Left open, under gVisor only: the forger can still open the daemon's own pipes through /proc/1/fd,
-among them the one `subprocess.Popen` reads an exec failure from; a write there fails the exec the
-grader was starting (a 500, recorded as the attempt's `model_error`, reward 0: the model's doing,
-never an infra error it could farm).
+Under gVisor a command can also open the daemon's own fds through /proc/1/fd (the sentry ignores
+the non-dumpable flag). The daemon used to start commands with `subprocess`, whose exec-error pipe
+was among them: a write there failed the exec being started (500 SubprocessError). It now spawns
+with posix_spawn, which has no such pipe (issue 37): every exec here must run.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from burstrl.envs.swe.grade import grade, reward_of
 from burstrl.envs.swe.seal import TAG, judge, read_verdict
 from burstrl.envs.swe.task import SweTask
 from burstrl.sandbox.backends.base import SandboxSpec
-from burstrl.sandbox.client import SandboxError
 from burstrl.sandbox.pool import SandboxPool
 from tests.security import test_reward_hacks as reward_hacks
 from tests.security.test_reward_hacks import CALC, patch_of
@@ -75,40 +74,23 @@ def test_a_process_in_the_sandbox_cannot_write_the_verdict(backend: Any, py: Swe
     seen = {k: v for k, v in vars(r).items() if k != "log"}
     assert not r.infra_error and not r.resolved, seen
     assert [reward_of(r, k) for k in ("binary", "f2p", "strict")] == [0.0, 0.0, 0.0]
-    if r.model_error:  # gVisor: the forger wrote into the daemon's own pipe (below); the attempt's end
-        assert backend.name == "oci" and backend.gvisor and "SubprocessError" in r.model_error, seen
-    else:  # the collector's own verdict, read
-        assert r.sealed and r.statuses[py.FAIL_TO_PASS[0]] == "failed", seen
+    assert not r.model_error and r.sealed and r.statuses[py.FAIL_TO_PASS[0]] == "failed", seen
 
 
 def test_a_private_exec_keeps_its_output_and_a_plain_one_its_dev_stdout(backend: Any) -> None:
     """The channel itself, at the daemon: a forger holding every pipe it can open writes nothing
     into a private exec's output; a plain exec still has pipes, so `echo > /dev/stdout` works."""
-    gvisor = backend.name == "oci" and backend.gvisor
     with backend.create(SandboxSpec(memory_limit_mb=256)) as sb:
         sb.client.write_file("/tmp/forger.py", f"TAG, IDS = 'FORGED ', []\n{FORGER}")
         sb.exec("(setsid python3 /tmp/forger.py </dev/null >/dev/null 2>&1 &); sleep 0.5", timeout=60)
-        private = _despite_the_residual(gvisor, lambda: sb.client.exec("sleep 2; echo mine; echo err >&2",
-                                                                       timeout=60, private_output=True))
-        plain = _despite_the_residual(gvisor, lambda: sb.exec(
-            "echo to-dev-stdout > /dev/stdout; echo to-dev-stderr > /dev/stderr", timeout=60))
+        private = sb.client.exec("sleep 2; echo mine; echo err >&2", timeout=60, private_output=True)
+        plain = sb.exec("echo to-dev-stdout > /dev/stdout; echo to-dev-stderr > /dev/stderr", timeout=60)
+        starts = [sb.exec(["true"], timeout=60).exit_code for _ in range(20)]  # none broken by the forger
     assert (private.stdout, private.stderr, private.exit_code) == ("mine\n", "err\n", 0), private
     # A plain exec's pipes are open to the forger (under gVisor even through the daemon's own fds,
-    # issue 37's residual), so its lines may be mixed in: what must hold is that /dev/stdout works.
+    # the daemon's own fds), so its lines may be mixed in: what must hold is that /dev/stdout works.
     assert "to-dev-stdout\n" in plain.stdout.splitlines(keepends=True) and plain.exit_code == 0, plain
-
-
-def _despite_the_residual(gvisor: bool, run: Any, tries: int = 8) -> Any:
-    """`run()`, tried again when gVisor's residual broke it: there the forger can open the daemon's
-    own pipes through /proc/1/fd, among them the one `subprocess` reads exec failures from, and a
-    line written there fails the exec being started (500 SubprocessError; issue 37, open). Never on
-    the other backends, and never silently: each retry is a broken exec the forger caused."""
-    for attempt in range(tries):
-        try:
-            return run()
-        except SandboxError as exc:
-            if not (gvisor and "SubprocessError" in str(exc)) or attempt == tries - 1:
-                raise
+    assert starts == [0] * 20
 
 
 def test_a_second_verdict_line_is_a_forgery() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import io
 import os
+import signal
 import tarfile
 import threading
 import time
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from burstrl.sandbox import runtime
 from burstrl.sandbox.protocol import (
     ExecRequest,
     ExecResult,
@@ -57,6 +59,47 @@ def test_missing_program_is_127(rt: Runtime) -> None:
 
 def test_killed_by_signal_is_negative(rt: Runtime) -> None:
     assert run(rt, "kill -TERM $$").exit_code == -15
+
+
+def test_a_program_that_is_not_executable_is_126_and_nothing_is_spawned(rt: Runtime) -> None:
+    Path(rt.work_dir, "data.sh").write_text("echo hi\n")
+    Path(rt.work_dir, "dir").mkdir()
+    for argv in (["./data.sh"], ["./dir"]):
+        res = run(rt, argv)
+        assert (res.exit_code, res.stderr) == (126, f"{argv[0]}: Permission denied\n"), res
+    assert run(rt, ["no-such-program-anywhere"]).stderr == "no-such-program-anywhere: No such file or directory\n"
+
+
+def test_commands_start_with_default_signals_whatever_the_daemon_ignores(rt: Runtime) -> None:
+    """The daemon ignores SIGPIPE (Python) and, as pid 1, SIGTERM and friends (guard): an ignored
+    disposition survives exec, so each command's spawn resets them (`timeout` must still end a
+    command with SIGTERM, `yes | head` must end `yes`)."""
+    before = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        assert run(rt, "kill -TERM $$").exit_code == -15
+        res = run(rt, ["grep", "-E", "^Sig(Ign|Blk)", "/proc/self/status"])
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    fields = dict(line.split(":\t") for line in res.stdout.splitlines())
+    classic = sum(1 << (sig - 1) for sig in range(1, 32))  # glibc keeps its internal 32 and 33 as they are
+    assert int(fields["SigBlk"], 16) == 0 and int(fields["SigIgn"], 16) & classic == 0, res
+
+
+def test_a_cwd_is_entered_whatever_its_name(rt: Runtime) -> None:
+    odd = "it's a $dir `x` -n"
+    Path(rt.work_dir, odd).mkdir()
+    expected = os.path.realpath(os.path.join(rt.work_dir, odd)) + "\n"
+    assert run(rt, "pwd -P", cwd=odd).stdout == expected
+    assert run(rt, ["pwd", "-P"], cwd=odd).stdout == expected
+
+
+def test_without_a_shell_a_program_still_gets_its_cwd_and_score(rt: Runtime, monkeypatch) -> None:
+    monkeypatch.setattr(runtime, "SHELL", "/no/shell/in/this/image")
+    Path(rt.work_dir, "sub").mkdir()
+    res = run(rt, ["cat", "/proc/self/oom_score_adj"], cwd="sub")
+    assert (res.stdout, res.exit_code) == ("1000\n", 0), res
+    assert run(rt, ["pwd", "-P"], cwd="sub").stdout == os.path.realpath(os.path.join(rt.work_dir, "sub")) + "\n"
+    assert run(rt, "echo hi").exit_code == 127  # a string needs the shell the image lacks
 
 
 def test_output_cap_keeps_head_and_tail(rt: Runtime) -> None:

@@ -48,15 +48,16 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import errno
 import os
 import selectors
 import signal
 import socket
-import subprocess
+import sys
 import threading
 import time
 from collections import OrderedDict
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Dict, List, Optional, Set, Tuple, Union
 
 from burstrl.sandbox.files import check_member, decode_content, extract_member, inside, open_regular, os_errors
 from burstrl.sandbox.output import OutputCapture
@@ -82,6 +83,16 @@ DROPPED_IDS = 65536  # ids whose result was dropped, remembered so a retry answe
 # Run first in every shell command: the OOM killer then picks the command, not the daemon. Raising
 # one's own score needs no privilege; a missing /proc only loses the protection.
 OOM_PREFIX = "{ echo 1000 >/proc/self/oom_score_adj; } 2>/dev/null; "
+SHELL = "/bin/sh"
+# Without a shell in the image: enter the cwd, raise the score, exec (argv: cwd, path, program argv).
+NO_SHELL_ENTER = ("import os, sys\n"
+                  "try:\n    open('/proc/self/oom_score_adj', 'w').write('1000')\n"
+                  "except OSError:\n    pass\n"
+                  "os.chdir(sys.argv[1])\n"
+                  "os.execv(sys.argv[2], sys.argv[3:])\n")
+# Ignored by the daemon (Python ignores SIGPIPE; pid 1 the signals a command could send it) and
+# inherited as ignored across exec unless reset: a command starts with every default instead.
+RESET_SIGNALS = tuple(sorted(set(signal.valid_signals()) - {signal.SIGKILL, signal.SIGSTOP}))
 DRAIN_CHUNKS = 64  # after a kill, read at most this many chunks still buffered in a pipe
 
 
@@ -189,31 +200,34 @@ class Runtime:
         cwd = self._cwd(req.cwd)
         env = dict(self.env, **(req.env or {}))
         start = time.monotonic()
-        argv = ["/bin/sh", "-c", OOM_PREFIX + req.cmd] if isinstance(req.cmd, str) else _wrap_argv(req.cmd, env, cwd)
+        argv = _command_argv(req.cmd, env, cwd)
+        if isinstance(argv, OSError):  # like a shell: 127 when not found, 126 when not executable
+            code = 127 if argv.errno == errno.ENOENT else 126
+            return ExecResult(stdout="", stderr=f"{req.cmd[0]}: {argv.strerror}\n", exit_code=code,
+                              duration_s=time.monotonic() - start)
         ours, theirs = _output_channels(req.private_output)
         try:
             with self._lock:  # a pid 1 reaper must never reap a leader before it is in _running
-                proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=theirs[0], stderr=theirs[1],
-                                        cwd=cwd, env=env, start_new_session=True)
-                self._running.add(proc.pid)
-        except OSError as exc:  # like a shell: 127 when not found, 126 when not executable
+                pid = _spawn(argv, env, theirs)
+                self._running.add(pid)
+        except OSError as exc:  # e.g. EAGAIN: the sandbox's process limit, reached by its own commands
             for fd in ours:
                 os.close(fd)
-            code = 127 if isinstance(exc, FileNotFoundError) else 126
+            code = 127 if exc.errno == errno.ENOENT else 126
             return ExecResult(stdout="", stderr=f"{argv[0]}: {exc.strerror}\n", exit_code=code,
                               duration_s=time.monotonic() - start)
         finally:
             for fd in theirs:
                 os.close(fd)
         try:
-            out, err, timed_out = _collect(proc, ours, start + req.timeout, req.max_output_bytes)
+            out, err, timed_out = _collect(pid, ours, start + req.timeout, req.max_output_bytes)
         finally:
-            _kill_group(proc.pid)  # leader not reaped yet, so the group id cannot have been reused
-            proc.wait()
+            _kill_group(pid)  # leader not reaped yet, so the group id cannot have been reused
+            _, status = os.waitpid(pid, 0)
             with self._lock:
-                self._running.discard(proc.pid)
+                self._running.discard(pid)
         stdout, stderr = out.text(), err.text()  # first: fitting the wire may elide more
-        return ExecResult(stdout=stdout, stderr=stderr, exit_code=proc.returncode, timed_out=timed_out,
+        return ExecResult(stdout=stdout, stderr=stderr, exit_code=_exit_code(status), timed_out=timed_out,
                           truncated=bool(out.elided or err.elided), stdout_elided_bytes=out.elided,
                           stderr_elided_bytes=err.elided, duration_s=time.monotonic() - start)
 
@@ -319,7 +333,7 @@ def _output_channels(private: bool) -> Tuple[Tuple[int, int], Tuple[int, int]]:
     return (ours[0], ours[1]), (theirs[0], theirs[1])
 
 
-def _collect(proc: subprocess.Popen, fds: Tuple[int, int], deadline: float,
+def _collect(pid: int, fds: Tuple[int, int], deadline: float,
              limit: int) -> Tuple[OutputCapture, OutputCapture, bool]:
     """Read both streams (our ends `fds`, closed here) until they close after the leader exited
     (+ grace) or the deadline passes."""
@@ -329,7 +343,7 @@ def _collect(proc: subprocess.Popen, fds: Tuple[int, int], deadline: float,
     for fd in caps:
         os.set_blocking(fd, False)
         sel.register(fd, selectors.EVENT_READ)
-    pidfd = _pidfd_open(proc.pid)
+    pidfd = _pidfd_open(pid)
     if pidfd is not None:
         sel.register(pidfd, selectors.EVENT_READ)  # readable once the leader exits
     open_fds = set(caps)
@@ -338,7 +352,7 @@ def _collect(proc: subprocess.Popen, fds: Tuple[int, int], deadline: float,
     try:
         while True:
             now = time.monotonic()
-            if exited_at is None and _has_exited(proc.pid):
+            if exited_at is None and _has_exited(pid):
                 exited_at = now
             if exited_at is not None and (not open_fds or now >= exited_at + EXIT_GRACE_S):
                 break
@@ -356,7 +370,7 @@ def _collect(proc: subprocess.Popen, fds: Tuple[int, int], deadline: float,
                 elif not _read_into(key.fd, caps[key.fd]):
                     sel.unregister(key.fd)
                     open_fds.discard(key.fd)
-        _kill_group(proc.pid)
+        _kill_group(pid)
         for fd in open_fds:  # what the killed group had written is still in the pipe buffer
             for _ in range(DRAIN_CHUNKS):
                 if not _read_into(fd, caps[fd], drain=True):
@@ -401,25 +415,63 @@ def _pidfd_open(pid: int) -> Optional[int]:
         return None
 
 
-def _wrap_argv(argv: List[str], env: Dict[str, str], cwd: str) -> List[str]:
-    """`argv` run through the shell prefix that raises its oom_score_adj before it execs.
+def _command_argv(cmd: Union[str, List[str]], env: Dict[str, str], cwd: str) -> Union[List[str], OSError]:
+    """The argv to spawn for `cmd`: the shell with a prefix that enters `cwd` and raises the
+    command's oom_score_adj, then runs the string or execs the program. A program that cannot be
+    found or run is the OS's error instead (127/126, as a shell reports it), decided here without
+    spawning anything."""
+    enter = f"cd -- {_quote(os.path.abspath(cwd))} || exit 126; " + OOM_PREFIX
+    if isinstance(cmd, str):
+        return [SHELL, "-c", enter + cmd]
+    found = _find(cmd[0], env.get("PATH", ""), cwd)
+    if found is None:
+        code = errno.EACCES if _exists(cmd[0], env.get("PATH", ""), cwd) else errno.ENOENT
+        return OSError(code, os.strerror(code))
+    if not os.path.exists(SHELL):  # an image without a shell: the program, entered by `python3 -c`
+        return [sys.executable, "-I", "-S", "-c", NO_SHELL_ENTER, cwd, found, *cmd]
+    return [SHELL, "-c", enter + 'exec "$@"', "sh", *cmd]
 
-    A program that cannot be run is left unwrapped so the error stays the OS's own (127/126 from
-    Popen), not the shell's; without /bin/sh the program runs unwrapped, at the daemon's score.
+
+def _spawn(argv: List[str], env: Dict[str, str], fds: Tuple[int, int]) -> int:
+    """Start `argv` in a session of its own, stdin on /dev/null, stdout/stderr on `fds`; its pid.
+
+    posix_spawn, not fork + exec: `subprocess` reports a failed exec through a pipe the daemon holds,
+    and under gVisor a command can open the daemon's fds through /proc/1/fd and write there, which
+    broke the exec being started (issue 37). posix_spawn (glibc: vfork-style) has no such pipe. It
+    leaves the daemon's fds alone, all close-on-exec (PEP 446); every signal disposition goes back to
+    its default (the daemon ignores SIGPIPE, and as pid 1 the signals of `guard.guard_signals`).
     """
-    if not os.path.exists("/bin/sh") or _find(argv[0], env.get("PATH", ""), cwd) is None:
-        return list(argv)
-    return ["/bin/sh", "-c", OOM_PREFIX + 'exec "$@"', "sh", *argv]
+    return os.posix_spawn(argv[0], argv, env, setsid=True, setsigmask=(), setsigdef=RESET_SIGNALS,
+                          file_actions=[(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+                                        (os.POSIX_SPAWN_DUP2, fds[0], 1), (os.POSIX_SPAWN_DUP2, fds[1], 2)])
+
+
+def _exit_code(status: int) -> int:
+    """A wait status as `subprocess` reports it: the exit code, or minus the killing signal."""
+    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+
+def _quote(text: str) -> str:
+    """`text` as one single-quoted shell word."""
+    return "'" + text.replace("'", "'\\''") + "'"
 
 
 def _find(prog: str, path: str, cwd: str) -> Optional[str]:
     """Where `prog` resolves like execvp would, if it is an executable file."""
-    dirs = [""] if "/" in prog else [d or "." for d in path.split(os.pathsep)]
-    for d in dirs:
-        full = os.path.join(cwd, d, prog)
+    for full in _candidates(prog, path, cwd):
         if os.path.isfile(full) and os.access(full, os.X_OK):
             return full
     return None
+
+
+def _exists(prog: str, path: str, cwd: str) -> bool:
+    """Whether `prog` names something that is not executable (execvp's EACCES, not ENOENT)."""
+    return any(os.path.exists(full) for full in _candidates(prog, path, cwd))
+
+
+def _candidates(prog: str, path: str, cwd: str) -> List[str]:
+    dirs = [""] if "/" in prog else [d or "." for d in path.split(os.pathsep)]
+    return [os.path.join(cwd, d, prog) for d in dirs]
 
 
 def _kill_group(pgid: int) -> None:
