@@ -29,6 +29,23 @@ class VersionGone(ReplicaFailure):
     """No replica serves the group's version any more: the whole group restarts on a newer one."""
 
 
+def fleet_failure(status: int, detail: str, what: str) -> ReplicaFailure | None:
+    """The fleet's failure a router answer to a generation, assign or trace call means, else None.
+
+    5xx: a replica (or the router) failed; 404/409: the session or its version moved (`VersionGone`
+    when the answer names the model, so the group restarts on a newer version); 408/429: a timeout
+    or shed load on the way (burstrl's router sends neither, a proxy or an SDK's own mapping may).
+    Any other 4xx is the caller's own bad request, never the fleet's. One rule for the orchestrator's
+    client, the transport under an environment's SDK and verifiers' error objects.
+    """
+    detail = detail[:300]
+    if status in (404, 409) and "model" in detail:
+        return VersionGone(f"{what}: {status} {detail}")
+    if status >= 500 or status in (404, 408, 409, 429):
+        return ReplicaFailure(f"{what}: {status} {detail}")
+    return None
+
+
 @dataclass
 class Task:
     """One task: an id unique across the run, its environment, difficulty and env-specific data (JSON)."""

@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 
-from burstrl.envs.base import ReplicaFailure, VersionGone
+from burstrl.envs.base import ReplicaFailure, VersionGone, fleet_failure
 from burstrl.protocol.http import SESSION_HEADER, default_ssl_context
 
 __all__ = ["ReplicaFailure", "SessionClient", "VersionGone", "assign", "fetch_trace", "release"]
@@ -23,11 +23,9 @@ def _raise_for(r: httpx.Response, what: str) -> None:
     """4xx from our own requests are bugs (raised as is); 404/409/5xx on model or session mean the fleet moved."""
     if r.status_code < 400:
         return
-    detail = r.text[:300]
-    if r.status_code in (404, 409) and "model" in detail:
-        raise VersionGone(f"{what}: {r.status_code} {detail}")
-    if r.status_code >= 500 or r.status_code in (404, 409):
-        raise ReplicaFailure(f"{what}: {r.status_code} {detail}")
+    failure = fleet_failure(r.status_code, r.text, what)
+    if failure is not None:
+        raise failure
     r.raise_for_status()
 
 
@@ -138,11 +136,9 @@ class _SessionTransport(httpx.AsyncBaseTransport):
             raise
         if generation and response.status_code == 200:
             s.calls += 1
-        elif generation and (response.status_code >= 500 or response.status_code in (404, 409)):
+        elif generation and response.status_code >= 400:
             detail = (await response.aread())[:300].decode(errors="replace")  # the router's own error: small
-            gone = response.status_code in (404, 409) and "model" in detail
-            failure = (VersionGone if gone else ReplicaFailure)(f"call {s.calls + 1}: {response.status_code} {detail}")
-            s.failure = s.failure or failure
+            s.failure = s.failure or fleet_failure(response.status_code, detail, f"call {s.calls + 1}")
         return response
 
     def _pinned(self, request: httpx.Request) -> httpx.Request:

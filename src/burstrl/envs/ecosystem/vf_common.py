@@ -14,8 +14,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from burstrl.envs.base import ReplicaFailure, VersionGone
-
 SPLITS = ("train", "test")
 
 
@@ -77,19 +75,6 @@ def numeric_parts(*mappings: Mapping[str, Any]) -> dict[str, float]:
             if isinstance(value, (int, float)) and math.isfinite(value) and name not in parts:
                 parts[str(name)] = float(value)
     return parts
-
-
-def fleet_failure(status: int | None, message: str) -> ReplicaFailure | None:
-    """The fleet's failure a router answer means (as `SessionClient` reads one), else None:
-    5xx, 408/429 or a connection error mapped to 5xx, 404/409 (the session or version moved;
-    `VersionGone` when the model is named, so the group restarts on a newer version)."""
-    if status is None:
-        return None
-    if status in (404, 409) and "model" in message:
-        return VersionGone(f"{status} from the router: {message[:300]}")
-    if status >= 500 or status in (404, 408, 409, 429):
-        return ReplicaFailure(f"{status} from the router: {message[:300]}")
-    return None
 
 
 def after_the_model(what: str, message: str) -> str:

@@ -27,9 +27,9 @@ from typing import Any
 import verifiers.v1 as vf
 from pydantic import ValidationError
 
-from burstrl.envs.base import InfraError, Outcome, SessionChatClient
+from burstrl.envs.base import InfraError, Outcome, SessionChatClient, fleet_failure
 from burstrl.envs.ecosystem import vf_harness
-from burstrl.envs.ecosystem.vf_common import Row, after_the_model, fleet_failure, json_row, numeric_parts, refused
+from burstrl.envs.ecosystem.vf_common import Row, after_the_model, json_row, numeric_parts, refused
 
 API_KEY_VAR = "BURSTRL_VERIFIERS_API_KEY"  # unset: "EMPTY" (the router takes no key); not PRIME_API_KEY,
 # which would make verifiers read the Prime CLI config
@@ -167,7 +167,8 @@ def _failure(spec: str, episode: Any, client: SessionChatClient) -> str | None:
     (`after_the_model`)."""
     client.raise_failure()  # an SDK call of the session's own (none here: verifiers' client calls the router)
     for call in (c for t in episode.traces for c in t.calls if c.error is not None):
-        failure = fleet_failure(call.error.status_code, f"{call.error.type}: {call.error.message}")
+        status, detail = call.error.status_code, f"{call.error.type}: {call.error.message}"
+        failure = fleet_failure(status, detail, "a call to the router") if status is not None else None
         if failure is not None:
             raise failure
     errors = [e for e in _errors(episode) if not _is_timeout(e)]
