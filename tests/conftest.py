@@ -6,6 +6,7 @@ import contextlib
 import fcntl
 import json
 import os
+import resource
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -213,17 +214,35 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: -cost[_unit(item.location[0])])  # stable: a unit's tests keep their order
 
 
-# Under xdist, the controller's record of which worker ran each test and when (report.start/stop):
-# written to build/test-timeline.json at the end, so a slow run's critical path can be read
-# (tests/update_durations.py prints each worker's units in order).
+# Under xdist, the controller's record of which worker ran each test and when (report.start/stop),
+# and the CPU seconds each phase cost: written to build/test-timeline.json at the end, so a slow
+# run's critical path and where the CPU went can be read (tests/update_durations.py prints both).
 _TIMELINE: list[dict[str, object]] = []
+_CPU_SEEN = [0.0]
+
+
+def _cpu_so_far() -> float:
+    """CPU seconds of this worker and of every child it has reaped (role processes, Ray's daemons)."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    """Each phase's report carries the CPU spent since the previous one (a fixture's start lands on
+    the setup that made it; a child not yet reaped lands on the phase that reaps it)."""
+    outcome = yield
+    now = _cpu_so_far()
+    outcome.get_result().user_properties.append(("cpu_s", round(now - _CPU_SEEN[0], 3)))
+    _CPU_SEEN[0] = now
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     worker = getattr(getattr(report, "node", None), "gateway", None)
     if worker is not None and report.when in ("setup", "call", "teardown"):
+        cpu = dict(report.user_properties).get("cpu_s")
         _TIMELINE.append({"test": report.nodeid, "worker": worker.id, "when": report.when,
-                          "start": report.start, "stop": report.stop})
+                          "start": report.start, "stop": report.stop, "cpu_s": cpu})
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

@@ -41,6 +41,22 @@ def print_timeline(timeline: Path) -> None:
         print(f"{worker} (ends at {(spans[-1][1] - t0) / 60:.1f} min; units over 30 s): {line}")
 
 
+def print_cpu(timeline: Path, top: int = 25) -> None:
+    """CPU seconds per directory and the files that cost the most (worker + reaped children)."""
+    rows = [r for r in json.loads(timeline.read_text()) if r.get("cpu_s") is not None]
+    by_file: dict[str, float] = {}
+    for r in rows:
+        path = r["test"].split("::", 1)[0]
+        by_file[path] = by_file.get(path, 0.0) + r["cpu_s"]
+    by_dir: dict[str, float] = {}
+    for path, cpu in by_file.items():
+        by_dir[path.split("/")[1]] = by_dir.get(path.split("/")[1], 0.0) + cpu
+    print(f"CPU: {sum(by_file.values()) / 60:.1f} min in all; by directory (s):",
+          {d: round(c) for d, c in sorted(by_dir.items())})
+    for path, cpu in sorted(by_file.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"  {cpu:7.1f} s  {path}")
+
+
 if __name__ == "__main__":
     if len(sys.argv) != 2:
         sys.exit(f"usage: {sys.argv[0]} JUNIT_XML")
@@ -55,3 +71,4 @@ if __name__ == "__main__":
     timeline = Path(sys.argv[1]).with_name("test-timeline.json")
     if timeline.exists():
         print_timeline(timeline)
+        print_cpu(timeline)
