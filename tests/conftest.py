@@ -46,6 +46,22 @@ def tiny_model_dir() -> Path:
         return ensure_tiny_model(TINY_MODEL_DIR)
 
 
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: Path):
+    """The tiny model's tokenizer, one per test module (a module's tests may set attributes on it)."""
+    from burstrl.model.hf import load_tokenizer
+
+    return load_tokenizer(tiny_model_dir)
+
+
+@pytest.fixture
+def chat(tokenizer):
+    """The replica's chat renderer over the tiny model's tokenizer."""
+    from burstrl.inference.chat import ChatTokenizer
+
+    return ChatTokenizer(tokenizer)
+
+
 @pytest.fixture(scope="session")
 def warm_model(tiny_model_dir: Path) -> Path:
     """The tiny model after the toy warm start (a short SFT), cached beside it."""

@@ -9,14 +9,12 @@ streaming, continuity) is the real code, and the OpenAI SDK reads both answers.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
 from openai import OpenAI
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
-from burstrl.model.hf import load_tokenizer
 from tests.http_client import HTTP
 
 from .conftest import Server
@@ -26,11 +24,6 @@ ADD = {"type": "function", "function": {"name": "add", "description": "Add two i
                                                        "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}
 QUESTION = {"role": "user", "content": "What is 10 + 20? Use the tool."}
 CALL = "I will add.\n<tool_call>\n" + json.dumps({"name": "add", "arguments": {"a": 10, "b": 20}}) + "\n</tool_call>"
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir: Path):
-    return load_tokenizer(tiny_model_dir)
 
 
 def sdk(url: str, http_client=None) -> OpenAI:

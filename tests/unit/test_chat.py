@@ -2,17 +2,6 @@ import pytest
 
 from burstrl.inference.chat import ChatError, ChatTokenizer, normalize_messages
 from burstrl.inference.sessions import ReplicaSession
-from burstrl.model.hf import load_tokenizer
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    return load_tokenizer(tiny_model_dir)
-
-
-@pytest.fixture
-def chat(tokenizer):
-    return ChatTokenizer(tokenizer)
 
 
 def _encode(tokenizer, text):

@@ -22,9 +22,10 @@ GEMMA_TEMPLATE = (
 )
 
 
-@pytest.fixture(scope="module")
-def tiny(tiny_model_dir):
-    return load_tokenizer(tiny_model_dir)
+@pytest.fixture
+def tiny(tokenizer):
+    """The tiny model's tokenizer (tests/conftest.py), named apart from the real ones below."""
+    return tokenizer
 
 
 def _specials(tokenizer) -> list[str]:

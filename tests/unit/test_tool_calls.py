@@ -43,16 +43,6 @@ def block(name: str, arguments: object) -> str:
     return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    return load_tokenizer(tiny_model_dir)
-
-
-@pytest.fixture
-def chat(tokenizer):
-    return ChatTokenizer(tokenizer)
-
-
 # ---- the parser ----
 
 def test_one_call_becomes_an_openai_tool_call():
