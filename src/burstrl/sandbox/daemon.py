@@ -26,7 +26,9 @@ evicting the oldest connection that is not serving an authenticated request (so 
 connections can never lock the harness out), read timeouts, and the daemon makes itself
 non-dumpable so its commands (same uid) cannot ptrace it or take its fds. When it is pid 1 of its
 pid namespace it reaps orphans, raises back to 1000 the oom_score_adj of any command that lowered
-its own, and no signal from inside (`kill -9 -1`) reaches it (`guard`).
+its own, and no signal from inside (`kill -9 -1`) reaches it (`guard`). With `--cgroup-fd N` (the
+commands' cgroup.procs, opened by the harness) every command moves itself into the commands' own
+memory cgroup first, so an OOM there cannot pick the daemon whatever the commands' scores (`guard`).
 """
 
 from __future__ import annotations
@@ -344,12 +346,13 @@ def read_base_env(env_file: Optional[str], inherit: bool = False) -> Dict[str, s
 def run_sandboxd(socket_path: Optional[str] = None, host: str = "127.0.0.1", port: Optional[int] = None,
                  token_file: Optional[str] = None, root: str = "/", work_dir: Optional[str] = None,
                  env_file: Optional[str] = None, inherit_env: bool = False, listen_fd: Optional[int] = None,
-                 token_fd: Optional[int] = None) -> int:
+                 token_fd: Optional[int] = None, cgroup_fd: Optional[int] = None) -> int:
     """Serve until /close (or SIGTERM/SIGINT, unless pid 1); print the ready line once listening."""
     if socket_path is None and port is None and listen_fd is None:
         raise ValueError("give --socket PATH, --listen-fd N or --port N for TCP")
     token = read_token(token_file, token_fd)  # first: it removes the token from the env a command may inherit
-    runtime = Runtime(root=root, work_dir=work_dir or os.getcwd(), base_env=read_base_env(env_file, inherit_env))
+    runtime = Runtime(root=root, work_dir=work_dir or os.getcwd(), base_env=read_base_env(env_file, inherit_env),
+                      cgroup_fd=cgroup_fd)
     daemon = Daemon(runtime, token)
     protect_self()
     server = make_server(daemon, socket_path, host, port, listen_fd)
@@ -391,10 +394,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--env-file", help=f"JSON object: every command's base env (default: env {ENV_VAR}).")
     parser.add_argument("--inherit-env", action="store_true",
                         help="Commands inherit this process's env (token removed), under --env-file.")
+    parser.add_argument("--cgroup-fd", type=int,
+                        help="Inherited fd of the commands' cgroup.procs, open for writing: every command enters it.")
     args = parser.parse_args(argv)
     try:
         return run_sandboxd(args.socket, args.host, args.port, args.token_file, args.root, args.work_dir,
-                            args.env_file, args.inherit_env, args.listen_fd, args.token_fd)
+                            args.env_file, args.inherit_env, args.listen_fd, args.token_fd, args.cgroup_fd)
     except (ValueError, OSError) as exc:
         sys.stderr.write(f"sandboxd: error: {exc}\n")
         return 2

@@ -1,25 +1,51 @@
 """What the daemon does to hold against its own commands, which run as its uid: it makes itself
 non-dumpable and, as pid 1 of the sandbox's pid namespace, ignores the signals a command could
-send it, reaps the orphans and raises back the OOM scores commands lowered.
+send it, reaps the orphans and raises back the OOM scores commands lowered; and where the harness
+made the commands a memory cgroup of their own, it puts every command there.
 
 Why a module of its own: these are the defences of a process that has no privilege over the
 commands it serves (see `runtime`'s "Protection"), apart from serving requests (`daemon`).
 Standard library only: the daemon imports it inside sandbox images.
+
+The commands' cgroup (issue 37; made by `backends.cgroups`). The harness (root) opens the commands'
+cgroup.procs for writing and hands the fd to the daemon (`--cgroup-fd`). The kernel checks a write
+there with the credentials of whoever opened the file, so the fd can move any process of the
+sandbox, the daemon included: the daemon keeps it close-on-exec, gives it to each command's shell at
+CGROUP_FD only (posix_spawn's file actions), and that shell's very first action is to move itself
+and close it (ENTER_CGROUP), before the cwd, the OOM score and the command's own code. The command
+and everything it starts are then in that cgroup and none of them holds the fd. What is left: from
+its exec to `exec 9>&-` the shell is a process of the sandbox's uid like any other, and where no LSM
+(Yama) says otherwise another command may write its memory through /proc/<pid>/mem (seccomp refuses
+ptrace and process_vm_writev, not that file): a race for the few hundred microseconds of a shell's
+start. Closing it needs the child made inside the cgroup (clone3's CLONE_INTO_CGROUP, v2 only) or a
+non-dumpable spawner living there.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import signal
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, List, Optional, Tuple
 
 if TYPE_CHECKING:
     from burstrl.sandbox.runtime import Runtime
 
 REAP_INTERVAL_S = 0.5  # how often a pid 1 daemon reaps orphaned zombies and re-raises OOM scores
 COMMAND_OOM_SCORE = 1000  # every command's oom_score_adj (runtime.OOM_PREFIX sets it at start)
+CGROUP_FD = 9  # where a command's shell finds the commands' cgroup.procs (dash takes one-digit fds only)
+# First in every shell command where the daemon holds that fd: "0" is the writer itself, in v1 and
+# v2. A command that could not get there does not run (125) rather than run beside the daemon.
+ENTER_CGROUP = ("{ echo 0 >&9; } 2>/dev/null || { echo 'sandboxd: cannot enter the commands cgroup' >&2; "
+                "exit 125; }; exec 9>&-; ")
+# The same for an image without a shell (`runtime.NO_SHELL_ENTER`), when its first argument is "1".
+ENTER_CGROUP_PY = ("if sys.argv[1] == '1':\n"
+                   "    try:\n        os.write(9, b'0')\n"
+                   "    except OSError:\n        sys.stderr.write('sandboxd: cannot enter the commands cgroup\\n')\n"
+                   "        os._exit(125)\n"
+                   "    os.close(9)\n")
 
 
 def protect_self() -> None:
@@ -55,8 +81,9 @@ def reassert_oom_scores(own_pid: int, proc: str = "/proc") -> int:
     may set its own score back to the floor it inherited (0) and then a crowd of processes, each
     smaller than the daemon, gets the daemon killed. Unprivileged, the daemon can neither lower its
     own score nor raise that floor (CAP_SYS_RESOURCE); raising a process of its own uid it may. What
-    is left is a window of up to REAP_INTERVAL_S: the backends' cgroups (the daemon outside the
-    commands' memory cgroup) are the fix that needs no race (issue 37).
+    is left is a window of up to REAP_INTERVAL_S. Where the commands have a memory cgroup of their
+    own (ENTER_CGROUP) that window no longer matters, as an OOM there never picks the daemon; the
+    scores still rank commands against each other and hold where the daemon overran its reserve.
     """
     pids = [name for name in os.listdir(proc) if name.isdigit() and int(name) != own_pid]
     return sum(_raise_oom_score(f"{proc}/{pid}/oom_score_adj") for pid in pids)
@@ -79,6 +106,22 @@ def _raise_oom_score(path: str) -> bool:
         return False
     finally:
         os.close(fd)
+
+
+def own_cgroup_fd(fd: Optional[int]) -> Optional[int]:
+    """The daemon's copy of the inherited cgroup.procs fd `fd` (closed): close-on-exec, so that no
+    command inherits it by accident, and above CGROUP_FD, so that giving it there is a real dup2."""
+    if fd is None:
+        return None
+    mine = fcntl.fcntl(fd, fcntl.F_DUPFD, CGROUP_FD + 1)
+    os.set_inheritable(mine, False)
+    os.close(fd)
+    return mine
+
+
+def cgroup_actions(fd: Optional[int]) -> List[Tuple[int, int, int]]:
+    """posix_spawn file actions that give a command's shell the cgroup fd at CGROUP_FD (none without one)."""
+    return [] if fd is None else [(os.POSIX_SPAWN_DUP2, fd, CGROUP_FD)]
 
 
 def reap_forever(runtime: Runtime) -> None:

@@ -182,7 +182,8 @@ class NodeAgent:
                 "socket_pid": c.expected_pid, "socket_uid": c.expected_uid,
                 "pid": owner.get("pid"),  # the sandbox's own top process (bwrap / the OCI runtime)
                 "limits": {"cpu": held.sandbox.limits.cpu, "memory": held.sandbox.limits.memory,
-                           "pids": held.sandbox.limits.pids, "disk": held.sandbox.limits.disk}}
+                           "pids": held.sandbox.limits.pids, "disk": held.sandbox.limits.disk,
+                           "oom": held.sandbox.limits.oom}}
 
     def delete(self, sid: str) -> None:
         with self._lock:

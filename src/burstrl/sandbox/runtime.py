@@ -36,12 +36,15 @@ dropped answers 410, never a second run.
 Environment. Every command gets `DEFAULT_ENV`, overlaid by the base env the daemon was started with
 (the sandbox spec's and the image's `Env`), overlaid by the request's `env`.
 
-Protection (what an unprivileged daemon can do against its own commands). Commands start with
-`oom_score_adj` 1000, so the OOM killer picks them before the daemon (the daemon cannot lower its
-own score without CAP_SYS_RESOURCE; a command may lower its own back to 0, which a pid 1 daemon
-undoes within half a second: `guard.reassert_oom_scores`). When the daemon is pid 1 of its pid
-namespace, no signal from inside the namespace can kill it (`kill -9 -1` included) and it reaps
-the orphans there.
+Protection (what an unprivileged daemon can do against its own commands). Given the commands'
+cgroup.procs (`cgroup_fd`, opened by the harness), every command moves itself into the commands'
+own memory cgroup before anything else (`guard.ENTER_CGROUP`): an OOM there never picks the daemon.
+Commands also start with `oom_score_adj` 1000, so the OOM killer picks them before the daemon (the
+daemon cannot lower its own score without CAP_SYS_RESOURCE; a command may lower its own back to 0,
+which a pid 1 daemon undoes within half a second: `guard.reassert_oom_scores`); without that cgroup
+this is the only protection, and a crowd of commands that keep lowering theirs defeats it. When the
+daemon is pid 1 of its pid namespace, no signal from inside the namespace can kill it (`kill -9 -1`
+included) and it reaps the orphans there.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ from collections import OrderedDict
 from typing import Dict, List, Optional, Set, Tuple, Union
 
 from burstrl.sandbox.files import check_member, decode_content, extract_member, inside, open_regular, os_errors
+from burstrl.sandbox.guard import ENTER_CGROUP, ENTER_CGROUP_PY, cgroup_actions, own_cgroup_fd
 from burstrl.sandbox.output import OutputCapture
 from burstrl.sandbox.protocol import (
     ExecRequest,
@@ -84,12 +88,13 @@ DROPPED_IDS = 65536  # ids whose result was dropped, remembered so a retry answe
 # one's own score needs no privilege; a missing /proc only loses the protection.
 OOM_PREFIX = "{ echo 1000 >/proc/self/oom_score_adj; } 2>/dev/null; "
 SHELL = "/bin/sh"
-# Without a shell in the image: enter the cwd, raise the score, exec (argv: cwd, path, program argv).
-NO_SHELL_ENTER = ("import os, sys\n"
+# Without a shell in the image: enter the cgroup (if argv[1] is "1"), the cwd, raise the score, exec
+# (argv: "1" or "", cwd, path, program argv).
+NO_SHELL_ENTER = ("import os, sys\n" + ENTER_CGROUP_PY +
                   "try:\n    open('/proc/self/oom_score_adj', 'w').write('1000')\n"
                   "except OSError:\n    pass\n"
-                  "os.chdir(sys.argv[1])\n"
-                  "os.execv(sys.argv[2], sys.argv[3:])\n")
+                  "os.chdir(sys.argv[2])\n"
+                  "os.execv(sys.argv[3], sys.argv[4:])\n")
 # Ignored by the daemon (Python ignores SIGPIPE; pid 1 the signals a command could send it) and
 # inherited as ignored across exec unless reset: a command starts with every default instead.
 RESET_SIGNALS = tuple(sorted(set(signal.valid_signals()) - {signal.SIGKILL, signal.SIGSTOP}))
@@ -110,8 +115,9 @@ class Runtime:
     """Runs requests against this machine (or sandbox); thread-safe, one per daemon."""
 
     def __init__(self, root: str = "/", work_dir: Optional[str] = None, env: Optional[Dict[str, str]] = None,
-                 base_env: Optional[Dict[str, str]] = None):
-        """`env` replaces `DEFAULT_ENV`; `base_env` (the spec's and image's env) overlays it."""
+                 base_env: Optional[Dict[str, str]] = None, cgroup_fd: Optional[int] = None):
+        """`env` replaces `DEFAULT_ENV`; `base_env` (the spec's and image's env) overlays it;
+        `cgroup_fd`: the commands' cgroup.procs, open for writing (taken over: see the docstring)."""
         self.root = os.path.realpath(root)
         self.work_dir = os.path.realpath(work_dir) if work_dir else self.root
         self.env = dict(DEFAULT_ENV if env is None else env, **(base_env or {}))
@@ -121,6 +127,7 @@ class Runtime:
         self._dropped: "OrderedDict[str, None]" = OrderedDict()
         self._kept_bytes = 0
         self._running: Set[int] = set()
+        self._cgroup_fd = own_cgroup_fd(cgroup_fd)
 
     # ---- commands ----
 
@@ -200,7 +207,7 @@ class Runtime:
         cwd = self._cwd(req.cwd)
         env = dict(self.env, **(req.env or {}))
         start = time.monotonic()
-        argv = _command_argv(req.cmd, env, cwd)
+        argv = _command_argv(req.cmd, env, cwd, move=self._cgroup_fd is not None)
         if isinstance(argv, OSError):  # like a shell: 127 when not found, 126 when not executable
             code = 127 if argv.errno == errno.ENOENT else 126
             return ExecResult(stdout="", stderr=f"{req.cmd[0]}: {argv.strerror}\n", exit_code=code,
@@ -208,7 +215,7 @@ class Runtime:
         ours, theirs = _output_channels(req.private_output)
         try:
             with self._lock:  # a pid 1 reaper must never reap a leader before it is in _running
-                pid = _spawn(argv, env, theirs)
+                pid = _spawn(argv, env, theirs, self._cgroup_fd)
                 self._running.add(pid)
         except OSError as exc:  # e.g. EAGAIN: the sandbox's process limit, reached by its own commands
             for fd in ours:
@@ -415,12 +422,13 @@ def _pidfd_open(pid: int) -> Optional[int]:
         return None
 
 
-def _command_argv(cmd: Union[str, List[str]], env: Dict[str, str], cwd: str) -> Union[List[str], OSError]:
-    """The argv to spawn for `cmd`: the shell with a prefix that enters `cwd` and raises the
-    command's oom_score_adj, then runs the string or execs the program. A program that cannot be
-    found or run is the OS's error instead (127/126, as a shell reports it), decided here without
-    spawning anything."""
-    enter = f"cd -- {_quote(os.path.abspath(cwd))} || exit 126; " + OOM_PREFIX
+def _command_argv(cmd: Union[str, List[str]], env: Dict[str, str], cwd: str,
+                  move: bool = False) -> Union[List[str], OSError]:
+    """The argv to spawn for `cmd`: the shell with a prefix that (if `move`) enters the commands'
+    cgroup, enters `cwd` and raises the command's oom_score_adj, then runs the string or execs the
+    program. A program that cannot be found or run is the OS's error instead (127/126, as a shell
+    reports it), decided here without spawning anything."""
+    enter = (ENTER_CGROUP if move else "") + f"cd -- {_quote(os.path.abspath(cwd))} || exit 126; " + OOM_PREFIX
     if isinstance(cmd, str):
         return [SHELL, "-c", enter + cmd]
     found = _find(cmd[0], env.get("PATH", ""), cwd)
@@ -428,12 +436,13 @@ def _command_argv(cmd: Union[str, List[str]], env: Dict[str, str], cwd: str) -> 
         code = errno.EACCES if _exists(cmd[0], env.get("PATH", ""), cwd) else errno.ENOENT
         return OSError(code, os.strerror(code))
     if not os.path.exists(SHELL):  # an image without a shell: the program, entered by `python3 -c`
-        return [sys.executable, "-I", "-S", "-c", NO_SHELL_ENTER, cwd, found, *cmd]
+        return [sys.executable, "-I", "-S", "-c", NO_SHELL_ENTER, "1" if move else "", cwd, found, *cmd]
     return [SHELL, "-c", enter + 'exec "$@"', "sh", *cmd]
 
 
-def _spawn(argv: List[str], env: Dict[str, str], fds: Tuple[int, int]) -> int:
-    """Start `argv` in a session of its own, stdin on /dev/null, stdout/stderr on `fds`; its pid.
+def _spawn(argv: List[str], env: Dict[str, str], fds: Tuple[int, int], cgroup_fd: Optional[int] = None) -> int:
+    """Start `argv` in a session of its own, stdin on /dev/null, stdout/stderr on `fds`, the cgroup
+    fd (if any) at `guard.CGROUP_FD` for the prefix to use and close; its pid.
 
     posix_spawn, not fork + exec: `subprocess` reports a failed exec through a pipe the daemon holds,
     and under gVisor a command can open the daemon's fds through /proc/1/fd and write there, which
@@ -443,7 +452,8 @@ def _spawn(argv: List[str], env: Dict[str, str], fds: Tuple[int, int]) -> int:
     """
     return os.posix_spawn(argv[0], argv, env, setsid=True, setsigmask=(), setsigdef=RESET_SIGNALS,
                           file_actions=[(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
-                                        (os.POSIX_SPAWN_DUP2, fds[0], 1), (os.POSIX_SPAWN_DUP2, fds[1], 2)])
+                                        (os.POSIX_SPAWN_DUP2, fds[0], 1), (os.POSIX_SPAWN_DUP2, fds[1], 2),
+                                        *cgroup_actions(cgroup_fd)])
 
 
 def _exit_code(status: int) -> int:

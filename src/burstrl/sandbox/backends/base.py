@@ -119,13 +119,19 @@ class SandboxSpec:
 @dataclass(frozen=True)
 class LimitsReport:
     """How each limit was enforced ("cgroup-v1", "cgroup-v2", "rlimit", "runtime", or "none";
-    for /work's size "ext4-loop", "tmpfs" or "none"), and why not where it was not."""
+    for /work's size "ext4-loop", "tmpfs" or "none"), and why not where it was not.
+
+    `oom`: what keeps the OOM killer off the daemon. "cgroup": its commands run in a memory cgroup
+    of their own under the sandbox's, which it is not in (`cgroups`), so an OOM there picks commands
+    only; "score": only the commands' oom_score_adj (`guard`), which a crowd of commands that keep
+    lowering theirs can defeat."""
 
     cpu: str = "none"
     memory: str = "none"
     pids: str = "none"
     reasons: tuple[str, ...] = ()
     disk: str = "none"
+    oom: str = "score"
 
     @property
     def enforced(self) -> bool:

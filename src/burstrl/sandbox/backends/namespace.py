@@ -15,8 +15,11 @@ filesystem of its own or an overlay whose options name its dirs). bwrap has no w
 bind's root field; with /proc/sys read-only and no host uid 0 the path is not a way out.
 
 The daemon's socket is made here and inherited (`Handover`), the token through a pipe: no
-socket dir is mounted inside. A seccomp filter (`seccomp.py`) goes in through `--seccomp`. Every
-process starts with `limits.RLIMITS` (set by `prlimit` before the drop), not the harness's own.
+socket dir is mounted inside. So is, where the sandbox's memory cgroup got a child for the commands
+(as root: `cgroups`), a write fd of that child's cgroup.procs (`--cgroup-fd`): every command moves
+itself there first, and an OOM there never picks the daemon (`guard`). A seccomp filter
+(`seccomp.py`) goes in through `--seccomp`. Every process starts with `limits.RLIMITS` (set by
+`prlimit` before the drop), not the harness's own.
 
 Close holds no cgroup to wait on when run by an ordinary user: it waits on a pidfd of the daemon,
 pid 1 of the sandbox's pid namespace, which the kernel signals only once every other process of
@@ -136,17 +139,21 @@ class NamespaceBackend:
         report = dataclasses.replace(_report(cg.report), disk=disk_report(state)[0])
         env = {"PATH": PATH, "BURSTRL_CGROUP_PROCS": " ".join(map(str, cg.procs_files))}
         handover, filter_fd = Handover(run, token), seccomp.write_program_fd()
+        cgroup_fd = cg.open_cmds_procs()
+        fds = (*handover.fds, filter_fd, *([] if cgroup_fd is None else [cgroup_fd]))
         argv = ["/bin/sh", "-c", _ENTER, "sh", *self._prefix(spec, report, state), self.bwrap, *base,
                 *(["--uid", str(NOBODY), "--gid", str(NOBODY)] if state.lease else []),
                 *self._common_args(run, code, spec, state.image_env), "--seccomp", str(filter_fd),
-                *daemon_argv(fds=handover.fds)]
+                *daemon_argv(fds=handover.fds), *cgroup_fd_args(cgroup_fd)]
         write_owner(path, cgroups=[str(d) for d in cg.dirs])
         log = path / "daemon.log"
         try:
-            proc = spawn(argv, env, log, pass_fds=(*handover.fds, filter_fd))
+            proc = spawn(argv, env, log, pass_fds=fds)
         finally:
             handover.close()  # the daemon holds them now; our copies would keep a dead daemon's socket open
             os.close(filter_fd)
+            if cgroup_fd is not None:
+                os.close(cgroup_fd)
         state.proc = proc
         write_owner(path, cgroups=[str(d) for d in cg.dirs], pid=proc.pid,
                     pid_start=process_start_time(proc.pid))
@@ -200,6 +207,11 @@ class NamespaceBackend:
                 "--size", tmpfs, "--tmpfs", "/tmp",
                 "--bind", str(run.parent / "work"), "/work",
                 "--ro-bind", str(code), CODE_MOUNT, "--remount-ro", "/", "--chdir", "/work"]
+
+
+def cgroup_fd_args(fd: int | None) -> list[str]:
+    """The daemon's arguments for the commands' cgroup.procs fd `fd` (none without one)."""
+    return [] if fd is None else ["--cgroup-fd", str(fd)]
 
 
 def sandbox_env(spec: SandboxSpec, image_env: dict[str, str]) -> dict[str, str]:
@@ -334,12 +346,12 @@ def _entries_one(entry: Path, dest: str) -> list[str]:
 
 
 def _report(report: LimitsReport) -> LimitsReport:
-    """Fall back to RLIMIT_NPROC for pids where no cgroup could, and say once what is not held."""
+    """Fall back to RLIMIT_NPROC for pids where no cgroup could, and say once what is not held
+    (the daemon's OOM protection by its commands' scores alone included: `LimitsReport.oom`)."""
     if report.pids == "none":
         note = "pids: RLIMIT_NPROC instead (per host uid, so shared by every sandbox of that uid)"
-        report = LimitsReport(cpu=report.cpu, memory=report.memory, pids="rlimit",
-                              reasons=report.reasons + (note,))
-    if not report.enforced or report.pids == "rlimit":
+        report = dataclasses.replace(report, pids="rlimit", reasons=report.reasons + (note,))
+    if not report.enforced or report.pids == "rlimit" or report.oom != "cgroup":
         warn_once("sandbox limits not fully enforced on this machine: " + "; ".join(report.reasons))
     return report
 

@@ -21,6 +21,16 @@ daemon's fds through /proc/1/fd (the sentry does not apply non-dumpable there), 
 line is out the daemon's stdio are the sandbox's own /dev/null (`base.DETACH_FLAG`): no host pipe
 or log file is left inside. Every runtime gets `limits.RLIMITS` in config.json.
 
+The commands' own memory cgroup (issue 37, `cgroups`), with runc where cgroup v1 holds the memory
+controller: the harness makes S/cmds under the cgroup runc is about to make (runc then joins the
+existing S and limits it, leaving S/cmds alone; teardown removes S/cmds before S) and passes a
+write fd of S/cmds/cgroup.procs as fd 5 (`--preserve-fds 3`, the daemon's `--cgroup-fd`; every
+command moves itself there, `guard`). Not under cgroup v2: runc puts its init in the very cgroup it
+limits, and a v2 cgroup holding a process can have no child with memory on, so there the daemon
+keeps the commands' scores alone (`LimitsReport.oom`; cgroupsPath naming a leaf S/daemon would move
+the limit onto the daemon alone). Not under runsc: the sentry holds the host cgroup, so an OOM there
+ends the whole sandbox.
+
 Only runc and runsc are accepted (`RUNTIMES`): they are the runtimes the security suite runs.
 crun took the same bundle but failed here (crun 1.8: "cgroups in hybrid mode not supported" on a
 machine whose cgroup v2 hierarchy holds a controller while v1 is mounted too), so it went untested
@@ -61,7 +71,18 @@ from burstrl.sandbox.backends.base import (
     trusted_client,
     write_owner,
 )
-from burstrl.sandbox.backends.cgroups import CPU_PERIOD_US, _mounts, _own_paths, _under, kill_and_remove
+from burstrl.sandbox.backends.cgroups import (
+    CMDS,
+    CPU_PERIOD_US,
+    _mounts,
+    _own_paths,
+    _under,
+    kill_and_remove,
+    make_cmds_v1,
+    oom_reason,
+    open_procs,
+    v1_memory_dir,
+)
 from burstrl.sandbox.backends.ids import IdLease, id_block, sandbox_ids
 from burstrl.sandbox.backends.launch import spawn, wait_ready
 from burstrl.sandbox.backends.limits import sandbox_rlimits
@@ -70,6 +91,7 @@ from burstrl.sandbox.backends.namespace import (
     HOST_SYSTEM_DIRS,
     PATH,
     REPLACED,
+    cgroup_fd_args,
     default_state_dir,
     hand_over,
     sandbox_env,
@@ -83,9 +105,15 @@ RO = ["rbind", "ro", "nosuid", "nodev"]
 # the right to create the daemon's unix socket on the host through the bound socket dir.
 # --oci-seccomp: the sentry applies config.json's seccomp filter to the sandbox's own processes.
 RUNSC_FLAGS = ("--network=none", "--platform=ptrace", "--host-uds=create", "--oci-seccomp")
-# Moves the handed-over fds to 3 and 4 for `--preserve-fds 2` (bash: dash takes single-digit fds only).
+# Moves the handed-over fds to 3 and 4 for `--preserve-fds 2` (bash: dash takes single-digit fds only),
+# and the commands' cgroup.procs to 5 for `--preserve-fds 3`.
 _MOVE_FDS = 'exec 3<&"$1" 4<&"$2"; shift 2; exec "$@"'
+_MOVE_3_FDS = 'exec 3<&"$1" 4<&"$2" 5>&"$3"; shift 3; exec "$@"'
 FDS_INSIDE = (3, 4)
+CGROUP_FD_INSIDE = 5
+# Under gVisor the host's cgroup holds the sentry, not the commands.
+RUNSC_OOM = ("oom: under gVisor the sentry holds the sandbox's memory cgroup: an OOM there ends the whole sandbox, "
+             "the daemon with it")
 
 
 @dataclass
@@ -140,36 +168,47 @@ class OciBackend:
         base = prepare_root(self, spec, path / "work", state)
         if state.uid is not None:
             hand_over([path / "work", *([run] if self.gvisor else [])], state.uid, state.gid)
-        cid = f"burstrl-{sid}"
-        config = bundle_config(path, base, spec, cgroup_name(self.state_dir, sid), state.uid, state.gid,
-                               gvisor=self.gvisor, image_env=state.image_env)
-        (path / "config.json").write_text(json.dumps(config, indent=1))
-        delete = self._cmd("delete", "--force", cid)
-        write_owner(path, cleanup_argv=delete, cgroups=state.cgroups)
-        log = path / "daemon.log"
-        # setpriv: the runtime dies with the harness, the daemon (pid 1) with the runtime.
-        argv = ["setpriv", "--pdeathsig", "KILL"]
-        handover = None if self.gvisor else Handover(run, token)
+        cid, name = f"burstrl-{sid}", cgroup_name(self.state_dir, sid)
+        cgroup_fd, oom_why = (None, RUNSC_OOM) if self.gvisor else cmds_cgroup(name, spec)
         try:
-            if handover is None:
-                argv += self._cmd("run", "--bundle", str(path), cid)
-            else:
-                argv += ["bash", "-c", _MOVE_FDS, "bash", *map(str, handover.fds),
-                         *self._cmd("run", "--preserve-fds", "2", "--bundle", str(path), cid)]
-            proc = spawn(argv, {"PATH": PATH}, log, pass_fds=handover.fds if handover else ())
+            config = bundle_config(path, base, spec, name, state.uid, state.gid, gvisor=self.gvisor,
+                                   image_env=state.image_env,
+                                   cgroup_fd=None if cgroup_fd is None else CGROUP_FD_INSIDE)
+            (path / "config.json").write_text(json.dumps(config, indent=1))
+            delete = self._cmd("delete", "--force", cid)
+            write_owner(path, cleanup_argv=delete, cgroups=state.cgroups)
+            proc = self._spawn(path, cid, run, token, cgroup_fd)
         finally:
-            if handover is not None:
-                handover.close()
+            if cgroup_fd is not None:  # the daemon holds it now
+                os.close(cgroup_fd)
         state.proc, state.cid = proc, cid
         write_owner(path, cleanup_argv=delete, cgroups=state.cgroups, pid=proc.pid,
                     pid_start=process_start_time(proc.pid))
-        wait_ready(proc, spec.start_timeout_s, log)
+        wait_ready(proc, spec.start_timeout_s, path / "daemon.log")
         if self.gvisor:
             take_back(run)
         client = trusted_client(run / SOCKET_NAME, token)
         disk, why = disk_report(state)
-        limits = LimitsReport(cpu="runtime", memory="runtime", pids="runtime", disk=disk, reasons=why)
+        limits = LimitsReport(cpu="runtime", memory="runtime", pids="runtime", disk=disk,
+                              reasons=why + ((oom_why,) if oom_why else ()), oom="score" if oom_why else "cgroup")
         return Sandbox(sid, client, limits, path, lambda: self._close(state, client))
+
+    def _spawn(self, path: Path, cid: str, run: Path, token: str,
+               cgroup_fd: int | None) -> subprocess.Popen[bytes]:
+        """`runtime run` of the bundle; runc gets the daemon's socket and token pipe (and the
+        commands' cgroup.procs) as fds 3, 4 (and 5)."""
+        # setpriv: the runtime dies with the harness, the daemon (pid 1) with the runtime.
+        argv = ["setpriv", "--pdeathsig", "KILL"]
+        if self.gvisor:
+            return spawn(argv + self._cmd("run", "--bundle", str(path), cid), {"PATH": PATH}, path / "daemon.log")
+        handover = Handover(run, token)
+        try:
+            fds = (*handover.fds, *([] if cgroup_fd is None else [cgroup_fd]))
+            argv += ["bash", "-c", _MOVE_FDS if len(fds) == 2 else _MOVE_3_FDS, "bash", *map(str, fds),
+                     *self._cmd("run", "--preserve-fds", str(len(fds)), "--bundle", str(path), cid)]
+            return spawn(argv, {"PATH": PATH}, path / "daemon.log", pass_fds=fds)
+        finally:
+            handover.close()  # the daemon holds them now; our copies would keep a dead daemon's socket open
 
     def _cmd(self, *args: str) -> list[str]:
         return [self.runtime, "--root", str(self.runtime_root), *(RUNSC_FLAGS if self.gvisor else ()), *args]
@@ -216,6 +255,19 @@ def _wait_then_kill(proc: subprocess.Popen[bytes], grace_s: float = 2.0) -> None
     except subprocess.TimeoutExpired:
         pass
     kill_group(proc)
+
+
+def cmds_cgroup(name: str, spec: SandboxSpec) -> tuple[int | None, str | None]:
+    """(a write fd of S/cmds/cgroup.procs, None), S being the v1 memory cgroup runc will make as
+    `burstrl/<name>`; else (None, why not). Made before `runc run`, which joins the existing S."""
+    memory = v1_memory_dir(f"burstrl/{name}")
+    if memory is None:
+        return None, oom_reason("cgroup v2: runc's init sits in the cgroup it limits")
+    try:
+        memory.mkdir(parents=True, exist_ok=True)
+        return open_procs(make_cmds_v1(memory, spec)), None
+    except OSError as exc:
+        return None, oom_reason(f"{memory / CMDS}: {exc.strerror or exc}")
 
 
 def take_back(run: Path) -> None:
@@ -269,13 +321,14 @@ def sweep_orphan_cgroups(state_dir: Path) -> list[str]:
 
 
 def bundle_config(path: Path, base: Path | None, spec: SandboxSpec, cgroup: str, uid: int | None = None,
-                  gid: int | None = None, gvisor: bool = False,
-                  image_env: dict[str, str] | None = None) -> dict[str, Any]:
+                  gid: int | None = None, gvisor: bool = False, image_env: dict[str, str] | None = None,
+                  cgroup_fd: int | None = None) -> dict[str, Any]:
     """config.json per the OCI runtime spec 1.0: root read-only, no capabilities, new pid, net,
     ipc, uts, mount and cgroup namespaces, the base bound read-only onto empty mount points, the
     host's secrets masked, the seccomp deny list, the daemon as pid 1 as `uid` (0 only where we
     are not root). For `gvisor` (runsc cannot pass fds) the daemon makes its socket in the bound
-    socket dir, else it gets fds 3 and 4; and runsc gets the seccomp list without clone rules."""
+    socket dir, else it gets fds 3 and 4 (and `cgroup_fd`, the commands' cgroup.procs, if given); and
+    runsc gets the seccomp list without clone rules."""
     rootfs = path / "rootfs"
     rootfs.mkdir()
     mounts = _base_mounts(rootfs, base)
@@ -301,7 +354,8 @@ def bundle_config(path: Path, base: Path | None, spec: SandboxSpec, cgroup: str,
         "ociVersion": "1.0.2",
         # The daemon is pid 1: it reaps orphans, and signals from its commands do not reach it.
         "process": {"terminal": False, "user": {"uid": uid or 0, "gid": gid or 0},
-                    "args": daemon_argv(fds=None if gvisor else FDS_INSIDE, detach_stdio=gvisor),
+                    "args": [*daemon_argv(fds=None if gvisor else FDS_INSIDE, detach_stdio=gvisor),
+                             *cgroup_fd_args(cgroup_fd)],
                     "env": env, "cwd": "/work", "noNewPrivileges": True,
                     "capabilities": {k: [] for k in ("bounding", "effective", "inheritable", "permitted", "ambient")},
                     "rlimits": _rlimits(spec, gvisor)},
