@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -235,6 +236,33 @@ def test_close_kills_running_commands(tmp_path: Path) -> None:
     while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
         time.sleep(0.02)
     assert not Path(f"/proc/{pid}").exists() or " Z" in Path(f"/proc/{pid}/stat").read_text()
+
+
+def test_close_while_the_same_clients_exec_is_in_flight(daemon: Daemon) -> None:
+    """The orchestrator closes its envs at the end while an attempt's thread may still be in an exec
+    on the same client: close() must not meet that request on a shared connection (it once raised
+    `CannotSendRequest` and ended the orchestrator); the exec ends with the daemon, as an error."""
+    c = daemon.client()
+    started = daemon.root / "started"
+    outcome: list[BaseException | object] = []
+
+    def run() -> None:
+        try:
+            outcome.append(c.exec(f"touch {started}; sleep 60", timeout=60))
+        except BaseException as exc:  # noqa: BLE001 - what the thread met is the assertion
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not started.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert started.exists()
+    c.close()
+    thread.join(timeout=30)
+    assert not thread.is_alive() and daemon.proc.wait(timeout=10) == 0
+    assert len(outcome) == 1 and isinstance(outcome[0], SandboxError), outcome
+    assert "CannotSendRequest" not in repr(outcome[0])
 
 
 def test_idle_and_half_sent_connections_time_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
