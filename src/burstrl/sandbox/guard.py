@@ -28,10 +28,7 @@ import fcntl
 import os
 import signal
 import time
-from typing import TYPE_CHECKING, List, Optional, Tuple
-
-if TYPE_CHECKING:
-    from burstrl.sandbox.runtime import Runtime
+from typing import List, Optional, Protocol, Tuple
 
 REAP_INTERVAL_S = 0.5  # how often a pid 1 daemon reaps orphaned zombies and re-raises OOM scores
 COMMAND_OOM_SCORE = 1000  # every command's oom_score_adj (runtime.OOM_PREFIX sets it at start)
@@ -124,7 +121,13 @@ def cgroup_actions(fd: Optional[int]) -> List[Tuple[int, int, int]]:
     return [] if fd is None else [(os.POSIX_SPAWN_DUP2, fd, CGROUP_FD)]
 
 
-def reap_forever(runtime: Runtime) -> None:
+class Reaper(Protocol):
+    """What the reaper thread needs of `runtime.Runtime` (which imports this module)."""
+
+    def reap_orphans(self) -> int: ...
+
+
+def reap_forever(runtime: Reaper) -> None:
     """A pid 1 daemon's reaper thread: every REAP_INTERVAL_S, reap orphans and raise OOM scores."""
     while True:
         time.sleep(REAP_INTERVAL_S)
