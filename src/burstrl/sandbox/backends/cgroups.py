@@ -30,6 +30,7 @@ V1_CONTROLLERS = ("memory", "pids", "cpu")
 CMDS = "cmds"  # the commands' memory cgroup, a child of the sandbox's
 DAEMON_LEAF = "daemon"  # v2: the daemon's leaf beside it
 DAEMON_RESERVE = 64 << 20  # at most this much of the limit is kept from the commands for the daemon
+TCP_LIMIT = 32 << 20  # v1: TCP buffers a sandbox may hold (host-wide pool; loopback tests need far less)
 
 
 @dataclass
@@ -129,7 +130,27 @@ def make_cmds_v1(memory_dir: Path, spec: SandboxSpec) -> Path:
     _write(cmds / "memory.limit_in_bytes", limit)
     if (cmds / "memory.memsw.limit_in_bytes").exists():
         _write(cmds / "memory.memsw.limit_in_bytes", limit)
+    limit_tcp_v1(cmds, spec)  # v1 charges a socket only where its own cgroup has the limit written
     return cmds
+
+
+def limit_tcp_v1(memory_dir: Path, spec: SandboxSpec) -> None:
+    """Cap the TCP buffers the v1 memory cgroup `memory_dir` may hold (`tcp_limit`).
+
+    Why: v1 charges socket buffers to no memory limit unless this is set, and they come from one
+    host-wide pool (net.ipv4.tcp_mem): 64 loopback connections a sandbox never read from held
+    239 MB there beside a 512 MB limit (issue 37), and a few hundred would push every TCP socket on
+    the host, the harness's and the replicas' included, into memory pressure. Written before any
+    process enters (it turns the accounting on). v2 charges socket memory to memory.max anyway.
+    """
+    path = memory_dir / "memory.kmem.tcp.limit_in_bytes"
+    if path.exists():
+        _write(path, tcp_limit(spec))
+
+
+def tcp_limit(spec: SandboxSpec) -> int:
+    """TCP buffers one sandbox may hold: min(TCP_LIMIT, a quarter of its memory limit)."""
+    return min(TCP_LIMIT, (spec.memory_limit_mb << 20) // 4)
 
 
 def v1_memory_dir(rel: str) -> Path | None:
@@ -193,6 +214,7 @@ def _limit_v1(ctrl: str, path: Path, spec: SandboxSpec) -> None:
         _write(path / "memory.soft_limit_in_bytes", (spec.memory_request_mb or 0) << 20)
         if (path / "memory.memsw.limit_in_bytes").exists():  # no escaping the limit into swap
             _write(path / "memory.memsw.limit_in_bytes", limit)
+        limit_tcp_v1(path, spec)
     elif ctrl == "pids":
         _write(path / "pids.max", spec.pids_limit)
     elif ctrl == "cpu":

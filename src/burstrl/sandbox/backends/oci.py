@@ -78,6 +78,7 @@ from burstrl.sandbox.backends.cgroups import (
     _own_paths,
     _under,
     kill_and_remove,
+    limit_tcp_v1,
     make_cmds_v1,
     oom_reason,
     open_procs,
@@ -265,6 +266,7 @@ def cmds_cgroup(name: str, spec: SandboxSpec) -> tuple[int | None, str | None]:
         return None, oom_reason("cgroup v2: runc's init sits in the cgroup it limits")
     try:
         memory.mkdir(parents=True, exist_ok=True)
+        limit_tcp_v1(memory, spec)  # runc sets no such limit itself
         return open_procs(make_cmds_v1(memory, spec)), None
     except OSError as exc:
         return None, oom_reason(f"{memory / CMDS}: {exc.strerror or exc}")
