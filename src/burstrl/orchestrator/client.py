@@ -20,7 +20,8 @@ __all__ = ["ReplicaFailure", "SessionClient", "VersionGone", "assign", "fetch_tr
 
 
 def _raise_for(r: httpx.Response, what: str) -> None:
-    """4xx from our own requests are bugs (raised as is); 404/409/5xx on model or session mean the fleet moved."""
+    """What `fleet_failure` calls the fleet's (5xx, 404/409, 408/429) is raised as such; any other
+    4xx answers a request of ours, a bug, and is raised as the HTTP error it is."""
     if r.status_code < 400:
         return
     failure = fleet_failure(r.status_code, r.text, what)
