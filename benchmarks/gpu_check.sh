@@ -20,6 +20,8 @@
 #              (vocabulary 2048, not 262k): the fast runner over paged KV with sliding windows and its
 #              start-up probe on a GPU, then the same with --engine-path generic (the two side by side).
 #              The real Gemma 3 270M cannot reach the GPU machine (1 GB; no package registry there).
+#   kv_window_gemma3  benchmarks/kv_window.py on the same model, 8 sessions x 4,096 tokens: KV bytes per
+#              token and the decode step with window-only KV for the sliding layers vs every block kept
 #   functions  benchmarks/functions.py --quick on that random Gemma-3-shaped model (device and dtype
 #              auto: CUDA, bf16): the whole RL loop of issue 35 (eval, router, replica, sandboxes,
 #              store, LoRA trainer, pushes) on a GPU, for its step costs (wait_s / compute_s) only:
@@ -227,6 +229,7 @@ if [ "$MODE" = run ]; then
   check gemma3_model 600 "$PY" -c "$MAKE_GEMMA3" "$GEMMA3_DIR"
   bench engine_gemma3 900 benchmarks/replica.py --model "$GEMMA3_DIR" --quick
   bench engine_gemma3_generic 900 benchmarks/replica.py --model "$GEMMA3_DIR" --quick --engine-path generic
+  bench kv_window_gemma3 900 benchmarks/kv_window.py --model "$GEMMA3_DIR" --sessions 8 --context 4096
   bench functions 900 benchmarks/functions.py --model "$GEMMA3_DIR" --quick --work-dir "$LOGS/functions"
 else
   log "dry run: checking that every command parses (no GPU needed; nothing is measured)"
@@ -241,6 +244,7 @@ else
   check gemma3_model 60 "$PY" -c 'import ast, sys; ast.parse(sys.argv[1]); print("{\"parsed\": true}")' "$MAKE_GEMMA3"
   bench engine_gemma3 900 benchmarks/replica.py --model "$GEMMA3_DIR" --quick
   bench engine_gemma3_generic 900 benchmarks/replica.py --model "$GEMMA3_DIR" --quick --engine-path generic
+  bench kv_window_gemma3 900 benchmarks/kv_window.py --model "$GEMMA3_DIR" --sessions 8 --context 4096
   bench functions 900 benchmarks/functions.py --model "$GEMMA3_DIR" --quick --work-dir "$LOGS/functions"
   parse_queued
 fi

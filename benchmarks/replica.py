@@ -531,8 +531,9 @@ def kv_bytes(rep: InferenceReplica) -> dict:
     r = engine.runner
     size = torch.tensor([], dtype=r.dtype).element_size()
     dense = 2 * r.num_layers * r.num_kv_heads * r.head_dim * size
-    held = engine.pool.used_blocks * engine.pool.block_size * dense
-    tokens = engine.cache.used_tokens
+    pool = engine.pool
+    held = pool.used_blocks * pool.block_size * dense // pool.sequence_blocks  # a block: one layer group's
+    tokens = sum(e.table.length for e in engine.cache.idle.values()) + sum(r.kv.length for r in engine.rows)
     return {"kv_bytes_per_token_dense": dense, "kv_tokens_held": tokens, "kv_pool_bytes": engine.pool.nbytes,
             "kv_bytes_per_token_allocated": round(held / tokens, 1) if tokens else None}
 

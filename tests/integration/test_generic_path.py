@@ -27,8 +27,9 @@ SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_att
              num_key_value_heads=1, head_dim=32, max_position_embeddings=1024, initializer_range=0.1)
 
 
-def make_model(kind: str, tiny_model_dir: Path, out: Path) -> Path:
-    """A random `kind` ("gemma3" or "gemma2") model with the tiny model's tokenizer and chat template."""
+def make_model(kind: str, tiny_model_dir: Path, out: Path, **config: object) -> Path:
+    """A random `kind` ("gemma3" or "gemma2") model with the tiny model's tokenizer and chat template
+    (`config`: fields over SHAPE's)."""
     from transformers import AutoTokenizer, Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -36,11 +37,11 @@ def make_model(kind: str, tiny_model_dir: Path, out: Path) -> Path:
                pad_token_id=tok.pad_token_id)
     torch.manual_seed(0)
     if kind == "gemma3":
-        cfg = Gemma3TextConfig(**SHAPE, **ids, sliding_window=6, query_pre_attn_scalar=32,
+        cfg = Gemma3TextConfig(**{**SHAPE, **config}, **ids, sliding_window=6, query_pre_attn_scalar=32,
                                layer_types=["sliding_attention", "full_attention"] * 2)
         model = Gemma3ForCausalLM(cfg)
     else:
-        model = Gemma2ForCausalLM(Gemma2Config(**SHAPE, **ids, sliding_window=6, query_pre_attn_scalar=32))
+        model = Gemma2ForCausalLM(Gemma2Config(**{**SHAPE, **config}, **ids, sliding_window=6, query_pre_attn_scalar=32))
     model.save_pretrained(out)
     tok.save_pretrained(out)
     shutil.copy(tiny_model_dir / "chat_template.jinja", out / "chat_template.jinja")
@@ -87,11 +88,11 @@ def test_gemma3_sessions_past_the_window_capture_exact_logprobs(server: Server, 
 
 def test_a_model_no_path_computes_is_refused_before_ready(tiny_model_dir: Path, tmp_path: Path) -> None:
     """Gemma 2's attention softcapping: the fast path computes other numbers, the generic path's
-    attention refuses it, so the replica exits naming both instead of ever reporting ready."""
+    attention refuses it (on the one-token forward that reads the layers' windows), so the replica exits naming both instead of ever reporting ready."""
     model = make_model("gemma2", tiny_model_dir, tmp_path / "gemma2")
     with pytest.raises(RuntimeError) as err:
         process.start_replica(model, tmp_path / "replica", "--engine.num_threads", "1")
     text = str(err.value) + (tmp_path / "replica" / "serve.log").read_text()
     assert "no engine path computes this model" in text
     assert "fast: attention logit softcapping is not supported" in text
-    assert "generic path failed on the probe" in text and "softcapping" in text
+    assert "generic: attention logit softcapping is not supported by the engine's attention" in text

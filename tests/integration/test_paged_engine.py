@@ -45,26 +45,52 @@ def audit(engine: Engine) -> str | None:
     pool, cache = engine.pool, engine.cache
     holders = [e.table for e in cache.idle.values()] + [r.kv for r in engine.rows]
     held: dict[int, int] = {}
-    for table in holders:
-        if len(table.blocks) * pool.block_size < table.length:
-            return f"a table of {table.length} tokens lists only {len(table.blocks)} blocks"
-        for b in table.blocks:
-            held[b] = held.get(b, 0) + 1
+    for seq in holders:
+        for table in seq.tables:
+            if (table.first + len(table.blocks)) * pool.block_size < table.length:
+                return f"a table of {table.length} tokens lists only {len(table.blocks)} blocks from {table.first}"
+            for b in table.blocks:
+                held[b] = held.get(b, 0) + 1
     wrong = [b for b in range(pool.num_blocks) if pool.refs[b] != held.get(b, 0)]
     if wrong:
         return f"blocks {wrong[:5]} are counted {[pool.refs[b] for b in wrong[:5]]} times, held {[held.get(b, 0) for b in wrong[:5]]}"
     if cache.idle_blocks + cache.reserved_blocks > pool.num_blocks:
         return f"budget over the pool: {cache.idle_blocks} idle + {cache.reserved_blocks} reserved blocks"
-    over = [r.id for r in engine.rows if len(r.kv.blocks) > r.reserved]
+    over = [r.id for r in engine.rows if r.kv.num_blocks > r.reserved]
     if over:
         return f"rows {over} hold more blocks than they reserved"
     return None
 
 
+@pytest.fixture(scope="module")
+def windowed(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """The same budget on a tiny Gemma 3 whose sliding layers (window 6) keep only their window."""
+    from burstrl.config import ServeConfig
+    from burstrl.inference.replica import build_replica
+
+    from .test_generic_path import make_model
+
+    model = make_model("gemma3", tiny_model_dir, tmp_path_factory.mktemp("gemma3"), max_position_embeddings=8192)
+    cfg = ServeConfig.model_validate({
+        "model": {"path": str(model)},
+        "engine": {"num_threads": 1, "max_total_num_tokens": BUDGET, "kv_block_size": BLOCK},
+        "server": {"admin_token": "t", "state_dir": str(tmp_path_factory.mktemp("state"))},
+    })
+    rep = build_replica(cfg)
+    assert rep.engine.pool.sequence_blocks == 2  # a sliding group and a global group
+    yield rep
+    rep.close()
+
+
+@pytest.fixture(params=["small", "windowed"])
+def replica(request: pytest.FixtureRequest) -> InferenceReplica:
+    return request.getfixturevalue(request.param)
+
+
 @pytest.fixture
-def audited(small: InferenceReplica):
+def audited(replica: InferenceReplica):
     """The replica, with its engine auditing the pool after every iteration; yields the problems seen."""
-    engine = small.engine
+    engine = replica.engine
     problems: list[str] = []
     iterate = engine._iterate
 
@@ -97,8 +123,9 @@ def wait(*pairs: tuple[Request, threading.Event]) -> None:
         assert done.wait(300), f"request {req.id} did not finish"
 
 
-def test_64_short_calls_and_one_3000_token_call_stay_in_the_pool(small: InferenceReplica, audited: list[str]) -> None:
-    engine = small.engine
+def test_64_short_calls_and_one_3000_token_call_stay_in_the_pool(replica: InferenceReplica,
+                                                                 audited: list[str]) -> None:
+    small, engine = replica, replica.engine
     nbytes = engine.pool.nbytes
     assert nbytes == 2 * engine.runner.num_layers * BUDGET * engine.runner.num_kv_heads * engine.runner.head_dim * 4
     short = [call(small, [5 + i % 7, 6, 7], max_tokens=40) for i in range(64)]
@@ -108,7 +135,7 @@ def test_64_short_calls_and_one_3000_token_call_stay_in_the_pool(small: Inferenc
     assert long[0].error is None and len(long[0].completion_ids) == 8
     too_long = call(small, [9] * 4000, max_tokens=200)  # past the whole pool: refused alone, nothing taken
     wait(too_long)
-    assert "the whole budget is 256" in too_long[0].error
+    assert f"the whole budget is {256 * engine.pool.sequence_blocks}" in too_long[0].error
     after = call(small, [1, 2, 3])
     wait(after)
     assert after[0].error is None and engine.alive
@@ -117,11 +144,13 @@ def test_64_short_calls_and_one_3000_token_call_stay_in_the_pool(small: Inferenc
 
 
 def test_random_joins_turns_aborts_and_leaves_keep_every_block_accounted_for(
-        small: InferenceReplica, audited: list[str]) -> None:
+        replica: InferenceReplica, audited: list[str]) -> None:
     """Multi-turn sessions (their caches reused and truncated), shared prompts (blocks shared
-    with running donors), aborts and releases, over a budget far smaller than the load."""
+    with running donors), aborts and releases, over a budget far smaller than the load. On the
+    windowed model the sliding group's blocks also leave with the window, and a cut history
+    further back than the window's margin is a window miss, never a wrong reuse."""
     rng = random.Random(7)
-    engine = small.engine
+    small, engine = replica, replica.engine
     system = [rng.randrange(3, 500) for _ in range(300)]
     convo: dict[str, list[int]] = {}
     live: list[tuple[Request, threading.Event]] = []
@@ -152,7 +181,11 @@ def test_random_joins_turns_aborts_and_leaves_keep_every_block_accounted_for(
     wait(*live)
     assert all(r.error is None for r, _ in live), [r.error for r, _ in live if r.error][:3]
     assert audited == [] and engine.alive
-    assert engine.cache.stats.shared_hit_tokens > 0 and engine.cache.stats.evictions > 0
+    assert engine.cache.stats.shared_hit_tokens > 0
+    if engine.pool.sequence_blocks > 1:  # the same load fits the budget once the sliding layers keep only the window
+        assert engine.cache.stats.window_misses > 0
+    else:
+        assert engine.cache.stats.evictions > 0
     for s in small.sessions.snapshot():
         small.sessions.release(s.id)
         engine.drop_session(s.id)

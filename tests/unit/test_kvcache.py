@@ -10,7 +10,7 @@ import torch
 
 from burstrl.inference import kvcache
 from burstrl.inference.kvcache import SessionCache
-from burstrl.inference.paged import BlockTable, KVPool
+from burstrl.inference.paged import KVPool, SequenceKV
 
 LAYERS, KVH, D = 2, 2, 4
 CPU = torch.device("cpu")
@@ -21,11 +21,11 @@ def _cache(capacity: int, thrash_window_s: float) -> SessionCache:
                         thrash_window_s)
 
 
-def _kv(cache: SessionCache, length: int) -> BlockTable:
+def _kv(cache: SessionCache, length: int) -> SequenceKV:
     """A table of `length` tokens whose key at position p in layer i is p + 100 * i."""
-    table = BlockTable()
+    table = SequenceKV.new(cache.pool)
     table.reserve(cache.pool, length)
-    slots = table.slots(cache.pool, length, CPU)
+    slots = table.tables[0].slots(cache.pool, length, CPU)
     for i in range(LAYERS):
         cache.pool.k[i][:, slots] = (torch.arange(length, dtype=torch.float32) + 100 * i)[None, :, None]
     table.length = length
@@ -34,7 +34,7 @@ def _kv(cache: SessionCache, length: int) -> BlockTable:
 
 def _check(cache: SessionCache) -> None:
     assert cache.idle_tokens == sum(e.table.length for e in cache.idle.values())
-    assert cache.idle_blocks == sum(len(e.table.blocks) for e in cache.idle.values())
+    assert cache.idle_blocks == sum(e.table.num_blocks for e in cache.idle.values())
     assert cache.reserved >= 0
     assert cache.idle_tokens + cache.reserved <= cache.capacity
 
@@ -183,15 +183,18 @@ def test_take_leaves_at_least_one_prompt_token():
     kv, reuse = cache.take("a", tokens[:4], 0)  # shorter prompt
     assert reuse == 3 and kv.length == 3
     cache.put("a", kv, tokens, 0)
-    kv, reuse = cache.take("a", [0], 0)
-    assert reuse == 0 and kv.length == 0
+    kv, reuse = cache.take("a", [0], 0)  # nothing left to reuse: the cache goes
+    assert reuse == 0 and kv is None and cache.pool.free_blocks == 100
 
 
 def test_take_no_common_prefix():
+    """Nothing to resume: the session's blocks go back (not an empty table kept), so the engine
+    may still share another cache's prefix for the call; not a window miss."""
     cache = _cache(100, 1.0)
     cache.put("a", _kv(cache, 5), [1, 2, 3, 4, 5], 0)
     kv, reuse = cache.take("a", [9, 2, 3, 4, 5, 6], 0)
-    assert kv is not None and reuse == 0 and kv.length == 0
+    assert kv is None and reuse == 0 and cache.pool.free_blocks == 100 and not cache.idle
+    assert cache.stats.window_misses == 0
 
 
 def test_take_keeps_cached_values_of_reused_prefix():
@@ -200,7 +203,7 @@ def test_take_keeps_cached_values_of_reused_prefix():
     cache.put("a", kv, list(range(6)), 0)
     got, reuse = cache.take("a", list(range(6)) + [7], 0)
     assert reuse == 6
-    assert cache.pool.k[1][0, got.slots(cache.pool, 6, CPU), 0].tolist() == [100.0 + p for p in range(6)]
+    assert cache.pool.k[1][0, got.tables[0].slots(cache.pool, 6, CPU), 0].tolist() == [100.0 + p for p in range(6)]
 
 
 def test_blocks_of_dropped_evicted_and_truncated_caches_go_back_to_the_pool():
@@ -223,7 +226,7 @@ def test_a_table_put_with_a_spare_block_gives_it_back():
     table = _kv(cache, 4)
     table.reserve(cache.pool, 5)  # a decode step reserved a slot its token never filled
     cache.put("a", table, list(range(4)), 0)
-    assert len(table.blocks) == 4 and cache.idle_blocks == 4 and cache.pool.free_blocks == 6
+    assert table.num_blocks == 4 and cache.idle_blocks == 4 and cache.pool.free_blocks == 6
 
 
 # ---- SessionCache: stats ----

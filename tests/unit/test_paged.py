@@ -8,15 +8,8 @@ import pytest
 import torch
 
 from burstrl.inference.generic import GenericRunner
-from burstrl.inference.paged import (
-    BlockTable,
-    KVPool,
-    OutOfBlocks,
-    PagedDecode,
-    PagedPrefill,
-    RowsOutOfBlocks,
-    _length_groups,
-)
+from burstrl.inference.paged import BlockTable, KVPool, OutOfBlocks, SequenceKV
+from burstrl.inference.paged_attention import PagedDecode, PagedPrefill, RowsOutOfBlocks, _length_groups
 from burstrl.inference.probe import probe_ids, reference_logprobs
 from burstrl.inference.runner import ModelRunner
 
@@ -34,13 +27,13 @@ def qwen3():
 
 def pool_for(runner, blocks: int, block_size: int = 4) -> KVPool:
     return KVPool(runner.num_layers, runner.num_kv_heads, runner.head_dim, runner.dtype, runner.device,
-                  blocks, block_size)
+                  blocks, block_size, runner.layer_windows)
 
 
 def paged_logprobs(runner, pool: KVPool, seqs: list[torch.Tensor], prefill: int) -> list[torch.Tensor]:
     """Prefill each sequence's first `prefill` tokens (packed), then decode the rest together
     (rows leave when their sequence ends). -> per sequence [len, V] log-probabilities."""
-    tables = [BlockTable() for _ in seqs]
+    tables = [SequenceKV.new(pool) for _ in seqs]
     att = PagedPrefill(pool, tables, [prefill] * len(seqs), runner.scaling)
     ids = torch.cat([s[:prefill] for s in seqs])[None]
     positions = torch.cat([torch.arange(prefill)] * len(seqs))[None]
@@ -82,7 +75,7 @@ def test_sliding_windows_across_block_boundaries_are_exact_on_gemma3() -> None:
     model = Gemma3ForCausalLM(cfg).eval()
     want = [reference_logprobs(model, probe_ids(256, n)) for n in (11, 20)]
     runner = GenericRunner(model)
-    got = paged_logprobs(runner, pool_for(runner, blocks=16, block_size=3), [probe_ids(256, n)[0] for n in (11, 20)],
+    got = paged_logprobs(runner, pool_for(runner, blocks=32, block_size=3), [probe_ids(256, n)[0] for n in (11, 20)],
                          prefill=4)
     for g, w in zip(got, want, strict=True):
         assert (g - w).abs().max().item() < 1e-4
@@ -92,12 +85,13 @@ def test_a_shared_prefix_is_reused_without_a_copy_and_stays_exact(qwen3) -> None
     runner = ModelRunner(qwen3)
     pool = pool_for(runner, blocks=16)
     seq = probe_ids(256, 20)[0]
-    donor = BlockTable()
+    donor = SequenceKV.new(pool)
     att = PagedPrefill(pool, [donor], [12], runner.scaling)
     runner.forward(seq[None, :12], torch.arange(12)[None], att)
     att.commit()
     child = donor.fork_prefix(pool, 12)  # 3 full blocks of 4, shared
-    assert child.blocks == donor.blocks[:3] and child.length == 12 and pool.refs[donor.blocks[0]] == 2
+    assert child.tables[0].blocks == donor.tables[0].blocks[:3] and child.length == 12
+    assert pool.refs[donor.tables[0].blocks[0]] == 2
     used = pool.num_blocks - pool.free_blocks
     att = PagedPrefill(pool, [child], [8], runner.scaling)
     logits = runner.forward(seq[None, 12:], torch.arange(12, 20)[None], att, all_logits=True)[0]
@@ -117,19 +111,19 @@ def test_the_decode_batch_attack_cannot_grow_memory_past_the_pool(qwen3) -> None
     pool = KVPool.for_tokens(1024, runner.num_layers, runner.num_kv_heads, runner.head_dim, runner.dtype,
                              runner.device, block_size=16)
     nbytes = pool.nbytes
-    short = [BlockTable() for _ in range(64)]
+    short = [SequenceKV.new(pool) for _ in range(64)]
     att = PagedPrefill(pool, short, [3] * 64, runner.scaling)
     runner.forward(torch.randint(0, 256, (1, 192)), torch.arange(3).repeat(64)[None], att)
     att.commit()
     free = pool.free_blocks
-    long = BlockTable()
+    long = SequenceKV.new(pool)
     with pytest.raises(OutOfBlocks):
         PagedPrefill(pool, [long], [3000], runner.scaling)
-    assert long.blocks == [] and pool.free_blocks == free and pool.nbytes == nbytes
+    assert long.num_blocks == 0 and pool.free_blocks == free and pool.nbytes == nbytes
     step = PagedDecode(pool, short, runner.scaling)
     step.prepare()
     held = sum(t.length + 1 for t in short)
-    padded = sum(g.shape[0] * g.shape[1] for g in step.groups)
+    padded = sum(part.shape[0] * part.shape[1] for row_group in step.groups for part in row_group)
     assert padded <= 2 * held + PagedDecode.SLACK + 16 * len(short)  # padding bounded by what is held (+ block rounding)
     runner.forward(torch.randint(0, 256, (64, 1)), step.positions, step)
     step.advance()
@@ -139,14 +133,14 @@ def test_the_decode_batch_attack_cannot_grow_memory_past_the_pool(qwen3) -> None
 def test_rows_that_cannot_get_a_slot_are_named_and_take_nothing(qwen3) -> None:
     runner = ModelRunner(qwen3)
     pool = pool_for(runner, blocks=2, block_size=4)
-    a, b = BlockTable(), BlockTable()
+    a, b = SequenceKV.new(pool), SequenceKV.new(pool)
     att = PagedPrefill(pool, [a, b], [4, 3], runner.scaling)
     runner.forward(torch.randint(0, 256, (1, 7)), torch.tensor([[0, 1, 2, 3, 0, 1, 2]]), att)
     att.commit()
     step = PagedDecode(pool, [a, b], runner.scaling)
     with pytest.raises(RowsOutOfBlocks) as err:
         step.prepare()
-    assert err.value.rows == [0] and len(a.blocks) == 1 and len(b.blocks) == 1  # b's next slot is in its block
+    assert err.value.rows == [0] and a.num_blocks == 1 and b.num_blocks == 1  # b's next slot is in its block
 
 
 def _write(pool: KVPool, table: BlockTable, value: float) -> None:
@@ -203,12 +197,12 @@ def test_a_prefix_forked_mid_block_from_a_decoding_donor_stays_exact(qwen3) -> N
     pool = pool_for(runner, blocks=32)
     seq = probe_ids(256, 24)[0]
     want = reference_logprobs(qwen3, seq[None])
-    donor = BlockTable()
+    donor = SequenceKV.new(pool)
     att = PagedPrefill(pool, [donor], [10], runner.scaling)
     runner.forward(seq[None, :10], torch.arange(10)[None], att)
     att.commit()
     child = donor.fork_prefix(pool, 10)  # 2 full blocks and half of the third, all shared
-    assert child.blocks == donor.blocks and pool.refs[donor.blocks[2]] == 2
+    assert child.tables[0].blocks == donor.tables[0].blocks and pool.refs[donor.tables[0].blocks[2]] == 2
     other = seq.clone()
     other[10:] = (seq[10:] + 1) % 256  # the donor continues differently from the child
     for t in range(10, 16):
@@ -216,7 +210,7 @@ def test_a_prefix_forked_mid_block_from_a_decoding_donor_stays_exact(qwen3) -> N
         step.prepare()
         runner.forward(other[None, t:t + 1], step.positions, step)
         step.advance()
-    assert donor.blocks[2] != child.blocks[2]  # the donor copied before writing into the shared block
+    assert donor.tables[0].blocks[2] != child.tables[0].blocks[2]  # the donor copied before writing into the shared block
     att = PagedPrefill(pool, [child], [14], runner.scaling)
     logits = runner.forward(seq[None, 10:], torch.arange(10, 24)[None], att, all_logits=True)[0]
     att.commit()
@@ -246,7 +240,7 @@ def test_decode_over_several_length_groups_is_exact(qwen3) -> None:
     runner = ModelRunner(qwen3)
     pool = pool_for(runner, blocks=64)
     seqs = [probe_ids(256, n)[0] for n in (40, 6, 24, 9)]
-    tables = [BlockTable() for _ in seqs]
+    tables = [SequenceKV.new(pool) for _ in seqs]
     for table, seq in zip(tables, seqs, strict=True):
         att = PagedPrefill(pool, [table], [len(seq) - 3], runner.scaling)
         runner.forward(seq[None, :-3], torch.arange(len(seq) - 3)[None], att)

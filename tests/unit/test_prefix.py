@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from burstrl.inference.kvcache import SessionCache
-from burstrl.inference.paged import BlockTable, KVPool
+from burstrl.inference.paged import KVPool, SequenceKV
 from burstrl.inference.prefix import BLOCK, PrefixIndex, block_hashes
 
 LAYERS, KVH, D = 2, 2, 4
@@ -17,11 +17,11 @@ def new_cache(capacity: int, block_size: int = 8) -> SessionCache:
     return SessionCache(pool, thrash_window_s=60)
 
 
-def filled(cache: SessionCache, tokens: list[int]) -> BlockTable:
+def filled(cache: SessionCache, tokens: list[int]) -> SequenceKV:
     """A table whose key/value at position p is p + 1000 * token (so shares are checkable)."""
-    table = BlockTable()
+    table = SequenceKV.new(cache.pool)
     table.reserve(cache.pool, len(tokens))
-    slots = table.slots(cache.pool, len(tokens), CPU)
+    slots = table.tables[0].slots(cache.pool, len(tokens), CPU)
     value = (torch.arange(len(tokens)) + 1000 * torch.tensor(tokens)).float()[None, :, None]
     for store in (cache.pool.k, cache.pool.v):
         for t in store:
@@ -30,8 +30,8 @@ def filled(cache: SessionCache, tokens: list[int]) -> BlockTable:
     return table
 
 
-def keys(cache: SessionCache, table: BlockTable, layer: int = 0) -> torch.Tensor:
-    return cache.pool.k[layer][:, table.slots(cache.pool, table.length, CPU)]
+def keys(cache: SessionCache, table: SequenceKV, layer: int = 0) -> torch.Tensor:
+    return cache.pool.k[layer][:, table.tables[0].slots(cache.pool, table.length, CPU)]
 
 
 def test_block_hashes_are_chained_and_only_full_blocks() -> None:
@@ -65,7 +65,7 @@ def test_share_holds_the_common_prefix_by_reference_and_keeps_the_donor() -> Non
     used = cache.pool.used_blocks
     kv, reuse = cache.share(prompt, 0)
     assert reuse == len(system)  # exact common prefix, past the last full block
-    assert kv.length == reuse and kv.blocks == donor.blocks[: len(kv.blocks)]
+    assert kv.length == reuse and kv.tables[0].blocks == donor.tables[0].blocks[: kv.num_blocks]
     assert cache.pool.used_blocks == used  # no copy: the donor's blocks are shared
     assert torch.equal(keys(cache, kv), keys(cache, donor)[:, :reuse])
     assert list(cache.idle) == ["other", "donor"]  # donor stays, now most recently used

@@ -8,7 +8,8 @@ import torch
 from burstrl.inference.dense import DecodeBatch, SessionKV
 from burstrl.inference.generic import GenericRunner
 from burstrl.inference.lora import ATTN_PROJ, MLP_PROJ, LoraAdapter, LoraBatch
-from burstrl.inference.paged import BlockTable, KVPool, PagedDecode
+from burstrl.inference.paged import KVPool, SequenceKV
+from burstrl.inference.paged_attention import PagedDecode
 from burstrl.inference.probe import adapter_mismatch, mismatch, probe_ids, reference_logprobs, select_runner
 from burstrl.inference.runner import ModelRunner, UnsupportedModel, causal_attention
 
@@ -146,12 +147,12 @@ def test_decode_attention_sees_only_each_rows_window() -> None:
 def test_paged_decode_attention_sees_only_each_rows_window() -> None:
     """The engine's decode (paged, ragged rows): the same windows as the dense batch above."""
     torch.manual_seed(0)
-    pool = KVPool(1, 2, 8, torch.float32, torch.device("cpu"), num_blocks=8, block_size=4)
+    pool = KVPool(1, 2, 8, torch.float32, torch.device("cpu"), num_blocks=8, block_size=4, windows=[4])
     tables, keys, values = [], [], []
     for n in (5, 11):
-        table = BlockTable()
+        table = SequenceKV.new(pool)
         table.reserve(pool, n)
-        slots = table.slots(pool, n, torch.device("cpu"))
+        slots = table.tables[0].slots(pool, n, torch.device("cpu"))
         keys.append(torch.randn(2, n, 8))
         values.append(torch.randn(2, n, 8))
         pool.k[0][:, slots], pool.v[0][:, slots] = keys[-1], values[-1]

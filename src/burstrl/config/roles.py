@@ -33,6 +33,11 @@ class EngineConfig(Section):
     kv_block_size: int = Field(
         16, ge=1, le=1024, description="Tokens per KV block (paged KV: the pool is the budget in blocks)."
     )
+    kv_window_only: bool = Field(
+        True, description="Sliding-window layers (Gemma 3: 5 of 6) keep only their window's KV blocks "
+        "(+128 tokens), so a long sequence costs about its length in the global layers only; off = every "
+        "layer keeps every block (a cache then resumes from any point, at the full-attention memory)."
+    )
     path: Literal["auto", "fast", "generic"] = Field(
         "auto", description="Engine path: auto = the fast runner if the start probe proves it, else the "
         "generic one (the model's own forward); naming one refuses to start unless that path is proven."

@@ -30,7 +30,8 @@ from burstrl.config import EngineConfig
 from burstrl.inference.capture import CallRecord, new_record
 from burstrl.inference.kvcache import SessionCache
 from burstrl.inference.lora import AdapterError, LoraAdapter, LoraBatch
-from burstrl.inference.paged import BlockTable, KVPool, PagedDecode, PagedPrefill, RowsOutOfBlocks
+from burstrl.inference.paged import KVPool, SequenceKV
+from burstrl.inference.paged_attention import PagedDecode, PagedPrefill, RowsOutOfBlocks
 from burstrl.inference.prefix import block_hashes
 from burstrl.inference.probe import adapter_mismatch, select_runner
 from burstrl.inference.request import EngineCounters, Request
@@ -75,8 +76,9 @@ class Engine:
         self.on_fatal = on_fatal
         self.raw_logprobs = cfg.logprobs_mode == "raw"
         r = self.runner
+        windows = r.layer_windows if cfg.kv_window_only else None  # sliding layers keep their window only
         self.pool = KVPool.for_tokens(cfg.max_total_num_tokens, r.num_layers, r.num_kv_heads, r.head_dim,
-                                      r.dtype, r.device, cfg.kv_block_size)  # all the KV memory there is
+                                      r.dtype, r.device, cfg.kv_block_size, windows)  # all the KV memory there is
         self.cache = SessionCache(self.pool, cfg.thrash_window_s)
         self.rows: list[Request] = []
         self.waiting: deque[Request] = deque()
@@ -245,34 +247,39 @@ class Engine:
                     break  # shares more with a request prefilled now: admit next iteration, share it
                 kv, reuse = self.cache.share(req.prompt_ids, req.namespace)
                 shared = kv is not None
-            need = self.cache.blocks_for(len(req.prompt_ids) + req.params.max_tokens)
+            kv = kv if kv is not None else SequenceKV.new(self.pool)
+            need, req.steady = kv.blocks_needed(self.pool, len(req.prompt_ids),
+                                                len(req.prompt_ids) + req.params.max_tokens)
             if need > self.pool.num_blocks:  # could never fit: fail it rather than block the queue
                 self._refuse(req, kv, shared, need)
                 continue
             if not self.cache.reserve(need):
-                if shared:
-                    kv.release(self.pool)
-                elif kv is not None:
-                    self.cache.put(sid, kv, req.prompt_ids, req.namespace)
+                self._give_back(req, kv, shared)
                 break
             self.waiting.popleft()
             self.cache.record(sid, len(req.prompt_ids), reuse, shared)
             req.reserved, req.cached_tokens, req.t_start = need, reuse, time.monotonic()
-            req.kv = kv if kv is not None else BlockTable()
+            req.kv = kv
             prefill_budget -= len(req.prompt_ids) - reuse
             admitted.append(req)
         if admitted:
             self._prefill(admitted)
 
-    def _refuse(self, req: Request, kv: BlockTable | None, shared: bool, need: int) -> None:
+    def _give_back(self, req: Request, kv: SequenceKV, shared: bool) -> None:
+        """A request not admitted after all: a shared prefix is let go, its session's cache kept."""
+        if shared or kv.length == 0:
+            kv.release(self.pool)
+        else:
+            self.cache.put(req.session.id, kv, req.prompt_ids, req.namespace)
+
+    def _refuse(self, req: Request, kv: SequenceKV, shared: bool, need: int) -> None:
         """Fail the head of the queue, which needs more blocks than the whole pool has."""
         self.waiting.popleft()
-        if shared:
-            kv.release(self.pool)
-        elif kv is not None:
-            self.cache.put(req.session.id, kv, req.prompt_ids, req.namespace)
+        self._give_back(req, kv, shared)
         self.counters.failed_requests += 1
-        req.error = (f"prompt + max_tokens need {need} KV blocks of {self.pool.block_size} tokens; "
+        groups = self.pool.sequence_blocks
+        per = f" (over {groups} layer groups)" if groups > 1 else ""
+        req.error = (f"prompt + max_tokens need {need} KV blocks of {self.pool.block_size} tokens{per}; "
                      f"the whole budget is {self.pool.num_blocks}")
         self._report_done(req, "error")
 
@@ -315,14 +322,16 @@ class Engine:
             self._step_failed("prefill", exc, reqs)
             return
         attention.commit()
+        self.cache.hold_running(sum(r.kv.held_tokens(self.pool) for r in reqs))
         for req in reqs:
-            self.cache.hold_running(req.kv.length)
+            self.cache.unreserve(req.reserved - req.steady)  # a sliding group's prefill peak is over
+            req.reserved = req.steady
             req.session.kv_tokens = req.kv.length
         self.counters.prompt_tokens += ids.shape[1]
         self.counters.prefill_s += time.monotonic() - t0
         for req, outcome in zip(reqs, self._sample(logits, reqs), strict=False):
             if isinstance(outcome, str) or (finished := self._append(req, *outcome)) is None:
-                self.cache.release_running(req.kv.length)
+                self.cache.release_running(req.kv.held_tokens(self.pool))
                 self._fail(req, outcome if isinstance(outcome, str) else req.error)
             elif finished:
                 self._finish(req)
@@ -344,8 +353,7 @@ class Engine:
         except Exception as exc:  # tolerated: the running requests fail, the engine serves the rest
             self._step_failed("decode", exc, [self._drop_row(i) for i in reversed(range(len(rows)))])
             return
-        step.advance()
-        self.cache.hold_running(len(rows))
+        self.cache.hold_running(step.advance())
         done, failed = [], {}
         for i, (req, outcome) in enumerate(zip(rows, self._sample(logits, rows), strict=False)):
             req.session.kv_tokens += 1
@@ -456,7 +464,7 @@ class Engine:
         """Take a failed request out of the batch; its keys/values are discarded, not cached."""
         req = self.rows[row]
         self.cache.remove_running(req.id)
-        self.cache.release_running(req.kv.length)
+        self.cache.release_running(req.kv.held_tokens(self.pool))
         self.rows[row] = self.rows[-1]
         self.rows.pop()
         self._lora_dirty = True
@@ -484,7 +492,7 @@ class Engine:
     def _finish(self, req: Request) -> None:
         """Return the request's budget, keep its cache for the session's next call, capture it."""
         kv, session = req.kv, req.session
-        self.cache.release_running(kv.length)
+        self.cache.release_running(kv.held_tokens(self.pool))
         self.cache.unreserve(req.reserved)
         fed = req.prompt_ids + req.completion_ids[:-1]
         assert kv.length == len(fed), (kv.length, len(fed))
@@ -561,7 +569,7 @@ class Engine:
             "num_used_tokens": c.used_tokens,
             "max_total_num_tokens": c.capacity,
             "token_usage": c.used_tokens / c.capacity,
-            "reserved_tokens": c.reserved + c.idle_blocks * c.block,
+            "reserved_tokens": c.reserved_total,
             "cache_hit_rate": stats.hit_tokens / stats.queries_tokens if stats.queries_tokens else 0.0,
             "prefix_cache_queries_tokens": stats.queries_tokens,
             "prefix_cache_hit_tokens": stats.hit_tokens,
@@ -569,6 +577,7 @@ class Engine:
             "evictions": stats.evictions,
             "refills": stats.refills,
             "thrash": stats.thrash,
+            "prefix_cache_window_misses": stats.window_misses,
             "num_sessions": len(sessions),
             "sessions": sessions,
         }

@@ -87,6 +87,30 @@ class GenericRunner:
         self.dtype = self.lm_head.weight.dtype
         self.device = self.lm_head.weight.device
         self._hooks = [self._hook(i, layer) for i, layer in enumerate(self.layers)]
+        self.layer_windows = self._windows()  # the KV layout's spans
+
+    def _windows(self) -> list[int | None]:
+        """Each layer's sliding window as transformers passes it to the attention call.
+
+        Why a forward and not the config: models name it differently (Gemma 3 per layer on the
+        module, Mistral once on the config, read at call time), and the KV layout must keep exactly
+        the keys the call will attend to. One token through the model, attention recorded."""
+        seen: dict[int, int | None] = {}
+
+        class Recorder:
+            def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       window: int | None = None) -> torch.Tensor:
+                seen[layer] = window
+                return torch.zeros_like(q)
+
+        ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+        _ACTIVE.attention = Recorder()
+        try:
+            with torch.inference_mode():
+                self.inner(input_ids=ids, position_ids=ids, use_cache=False)
+        finally:
+            _ACTIVE.attention = None
+        return [seen.get(i) for i in range(self.num_layers)]
 
     def _hook(self, i: int, layer: nn.Module) -> list[Any]:
         handles = []

@@ -1,62 +1,96 @@
-"""Paged KV storage: fixed-size blocks in one preallocated pool, and per-sequence block tables.
+"""Paged KV storage: fixed-size blocks in one preallocated pool, per-sequence block tables, and
+layer groups so that sliding-window layers hold only their window.
 
 Why (issue 33): the engine's first KV layout kept each session in its own tensor grown by
 doubling and copied running sequences into a decode batch padded to its longest row, so what it
 allocated was not bounded by the tokens it held (64 short rows and one 3,000-token call asked for
-64 x 3,000 slots and killed the engine). Here, as in vLLM's PagedAttention, every layer's keys and
-values live in one pool of `num_blocks` blocks of `block_size` token slots, allocated once at the
-token budget; a sequence owns a list of blocks (its block table). Memory is the pool's, at every
-moment; a sequence that needs a block when none is free gets `OutOfBlocks` (that request fails,
-nothing else). Blocks can be shared by several sequences (a common prompt prefix, same adapter
-version) through reference counts, without a copy.
+64 x 3,000 slots and killed the engine). Here, as in vLLM's PagedAttention, keys and values live in
+one pool of `num_blocks` blocks of `block_size` token slots, allocated once at the token budget; a
+sequence owns lists of blocks (block tables). Memory is the pool's, at every moment; a sequence
+that needs a block when none is free gets `OutOfBlocks` (that request fails, nothing else). Blocks
+can be shared by several sequences (a common prompt prefix, same adapter version) through
+reference counts, without a copy.
+
+Layer groups (as vLLM's hybrid allocator): the layers are split into groups of equal size, each
+group of one attention span (Gemma 3 270M: 15 sliding-window layers and 3 global ones make five
+sliding groups and one global group of 3 layers). A physical block holds `block_size` slots of
+every layer of one group, so all groups draw on the one pool and one budget, and a sequence has a
+block table per group. A sliding group's table lets go of the blocks that fell out of its window
+(plus `WINDOW_MARGIN`, so that a next call whose prompt re-renders the last few tokens can still
+resume), so a long sequence holds about window + margin tokens in those layers, not its length.
+A model without sliding windows is one group of all layers: one table per sequence.
 
 Sharing invariant: a table writes only at slot `length`, and never into a block someone else
 holds: `reserve` first replaces a shared, partly used last block with a private copy
 (copy-on-write). So a block shared from a running donor, or left partly used by a truncation,
 keeps exactly what every holder read from it.
 
-Attention gathers a sequence's slots from the pool for the step (prefill: one sequence's keys;
-decode: rows grouped by length, padded within a group at most 2x), so what a step touches is
-bounded by the tokens held, not by rows x longest row.
-
-Layout: per layer, k and v are [KVH, num_blocks * block_size, D] (a slot is block * block_size +
-offset): a gather of a row's slots is then contiguous per KV head, what the decode matmuls want. Shapes: q [B, H, T, D], k/v [B, KVH, T, D] as in runner.Attention.
+Layout: per index i within a group, k and v are [KVH, num_blocks * block_size, D] (a slot is
+block * block_size + offset): a gather of a row's slots is then contiguous per KV head, what the
+decode matmuls want. Layer l lives at `pool.k[pool.where[l][1]]` in its group's blocks.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from math import gcd
 
 import torch
 
-from burstrl.inference.runner import causal_attention
+WINDOW_MARGIN = 128  # tokens a sliding group keeps past its window (resume a few tokens back)
 
 
 class OutOfBlocks(RuntimeError):
     """The pool has no free block for a sequence's next token(s)."""
 
 
+def layer_groups(windows: list[int | None]) -> list[list[int]]:
+    """Layers split into groups of one attention span and one size (the gcd of each span's layer
+    count), in layer order: [[0..L-1]] without sliding windows."""
+    spans: dict[int | None, list[int]] = {}
+    for layer, window in enumerate(windows):
+        spans.setdefault(window, []).append(layer)
+    size = 0
+    for layers in spans.values():
+        size = gcd(size, len(layers))
+    return [layers[i:i + size] for layers in spans.values() for i in range(0, len(layers), size)]
+
+
 class KVPool:
-    """The blocks of every layer's keys and values, and which are free (reference counts)."""
+    """The blocks of every layer group's keys and values, and which are free (reference counts).
+
+    `windows`: each layer's sliding window (None = global attention); omitted, every layer is global."""
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                 num_blocks: int, block_size: int = 16) -> None:
+                 num_blocks: int, block_size: int = 16, windows: list[int | None] | None = None) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("a KV pool needs at least one block of at least one slot")
+        windows = list(windows) if windows is not None else [None] * layers
+        if len(windows) != layers:
+            raise ValueError(f"{len(windows)} layer windows for {layers} layers")
         self.block_size, self.num_blocks = block_size, num_blocks
+        self.groups = layer_groups(windows)
+        self.windows = windows
+        self.group_windows = [windows[g[0]] for g in self.groups]
+        self.where = [(0, 0)] * layers  # layer -> (group, index within the group)
+        for g, members in enumerate(self.groups):
+            for i, layer in enumerate(members):
+                self.where[layer] = (g, i)
         shape = (kv_heads, num_blocks * block_size, head_dim)
         # empty, not zeros: untouched pages of a large CPU allocation stay unmapped, so resident
         # memory grows with the blocks first used; `allocate` zeroes each block it hands out
-        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in self.groups[0]]
+        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in self.groups[0]]
         self.refs = [0] * num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: the lowest ids are used first
 
     @classmethod
     def for_tokens(cls, tokens: int, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                   device: torch.device, block_size: int = 16) -> KVPool:
-        """A pool of at most `tokens` slots (the token budget, rounded down to whole blocks)."""
-        return cls(layers, kv_heads, head_dim, dtype, device, max(1, tokens // block_size), block_size)
+                   device: torch.device, block_size: int = 16, windows: list[int | None] | None = None) -> KVPool:
+        """A pool of the memory of `tokens` slots in every layer (the token budget, in whole blocks)."""
+        groups = len(layer_groups(list(windows) if windows is not None else [None] * layers))
+        return cls(layers, kv_heads, head_dim, dtype, device, max(1, tokens // block_size) * groups, block_size,
+                   windows)
 
     @property
     def free_blocks(self) -> int:
@@ -66,8 +100,13 @@ class KVPool:
     def used_blocks(self) -> int:
         return self.num_blocks - len(self._free)
 
+    @property
+    def sequence_blocks(self) -> int:
+        """Physical blocks a sequence holds per block of its tokens in every layer (the group count)."""
+        return len(self.groups)
+
     def copy_block(self, src: int, dst: int, slots: int) -> None:
-        """The first `slots` keys/values of block `src`, in every layer, into block `dst`."""
+        """The first `slots` keys/values of block `src`, in every layer of the group, into block `dst`."""
         a, b = src * self.block_size, dst * self.block_size
         for t in (*self.k, *self.v):
             t[:, b:b + slots] = t[:, a:a + slots]
@@ -115,18 +154,24 @@ class KVPool:
 
 @dataclass(eq=False)
 class BlockTable:
-    """One sequence's blocks in order; its first `length` slots hold keys/values."""
+    """One sequence's blocks of one layer group, in order; positions [start, length) hold
+    keys/values. The first `first` blocks were dropped (out of a sliding window): start = first x
+    block_size, and blocks[0] is the block of position `start`."""
 
     blocks: list[int] = field(default_factory=list)
     length: int = 0
+    first: int = 0
     _slots: torch.Tensor | None = field(default=None, repr=False)  # slot of every position of the blocks
+
+    def start(self, pool: KVPool) -> int:
+        return self.first * pool.block_size
 
     def reserve(self, pool: KVPool, total: int) -> None:
         """Blocks for `total` tokens, and a private last block to write into (copy-on-write);
         OutOfBlocks, with nothing taken, when the pool is short."""
         block = pool.block_size
-        need = -(-total // block) - len(self.blocks)
-        tail = self.length // block
+        need = -(-total // block) - self.first - len(self.blocks)
+        tail = self.length // block - self.first
         cow = self.length % block != 0 and pool.refs[self.blocks[tail]] > 1
         fresh = pool.allocate(max(need, 0) + cow)
         if cow:
@@ -138,219 +183,124 @@ class BlockTable:
             self._slots = None
 
     def slots(self, pool: KVPool, end: int, device: torch.device) -> torch.Tensor:
-        """Pool slot of each position in [0, end): [end] int64 (a view of a cached tensor)."""
+        """Pool slot of each position in [start, end): [end - start] int64 (a view of a cached tensor)."""
         if self._slots is None:
             table = torch.tensor(self.blocks, dtype=torch.long)
             self._slots = (table[:, None] * pool.block_size + torch.arange(pool.block_size)).flatten().to(device)
-        return self._slots[:end]
+        return self._slots[: end - self.start(pool)]
 
     def truncate(self, pool: KVPool, length: int) -> None:
-        """Keep the first `length` tokens; blocks past them go back to the pool."""
-        keep = -(-length // pool.block_size)
+        """Keep the first `length` tokens; blocks past them go back to the pool. A table that
+        dropped blocks before `length` cannot be cut below its start."""
+        if length < self.start(pool):
+            raise ValueError(f"cannot keep {length} tokens of a table whose keys start at {self.start(pool)}")
+        keep = -(-length // pool.block_size) - self.first
         if keep < len(self.blocks):
             pool.release(self.blocks[keep:])
             del self.blocks[keep:]
             self._slots = None
         self.length = min(self.length, length)
 
+    def drop_before(self, pool: KVPool, position: int) -> int:
+        """Let go of the leading blocks whose every slot is before `position`; returns their count."""
+        n = min(position // pool.block_size - self.first, len(self.blocks) - 1)
+        if n <= 0:
+            return 0
+        pool.release(self.blocks[:n])
+        del self.blocks[:n]
+        self.first += n
+        self._slots = None
+        return n
+
     def release(self, pool: KVPool) -> None:
         pool.release(self.blocks)
-        self.blocks, self.length, self._slots = [], 0, None
+        self.blocks, self.length, self.first, self._slots = [], 0, 0, None
 
     def fork_prefix(self, pool: KVPool, tokens: int) -> BlockTable:
         """A new table holding this one's first `tokens` keys/values by sharing their blocks (no
         copy; a partly used last block is copied when either side first writes into it)."""
         tokens = min(tokens, self.length)
-        shared = self.blocks[: -(-tokens // pool.block_size)]
+        if tokens < self.start(pool):
+            raise ValueError(f"cannot share {tokens} tokens of a table whose keys start at {self.start(pool)}")
+        shared = self.blocks[: max(0, -(-tokens // pool.block_size) - self.first)]
         pool.share(shared)
-        return BlockTable(blocks=list(shared), length=tokens)
+        return BlockTable(blocks=list(shared), length=tokens, first=self.first)
 
 
-class PagedPrefill:
-    """Attention for several sequences' new tokens packed into one [1, sum(T)] forward (as
-    kvcache.PackedPrefillAttention): each sequence's keys/values go to its blocks, and its new
-    queries attend causally to its own slots. Blocks are reserved up front (`OutOfBlocks` before any
-    forward) and `commit` makes the new tokens part of each table."""
+@dataclass(eq=False)
+class SequenceKV:
+    """One sequence's keys/values: a block table per layer group of its pool, all of one length."""
 
-    def __init__(self, pool: KVPool, tables: list[BlockTable], new_tokens: list[int], scale: float) -> None:
-        self.pool, self.tables, self.new, self.scale = pool, tables, new_tokens, scale
-        self.past = [t.length for t in tables]
+    tables: list[BlockTable]
+
+    @classmethod
+    def new(cls, pool: KVPool) -> SequenceKV:
+        return cls([BlockTable() for _ in pool.groups])
+
+    @property
+    def length(self) -> int:
+        return self.tables[0].length
+
+    @length.setter
+    def length(self, n: int) -> None:
+        """Tokens written by hand (tests, a probe): the engine moves lengths with `advance`."""
+        for t in self.tables:
+            t.length = n
+
+    @property
+    def num_blocks(self) -> int:
+        """Physical blocks listed (shared ones included)."""
+        return sum(len(t.blocks) for t in self.tables)
+
+    def held_tokens(self, pool: KVPool) -> int:
+        """Token slots held summed over groups (a group-token: one token in the layers of one group)."""
+        return sum(t.length - t.start(pool) for t in self.tables)
+
+    def resumable(self, pool: KVPool, length: int) -> bool:
+        """Can a next call continue from the first `length` tokens? Every sliding group must still
+        hold the keys the next query sees: positions after length - window."""
+        return all(w is None or t.start(pool) <= max(0, length - w + 1)
+                   for t, w in zip(self.tables, pool.group_windows, strict=True))
+
+    def reserve(self, pool: KVPool, total: int) -> None:
+        """Blocks for `total` tokens in every group; OutOfBlocks with nothing new kept."""
         try:
-            for table, n in zip(tables, new_tokens, strict=True):
-                table.reserve(pool, table.length + n)
+            for t in self.tables:
+                t.reserve(pool, total)
         except OutOfBlocks:
-            for table in tables:  # give back the blocks this prefill took (past each table's tokens)
-                table.truncate(pool, table.length)
+            self.truncate(pool, self.length)
             raise
-        device = pool.k[0].device
-        self.slots = [t.slots(pool, p + n, device) for t, p, n in zip(tables, self.past, new_tokens, strict=True)]
-        self.offsets = [0]
-        for n in new_tokens:
-            self.offsets.append(self.offsets[-1] + n)
 
-    @property
-    def last_positions(self) -> list[int]:
-        return [end - 1 for end in self.offsets[1:]]
+    def advance(self, pool: KVPool, n: int) -> int:
+        """n more tokens were written; sliding groups let go of what left their window.
+        Returns the change in held group-tokens."""
+        before = self.held_tokens(pool)
+        for t, w in zip(self.tables, pool.group_windows, strict=True):
+            t.length += n
+            if w is not None:
+                t.drop_before(pool, t.length - w - WINDOW_MARGIN)
+        return self.held_tokens(pool) - before
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               window: int | None = None) -> torch.Tensor:
-        outs = []
-        kl, vl = self.pool.k[layer], self.pool.v[layer]
-        for slots, past, n, off in zip(self.slots, self.past, self.new, self.offsets, strict=False):
-            kl[:, slots[past:]] = k[0, :, off:off + n]  # [KVH, n, D]
-            vl[:, slots[past:]] = v[0, :, off:off + n]
-            keys = kl.index_select(1, slots)[None]  # [1, KVH, past + n, D]
-            values = vl.index_select(1, slots)[None]
-            outs.append(causal_attention(q[:, :, off:off + n], keys, values, past, self.scale, window))
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    def truncate(self, pool: KVPool, length: int) -> None:
+        for t in self.tables:
+            t.truncate(pool, length)
 
-    def commit(self) -> None:
-        for table, past, n in zip(self.tables, self.past, self.new, strict=True):
-            table.length = past + n
+    def release(self, pool: KVPool) -> None:
+        for t in self.tables:
+            t.release(pool)
 
+    def fork_prefix(self, pool: KVPool, tokens: int) -> SequenceKV:
+        return SequenceKV([t.fork_prefix(pool, tokens) for t in self.tables])
 
-class PagedDecode:
-    """One decode step of B running sequences (one new token each) over their block tables.
-
-    `prepare()` reserves the step's slot in each table (RowsOutOfBlocks names the rows that could
-    not get one, before any forward); `advance()` after the forward counts the new tokens.
-
-    Attention gathers each row's blocks from the pool into a [KVH, rows, W, D] tensor for the step
-    and runs the two matmuls of `grouped_decode_attention`. Rows are grouped by length so that padding
-    stays small: a group's padded size is at most twice the keys it holds (plus `SLACK`), so the
-    transient a step allocates is bounded by the tokens held, never by rows x the longest row
-    (64 short rows and one 3,000-token row make two groups, not 64 x 3,000 slots). Rows of
-    similar lengths (the usual batch) form one group in their own order: no reordering cost.
-    """
-
-    SLACK = 1024  # padding slots a group may always carry (tiny rows are not split apart)
-
-    def __init__(self, pool: KVPool, tables: list[BlockTable], scale: float) -> None:
-        self.pool, self.tables, self.scale = pool, tables, scale
-
-    def prepare(self) -> None:
-        short = []
-        for i, table in enumerate(self.tables):
-            try:
-                table.reserve(self.pool, table.length + 1)
-            except OutOfBlocks:
-                short.append(i)
-        if short:
-            raise RowsOutOfBlocks(short)
-        device, bs = self.pool.k[0].device, self.pool.block_size
-        lens = [t.length + 1 for t in self.tables]  # keys per row, the new one included
-        self.lens = torch.tensor(lens, device=device)
-        self.new_slots = torch.tensor([t.blocks[n // bs] * bs + n % bs for t, n in
-                                       zip(self.tables, (n - 1 for n in lens), strict=True)], device=device)
-        self.groups = [_Group(rows, [self.tables[i] for i in rows], self.lens[rows] if len(rows) < len(lens)
-                              else self.lens, bs, len(rows) == len(lens))
-                       for rows in _length_groups(lens, self.SLACK)]
-
-    @property
-    def positions(self) -> torch.Tensor:
-        """[B, 1] position of each row's new token."""
-        return (self.lens - 1)[:, None]
-
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               window: int | None = None) -> torch.Tensor:
-        kl, vl = self.pool.k[layer], self.pool.v[layer]
-        kl[:, self.new_slots] = k[:, :, 0].transpose(0, 1)  # [KVH, B, D]
-        vl[:, self.new_slots] = v[:, :, 0].transpose(0, 1)
-        bs = self.pool.block_size
-        if len(self.groups) == 1 and self.groups[0].whole:
-            return self.groups[0].attend(q, kl, vl, bs, self.scale, window)
-        out = torch.empty_like(q)
-        for g in self.groups:
-            out[g.index] = g.attend(q[g.index], kl, vl, bs, self.scale, window)
-        return out
-
-    def advance(self) -> None:
-        for table in self.tables:
-            table.length += 1
-
-
-class _Group:
-    """Rows of one decode step attended together: their block tables padded to the longest, and masks.
-
-    The gather copies whole blocks (a block's keys are contiguous per KV head: one memcpy each,
-    several times faster than gathering slot by slot) into buffers reused by every layer of the
-    step, so fresh memory is faulted in once per step, not once per layer.
-    """
-
-    def __init__(self, rows: list[int], tables: list[BlockTable], lens: torch.Tensor, block_size: int,
-                 whole: bool) -> None:
-        device = lens.device
-        self.whole = whole  # all the step's rows, in order
-        self.index = torch.tensor(rows, device=device)
-        width = max(-(-int(n) // block_size) for n in lens.tolist())
-        # pads repeat the row's own first block: masked, and never another row's (maybe non-finite) data
-        blocks = [t.blocks[:width] + [t.blocks[0]] * (width - len(t.blocks[:width])) for t in tables]
-        self.blocks = torch.tensor(blocks, dtype=torch.long, device=device).flatten()  # [G * width]
-        self.shape = (len(rows), width * block_size)  # G, W
-        keys = torch.arange(width * block_size, device=device)
-        self.last = (lens - 1)[:, None]  # [G, 1] each row's new position
-        self.hidden = (keys[None, :] > self.last)[:, None, :]  # [G, 1, W]: True = padding or beyond the row
-        self._windows: dict[int, torch.Tensor] = {}
-        self._bufs: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def attend(self, q: torch.Tensor, kl: torch.Tensor, vl: torch.Tensor, block_size: int,
-               scale: float, window: int | None) -> torch.Tensor:
-        kvh, slots, d = kl.shape
-        g, w = self.shape
-        if self._bufs is None:
-            self._bufs = tuple(kl.new_empty((kvh, len(self.blocks), block_size, d)) for _ in range(2))
-        kbuf, vbuf = self._bufs
-        torch.index_select(kl.view(kvh, slots // block_size, block_size, d), 1, self.blocks, out=kbuf)
-        torch.index_select(vl.view(kvh, slots // block_size, block_size, d), 1, self.blocks, out=vbuf)
-        return grouped_decode_attention(q, kbuf.view(kvh, g, w, d), vbuf.view(kvh, g, w, d), self._hidden(window),
-                                        scale)
-
-    def _hidden(self, window: int | None) -> torch.Tensor:
-        """The padding mask, plus for a sliding-window layer the keys at or before last - window."""
-        if window is None:
-            return self.hidden
-        if window not in self._windows:
-            keys = torch.arange(self.shape[1], device=self.hidden.device)
-            self._windows[window] = self.hidden | (keys[None, :] <= self.last - window)[:, None, :]
-        return self._windows[window]
-
-
-def grouped_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, hidden: torch.Tensor,
-                             scale: float) -> torch.Tensor:
-    """One query per row over its padded keys, as two batched matmuls (runner.decode_attention
-    with the KV head as the outer batch dimension, the layout a gather from the pool gives).
-
-    q: [G, H, 1, D]; keys/values: [KVH, G, W, D]; hidden: [G, 1, W] True where a key is padding.
-    """
-    g, h, _, d = q.shape
-    kvh = keys.shape[0]
-    qg = q.view(g, kvh, h // kvh, d).transpose(0, 1)  # [KVH, G, Gq, D]: query heads grouped on their KV head
-    scores = torch.matmul(qg, keys.transpose(-1, -2)) * scale  # [KVH, G, Gq, W]
-    scores = scores.masked_fill(hidden, float("-inf")).softmax(dim=-1)
-    return torch.matmul(scores, values).transpose(0, 1).reshape(g, h, 1, d)
-
-
-def _length_groups(lens: list[int], slack: int) -> list[list[int]]:
-    """Rows split so that each group's rows x longest <= 2 x its keys + slack (longest rows first);
-    one group, in row order, when the whole step already fits that bound."""
-    if len(lens) * max(lens) <= 2 * sum(lens) + slack:
-        return [list(range(len(lens)))]
-    groups: list[list[int]] = []
-    cur: list[int] = []
-    held = 0
-    for i in sorted(range(len(lens)), key=lambda i: -lens[i]):
-        if cur and (len(cur) + 1) * lens[cur[0]] > 2 * (held + lens[i]) + slack:
-            groups.append(cur)
-            cur, held = [], 0
-        cur.append(i)
-        held += lens[i]
-    groups.append(cur)
-    return groups
-
-
-class RowsOutOfBlocks(OutOfBlocks):
-    """Decode rows (indices) that could not get a slot for their next token."""
-
-    def __init__(self, rows: list[int]) -> None:
-        super().__init__(f"no free KV block for {len(rows)} decoding row(s)")
-        self.rows = rows
+    def blocks_needed(self, pool: KVPool, prompt: int, total: int) -> tuple[int, int]:
+        """(peak, steady): the most physical blocks this sequence can hold while its `prompt` is
+        prefilled, and after that while it grows to `total` tokens (its reservations)."""
+        bs, peak, steady = pool.block_size, 0, 0
+        for t, w in zip(self.tables, pool.group_windows, strict=True):
+            full = -(-total // bs) - t.first
+            if w is None:
+                peak, steady = peak + full, steady + full
+            else:  # after a prefill and each step, at most window + margin + two partial blocks
+                after = min(full, -(-(w + WINDOW_MARGIN) // bs) + 2)
+                peak, steady = peak + max(after, -(-prompt // bs) - t.first), steady + after
+        return peak, steady

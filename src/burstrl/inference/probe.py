@@ -22,7 +22,8 @@ from torch import nn
 
 from burstrl.inference.generic import GenericRunner
 from burstrl.inference.lora import ATTN_PROJ, MLP_PROJ, LoraAdapter, LoraBatch
-from burstrl.inference.paged import BlockTable, KVPool, PagedDecode, PagedPrefill
+from burstrl.inference.paged import KVPool, SequenceKV
+from burstrl.inference.paged_attention import PagedDecode, PagedPrefill
 from burstrl.inference.runner import ModelRunner, UnsupportedModel
 
 log = logging.getLogger(__name__)
@@ -57,9 +58,9 @@ def engine_logprobs(runner: Runner, ids: torch.Tensor, block_size: int = 4,
     prefill_lora = LoraBatch([adapter] * half, per_token=True) if adapter is not None else None
     decode_lora = LoraBatch([adapter]) if adapter is not None else None
     ids = ids.to(runner.device)
-    pool = KVPool(runner.num_layers, runner.num_kv_heads, runner.head_dim, runner.dtype, runner.device,
-                  num_blocks=-(-n // block_size), block_size=block_size)
-    table = BlockTable()
+    pool = KVPool.for_tokens(-(-n // block_size) * block_size, runner.num_layers, runner.num_kv_heads,
+                             runner.head_dim, runner.dtype, runner.device, block_size, runner.layer_windows)
+    table = SequenceKV.new(pool)  # the engine's layer groups (sliding-window layers apart)
     prefill = PagedPrefill(pool, [table], [half], runner.scaling)
     positions = torch.arange(half, device=runner.device)[None]
     rows = [runner.forward(ids[:, :half], positions, prefill, prefill_lora, all_logits=True)[0]]

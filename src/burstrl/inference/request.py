@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from burstrl.inference.lora import LoraAdapter
-from burstrl.inference.paged import BlockTable
+from burstrl.inference.paged import SequenceKV
 from burstrl.inference.prefix import KvNamespace
 from burstrl.inference.sampling import SamplingParams
 from burstrl.inference.sessions import ReplicaSession
@@ -50,7 +50,8 @@ class Request:
     t_first: float = 0.0
     t_end: float = 0.0
     reserved: int = 0  # KV blocks
-    kv: BlockTable | None = None
+    steady: int = 0  # KV blocks reserved once the prefill is over (less with sliding-window layers)
+    kv: SequenceKV | None = None
     generator: torch.Generator | None = None
 
     @property

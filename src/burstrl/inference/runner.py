@@ -117,6 +117,7 @@ class ModelRunner:
         with torch.no_grad():
             per_type = "layer_type" in inspect.signature(self.rotary.forward).parameters  # Gemma 3
             self.fused = [_fuse(layer, per_type) for layer in self.layers]
+        self.layer_windows: list[int | None] = [f.window for f in self.fused]  # the KV layout's spans
 
     @torch.inference_mode()
     def forward(
