@@ -80,3 +80,26 @@ def test_dump_toml_round_trips(tmp_path):
     path = tmp_path / "resolved.toml"
     path.write_text(text)
     assert load_config(ServeConfig, [path]) == cfg
+
+
+def test_override_keys_can_bracket_or_quote_a_segment_holding_dots():
+    """Environment names hold dots and colons (`openenv:http://127.0.0.1:8000`, `verifiers:pkg.mod`):
+    a bracketed or TOML-quoted segment is one key, so their options and weights can be overridden."""
+    got = parse_overrides(["--orchestrator.env[openenv:http://127.0.0.1:8000].max_turns", "4",
+                           '--orchestrator.envs."verifiers:pkg.mod"=0.5', "--a[b=c].d=x=y"])
+    assert got == {"orchestrator": {"env": {"openenv:http://127.0.0.1:8000": {"max_turns": 4}},
+                                    "envs": {"verifiers:pkg.mod": 0.5}},
+                   "a": {"b=c": {"d": "x=y"}}}
+    for bad, says in (("--a..b", "empty key segment"), ("--a.b.", "empty key segment"), ("--a[b", "closing"),
+                      ("--a[b]c", "expected . or ="), ("--=1", "empty key segment")):
+        with pytest.raises(ConfigError, match=says):
+            parse_overrides([bad, "1"])
+
+
+def test_a_bracketed_environment_name_reaches_the_orchestrators_config():
+    from burstrl.config import OrchestrateConfig
+
+    name = "openenv:http://127.0.0.1:8000"
+    cfg = load_config(OrchestrateConfig, [], [f"--orchestrator.envs[{name}]", "1",
+                                              f"--orchestrator.env[{name}].max_turns", "4"])
+    assert cfg.orchestrator.envs == {name: 1.0} and cfg.orchestrator.env == {name: {"max_turns": 4}}

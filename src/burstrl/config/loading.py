@@ -41,7 +41,8 @@ def parse_command_line(args: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
     """Split command-line words into config files and a nested dict of `--a.b value` overrides.
 
     Click cannot do this itself: a variadic CONFIG argument would swallow the values of the
-    unknown `--a.b value` options. An override takes the next word unless written `--a.b=value`.
+    unknown `--a.b value` options. An override takes the next word unless written `--a.b=value`;
+    a key segment holding dots is bracketed or quoted (`--orchestrator.env[openenv:http://h:8000].max_turns 4`).
     Values are typed as TOML/JSON literals when they parse (numbers, bools, lists), else strings.
     Hyphens become underscores later, in `validate`, and only in keys that name a field: the keys
     of free-form tables (an adapter named `policy-v1`) must keep their hyphens.
@@ -55,16 +56,54 @@ def parse_command_line(args: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
         if not arg.startswith("--"):
             files.append(arg)
             continue
-        key, eq, value = arg[2:].partition("=")
-        if not key:
+        path, eq, value = split_key(arg[2:])
+        if not path:
             raise ConfigError(f"expected an override like --section.key value, got {arg!r}")
         if not eq:
             if i >= len(args):
-                raise ConfigError(f"override --{key} has no value")
+                raise ConfigError(f"override {arg} has no value")
             value = args[i]
             i += 1
-        _set_path(tree, key.split("."), _parse_value(value))
+        _set_path(tree, path, _parse_value(value))
     return files, tree
+
+
+def split_key(text: str) -> tuple[list[str], bool, str]:
+    """`a.b[c.d]."e.f"=v` -> (["a", "b", "c.d", "e.f"], True, "v").
+
+    Why: table keys can hold dots and colons (an environment named `openenv:http://127.0.0.1:8000`
+    or `verifiers:pkg.module`), so a segment may be bracketed or double-quoted (as in TOML) and is
+    then taken whole; the value starts after the first `=` outside them."""
+    path: list[str] = []
+    part, quoted, i = "", False, 0
+    while i < len(text):
+        c = text[i]
+        if c in "[\"":
+            close = text.find("]" if c == "[" else '"', i + 1)
+            if close < 0:
+                raise ConfigError(f"override --{text}: {c} without its closing {']' if c == '[' else c}")
+            if part:
+                path.append(part)
+            part, quoted, i = text[i + 1:close], True, close + 1
+            if i < len(text) and text[i] not in ".=[\"":
+                raise ConfigError(f"override --{text}: expected . or = after {text[:i]}")
+            continue
+        if c in ".=":
+            if part or quoted:
+                path.append(part)
+            elif c == "." or not path:
+                raise ConfigError(f"override --{text}: an empty key segment")
+            part, quoted = "", False
+            if c == "=":
+                return path, True, text[i + 1:]
+        else:
+            part += c
+        i += 1
+    if part or quoted:
+        path.append(part)
+    elif text:
+        raise ConfigError(f"override --{text}: an empty key segment")
+    return path, False, ""
 
 
 def parse_overrides(args: Sequence[str]) -> dict[str, Any]:
