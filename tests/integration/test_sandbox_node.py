@@ -153,5 +153,42 @@ def test_node_agent_end_to_end(dirs: tuple[Path, Path], tmp_path: Path) -> None:
         last = node.create(cpu_limit=1, memory_limit_mb=256, start_timeout_s=60)
         assert last.client(timeout=60).exec("echo ok").stdout == "ok\n"
     finally:
-        again.stop()  # SIGTERM: the agent closes what it owns
-    assert not alive(last.pid) and list(state_dir.iterdir()) == []
+        again.stop()  # SIGTERM: the agent closes what it owns, and its state dir once empty
+    assert not alive(last.pid) and not state_dir.exists()
+
+
+def test_an_agent_sweeps_the_state_dirs_of_agents_that_died(tmp_path: Path) -> None:
+    """Ray names each node's state dir by the node id, so a dead node's dir (and its sandboxes'
+    mounts) was never swept by a successor with another id. An agent given `--sweep-glob` sweeps
+    the dirs of agents that are gone, and leaves a live agent's dir and a fresh unclaimed one."""
+    base = Path(tempfile.mkdtemp(prefix="sbw", dir="/tmp"))
+    base.chmod(0o711)  # as /tmp: a sandbox's own uid must reach its bind sources under the state dirs
+    try:
+        first = start_role(["sandbox", "node", "--backend", "namespace", "--state-dir", str(base / "n1"),
+                            "--layer-cache", str(tmp_path / "cache"), "--name", "n1"], tmp_path / "a1", "node.log",
+                           timeout=60, env={"BURSTRL_NODE_TOKEN": TOKEN})
+        try:
+            sandbox = NodeClient(first.url, TOKEN).create(cpu_limit=1, memory_limit_mb=256, start_timeout_s=60)
+            assert sandbox.client(timeout=60).exec("echo ok").stdout == "ok\n"
+        finally:
+            first.kill()  # SIGKILL: its dir, owner record and sandbox dir stay behind
+        wait_for(lambda: not alive(sandbox.pid), 30, "the dead agent's sandbox gone")
+        assert (base / "n1" / sandbox.id).is_dir()
+        (base / "fresh").mkdir()  # no agent record yet, just made: another agent may be creating it
+        live = start_role(["sandbox", "node", "--backend", "namespace", "--state-dir", str(base / "n2"),
+                           "--layer-cache", str(tmp_path / "cache"), "--name", "n2"], tmp_path / "a2", "node.log",
+                          timeout=60, env={"BURSTRL_NODE_TOKEN": TOKEN})
+        third = start_role(["sandbox", "node", "--backend", "namespace", "--state-dir", str(base / "n3"),
+                            "--layer-cache", str(tmp_path / "cache"), "--name", "n3", "--sweep-glob", str(base / "*")],
+                           tmp_path / "a3", "node.log", timeout=60, env={"BURSTRL_NODE_TOKEN": TOKEN})
+        try:
+            report = NodeClient(third.url, TOKEN).report()
+            assert report["swept_agent_dirs"] == [str(base / "n1")]
+            assert not (base / "n1").exists() and (base / "n2").is_dir() and (base / "fresh").is_dir()
+            assert NodeClient(live.url, TOKEN).create(cpu_limit=1, memory_limit_mb=256, start_timeout_s=60).id
+        finally:
+            third.stop()
+            live.stop()
+        assert not (base / "n2").exists() and not (base / "n3").exists()  # clean stops remove their dirs
+    finally:
+        shutil.rmtree(base, ignore_errors=True)

@@ -69,6 +69,8 @@ def sandbox_node(
     memory_mb: int | None = typer.Option(None, "--memory-mb", help="Allocatable memory (default: MemTotal)."),
     max_sandboxes: int | None = typer.Option(None, "--max-sandboxes", help="At most this many at once."),
     sample_s: float = typer.Option(1.0, "--sample-s", help="Seconds between usage samples."),
+    sweep_glob: str | None = typer.Option(None, "--sweep-glob", help="Other agents' state dirs (a glob): "
+                                          "those whose agent is gone are swept at start (sandboxes, mounts, dirs)."),
 ) -> None:
     """Run the agent of one sandbox node: create/close sandboxes, report usage and cached layers (HTTP)."""
     import os
@@ -88,7 +90,7 @@ def sandbox_node(
     cache = LayerCache(cache_root, max_bytes=int(cache_gb * 1e9))
     alloc = node_allocatable(cpus, memory_mb << 20 if memory_mb else None)
     agent = NodeAgent(name or socket.gethostname(), backend, state_dir or Path("/tmp") / f"burstrl-node-{os.getuid()}",
-                      cache, host, alloc, max_sandboxes, sample_s)
+                      cache, host, alloc, max_sandboxes, sample_s, sweep_glob)
     serve(agent, host, port, token)
 
 

@@ -191,6 +191,7 @@ class SandboxAgents:
         self.actors.append(None)  # reserve the index first: stop() must see every actor made
         args = ["sandbox", "node", "--backend", self.backend, "--name", name,
                 "--state-dir", f"/tmp/burstrl-sbn-{os.getuid()}-{short}",  # short: socket paths <= 107 bytes
+                "--sweep-glob", f"/tmp/burstrl-sbn-{os.getuid()}-*",  # dirs of agents on nodes that died
                 "--layer-cache", str(_cache_root() / f"node-{short}"),
                 "--cpus", f"{res.get('CPU', 0) or os.cpu_count() or 1:g}"]
         if res.get("memory"):

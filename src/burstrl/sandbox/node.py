@@ -22,7 +22,9 @@ state dir.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import glob
 import json
 import os
 import signal
@@ -35,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from burstrl.protocol.http import bearer_matches, error_body
-from burstrl.protocol.process import print_ready
+from burstrl.protocol.process import OWNER_FILE, pid_alive, print_ready, write_owner
 from burstrl.sandbox.backends import make_backend
 from burstrl.sandbox.backends.base import Sandbox, SandboxSpec, read_owner
 from burstrl.sandbox.forward import Forwarder
@@ -118,10 +120,14 @@ class NodeAgent:
     """The node's sandboxes, layer cache and counters; thread-safe; `close()` closes every sandbox."""
 
     def __init__(self, name: str, backend: str, state_dir: Path, layer_cache: Any, host: str,
-                 allocatable: Allocatable, max_sandboxes: int | None = None, sample_s: float = 1.0) -> None:
+                 allocatable: Allocatable, max_sandboxes: int | None = None, sample_s: float = 1.0,
+                 sweep_glob: str | None = None) -> None:
         self.name, self.host, self.allocatable, self.sample_s = name, host, allocatable, sample_s
         self.state_dir = Path(state_dir)
         self.swept = sweep_stale(self.state_dir, min_age_s=0.0) if self.state_dir.is_dir() else []
+        self.state_dir.mkdir(mode=0o711, parents=True, exist_ok=True)
+        write_owner(self.state_dir, role="sandbox-node", name=name)  # a sibling's sweep skips a live agent's dir
+        self.swept_dirs = sweep_dead_agents(sweep_glob, self.state_dir) if sweep_glob else []
         self.layer_cache = layer_cache
         self.pool = SandboxPool(make_backend(backend, state_dir=self.state_dir, layer_cache=layer_cache),
                                 max_concurrent=max_sandboxes)
@@ -202,13 +208,15 @@ class NodeAgent:
             self.counts["closed"] += 1
 
     def close(self) -> None:
-        """Close every sandbox this agent owns, then stop sampling."""
+        """Close every sandbox this agent owns, stop sampling, and remove its state dir once empty."""
         self._stop.set()
         with self._lock:
             held, self.held = list(self.held.values()), {}
         for h in held:
             self._close(h)
         self.pool.close_all()
+        (self.state_dir / OWNER_FILE).unlink(missing_ok=True)
+        _remove_empty_dirs(self.state_dir)
 
     # -- usage
 
@@ -267,6 +275,7 @@ class NodeAgent:
             "notes": ["evictions: the agent evicts nothing yet (placement keeps requests and predicted peaks "
                       "under allocatable); the counter is there for when it does"],
             "swept_at_start": self.swept,
+            "swept_agent_dirs": self.swept_dirs,
         }
 
 
@@ -369,3 +378,43 @@ def serve(agent: NodeAgent, host: str, port: int, token: str) -> None:
     finally:
         server.server_close()
         agent.close()
+
+
+def _remove_empty_dirs(root: Path) -> None:
+    """`root` and the dirs under it, where nothing is left in them (the runtime's empty state dirs).
+
+    Why: a Ray cluster starts an agent per node with a state dir named by the node's id, so every
+    run left one behind in /tmp. Anything not empty (a sandbox that would not close) stays for the
+    next agent's sweep."""
+    if not root.is_dir():
+        return
+    for path in sorted((p for p in root.rglob("*") if p.is_dir() and not p.is_symlink()), reverse=True):
+        with contextlib.suppress(OSError):  # not empty: kept
+            path.rmdir()
+    with contextlib.suppress(OSError):
+        root.rmdir()
+
+
+def sweep_dead_agents(pattern: str, own: Path, min_age_s: float = 600.0) -> list[str]:
+    """The state dirs matching `pattern` (not `own`) of agents that are gone: their sandboxes swept
+    (processes, cgroups, mounts), then the dirs removed. Returns the dirs removed.
+
+    Why: a Ray cluster names each node's state dir by the node's id, so an agent that died (a
+    preempted or failed node on a shared host) left dirs, and sandbox mounts, that no successor
+    with another id would ever sweep. A dir whose agent still runs is left alone; one without an
+    agent record only once older than `min_age_s` (an agent may be creating it)."""
+    removed = []
+    for path in sorted(Path(p) for p in glob.glob(pattern)):
+        if path.resolve() == own.resolve() or not path.is_dir() or path.is_symlink():
+            continue
+        owner = read_owner(path)
+        if owner is not None and pid_alive(int(owner.get("owner_pid", 0)), owner.get("owner_start")):
+            continue
+        if owner is None and time.time() - path.stat().st_mtime < min_age_s:
+            continue
+        sweep_stale(path, min_age_s=0.0)
+        (path / OWNER_FILE).unlink(missing_ok=True)
+        _remove_empty_dirs(path)
+        if not path.exists():
+            removed.append(str(path))
+    return removed
