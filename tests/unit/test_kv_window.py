@@ -17,11 +17,12 @@ from burstrl.inference.runner import ModelRunner
 SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
              head_dim=16, max_position_embeddings=512)
 WINDOW, BS = 5, 4
+MARGIN = 12  # the pools' window margin here (the engine's is WINDOW_MARGIN): short sequences pass it
 S, F = "sliding_attention", "full_attention"
 SHAPES = {"2 groups of 2": [S, F, S, F], "4 groups of 1": [S, S, S, F]}
 CPU = torch.device("cpu")
 # most blocks a sliding table may list at any moment (window + margin, two partly used blocks)
-SLIDING_CAP = -(-(WINDOW + WINDOW_MARGIN) // BS) + 2
+SLIDING_CAP = -(-(WINDOW + MARGIN) // BS) + 2
 
 
 def gemma(layer_types: list[str]):
@@ -39,7 +40,7 @@ def tokens(n: int, seed: int) -> torch.Tensor:
 
 def pool_for(runner, tokens: int = 2048) -> KVPool:
     return KVPool.for_tokens(tokens, runner.num_layers, runner.num_kv_heads, runner.head_dim, runner.dtype,
-                             runner.device, BS, runner.layer_windows)
+                             runner.device, BS, runner.layer_windows, window_margin=MARGIN)
 
 
 def prefill(runner, pool: KVPool, seqs: list[SequenceKV], chunks: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -123,7 +124,7 @@ def test_gemma_270m_pattern_holds_a_long_sequence_in_a_fraction_of_the_windowles
 
 # ---- 2, 3: exact past the window, memory bounded while decoding ----
 
-LENGTHS, PREFILLS = (250, 190), (150, 40)  # one prefill already past window + margin, one not
+LENGTHS, PREFILLS = (60, 45), (30, 10)  # one prefill already past window + margin, one not
 
 
 def run_window(runner, pool: KVPool, seqs: list[torch.Tensor]) -> dict:
@@ -206,7 +207,7 @@ def test_logprobs_stay_exact_past_the_window_with_leading_blocks_dropped(runs, k
             if window is None:
                 assert first == 0
             else:  # really dropped: up to the window + margin before the end
-                assert first == (n - WINDOW - WINDOW_MARGIN) // BS > 0
+                assert first == (n - WINDOW - MARGIN) // BS > 0
     assert run["free_after"] == pool.num_blocks  # every block back after release
 
 
@@ -234,13 +235,13 @@ def test_tables_stay_within_their_window_and_their_reservation_at_every_step(run
                 assert blocks <= SLIDING_CAP - (phase == "advanced")
                 # still holds what the next query sees, and let go of what is before window + margin
                 assert first * BS <= length - WINDOW + 1
-                assert first * BS > length - WINDOW - WINDOW_MARGIN - BS
-    assert seen_prefill_peak  # the 150-token prefill briefly held more than a window in sliding groups
+                assert first * BS > length - WINDOW - MARGIN - BS
+    assert seen_prefill_peak  # the 30-token prefill briefly held more than a window in sliding groups
     assert run["plans"][0][0] > run["plans"][0][1]  # and blocks_needed's peak says so
     # after the run: exactly the window's blocks in sliding groups, far below a windowless pool
     per_block = pool.nbytes // pool.num_blocks
     windowless = sum(-(-n // BS) for n in LENGTHS) * per_block * len(pool.groups)
-    expected = sum(-(-n // BS) - ((n - WINDOW - WINDOW_MARGIN) // BS if w is not None else 0)
+    expected = sum(-(-n // BS) - ((n - WINDOW - MARGIN) // BS if w is not None else 0)
                    for n in LENGTHS for w in pool.group_windows)
     assert run["used_blocks"] == expected
     assert run["used_blocks"] * per_block < 0.85 * windowless
@@ -248,7 +249,7 @@ def test_tables_stay_within_their_window_and_their_reservation_at_every_step(run
 
 # ---- 4, 5, 6: sessions over a windowed pool ----
 
-P = 202  # a prompt past window + margin, ending in a partly used block
+P = 38  # a prompt past window + margin, ending in a partly used block
 
 
 @pytest.fixture(scope="module")
@@ -275,7 +276,7 @@ def test_a_session_resumes_past_the_window_exactly_and_refuses_what_it_let_go(fa
     kvs = [SequenceKV.new(pool) for _ in range(4)]
     prefill(runner, pool, kvs, [seq] * 4)
     start = sliding_start(pool, kvs[0])
-    assert start == (P - WINDOW - WINDOW_MARGIN) // BS * BS > WINDOW
+    assert start == (P - WINDOW - MARGIN) // BS * BS > WINDOW
     boundary = start + WINDOW - 1  # the first resumable length: its query sees keys from `start`
     for name, kv in zip("abcd", kvs, strict=True):
         cache.put(name, kv, seq.tolist(), 0)
@@ -295,7 +296,7 @@ def test_a_session_resumes_past_the_window_exactly_and_refuses_what_it_let_go(fa
         kv.release(pool)
 
     resume("a", P, tokens(40, seed=8))  # the next call extends the last one
-    resume("b", P - 30, tokens(20, seed=9))  # re-renders the last tokens (within the margin)
+    resume("b", P - 8, tokens(20, seed=9))  # re-renders the last tokens (within the margin)
     resume("c", boundary, tokens(20, seed=10))  # the earliest point still resumable
     assert cache.stats.window_misses == 0
     used, held = pool.used_blocks, cache.idle["d"].table.num_blocks
@@ -310,7 +311,7 @@ def test_a_session_resumes_past_the_window_exactly_and_refuses_what_it_let_go(fa
 def test_a_prefix_is_shared_past_the_window_until_the_donor_lets_it_go(fast) -> None:
     """A running donor's prompt (past window + margin) is shared by reference and continued
     exactly, even after the donor drops the blocks they share. Once the donor has decoded more
-    than WINDOW_MARGIN tokens further, its sliding tables no longer hold the prompt's last window:
+    than the margin further, its sliding tables no longer hold the prompt's last window:
     a share needing it must be refused (window miss), running or idle, without taking a block."""
     model, runner = fast
     pool = pool_for(runner)
@@ -326,7 +327,7 @@ def test_a_prefix_is_shared_past_the_window_until_the_donor_lets_it_go(fast) -> 
     assert pool.used_blocks == used  # shared by reference, not copied
     assert [(t.first, t.blocks) for t in child.tables] == [(t.first, t.blocks) for t in donor.tables]
     assert sliding_start(pool, child) > 0
-    further = (tokens(WINDOW_MARGIN + 12, seed=12) + 1) % 256
+    further = (tokens(MARGIN + 12, seed=12) + 1) % 256
     further[0] = (seq[P] + 1) % 256  # the donor continues differently from the child
     decode(runner, pool, donor, further)  # writes into the shared last block (copy-on-write), drops shared blocks
     assert sliding_start(pool, donor) > P - WINDOW + 1
@@ -364,7 +365,7 @@ def test_used_tokens_and_capacity_count_tokens_of_every_layers_memory() -> None:
     pool = KVPool.for_tokens(budget, 4, 2, 8, torch.float32, CPU, BS, windows)
     cache = SessionCache(pool, thrash_window_s=60)
     groups = len(pool.groups)
-    assert groups == 4 and cache.capacity == budget
+    assert groups == 4 and cache.capacity == budget and pool.window_margin == WINDOW_MARGIN == 128  # the engine's
     assert cache.capacity * 2 * 4 * 2 * 8 * 4 == pool.nbytes  # k and v, 4 layers, 2 KV heads, dim 8, fp32
     seq = SequenceKV.new(pool)
     peak, steady = seq.blocks_needed(pool, 180, 240)
@@ -395,7 +396,8 @@ def test_a_next_prompt_sharing_nothing_with_a_long_session_is_not_a_window_miss(
     """window_misses counts reuses a sliding layer's dropped keys refused; a prompt with no token in
     common with the session (an agent that starts over) could reuse nothing with or without windows,
     so it is not one (share already returns before its window check when nothing is common)."""
-    pool = KVPool.for_tokens(1024, 4, 2, 8, torch.float32, CPU, BS, [WINDOW, WINDOW, WINDOW, None])
+    pool = KVPool.for_tokens(1024, 4, 2, 8, torch.float32, CPU, BS, [WINDOW, WINDOW, WINDOW, None],
+                             window_margin=MARGIN)
     cache = SessionCache(pool, thrash_window_s=60)
     seq = SequenceKV.new(pool)
     seq.reserve(pool, P)

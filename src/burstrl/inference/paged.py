@@ -59,16 +59,18 @@ def layer_groups(windows: list[int | None]) -> list[list[int]]:
 class KVPool:
     """The blocks of every layer group's keys and values, and which are free (reference counts).
 
-    `windows`: each layer's sliding window (None = global attention); omitted, every layer is global."""
+    `windows`: each layer's sliding window (None = global attention); omitted, every layer is global.
+    `window_margin`: tokens a sliding group keeps past its window."""
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                 num_blocks: int, block_size: int = 16, windows: list[int | None] | None = None) -> None:
+                 num_blocks: int, block_size: int = 16, windows: list[int | None] | None = None,
+                 window_margin: int = WINDOW_MARGIN) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("a KV pool needs at least one block of at least one slot")
         windows = list(windows) if windows is not None else [None] * layers
         if len(windows) != layers:
             raise ValueError(f"{len(windows)} layer windows for {layers} layers")
-        self.block_size, self.num_blocks = block_size, num_blocks
+        self.block_size, self.num_blocks, self.window_margin = block_size, num_blocks, window_margin
         self.groups = layer_groups(windows)
         self.windows = windows
         self.group_windows = [windows[g[0]] for g in self.groups]
@@ -86,11 +88,12 @@ class KVPool:
 
     @classmethod
     def for_tokens(cls, tokens: int, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                   device: torch.device, block_size: int = 16, windows: list[int | None] | None = None) -> KVPool:
+                   device: torch.device, block_size: int = 16, windows: list[int | None] | None = None,
+                   window_margin: int = WINDOW_MARGIN) -> KVPool:
         """A pool of the memory of `tokens` slots in every layer (the token budget, in whole blocks)."""
         groups = len(layer_groups(list(windows) if windows is not None else [None] * layers))
         return cls(layers, kv_heads, head_dim, dtype, device, max(1, tokens // block_size) * groups, block_size,
-                   windows)
+                   windows, window_margin)
 
     @property
     def free_blocks(self) -> int:
@@ -278,7 +281,7 @@ class SequenceKV:
         for t, w in zip(self.tables, pool.group_windows, strict=True):
             t.length += n
             if w is not None:
-                t.drop_before(pool, t.length - w - WINDOW_MARGIN)
+                t.drop_before(pool, t.length - w - pool.window_margin)
         return self.held_tokens(pool) - before
 
     def truncate(self, pool: KVPool, length: int) -> None:
@@ -301,6 +304,6 @@ class SequenceKV:
             if w is None:
                 peak, steady = peak + full, steady + full
             else:  # after a prefill and each step, at most window + margin + two partial blocks
-                after = min(full, -(-(w + WINDOW_MARGIN) // bs) + 2)
+                after = min(full, -(-(w + pool.window_margin) // bs) + 2)
                 peak, steady = peak + max(after, -(-prompt // bs) - t.first), steady + after
         return peak, steady
