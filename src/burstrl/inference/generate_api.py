@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from burstrl.inference import openai_api as api
 from burstrl.inference.api_common import ApiError, first_error
-from burstrl.inference.limits import RequestLimits, _check_common, _check_prompt
+from burstrl.inference.limits import RequestLimits, check_common, check_prompt
 
 if TYPE_CHECKING:
     from burstrl.inference.engine import Request
@@ -59,26 +59,12 @@ NOOP_FIELDS: dict[str, Callable[[Any], bool]] = {
 }
 
 
-class GenerateSampling(BaseModel):
-    """The `sampling_params` keys served, vLLM's names and meanings (mapped as /v1/completions maps them)."""
+class GenerateSampling(api.SamplingFields):
+    """The `sampling_params` keys served (mapped as /v1/completions maps them; an absent max_tokens
+    is the rest of the context, as vLLM's server defaults it)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    max_tokens: int | None = None  # absent: the rest of the context, as vLLM's server defaults it
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool | None = None
-    min_tokens: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    n: int | None = None
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # top alternatives besides the sampled token
     # No effect on what is sampled or returned here (no text, no routed experts): any value.
     skip_special_tokens: bool | None = None
@@ -106,11 +92,11 @@ class GenerateRequest(BaseModel):
 
 def check_generate(data: dict[str, Any], limits: RequestLimits) -> None:
     """Sizes of a generate body (parsed JSON, not yet validated), as `limits.check_completion`'s."""
-    _check_common(data, limits)
+    check_common(data, limits)
     sampling = data.get("sampling_params")
     if isinstance(sampling, dict):
-        _check_common(sampling, limits)
-    _check_prompt("token_ids", data.get("token_ids"), limits)
+        check_common(sampling, limits)
+    check_prompt("token_ids", data.get("token_ids"), limits)
 
 
 def parse_generate(data: dict[str, Any]) -> GenerateRequest:

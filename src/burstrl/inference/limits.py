@@ -85,15 +85,15 @@ def check_json_size(raw: bytes, limits: RequestLimits) -> None:
 
 def check_completion(data: dict[str, Any], limits: RequestLimits) -> None:
     """Sizes of a /v1/completions body (parsed JSON, not yet validated)."""
-    _check_common(data, limits)
+    check_common(data, limits)
     for name in ("prompt", "input_ids"):
-        _check_prompt(name, data.get(name), limits)
+        check_prompt(name, data.get(name), limits)
 
 
 def check_chat(data: dict[str, Any], limits: RequestLimits) -> None:
     """Sizes of a /v1/chat/completions body (parsed JSON, not yet validated): messages, their text and
     tool calls, and the tools, whose characters count with the content's."""
-    _check_common(data, limits)
+    check_common(data, limits)
     tools = data.get("tools")
     if isinstance(tools, list) and len(tools) > MAX_TOOLS:
         raise LimitError(f"tools has {len(tools)} entries; at most {MAX_TOOLS}")
@@ -143,7 +143,9 @@ def json_chars(value: Any) -> int:
     return chars
 
 
-def _check_common(data: dict[str, Any], limits: RequestLimits) -> None:
+def check_common(data: dict[str, Any], limits: RequestLimits) -> None:
+    """Sizes every generation body shares (model name, stop strings, stop ids, logit bias), checked
+    before validation so a hostile body costs little; used by the generate endpoint too."""
     model = data.get("model")
     if isinstance(model, str) and len(model) > MAX_MODEL_NAME:
         raise LimitError(f"model has {len(model)} characters; a model name has at most {MAX_MODEL_NAME}")
@@ -156,7 +158,7 @@ def _check_common(data: dict[str, Any], limits: RequestLimits) -> None:
     _check_chars("stop", sum(len(s) for s in stops if isinstance(s, str)), limits)
 
 
-def _check_prompt(name: str, prompt: Any, limits: RequestLimits) -> None:
+def check_prompt(name: str, prompt: Any, limits: RequestLimits) -> None:
     """A text prompt's characters, a token-id prompt's length; a one-element batch's one element."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]

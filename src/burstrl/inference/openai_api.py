@@ -60,11 +60,11 @@ def unsupported_fields(body: dict[str, Any], implemented: frozenset[str] = froze
     return [k for k, ok in UNSUPPORTED.items() if k in body and k not in implemented and not ok(body[k])]
 
 
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    IMPLEMENTED: ClassVar[frozenset[str]] = frozenset()  # UNSUPPORTED fields this endpoint serves
+class SamplingFields(BaseModel):
+    """The sampling options every generation endpoint takes, vLLM's names and meanings (OpenAI's
+    completions and chat bodies carry them at the top level, the token-in generate endpoint in
+    `sampling_params`); `sampling_params()` maps them to the engine's."""
 
-    model: str
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -73,17 +73,24 @@ class _Common(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    stream: bool | None = None
-    stream_options: dict[str, Any] | None = None
     n: int | None = None
-    return_token_ids: bool | None = None
-    session_id: str | None = None
     ignore_eos: bool | None = None
     min_tokens: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+
+
+class _Common(SamplingFields):
+    model_config = ConfigDict(extra="ignore")
+    IMPLEMENTED: ClassVar[frozenset[str]] = frozenset()  # UNSUPPORTED fields this endpoint serves
+
+    model: str
+    stream: bool | None = None
+    stream_options: dict[str, Any] | None = None
+    return_token_ids: bool | None = None
+    session_id: str | None = None
     # vLLM's field: prefix sharing (and the router's prefix index) only between requests of the same salt
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
 
