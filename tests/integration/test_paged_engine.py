@@ -192,3 +192,23 @@ def test_random_joins_turns_aborts_and_leaves_keep_every_block_accounted_for(
     final = call(small, [1, 2, 3])  # no session: nothing kept; the drops above are done by now
     wait(final)
     assert engine.pool.used_blocks == 0 and not engine.cache.idle
+
+
+def test_a_session_past_its_window_is_not_advertised_to_the_routers_prefix_index(windowed: InferenceReplica) -> None:
+    """A windowed session longer than window + margin let go of the sliding keys a prompt sharing
+    its first blocks would need: the replica's prefix summary leaves it out (advertising it drew new
+    sessions here only to prefill them anyway); a shorter session is still advertised."""
+    from burstrl.protocol.blocks import BLOCK_TOKENS, cache_scope, prefix_block_hashes
+
+    short = call(windowed, [7 + i % 90 for i in range(70)], session="short-w", max_tokens=4)
+    long = call(windowed, [9 + i % 80 for i in range(300)], session="long-w", max_tokens=4)
+    wait(short, long)
+    advertised = set(windowed.engine.prefix_summary()["hashes"])
+
+    def first_block(req: Request) -> int:
+        return prefix_block_hashes(req.prompt_ids[:BLOCK_TOKENS], cache_scope("base", None))[0]
+
+    assert first_block(short[0]) in advertised and first_block(long[0]) not in advertised
+    for sid in ("short-w", "long-w"):
+        windowed.sessions.release(sid)
+        windowed.engine.drop_session(sid)

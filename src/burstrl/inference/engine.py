@@ -29,6 +29,7 @@ import torch
 from burstrl.config import EngineConfig
 from burstrl.inference.capture import CallRecord, new_record
 from burstrl.inference.kvcache import SessionCache
+from burstrl.inference.load_report import LoadReport
 from burstrl.inference.lora import AdapterError, LoraAdapter, LoraBatch
 from burstrl.inference.paged import KVPool, SequenceKV
 from burstrl.inference.paged_attention import PagedDecode, PagedPrefill, RowsOutOfBlocks
@@ -37,7 +38,6 @@ from burstrl.inference.probe import adapter_mismatch, select_runner
 from burstrl.inference.request import EngineCounters, Request
 from burstrl.inference.sampling import History, sample
 from burstrl.inference.sessions import SessionTable
-from burstrl.protocol.blocks import BLOCK_TOKENS, cache_scope, prefix_block_hashes
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,6 @@ class Engine:
         self.tokenizer = tokenizer
         self.eos_ids = set(eos_ids)
         self.sessions = sessions
-        self._summary_memo: dict[tuple, list[int]] = {}  # prefix_summary's hashes of the last scrape
         self.max_model_len = max_model_len
         self.on_release = on_release
         self.on_fatal = on_fatal
@@ -97,6 +96,8 @@ class Engine:
         self._lora_dirty = True
         self._next_expiry = 0.0
         self._crash_after = _crash_point()
+        self._report = LoadReport(sessions, self.cache,
+                                  lambda: (len(self.rows), len(self.waiting) + len(self._inbox)))
 
     # ---- public, any thread ----
     def start(self) -> None:
@@ -536,48 +537,7 @@ class Engine:
 
     # ---- load reporting (read from any thread; values are a snapshot) ----
     def prefix_summary(self, max_blocks: int = 16384) -> dict:
-        """Keys (protocol.blocks) of every session's cached full blocks: the router's exact prefix index.
-
-        Memoised per (session, version, blocks, prompt length) between calls, so a scrape re-hashes
-        only sessions that changed; at most `max_blocks` keys.
-        """
-        keys: set[int] = set()
-        memo: dict[tuple, list[int]] = {}
-        for s in self.sessions.snapshot():
-            n = (s.kv_tokens if s.busy else self.cache.cached_length(s.id)) // BLOCK_TOKENS
-            if n == 0 or len(keys) >= max_blocks:
-                continue
-            key = (s.id, s.version, s.cache_salt, n, len(s.prompt_ids))
-            hashes = self._summary_memo.get(key)
-            if hashes is None:
-                hashes = prefix_block_hashes((s.prompt_ids + s.completion_ids)[: n * BLOCK_TOKENS],
-                                             cache_scope(s.version, s.cache_salt))
-            memo[key] = hashes
-            keys.update(hashes[: max_blocks - len(keys)])
-        self._summary_memo = memo
-        return {"block_tokens": BLOCK_TOKENS, "hashes": sorted(keys)}
+        return self._report.prefix_summary(max_blocks)
 
     def loads(self) -> dict:
-        c, stats = self.cache, self.cache.stats
-        sessions = [{"session_id": s.id, "version": s.version,
-                     "tokens": s.kv_tokens if s.busy else c.cached_length(s.id),
-                     "context_tokens": len(s.prompt_ids) + len(s.completion_ids),
-                     "busy": s.busy} for s in self.sessions.snapshot()]
-        return {
-            "num_running_reqs": len(self.rows),
-            "num_waiting_reqs": len(self.waiting) + len(self._inbox),
-            "num_used_tokens": c.used_tokens,
-            "max_total_num_tokens": c.capacity,
-            "token_usage": c.used_tokens / c.capacity,
-            "reserved_tokens": c.reserved_total,
-            "cache_hit_rate": stats.hit_tokens / stats.queries_tokens if stats.queries_tokens else 0.0,
-            "prefix_cache_queries_tokens": stats.queries_tokens,
-            "prefix_cache_hit_tokens": stats.hit_tokens,
-            "prefix_cache_shared_hit_tokens": stats.shared_hit_tokens,
-            "evictions": stats.evictions,
-            "refills": stats.refills,
-            "thrash": stats.thrash,
-            "prefix_cache_window_misses": stats.window_misses,
-            "num_sessions": len(sessions),
-            "sessions": sessions,
-        }
+        return self._report.loads()
