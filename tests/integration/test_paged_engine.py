@@ -10,6 +10,7 @@ iteration, that every block is held exactly as often as tables list it and that 
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 from pathlib import Path
@@ -199,6 +200,7 @@ def test_a_session_past_its_window_is_not_advertised_to_the_routers_prefix_index
     its first blocks would need: the replica's prefix summary leaves it out (advertising it drew new
     sessions here only to prefill them anyway); a shorter session is still advertised."""
     from burstrl.protocol.blocks import BLOCK_TOKENS, cache_scope, prefix_block_hashes
+    from burstrl.router.answers import check_loads
 
     short = call(windowed, [7 + i % 90 for i in range(70)], session="short-w", max_tokens=4)
     long = call(windowed, [9 + i % 80 for i in range(300)], session="long-w", max_tokens=4)
@@ -209,6 +211,10 @@ def test_a_session_past_its_window_is_not_advertised_to_the_routers_prefix_index
         return prefix_block_hashes(req.prompt_ids[:BLOCK_TOKENS], cache_scope("base", None))[0]
 
     assert first_block(short[0]) in advertised and first_block(long[0]) not in advertised
+    # and the router is told how this replica's KV grows (half the groups hold at most 6 + 128 tokens)
+    loads = windowed.engine.loads()
+    assert loads["kv_window"] == {"tokens": 6 + 128, "fraction": 0.5}
+    assert check_loads(json.loads(json.dumps(loads)))["kv_window"] == (134, 0.5)
     for sid in ("short-w", "long-w"):
         windowed.sessions.release(sid)
         windowed.engine.drop_session(sid)

@@ -35,6 +35,8 @@ def test_a_replicas_own_answer_passes_and_keeps_what_the_registry_reads() -> Non
     assert loads["num_used_tokens"] == 120 and loads["cache_hit_rate"] == 0.25 and models["data"] == [{"id": "base"}]
     assert "sessions" not in check_loads({"num_used_tokens": 0})  # listed to nobody: stays unlisted
     assert check_loads({})["max_total_num_tokens"] == 0  # what is missing keeps the old defaults
+    assert "kv_window" not in check_loads({"kv_window": None})  # full-attention KV: no window
+    assert check_loads({"kv_window": {"tokens": 640, "fraction": 5 / 6}})["kv_window"] == (640, 5 / 6)
 
 
 @pytest.mark.parametrize("raw, field", [
@@ -54,6 +56,11 @@ def test_a_replicas_own_answer_passes_and_keeps_what_the_registry_reads() -> Non
     (json.dumps({**SANE, "prefix_blocks": {"hashes": [2**70]}}).encode(), "prefix_blocks.hashes"),
     (json.dumps({**SANE, "num_running_reqs": -1}).encode(), "num_running_reqs"),
     (json.dumps({**SANE, "evictions": True}).encode(), "evictions"),
+    (json.dumps({**SANE, "kv_window": {"tokens": 640, "fraction": 1.5}}).encode(), "kv_window.fraction"),
+    (json.dumps({**SANE, "kv_window": {"tokens": -1, "fraction": 0.5}}).encode(), "kv_window.tokens"),
+    (json.dumps({**SANE, "kv_window": {"fraction": 0.5}}).encode(), "kv_window.tokens"),
+    (b'{"kv_window": {"tokens": 640, "fraction": NaN}}', "kv_window.fraction"),
+    (json.dumps({**SANE, "kv_window": [640, 0.5]}).encode(), "kv_window must be a JSON object"),
     (b"[]", "JSON object"),
 ])
 def test_regression_nonsense_answers_are_refused_naming_the_field(raw: bytes, field: str) -> None:

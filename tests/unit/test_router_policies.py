@@ -63,6 +63,30 @@ def test_projected_headroom_counts_live_recent_and_new():
     assert projected_headroom(r, NewSession("new"), m) == 40_000
 
 
+def test_a_replica_whose_sliding_layers_keep_their_window_projects_less_kv_per_long_session():
+    """Gemma 3's KV: 5 of 6 layer groups hold at most window + margin (640) of a session, so a
+    30k-token session costs 30k/6 + 640*5/6 of the capacity's tokens there, not 30k: the router's
+    headroom, overflow and relief checks must read a windowed replica's reports in that unit, or
+    the saving never reaches the fleet (it would look full at a fifth of its load)."""
+    m = SizeModel(prior_tokens=10_000)
+    full = replica("full", capacity=100_000, live={"x": 2000, "y": 30_000})
+    windowed = replica("windowed", capacity=100_000, live={"x": 2000, "y": 30_000})
+    windowed.kv_window = (640, 5 / 6)
+    assert windowed.kv_cost(30_000) == pytest.approx(30_000 / 6 + 640 * 5 / 6)
+    assert windowed.kv_cost(500) == pytest.approx(500) and full.kv_cost(30_000) == 30_000  # short: all of it
+    assert projected_headroom(full, NewSession("new"), m) == 100_000 - 10_000 - 30_000 - 10_000
+    want = 100_000 - sum(windowed.kv_cost(t) for t in (10_000, 30_000, 10_000))
+    assert projected_headroom(windowed, NewSession("new"), m) == pytest.approx(want)
+    assert HeadroomPolicy(k=2, sizes=m).choose(NewSession("new"), [full, windowed], random.Random(0)) is windowed
+    assert windowed.live_kv() == pytest.approx(windowed.kv_cost(2000) + windowed.kv_cost(30_000)) == pytest.approx(6400)
+    assert full.live_kv() == 32_000
+    kv = KvAwarePolicy(sizes=m)
+    full.capacity_tokens = windowed.capacity_tokens = 33_000  # context above relieve_above (0.9) of the budget
+    small = NewSession("x", expected_tokens=2000)
+    assert kv.pressed(small, full)  # its home is nearly full: the small session is moved before an eviction
+    assert not kv.pressed(small, windowed)  # the same context is a fifth of this home's KV budget
+
+
 def test_headroom_picks_most_projected_headroom():
     m = SizeModel(prior_tokens=10_000)
     busy = replica("busy", live={"a": 1000, "b": 1000, "c": 1000})  # small now, 30k projected

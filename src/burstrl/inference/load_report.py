@@ -24,6 +24,9 @@ class LoadReport:
         spans = [w for w in pool.group_windows if w is not None]
         # the longest session whose sliding layers still hold every key (nothing let go yet)
         self.shareable_tokens = min(spans) + pool.window_margin if spans else float("inf")
+        # for the router's KV projection: sliding groups hold at most window + margin of a session
+        self.kv_window = ({"tokens": max(spans) + pool.window_margin, "fraction": len(spans) / len(pool.groups)}
+                          if spans else None)
 
     def prefix_summary(self, max_blocks: int = 16384) -> dict:
         """Keys (protocol.blocks) of every session's cached full blocks: the router's exact prefix index.
@@ -75,4 +78,5 @@ class LoadReport:
             "prefix_cache_window_misses": stats.window_misses,
             "num_sessions": len(sessions),
             "sessions": sessions,
+            "kv_window": self.kv_window,
         }

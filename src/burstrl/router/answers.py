@@ -65,6 +65,10 @@ def check_loads(data: Any) -> dict[str, Any]:
         out["sessions"] = _sessions(obj["sessions"])
     if "prefix_blocks" in obj:
         out["prefix_blocks"] = {"hashes": _hashes(obj["prefix_blocks"])}
+    if obj.get("kv_window") is not None:
+        window = _object(obj["kv_window"], "kv_window")
+        out["kv_window"] = (_int(window.get("tokens"), "kv_window.tokens", MAX_TOKENS),
+                            _fraction(window.get("fraction"), "kv_window.fraction"))
     return out
 
 

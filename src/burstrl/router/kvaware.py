@@ -129,7 +129,8 @@ class KvAwarePolicy:
         hashes = session.prefix_hashes
         if overlap_blocks(home, hashes) <= overlap_blocks(best, hashes):
             return best
-        stay = self.cost(home, session) - self.load_weight * self.sizes.project_new(session) / max(home.weight, 1e-9)
+        stay = self.cost(home, session) - self.load_weight * home.kv_cost(self.sizes.project_new(session)) / max(
+            home.weight, 1e-9)
         return home if stay <= self.cost(best, session) else best
 
     def pressed(self, session: NewSession, home: ReplicaView) -> bool:
@@ -145,8 +146,8 @@ class KvAwarePolicy:
         of a session, before the caller lists the other replicas.
         """
         capacity = home.capacity_tokens
-        return (capacity > 0 and relief_size(session, home) <= self.relieve_max * capacity
-                and sum(home.live_sessions.values()) > self.relieve_above * capacity)
+        return (capacity > 0 and home.kv_cost(relief_size(session, home)) <= self.relieve_max * capacity
+                and home.live_kv() > self.relieve_above * capacity)
 
     def relieve(self, session: NewSession, home: ReplicaView, others: list[ReplicaView],
                 rng: random.Random) -> ReplicaView | None:
@@ -155,7 +156,7 @@ class KvAwarePolicy:
         if not others:
             return None
         best = self.choose(session, others, rng)
-        if sum(best.live_sessions.values()) + relief_size(session, home) > self.relieve_to * best.capacity_tokens:
+        if best.live_kv() + best.kv_cost(relief_size(session, home)) > self.relieve_to * best.capacity_tokens:
             return None
         return best
 

@@ -67,6 +67,21 @@ class ReplicaView:
     # (live_sessions, session_kinds, size model generation, size model, projected total): scrapes replace
     # those dicts (never mutate them), so a placement between scrapes reuses the sum.
     live_projection: tuple | None = field(default=None, repr=False, compare=False)
+    # (window tokens, share of the KV in sliding-window layers) as the replica reported it: those
+    # layers hold at most the window of a session, so its KV grows slower than its context
+    kv_window: tuple[int, float] | None = None
+
+    def kv_cost(self, tokens: float) -> float:
+        """KV memory of a session of `tokens` context here, in the unit of `capacity_tokens` (tokens
+        in every layer): the tokens themselves, unless sliding layers keep only their window."""
+        if self.kv_window is None:
+            return tokens
+        window, share = self.kv_window
+        return tokens * (1.0 - share) + min(tokens, window) * share
+
+    def live_kv(self) -> float:
+        """KV memory of the live sessions' current context (what the replica reports holding)."""
+        return sum(self.kv_cost(t) for t in self.live_sessions.values())
 
 
 def record_assignment(replica: ReplicaView, session: NewSession) -> None:
@@ -193,27 +208,28 @@ class RoutingPolicy(Protocol):
 
 
 def projected_headroom(replica: ReplicaView, session: NewSession, sizes: SizeModel) -> float:
-    """Capacity minus the projected final sizes of its live sessions, recent assignments and this one."""
+    """Capacity minus the KV of the projected final sizes of its live sessions, recent assignments and this one."""
     total = live_projection(replica, sizes)
     for recent in replica.recent_assignments:
         if recent.id not in replica.live_sessions:
-            total += sizes.project_new(recent)
-    return replica.capacity_tokens - total - sizes.project_new(session)
+            total += replica.kv_cost(sizes.project_new(recent))
+    return replica.capacity_tokens - total - replica.kv_cost(sizes.project_new(session))
 
 
 def live_projection(replica: ReplicaView, sizes: SizeModel) -> float:
-    """Sum of the projected final sizes of the replica's live sessions, cached until the next scrape.
+    """KV of the projected final sizes of the replica's live sessions, cached until the next scrape.
 
     Why cached: it is O(live sessions) and every placement needs it for K replicas, while it only
     changes when a scrape replaces the live sessions or a finished session moves the size model.
     """
     cached = replica.live_projection
     if (cached is not None and cached[0] is replica.live_sessions and cached[1] is replica.session_kinds
-            and cached[2] == sizes.generation and cached[3] is sizes):
-        return cached[4]
+            and cached[2] == sizes.generation and cached[3] is sizes and cached[4] == replica.kv_window):
+        return cached[5]
     kinds = replica.session_kinds
-    total = sum(sizes.project(kinds.get(sid, "default"), tokens) for sid, tokens in replica.live_sessions.items())
-    replica.live_projection = (replica.live_sessions, kinds, sizes.generation, sizes, total)
+    total = sum(replica.kv_cost(sizes.project(kinds.get(sid, "default"), tokens))
+                for sid, tokens in replica.live_sessions.items())
+    replica.live_projection = (replica.live_sessions, kinds, sizes.generation, sizes, replica.kv_window, total)
     return total
 
 

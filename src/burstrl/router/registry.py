@@ -201,6 +201,7 @@ class Registry:
         view.session_kinds = {sid: self.kinds[sid] for sid in live if sid in self.kinds}
         self._touch(live)
         view.used_tokens = int(loads.get("num_used_tokens", 0))
+        view.kv_window = loads.get("kv_window")  # checked by answers.check_loads (None: full-attention KV)
         capacity = int(loads.get("max_total_num_tokens", 0))
         if capacity > 0:
             view.capacity_tokens = capacity
