@@ -98,7 +98,9 @@ hostile_loads = st.fixed_dictionaries({"versions": st.just(["base"])}, optional=
     "num_used_tokens": numbers, "max_total_num_tokens": numbers, "num_running_reqs": numbers,
     "num_waiting_reqs": numbers, "cache_hit_rate": numbers, "thrash": numbers, "evictions": numbers,
     "prefix_cache_hit_tokens": numbers, "prefix_cache_queries_tokens": numbers, "sessions": sessions,
-    "prefix_blocks": st.fixed_dictionaries({"hashes": st.lists(numbers, max_size=3)})})
+    "prefix_blocks": st.fixed_dictionaries({"hashes": st.lists(numbers, max_size=3)}),
+    "kv_window": st.one_of(st.none(), numbers, st.fixed_dictionaries({}, optional={"tokens": numbers,
+                                                                                  "fraction": numbers}))})
 
 
 @settings(max_examples=120, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
