@@ -83,3 +83,50 @@ def test_an_agent_that_dies_mid_answer_or_answers_garbage_is_a_node_error(answer
     finally:
         t.join(timeout=30)
         srv.close()
+
+
+def _dead_agent_dir(root: Path, name: str, pid: int, sandboxes: int) -> Path:
+    """A state dir as a killed agent leaves it: its record and sandbox dirs owned by a dead pid."""
+    import json
+
+    path = root / name
+    path.mkdir()
+    record = json.dumps({"owner_pid": pid, "owner_start": None})
+    (path / "owner.json").write_text(record)
+    for i in range(sandboxes):
+        (path / f"sb{i}" / "work" / "deep").mkdir(parents=True)
+        (path / f"sb{i}" / "owner.json").write_text(record)
+        (path / f"sb{i}" / "work" / "deep" / "file").write_text("x")
+    return path
+
+
+def test_agents_starting_together_sweep_dead_dirs_once_each_and_never_fail() -> None:
+    """Regression (clean-clone run at 55daca4): three Ray nodes' agents started on one host at once
+    and swept the same dead dir together; one's rmtree met files the other had removed
+    (FileNotFoundError) and the agent failed to start. Sweeps now lock each dir and report, never
+    raise, their errors."""
+    import subprocess
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+
+    from burstrl.sandbox.node import sweep_dead_agents
+
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    root = Path(tempfile.mkdtemp(prefix="sbw", dir="/tmp"))
+    try:
+        dead = [_dead_agent_dir(root, f"n{i}", proc.pid, sandboxes=6) for i in range(8)]
+        own = [root / f"own{i}" for i in range(4)]
+        with ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(lambda d: sweep_dead_agents(str(root / "n*"), d), own))
+        assert all(errors == [] for _, errors in results), results
+        assert sorted(p for removed, _ in results for p in removed) == sorted(str(d) for d in dead)  # each once
+        assert list(root.iterdir()) == []
+        (root / "broken").mkdir()
+        (root / "broken" / "owner.json").write_text("{\"owner_pid\": \"not a pid\"}")
+        removed, errors = sweep_dead_agents(str(root / "*"), root / "own")
+        assert removed == [] and len(errors) == 1 and "broken" in errors[0]  # reported, not raised
+    finally:
+        import shutil
+
+        shutil.rmtree(root, ignore_errors=True)

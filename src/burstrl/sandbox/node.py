@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import glob
 import json
 import os
@@ -127,7 +128,7 @@ class NodeAgent:
         self.swept = sweep_stale(self.state_dir, min_age_s=0.0) if self.state_dir.is_dir() else []
         self.state_dir.mkdir(mode=0o711, parents=True, exist_ok=True)
         write_owner(self.state_dir, role="sandbox-node", name=name)  # a sibling's sweep skips a live agent's dir
-        self.swept_dirs = sweep_dead_agents(sweep_glob, self.state_dir) if sweep_glob else []
+        self.swept_dirs, self.sweep_errors = sweep_dead_agents(sweep_glob, self.state_dir) if sweep_glob else ([], [])
         self.layer_cache = layer_cache
         self.pool = SandboxPool(make_backend(backend, state_dir=self.state_dir, layer_cache=layer_cache),
                                 max_concurrent=max_sandboxes)
@@ -276,6 +277,7 @@ class NodeAgent:
                       "under allocatable); the counter is there for when it does"],
             "swept_at_start": self.swept,
             "swept_agent_dirs": self.swept_dirs,
+            "swept_agent_errors": self.sweep_errors,
         }
 
 
@@ -395,26 +397,47 @@ def _remove_empty_dirs(root: Path) -> None:
         root.rmdir()
 
 
-def sweep_dead_agents(pattern: str, own: Path, min_age_s: float = 600.0) -> list[str]:
+def sweep_dead_agents(pattern: str, own: Path, min_age_s: float = 600.0) -> tuple[list[str], list[str]]:
     """The state dirs matching `pattern` (not `own`) of agents that are gone: their sandboxes swept
-    (processes, cgroups, mounts), then the dirs removed. Returns the dirs removed.
+    (processes, cgroups, mounts), then the dirs removed. Returns (dirs removed, errors).
 
     Why: a Ray cluster names each node's state dir by the node's id, so an agent that died (a
     preempted or failed node on a shared host) left dirs, and sandbox mounts, that no successor
     with another id would ever sweep. A dir whose agent still runs is left alone; one without an
-    agent record only once older than `min_age_s` (an agent may be creating it)."""
-    removed = []
+    agent record only once older than `min_age_s` (an agent may be creating it). Agents starting
+    together on one host sweep a dir one at a time (a lock on the dir), and a failure is reported,
+    never raised: other agents' leftovers must not stop this one from serving."""
+    removed, errors = [], []
     for path in sorted(Path(p) for p in glob.glob(pattern)):
-        if path.resolve() == own.resolve() or not path.is_dir() or path.is_symlink():
-            continue
+        try:
+            if _sweep_dead_agent(path, own, min_age_s):
+                removed.append(str(path))
+        except Exception as exc:  # tolerated and reported (swept_agent_errors): see the docstring
+            errors.append(f"{path}: {type(exc).__name__}: {str(exc)[:200]}")
+    return removed, errors
+
+
+def _sweep_dead_agent(path: Path, own: Path, min_age_s: float) -> bool:
+    """Sweep one dir if its agent is gone and no other agent is sweeping it; True once removed."""
+    if path.resolve() == own.resolve() or path.is_symlink():
+        return False
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except (FileNotFoundError, NotADirectoryError):  # swept by another agent meanwhile, or not a dir
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # another agent is sweeping it now
+            return False
         owner = read_owner(path)
         if owner is not None and pid_alive(int(owner.get("owner_pid", 0)), owner.get("owner_start")):
-            continue
+            return False
         if owner is None and time.time() - path.stat().st_mtime < min_age_s:
-            continue
+            return False
         sweep_stale(path, min_age_s=0.0)
         (path / OWNER_FILE).unlink(missing_ok=True)
         _remove_empty_dirs(path)
-        if not path.exists():
-            removed.append(str(path))
-    return removed
+        return not path.exists()
+    finally:
+        os.close(fd)
