@@ -256,6 +256,7 @@ def test_a_replica_without_a_bulk_listener_takes_shards_on_its_main_server(tiny_
         stop_server(srv)
 
 
+@pytest.mark.slow  # a trainer and a replica, ~12 CPU-s: make test only (the fast lane keeps the push itself)
 def test_the_trainer_pushes_its_serving_dtype_and_the_replica_serves_those_values(
         pair: list[Server], tiny_model_dir: Path, tmp_path: Path) -> None:
     """`weights.serving_dtype = bfloat16` (auto with model.dtype bfloat16): the trainer casts before
