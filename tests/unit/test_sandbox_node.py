@@ -105,6 +105,7 @@ def test_agents_starting_together_sweep_dead_dirs_once_each_and_never_fail() -> 
     and swept the same dead dir together; one's rmtree met files the other had removed
     (FileNotFoundError) and the agent failed to start. Sweeps now lock each dir and report, never
     raise, their errors."""
+    import shutil
     import subprocess
     import tempfile
     from concurrent.futures import ThreadPoolExecutor
@@ -122,11 +123,18 @@ def test_agents_starting_together_sweep_dead_dirs_once_each_and_never_fail() -> 
         assert all(errors == [] for _, errors in results), results
         assert sorted(p for removed, _ in results for p in removed) == sorted(str(d) for d in dead)  # each once
         assert list(root.iterdir()) == []
+        if os.getuid() == 0:  # another user's dir under a matching name (planted records) is never read
+            planted = _dead_agent_dir(root, "planted", proc.pid, sandboxes=1)
+            os.chown(planted, 65534, 65534)
+            writable = _dead_agent_dir(root, "writable", proc.pid, sandboxes=1)
+            writable.chmod(0o777)
+            assert sweep_dead_agents(str(root / "*"), root / "own") == ([], [])
+            assert planted.is_dir() and writable.is_dir()
+            shutil.rmtree(planted)
+            shutil.rmtree(writable)
         (root / "broken").mkdir()
         (root / "broken" / "owner.json").write_text("{\"owner_pid\": \"not a pid\"}")
         removed, errors = sweep_dead_agents(str(root / "*"), root / "own")
         assert removed == [] and len(errors) == 1 and "broken" in errors[0]  # reported, not raised
     finally:
-        import shutil
-
         shutil.rmtree(root, ignore_errors=True)

@@ -418,14 +418,21 @@ def sweep_dead_agents(pattern: str, own: Path, min_age_s: float = 600.0) -> tupl
 
 
 def _sweep_dead_agent(path: Path, own: Path, min_age_s: float) -> bool:
-    """Sweep one dir if its agent is gone and no other agent is sweeping it; True once removed."""
-    if path.resolve() == own.resolve() or path.is_symlink():
+    """Sweep one dir if its agent is gone and no other agent is sweeping it; True once removed.
+
+    Only a dir this uid owns and nobody else can write: /tmp is everyone's, and the sweep acts on
+    the records it finds (kills their processes, removes their cgroups and mounts), so a record
+    another user planted under a matching name must never be read."""
+    if path.resolve() == own.resolve():
         return False
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    except (FileNotFoundError, NotADirectoryError):  # swept by another agent meanwhile, or not a dir
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:  # swept by another agent meanwhile, not a dir, or a symlink (O_NOFOLLOW)
         return False
     try:
+        st = os.fstat(fd)  # the dir opened, not whatever the name points at later
+        if st.st_uid != os.getuid() or st.st_mode & 0o022:
+            return False
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:  # another agent is sweeping it now
