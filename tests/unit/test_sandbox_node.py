@@ -138,3 +138,29 @@ def test_agents_starting_together_sweep_dead_dirs_once_each_and_never_fail() -> 
         assert removed == [] and len(errors) == 1 and "broken" in errors[0]  # reported, not raised
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_an_agent_refuses_a_state_dir_another_user_could_have_planted(tmp_path: Path) -> None:
+    """The agent acts on the records in its state dir at start (kills, cgroup and mount removal);
+    the default name is predictable in /tmp, so a dir not this uid's alone is refused, naming why."""
+    from burstrl.sandbox.node import check_private_dir
+
+    check_private_dir(tmp_path / "absent")  # made by the agent itself: fine
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o711)
+    check_private_dir(mine)
+    open_to_all = tmp_path / "open"
+    open_to_all.mkdir()
+    open_to_all.chmod(0o777)
+    with pytest.raises(ValueError, match="another user can write or own"):
+        check_private_dir(open_to_all)
+    link = tmp_path / "link"
+    link.symlink_to(mine)
+    with pytest.raises(ValueError, match="not a directory"):
+        check_private_dir(link)
+    if os.getuid() == 0:
+        theirs = tmp_path / "theirs"
+        theirs.mkdir()
+        os.chown(theirs, 65534, 65534)
+        with pytest.raises(ValueError, match="uid 65534"):
+            check_private_dir(theirs)

@@ -77,7 +77,7 @@ def sandbox_node(
     import socket
 
     from burstrl.sandbox.layercache import LayerCache
-    from burstrl.sandbox.node import NodeAgent, read_token, serve
+    from burstrl.sandbox.node import NodeAgent, check_private_dir, read_token, serve
     from burstrl.sandbox.nodeusage import node_allocatable
 
     try:
@@ -89,8 +89,13 @@ def sandbox_node(
     cache_root = layer_cache or Path(os.environ.get("BURSTRL_CACHE") or Path.home() / ".cache" / "burstrl") / "sandbox-layers"
     cache = LayerCache(cache_root, max_bytes=int(cache_gb * 1e9))
     alloc = node_allocatable(cpus, memory_mb << 20 if memory_mb else None)
-    agent = NodeAgent(name or socket.gethostname(), backend, state_dir or Path("/tmp") / f"burstrl-node-{os.getuid()}",
-                      cache, host, alloc, max_sandboxes, sample_s, sweep_glob)
+    state = state_dir or Path("/tmp") / f"burstrl-node-{os.getuid()}"
+    try:
+        check_private_dir(state)
+    except ValueError as exc:
+        fail(str(exc))
+    agent = NodeAgent(name or socket.gethostname(), backend, state, cache, host, alloc, max_sandboxes, sample_s,
+                      sweep_glob)
     serve(agent, host, port, token)
 
 

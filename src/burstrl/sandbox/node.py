@@ -29,6 +29,7 @@ import glob
 import json
 import os
 import signal
+import stat
 import threading
 import time
 from collections import deque
@@ -125,6 +126,7 @@ class NodeAgent:
                  sweep_glob: str | None = None) -> None:
         self.name, self.host, self.allocatable, self.sample_s = name, host, allocatable, sample_s
         self.state_dir = Path(state_dir)
+        check_private_dir(self.state_dir)
         self.swept = sweep_stale(self.state_dir, min_age_s=0.0) if self.state_dir.is_dir() else []
         self.state_dir.mkdir(mode=0o711, parents=True, exist_ok=True)
         write_owner(self.state_dir, role="sandbox-node", name=name)  # a sibling's sweep skips a live agent's dir
@@ -448,3 +450,19 @@ def _sweep_dead_agent(path: Path, own: Path, min_age_s: float) -> bool:
         return not path.exists()
     finally:
         os.close(fd)
+
+
+def check_private_dir(path: Path) -> None:
+    """Refuse a state dir that exists but is not this uid's alone (ValueError naming why).
+
+    Why: the agent acts on the records it finds there at start (kills their processes, removes
+    their cgroups and mounts), and the default lives in /tmp, where anyone can create the name first."""
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        raise ValueError(f"state dir {path} is not a directory (a link or a file): refusing to use it")
+    if st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise ValueError(f"state dir {path} belongs to uid {st.st_uid} with mode {stat.S_IMODE(st.st_mode):o}: "
+                         f"refusing to use a dir another user can write or own")
