@@ -277,12 +277,12 @@ class SequenceKV:
     def advance(self, pool: KVPool, n: int) -> int:
         """n more tokens were written; sliding groups let go of what left their window.
         Returns the change in held group-tokens."""
-        before = self.held_tokens(pool)
+        dropped = 0
         for t, w in zip(self.tables, pool.group_windows, strict=True):
             t.length += n
             if w is not None:
-                t.drop_before(pool, t.length - w - pool.window_margin)
-        return self.held_tokens(pool) - before
+                dropped += t.drop_before(pool, t.length - w - pool.window_margin)
+        return n * len(self.tables) - dropped * pool.block_size
 
     def truncate(self, pool: KVPool, length: int) -> None:
         for t in self.tables:
