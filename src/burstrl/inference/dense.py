@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from burstrl.inference.runner import causal_attention, decode_attention
+from burstrl.inference.runner import PackedTokens, causal_attention, decode_attention
 
 
 class SessionKV:
@@ -45,7 +45,7 @@ class SessionKV:
         self.length = min(self.length, length)
 
 
-class PackedPrefillAttention:
+class PackedPrefillAttention(PackedTokens):
     """Attention for several sequences' new tokens packed into one [1, sum(T)] forward.
 
     The projections and MLP of every admitted request then run as one batch of tokens (on CPU a
@@ -54,17 +54,11 @@ class PackedPrefillAttention:
     """
 
     def __init__(self, kvs: list[SessionKV], new_tokens: list[int], scale: float) -> None:
-        self.kvs, self.new, self.scale = kvs, new_tokens, scale
+        super().__init__(new_tokens)
+        self.kvs, self.scale = kvs, scale
         self.past = [kv.length for kv in kvs]
-        self.offsets = [0]
         for kv, n in zip(kvs, new_tokens, strict=False):
             kv.reserve(kv.length + n)
-            self.offsets.append(self.offsets[-1] + n)
-
-    @property
-    def last_positions(self) -> list[int]:
-        """Index of each sequence's last new token in the packed sequence."""
-        return [end - 1 for end in self.offsets[1:]]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                window: int | None = None) -> torch.Tensor:

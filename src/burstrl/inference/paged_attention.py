@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from burstrl.inference.paged import BlockTable, KVPool, OutOfBlocks, SequenceKV
-from burstrl.inference.runner import causal_attention
+from burstrl.inference.runner import PackedTokens, causal_attention
 
 
 def _layer(pool: KVPool, layer: int, window: int | None) -> tuple[int, torch.Tensor, torch.Tensor]:
@@ -25,14 +25,15 @@ def _layer(pool: KVPool, layer: int, window: int | None) -> tuple[int, torch.Ten
     return g, pool.k[i], pool.v[i]
 
 
-class PagedPrefill:
+class PagedPrefill(PackedTokens):
     """Attention for several sequences' new tokens packed into one [1, sum(T)] forward (as
     dense.PackedPrefillAttention): each sequence's keys/values go to its blocks, and its new
     queries attend causally to its own slots. Blocks are reserved up front (`OutOfBlocks` before any
     forward) and `commit` makes the new tokens part of each sequence."""
 
     def __init__(self, pool: KVPool, seqs: list[SequenceKV], new_tokens: list[int], scale: float) -> None:
-        self.pool, self.seqs, self.new, self.scale = pool, seqs, new_tokens, scale
+        super().__init__(new_tokens)
+        self.pool, self.seqs, self.scale = pool, seqs, scale
         self.past = [s.length for s in seqs]
         try:
             for seq, n in zip(seqs, new_tokens, strict=True):
@@ -46,13 +47,6 @@ class PagedPrefill:
         self.slots = [[(s.tables[g].slots(pool, p + n, device), s.tables[g].start(pool))
                        for s, p, n in zip(seqs, self.past, new_tokens, strict=True)]
                       for g in range(len(pool.groups))]
-        self.offsets = [0]
-        for n in new_tokens:
-            self.offsets.append(self.offsets[-1] + n)
-
-    @property
-    def last_positions(self) -> list[int]:
-        return [end - 1 for end in self.offsets[1:]]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                window: int | None = None) -> torch.Tensor:

@@ -18,6 +18,7 @@ Shapes: B = sequences, T = new tokens per sequence, H / KVH = query / key-value 
 from __future__ import annotations
 
 import inspect
+import itertools
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -264,6 +265,20 @@ def _check_layer(i: int, layer: nn.Module) -> None:
     missing += [n for n in ("input_layernorm", "post_attention_layernorm") if not hasattr(layer, n)]
     if missing:
         raise UnsupportedModel(f"layer {i} lacks {', '.join(missing)} (Llama/Qwen layout expected)")
+
+
+class PackedTokens:
+    """Several sequences' new tokens packed into one [1, sum(T)] forward (the prefill layouts'
+    shared part): sequence i's tokens are positions offsets[i]:offsets[i + 1] of the pack."""
+
+    def __init__(self, new_tokens: list[int]) -> None:
+        self.new = new_tokens
+        self.offsets = [0, *itertools.accumulate(new_tokens)]
+
+    @property
+    def last_positions(self) -> list[int]:
+        """Index of each sequence's last new token in the packed sequence."""
+        return [end - 1 for end in self.offsets[1:]]
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, scale: float,
