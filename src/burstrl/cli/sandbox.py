@@ -77,7 +77,7 @@ def sandbox_node(
     import socket
 
     from burstrl.sandbox.layercache import LayerCache
-    from burstrl.sandbox.node import NodeAgent, check_private_dir, read_token, serve
+    from burstrl.sandbox.node import NodeAgent, read_token, serve
     from burstrl.sandbox.nodeusage import node_allocatable
 
     try:
@@ -91,11 +91,10 @@ def sandbox_node(
     alloc = node_allocatable(cpus, memory_mb << 20 if memory_mb else None)
     state = state_dir or Path("/tmp") / f"burstrl-node-{os.getuid()}"
     try:
-        check_private_dir(state)
-    except ValueError as exc:
+        agent = NodeAgent(name or socket.gethostname(), backend, state, cache, host, alloc, max_sandboxes, sample_s,
+                          sweep_glob)
+    except ValueError as exc:  # a state dir it refuses, an unknown backend: named, not a traceback
         fail(str(exc))
-    agent = NodeAgent(name or socket.gethostname(), backend, state, cache, host, alloc, max_sandboxes, sample_s,
-                      sweep_glob)
     serve(agent, host, port, token)
 
 
