@@ -29,8 +29,6 @@ import json
 import platform
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
 import torch
@@ -69,27 +67,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def run_calls(bench, rep, calls: list[tuple[str, list[int]]], new_tokens: int, tag: str) -> list[list[int]]:
-    """Submit every (session, prompt) at once; wait for all; their completions in order."""
-    left, done, lock = [len(calls)], threading.Event(), threading.Lock()
-
-    def on_done(_) -> None:
-        with lock:
-            left[0] -= 1
-            if left[0] == 0:
-                done.set()
-
-    reqs = [bench._request(rep, f"{tag}-{i}", sid, prompt, new_tokens, on_done) for i, (sid, prompt) in enumerate(calls)]
-    for req in reqs:
-        rep.engine.submit(req)
-    if not done.wait(timeout=1800):
-        raise TimeoutError(f"{tag}: calls did not finish in 1800 s")
-    errors = [r.error for r in reqs if r.error]
-    if errors:
-        raise RuntimeError(f"{tag}: engine errors: {errors[:3]}")
-    return [r.completion_ids for r in reqs]
-
-
 def measure(bench, model_dir: Path, state: str, window_only: bool, prompts: list[list[int]],
             extensions: list[list[int]], args: argparse.Namespace) -> dict:
     budget = len(prompts) * (args.context + args.extend + 2 * args.new_tokens + 64)
@@ -103,16 +80,12 @@ def measure(bench, model_dir: Path, state: str, window_only: bool, prompts: list
         dense = 2 * r.num_layers * r.num_kv_heads * r.head_dim * torch.tensor([], dtype=r.dtype).element_size()
         block_bytes = pool.block_size * dense // pool.sequence_blocks  # one physical block: one layer group
         sids = [f"s{i}" for i in range(len(prompts))]
-        t0 = time.perf_counter()
-        first = run_calls(bench, rep, list(zip(sids, prompts, strict=True)), args.new_tokens, "first")
-        first_s = time.perf_counter() - t0
+        first_s, first = bench.engine_batch(rep, prompts, args.new_tokens, "first", sids, timeout_s=1800)
         held = sum(e.table.length for e in engine.cache.idle.values())
         used = pool.used_blocks
         c0, hits0 = (engine.counters.decode_s, engine.counters.decode_steps), engine.cache.stats.hit_tokens
         second = [p + out + ext for p, out, ext in zip(prompts, first, extensions, strict=True)]
-        t0 = time.perf_counter()
-        again = run_calls(bench, rep, list(zip(sids, second, strict=True)), args.new_tokens, "second")
-        second_s = time.perf_counter() - t0
+        second_s, again = bench.engine_batch(rep, second, args.new_tokens, "second", sids, timeout_s=1800)
         steps = engine.counters.decode_steps - c0[1]
         return {
             "kv_bytes_per_token": round(used * block_bytes / held, 1),

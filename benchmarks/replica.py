@@ -150,8 +150,9 @@ def _request(rep: InferenceReplica, rid: str, session_id: str | None, prompt: li
 
 
 def engine_batch(rep: InferenceReplica, prompts: list[list[int]], new_tokens: int | list[int],
-                 tag: str) -> tuple[float, list[list[int]]]:
-    """Submit every prompt as an ephemeral call; seconds from first submit to last done, outputs."""
+                 tag: str, sessions: list[str] | None = None, timeout_s: float = 600.0) -> tuple[float, list[list[int]]]:
+    """Submit every prompt at once (ephemeral calls, or one per session of `sessions`); seconds from
+    first submit to last done, outputs."""
     left, done = [len(prompts)], threading.Event()
     lock = threading.Lock()
 
@@ -162,16 +163,18 @@ def engine_batch(rep: InferenceReplica, prompts: list[list[int]], new_tokens: in
                 done.set()
 
     lengths = new_tokens if isinstance(new_tokens, list) else [new_tokens] * len(prompts)
-    reqs = [_request(rep, f"{tag}-{i}", None, p, n, on_done) for i, (p, n) in enumerate(zip(prompts, lengths, strict=False))]
+    sids = sessions or [None] * len(prompts)
+    reqs = [_request(rep, f"{tag}-{i}", sid, p, n, on_done)
+            for i, (sid, p, n) in enumerate(zip(sids, prompts, lengths, strict=True))]
     t0 = time.perf_counter()
     for req in reqs:
         rep.engine.submit(req)
-    if not done.wait(timeout=600):
-        raise TimeoutError("engine batch did not finish in 600 s")
+    if not done.wait(timeout=timeout_s):
+        raise TimeoutError(f"{tag}: engine batch did not finish in {timeout_s:g} s")
     wall = time.perf_counter() - t0
     errors = [r.error for r in reqs if r.error]
     if errors:
-        raise RuntimeError(f"engine errors: {errors[:3]}")
+        raise RuntimeError(f"{tag}: engine errors: {errors[:3]}")
     return wall, [r.completion_ids for r in reqs]
 
 
