@@ -187,6 +187,9 @@ def _check_by_grading(task: SweTask, result: CheckResult, timeout: float, backen
     if at_base.infra_error:
         result.problems.append(f"without any patch: {at_base.infra_error}")
         return
+    if at_base.reason.startswith("tampered: sealed run"):  # no patch at all: only the grader can be at fault
+        result.problems.append(_sealed_tamper_problem("", "without any patch", at_base.tampered))
+        return
     gold = grade(task, task.patch, backend, timeout_s=timeout, gold=True)
     result.at_base, result.at_gold = at_base.statuses, gold.statuses
     if gold.policy_rule:
@@ -194,6 +197,9 @@ def _check_by_grading(task: SweTask, result: CheckResult, timeout: float, backen
         return
     if not gold.apply_ok:
         result.problems.append(f"gold.patch does not apply: {gold.apply_error[:300]}")
+        return
+    if gold.reason.startswith("tampered: sealed run") and not (gold.infra_error or gold.model_error):
+        result.problems.append(_sealed_tamper_problem(task.patch, "with the gold patch", gold.tampered))
         return
     if gold.infra_error or gold.model_error or gold.reason:
         result.problems.append(f"with the gold patch: {gold.infra_error or gold.model_error or gold.reason}")
@@ -212,6 +218,34 @@ def _check_by_grading(task: SweTask, result: CheckResult, timeout: float, backen
         if not other.infra_error and not other.resolved:
             result.problems.append(f"the tests reject a correct variant of the fix (extra.variants[{i}]: "
                                    f"{other.reason or other.statuses})")
+
+
+GRADER_BUG = "GRADER BUG"
+
+
+def _sealed_tamper_problem(patch: str, when: str, tampered: str) -> str:
+    """The problem to report when the sealed run calls the base run (`patch` "") or the gold
+    patch tampered.
+
+    Why its own message: an honest upstream fix, or no patch at all, that the seal refuses is not a
+    flawed task but the grader failing (issue 48: pytest from PYTHONPATH read as the patch's code),
+    which would score every correct attempt 0; a user must report it, not drop the task. Only where
+    the seal names a file the gold patch itself changes is it the fix's own code reaching for a
+    refused primitive (frames, gc, ctypes): a task the seal cannot grade, said so."""
+    import re
+
+    from burstrl.envs.swe.testrun import REPO_DIR
+
+    rule = tampered.removeprefix("sealed run ").split(":", 1)[0].strip() or "?"
+    found = re.findall(r"\(from ([^()]*)\)", tampered)
+    where = found[-1] if found else "?"
+    path = re.sub(r":\d+$", "", where).removeprefix(REPO_DIR + "/")
+    if patch and path in patch_paths(patch):
+        return (f"{when}: the seal refuses what the gold patch's own code does (rule {rule} at {where}): "
+                f"{tampered}; the fix uses a primitive the sealed run forbids, so this task cannot be graded sealed")
+    return (f"{GRADER_BUG} (report it; the task may well be fine): {when}, the sealed run is called tampered by "
+            f"the seal's rule {rule} at {where}, which is no code of the gold patch: {tampered}. Honest code is "
+            "never tampered; please report this line with the task's image and test_cmd")
 
 
 def check_tasks(tasks: list[SweTask], workdir: Path | str, sandbox: bool = True, jobs: int = 1,
@@ -234,11 +268,17 @@ def check_tasks(tasks: list[SweTask], workdir: Path | str, sandbox: bool = True,
 
 def format_results(results: list[CheckResult]) -> str:
     """A plain table: one row per task, then its problems indented."""
+    def status(r: CheckResult) -> str:  # a grader bug is not the task's flaw: it gets its own status
+        return "ok" if r.ok else GRADER_BUG if any(p.startswith(GRADER_BUG) for p in r.problems) else "FLAWED"
+
     width = max([len(r.instance_id) for r in results] + [7])
-    lines = [f"{'task':<{width}}  status  seconds"]
+    swidth = max([len(status(r)) for r in results] + [6])
+    lines = [f"{'task':<{width}}  {'status':<{swidth}}  seconds"]
     for r in results:
-        lines.append(f"{r.instance_id:<{width}}  {'ok' if r.ok else 'FLAWED':<6}  {r.seconds:7.2f}")
+        lines.append(f"{r.instance_id:<{width}}  {status(r):<{swidth}}  {r.seconds:7.2f}")
         lines += [f"    - {p}" for p in r.problems]
     bad = sum(not r.ok for r in results)
-    lines.append(f"{len(results) - bad} ok, {bad} flawed, {len(results)} tasks")
+    bugs = sum(status(r) == GRADER_BUG for r in results)
+    lines.append(f"{len(results) - bad} ok, {bad} flawed, {len(results)} tasks"
+                 + (f"; {bugs} of them by a grader bug, not the task: please report it" if bugs else ""))
     return "\n".join(lines)
