@@ -426,15 +426,16 @@ def test_the_check_battery_hack_scores_zero(hack: str, ut: SweTask, py: SweTask,
 
 
 def test_check_hacks_reports_a_task_whose_policy_lets_a_hack_win(py: SweTask, tmp_path: Path) -> None:
-    """A task set that allows `pytest.toml` (a misconfigured diff policy) and trains with the static
-    scan only flagging can be defeated by the battery's pytest.toml plugin: `tasks check --hacks`
-    says so and the task is flawed; the fixture task as it is holds."""
+    """A task set that allows `pytest.toml` (a misconfigured diff policy), runs a command the seal cannot
+    take (`cd . && ...`: a sealed run refuses the patch's plugin as `runner_patched`) and trains with
+    the static scan only flagging can be defeated by the battery's pytest.toml plugin: `tasks check
+    --hacks` says so and the task is flawed; the fixture task as it is holds."""
     from typer.testing import CliRunner
 
     from burstrl.cli import app
     from burstrl.envs.swe.task import dump_tasks
 
-    weak = SweTask(**{**py.to_json(), "instance_id": "py-weak",
+    weak = SweTask(**{**py.to_json(), "instance_id": "py-weak", "test_cmd": f"cd . && {py.test_cmd}",
                       "extra": {"diff_policy": {"allow": ["pytest.toml", "burstrl_hack_plugin.py"]}}})
     dump_tasks([py], tmp_path / "good.jsonl")
     dump_tasks([weak], tmp_path / "weak.jsonl")

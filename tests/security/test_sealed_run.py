@@ -142,8 +142,10 @@ def sealed(tmp: Path, calc: str, runner: str = "pytest") -> dict:
     (repo / "calc.py").write_text(calc)
     (repo / "tests" / "test_calc.py").write_text(TESTS)
     rdir.mkdir(mode=0o700)
-    (rdir / "seal.py").write_text(BOOTSTRAP)
+    for name, text in BOOTSTRAP.items():
+        (rdir / name).write_text(text)
     (rdir / "changed").write_text("calc.py\n")
+    (rdir / "tests").write_text("tests/test_calc.py\n")
     args = ["-rA", "-q", "-p", "no:cacheprovider", *IDS]
     out = subprocess.run([sys.executable, str(rdir / "seal.py"), str(rdir), str(tmp / "log"), runner, *args],
                          cwd=repo, capture_output=True, text=True, timeout=300,

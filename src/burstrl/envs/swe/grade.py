@@ -57,7 +57,7 @@ from burstrl.envs.swe.diffpolicy import DiffPolicy
 from burstrl.envs.swe.integrity import GradingRun, harness_files, runner_error, verdict
 from burstrl.envs.swe.repo import BASE_TAG, export_base
 from burstrl.envs.swe.sandboxes import GradingSandbox, SandboxMaker
-from burstrl.envs.swe.screen import GradeInfraError, policy_violation, scan_changes
+from burstrl.envs.swe.screen import GradeInfraError, policy_violation, refusal, scan_changes
 from burstrl.envs.swe.seal import judge as judge_sealed
 from burstrl.envs.swe.seal import seal_off
 from burstrl.envs.swe.task import SweTask
@@ -318,7 +318,12 @@ def _grade_in(sandbox: GradingSandbox, task: SweTask, patch: str, base: tuple[st
         result.tampered = f"the test files could not be reset after the patch: {exc}"
         result.fail(f"tampered: {result.tampered}")
         return
-    result.suspicious = scan_changes(sandbox, [p for p in touched if p not in protected], repo_tar, REPO_DIR)
+    found = scan_changes(sandbox, [p for p in touched if p not in protected], repo_tar, REPO_DIR, tests)
+    violation, result.suspicious = refusal(found, policy)
+    if violation is not None:  # introspection, lying values, ... no fix needs: refused in every mode
+        result.tampered, result.policy_rule = str(violation), violation.rule
+        result.fail(f"tampered: {result.tampered}")
+        return
     if result.suspicious and suspicious == "zero":  # training: a forgery's primitives score 0, untested
         result.fail(f"suspicious: {', '.join(result.suspicious[:5])}")
         return
@@ -331,7 +336,8 @@ def _grade_in(sandbox: GradingSandbox, task: SweTask, patch: str, base: tuple[st
     changed = [p for p in touched if p not in protected]
     result.seal_off = result.seal_off or seal_off(task.test_cmd, changed, base_files)
     try:
-        run = run_tests(sandbox, task, timeout_s, None if result.seal_off else changed)
+        sources = [p for p in unique(tests + patch_paths(task.test_patch)) if p.endswith(".py")]
+        run = run_tests(sandbox, task, timeout_s, None if result.seal_off else changed, sources)
         report = read_report(sandbox, run["report"])
     except (SandboxError, OSError) as exc:
         raise ModelCodeError() from exc

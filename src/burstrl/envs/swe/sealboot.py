@@ -10,20 +10,24 @@ burstrl, and must be loaded before any repository code. Two processes:
   verdict line on its own stdout, which nothing else in the sandbox holds (the test process and
   everything it starts write to LOG); it is made non-dumpable, so no process of the same user can
   read its memory or reopen its fds through /proc;
-- the test process installs a CPython audit hook (PEP 578: it cannot be removed) before it imports
-  the runner, then runs the runner with a reporting plugin (pytest) or result class (unittest). The
-  key and the pipe live only in the hook's closure: the plugin hands each result to the hook with
-  `sys.audit`, the hook checks who sent it (no frame of untrusted code on the stack) and that the
-  runner's functions and classes are still the ones it started with, signs it and writes it. The
-  hook also watches the primitives a forgery needs (frames, heap walks, ctypes memory access, the
-  seal's files, the process's /proc entries, code swaps, code claiming a trusted file, trace hooks,
-  more audit hooks); when code the patch brought uses one, the hook sends a signed `tamper` message
-  and ends the process at once (the primitive never returns). After the runner returns the end
-  message goes out and the process `os._exit`s: exit handlers never run after the results are in.
+- the test process installs a CPython audit hook (PEP 578: it cannot be removed; `sealhook.py`)
+  before it imports the runner, then runs the runner with a reporting plugin (pytest) or result
+  class (unittest). The key and the pipe live only in the hook's closure, which nothing in Python
+  can reach: the plugin hands each result to the hook with `sys.audit`; the hook checks who sent it,
+  that the result is one the runner's own protocol made for that test, that the test's code is the
+  repository's and the runner unchanged since the freeze before the first test (`sealtrust.py`),
+  signs it and writes it. The hook also watches the primitives a forgery needs (frames, heap walks,
+  ctypes memory access, the seal's files, the graded tests' sources, the process's /proc entries,
+  code swaps, code claiming a trusted file, bytecode written at run time, trace hooks, more audit
+  hooks); when code the patch brought uses one, the hook sends a signed `tamper` message and ends the
+  process at once (the primitive never returns). After the runner returns the end message goes out
+  and the process `os._exit`s: exit handlers never run after the results are in.
 
-Trusted code: the Python installation (stdlib, site-packages), frozen modules, this file, and the
-repository's files that the patch did not change, unchanged on disk since the start (by stat).
+Trusted code (`sealtrust.py`): what the task's image provides (the interpreter's install and the
+`sys.path` entries present at the start, for files older than the run), frozen modules, the seal's
+own files, and the repository's files that the patch did not change, unchanged since the start.
 Everything else is the patch's: its files, files written at run time, code compiled from strings.
+The grader writes this file as DIR/seal.py beside `sealhook.py` and `sealtrust.py`.
 """
 
 import hashlib
@@ -31,29 +35,12 @@ import hmac
 import json
 import os
 import select
-import site
 import struct
 import sys
-import sysconfig
-from types import FunctionType
 
 TAG = "burstrl-seal "  # prefix of the verdict line on the collector's stdout
 MAX_MESSAGE = 1 << 20
 SEVERITY = {"error": 4, "failed": 3, "skipped": 2, "xfailed": 2, "xpassed": 1, "passed": 0}
-RUNNER_PREFIXES = ("pytest", "_pytest", "pluggy", "unittest", "__main__")
-FRAME_ATTRS = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame"})
-GC_EVENTS = frozenset({"gc.get_objects", "gc.get_referrers", "gc.get_referents"})
-# ctypes reading or writing memory: called directly (from_address, foreign functions; multiprocessing
-# uses from_address itself) or through ctypes' own Python helpers (string_at, wstring_at, PyObj_FromPtr)
-CTYPES_DIRECT = frozenset({"ctypes.cdata", "ctypes.call_function"})
-CTYPES_EVENTS = frozenset({"ctypes.string_at", "ctypes.wstring_at", "ctypes.PyObj_FromPtr"}) | CTYPES_DIRECT
-WATCHED = frozenset({"burstrl.seal", "sys._getframe", "sys._current_frames", "object.__getattr__",
-                     "object.__setattr__", "open", "os.listdir", "os.scandir", "compile", "code.__new__",
-                     "marshal.loads", "sys.settrace", "sys.setprofile", "sys.addaudithook", "import"}) | GC_EVENTS | CTYPES_EVENTS
-# stdlib helpers that hand their caller a frame: the frame check looks through them to who called
-PASS_THROUGH = frozenset({"currentframe", "stack", "trace", "getouterframes", "getinnerframes", "walk_stack",
-                          "walk_tb", "<lambda>"})
-PROC_ENTRIES = frozenset({"cmdline", "environ", "mem", "fd", "fdinfo", "maps", "smaps", "auxv", "task", "pagemap"})
 
 
 # ---- the collector ----
@@ -61,8 +48,10 @@ PROC_ENTRIES = frozenset({"cmdline", "environ", "mem", "fd", "fdinfo", "maps", "
 def main():
     rdir, log, runner, args = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
     changed, graded = _take_list(rdir, "changed"), _take_list(rdir, "graded")
+    tests = _take_list(rdir, "tests")
+    t0 = _start_marker(rdir)
     _nondumpable()  # before the fork: the test process inherits it
-    pid, r, key = _start(log, runner, args, changed, rdir)
+    pid, r, key = _start(log, runner, args, (changed, rdir, log, t0, tests))
     verdict = collect(r, pid, key)
     if graded:  # the verdict line stays small however many tests the run reports
         verdict["statuses"] = {k: v for k, v in verdict["statuses"].items() if k in graded}
@@ -82,7 +71,20 @@ def _take_list(rdir, name):
     return lines
 
 
-def _start(log, runner, args, changed, rdir):
+def _start_marker(rdir):
+    """The ctime (ns) of a file made now: anything written after it has a ctime at least as late
+    (the same coarse clock), so it tells files of the run from files of the image."""
+    path = os.path.join(rdir, "t0")
+    if os.path.lexists(path):
+        os.unlink(path)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        return os.fstat(fd).st_ctime_ns
+    finally:
+        os.close(fd)
+
+
+def _start(log, runner, args, seal_args):
     """Fork the test process; in the parent (pid, read end, key). No frame of the test process
     keeps the key: it moves into the hook's closure and out of every local."""
     key = os.urandom(32)
@@ -93,7 +95,7 @@ def _start(log, runner, args, changed, rdir):
         os.close(r)
         box = [key]
         del key
-        _test_process(box, w, log, runner, args, changed, rdir)  # never returns
+        _test_process(box, w, log, runner, args, seal_args)  # never returns
     os.close(w)
     return pid, r, key
 
@@ -198,7 +200,7 @@ def _nondumpable():
 
 # ---- the test process ----
 
-def _test_process(box, w, log, runner, args, changed, rdir):
+def _test_process(box, w, log, runner, args, seal_args):
     code = 70
     try:
         fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -208,9 +210,9 @@ def _test_process(box, w, log, runner, args, changed, rdir):
         for name in [m for m in sys.modules if m.split(".", 1)[0] in ("ctypes", "_ctypes")]:
             del sys.modules[name]  # the patch's own `import ctypes` must reach the hook
         sys.argv = ["python -m " + runner] + list(args)
+        send = _install(box.pop(), w, seal_args)
         sys.path[0] = os.getcwd()  # as `python -m` has it: the working directory first
-        send, allow = _install(box.pop(), w, changed, rdir)
-        code = _run(runner, list(args), send, allow)
+        code = _run(runner, list(args), send)
     except SystemExit as exc:  # as the interpreter ends on it (argparse's usage errors: 2)
         code = exc.code if isinstance(exc.code, int) else 1
         if exc.code is not None and not isinstance(exc.code, int):
@@ -228,232 +230,106 @@ def _test_process(box, w, log, runner, args, changed, rdir):
             os._exit(code)
 
 
-def _install(key, wfd, changed, rdir):
-    """The audit hook (holding the key and the pipe in its closure) and the sender the plugin calls."""
-    import _thread
+def _install(key, wfd, seal_args):
+    """The audit hook (`sealhook.install`, the key's only holder) and the function reporting code
+    sends with. Without audit hooks (Python < 3.8) the signed channel alone, and the verdict says so."""
+    changed, rdir, log, t0, tests = seal_args
+    if hasattr(sys, "addaudithook"):
+        import sealhook  # beside this file: sys.path[0] is still the seal's directory
 
-    lock, busy = _thread.allocate_lock(), set()
-    state = {"n": 0, "pid": os.getpid(), "snap": [], "senders": frozenset()}
-    lib = _library_prefixes()
-    base = _repo_files(os.getcwd())
-    changed = frozenset(os.path.join(os.getcwd(), p) for p in changed)
-    boot = os.path.abspath(__file__)
-    rdir = os.path.abspath(rdir) + os.sep
-    getframe, get_ident, write, getpid, exit_now = sys._getframe, _thread.get_ident, os.write, os.getpid, os._exit
+        sys.path[0] = os.getcwd()  # the trust rule's roots: the path the tests will run with
+        sealhook.install(key, wfd, changed, rdir, log, t0, tests, _allow.__code__)
+        return sealhook.send
+    return _unhooked_sender(key, wfd)
 
-    fixed = {}  # filename -> trust, for every file that is not the repository's (those are stat'ed each time)
 
-    def trusted(filename):
-        known = fixed.get(filename)
-        if known is not None:
-            return known
-        st = base.get(filename)
-        if st is None or filename in changed:
-            known = filename == boot or filename.startswith("<frozen ") or filename.startswith(lib)
-            if st is None and len(fixed) < 100000:
-                fixed[filename] = known
-            return known
-        try:
-            now = os.stat(filename)
-        except OSError:
-            return False
-        return (now.st_mtime_ns, now.st_size, now.st_ino) == st
+def _unhooked_sender(key, wfd):
+    """Python < 3.8: results signed as the runner reports them, nothing watched (`hook: false`)."""
+    state = {"n": 0}
 
     def emit(msg):
-        with lock:
-            msg["n"], msg["pid"] = state["n"], getpid()
-            body = json.dumps(msg, sort_keys=True).encode()
-            frame = struct.pack(">I", len(body)) + hmac.new(key, body, hashlib.sha256).digest() + body
-            while frame:
-                frame = frame[write(wfd, frame):]
-            state["n"] += 1
+        msg.update(n=state["n"], pid=os.getpid())
+        body = json.dumps(msg, sort_keys=True).encode()
+        frame = struct.pack(">I", len(body)) + hmac.new(key, body, hashlib.sha256).digest() + body
+        while frame:
+            frame = frame[os.write(wfd, frame):]
+        state["n"] += 1
 
-    def refuse(rule, detail, frame):
-        where = "%s:%d" % (frame.f_code.co_filename, frame.f_lineno) if frame is not None else "?"
-        emit({"k": "tamper", "why": "%s: %s (from %s)" % (rule, detail, where)})
-        exit_now(86)
+    def send(kind, obj):
+        if kind == "report" and isinstance(obj, tuple):
+            emit({"k": kind, "id": str(obj[0].id()), "status": obj[1]})
+        elif kind == "report":
+            emit({"k": kind, "id": obj.nodeid, "when": obj.when, "outcome": obj.outcome,
+                  "xfail": hasattr(obj, "wasxfail"), "raised": None})
+        elif kind == "end":
+            emit({"k": kind, "exit": obj})
 
-    def caller():
-        f = getframe(1)
-        while f is not None and f.f_code in own:
-            f = f.f_back
-        return f
-
-    def initiator(f):
-        """The nearest frame above `f` (included) that is not the Python installation's."""
-        while f is not None and (f.f_code.co_filename.startswith(lib) or f.f_code.co_filename.startswith("<frozen ")):
-            f = f.f_back
-        return f
-
-    def untrusted_on_stack(f):
-        while f is not None:
-            if not trusted(f.f_code.co_filename):
-                return f
-            f = f.f_back
-        return None
-
-    def through_helpers(f):
-        while f is not None and f.f_code.co_name in PASS_THROUGH and f.f_code.co_filename.startswith(lib):
-            f = f.f_back
-        return f
-
-    def runner_changed():
-        """The first of the runner's functions and classes replaced by something that is not a
-        function of trusted code (pytest patches itself: legacypath replaces a Config method)."""
-        snap = state["snap"]
-        for i in range(1, len(snap)):
-            d, k, obj, label = snap[i]
-            new = d.get(k)
-            if new is obj:
-                continue
-            fn = getattr(new, "__func__", None) or getattr(new, "fget", None) or new
-            if isinstance(fn, FunctionType) and trusted(fn.__code__.co_filename):
-                snap[i] = (d, k, new, label)
-                continue
-            return "%s.%s" % (label, k)
-        return None
-
-    def on_seal(args, f):
-        kind, payload = args[0], args[1]
-        sender = f.f_back if f is not None and f.f_code in state["send"] else None
-        if sender is None or sender.f_code not in state["senders"] or untrusted_on_stack(f):
-            refuse("forged_message", "a seal message not sent by the seal's own reporting",
-                   untrusted_on_stack(f) or sender or f)
-        if kind == "snapshot":
-            _snapshot(state["snap"])
-            return
-        # the runner's identity at every result that can pass (a call, a unittest outcome) and at the end
-        bad = runner_changed() if payload.get("when") in (None, "call") else None
-        if bad is not None:
-            refuse("runner_patched", "the runner's %s is not the one it started with" % bad, None)
-        msg = dict(payload)
-        msg["k"] = kind
-        emit(msg)
-
-    def relevant(event, args):
-        """Cheap filters first: most watched events (every `__code__` read, open, import) are not."""
-        if event == "object.__getattr__":
-            return args[1] in FRAME_ATTRS
-        if event == "object.__setattr__":
-            return args[1] == "__code__"
-        if event == "import":
-            return args[0] in ("ctypes", "_ctypes")
-        if event in ("open", "os.listdir", "os.scandir"):
-            return bool(_sealed_path(args[0] if args else None, rdir))
-        return True
-
-    def check(event, args):
-        f = caller()
-        if event == "burstrl.seal":
-            on_seal(args, f)
-        elif event == "object.__getattr__":
-            if args[1] in FRAME_ATTRS:
-                g = through_helpers(f)
-                if g is not None and not trusted(g.f_code.co_filename):
-                    refuse("frame", "%s of a %s" % (args[1], type(args[0]).__name__), g)
-        elif event in ("sys._getframe", "sys._current_frames"):
-            g = through_helpers(f)
-            if g is not None and not trusted(g.f_code.co_filename):
-                refuse("frame", event, g)
-        elif event in GC_EVENTS:
-            g = initiator(f)
-            if g is not None and not trusted(g.f_code.co_filename):
-                refuse("gc", event, g)
-        elif event in CTYPES_EVENTS:
-            g = f if event in CTYPES_DIRECT else initiator(f)
-            if g is not None and not trusted(g.f_code.co_filename):
-                refuse("ctypes", event, g)
-        elif event == "import":
-            if args[0] in ("ctypes", "_ctypes"):  # imported by the patch's own code, not by a library
-                g = f
-                while g is not None and g.f_code.co_filename.startswith("<frozen "):
-                    g = g.f_back
-                if g is not None and not trusted(g.f_code.co_filename):
-                    refuse("ctypes", "import " + args[0], g)
-        elif event in ("open", "os.listdir", "os.scandir"):
-            path = args[0] if args else None
-            why = _sealed_path(path, rdir)
-            if why:
-                g = initiator(f)
-                if g is not None and not trusted(g.f_code.co_filename):
-                    refuse("proc_self" if why == "proc" else "report_path", "%s %s" % (event, os.fsdecode(path)), g)
-        elif event == "object.__setattr__":
-            if args[1] == "__code__" and f is not None and not trusted(f.f_code.co_filename):
-                refuse("code_swap", "__code__ of %r replaced" % (getattr(args[0], "__qualname__", "?"),), f)
-        elif event in ("compile", "code.__new__"):
-            name = args[1] if len(args) > 1 and isinstance(args[1], str) else ""
-            if name and trusted(name) and f is not None and not trusted(f.f_code.co_filename):
-                refuse("forged_code", "%s of code claiming to be %s" % (event, name), f)
-        elif event == "marshal.loads":
-            if f is not None and not trusted(f.f_code.co_filename):
-                refuse("forged_code", "marshal.loads", f)
-        elif event in ("sys.settrace", "sys.setprofile", "sys.addaudithook"):
-            g = f
-            if f is not None and os.path.basename(f.f_code.co_filename) == "threading.py" and "threading" in sys.modules:
-                hook_fn = getattr(sys.modules["threading"], "_trace_hook" if event == "sys.settrace" else "_profile_hook",
-                                  None)
-                code = getattr(hook_fn, "__code__", None)
-                g = None if code is None or trusted(code.co_filename) else f
-                if g is not None:
-                    refuse("tracing", "%s of %s through threading" % (event, code.co_filename), g)
-                return
-            if g is not None and not trusted(g.f_code.co_filename):
-                refuse("tracing" if event != "sys.addaudithook" else "audit_hook", event, g)
-
-    def hook(event, args):
-        if event not in WATCHED:
-            return
-        ident = get_ident()
-        if ident in busy:
-            return
-        busy.add(ident)
-        try:
-            if relevant(event, args):
-                check(event, args)
-        except BaseException as exc:  # an input the hook did not expect: never let it skip a check
-            emit({"k": "tamper", "why": "seal_error: %s on %s: %r" % (type(exc).__name__, event, exc)})
-            exit_now(86)
-        finally:
-            busy.discard(ident)
-
-    own = frozenset(fn.__code__ for fn in (hook, check, caller, on_seal, refuse))
-    has_hook = hasattr(sys, "addaudithook")
-
-    def send(kind, payload):
-        if has_hook:
-            sys.audit("burstrl.seal", kind, payload)
-        else:  # Python < 3.8: the signed channel without the hook (the verdict says "hook": false)
-            emit(dict(payload, k=kind))
-
-    def allow(codes):
-        """Once, before the runner is imported: the code objects that may call `send`."""
-        if not state["senders"]:
-            state["senders"] = frozenset(codes)
-
-    state["send"] = frozenset({send.__code__})
-    if has_hook:
-        sys.addaudithook(hook)
-    emit({"k": "start", "hook": has_hook})
-    return send, allow
+    emit({"k": "start", "hook": False})
+    return send
 
 
-def _run(runner, args, send, allow):
-    """Run the runner with the seal's reporting; the runner's exit code."""
+def _run(runner, args, send):
+    """Run the runner with the seal's reporting; the runner's exit code. Everything the hook needs to
+    know of the runner goes to it once, here (`allow`), before any code of the repository runs."""
+    case = _guard_should_stop()
     if runner == "pytest":
+        import _pytest.reports
+        import _pytest.runner
         import pytest
+
         plugin = _pytest_plugin(pytest, send)
-        allow(_codes(type(plugin)) | {_run.__code__})
-        send("snapshot", {})
+        _allow(send, _codes(type(plugin)), case, {"call_and_report": _pytest.runner.call_and_report.__code__,
+                                                  "TestReport": _pytest.reports.TestReport, "seal_at": "conftests"})
+        send("start", None)
         code = int(pytest.main(args, plugins=[plugin]))
     else:
         import unittest
+
         runner_cls = _unittest_runner(unittest, send)
-        allow(_codes(runner_cls.resultclass) | {_run.__code__})
-        send("snapshot", {})
+        _allow(send, _codes(runner_cls.resultclass) | _codes(runner_cls), case, {"seal_at": "start"})
+        send("start", None)
         program = unittest.main(module=None, argv=["python -m unittest"] + args, exit=False, testRunner=runner_cls)
         code = 0 if program.result.wasSuccessful() else 1
-    send("end", {"exit": code})
+    send("end", code)
     return code
+
+
+def _allow(send, senders, case, runner):
+    """Tell the hook who may report (the reporting methods' code) and the runner's own pieces."""
+    if case is not None:
+        runner.update({"TestCase": case.TestCase, "TestCase.run": case.TestCase.run.__code__,
+                       "TestCase names": frozenset(n for n in dir(case.TestCase) if callable(getattr(case.TestCase, n))),
+                       "_ErrorHolder": getattr(sys.modules.get("unittest.suite"), "_ErrorHolder", None)})
+    if hasattr(sys, "addaudithook"):
+        send("allow", (frozenset(senders) | {_run.__code__}, runner))
+
+
+def _guard_should_stop():
+    """unittest counts a test passed when its part raises `_ShouldStop` (it raises that itself only
+    after a failure under failfast, or for an expected failure). Any other `_ShouldStop` (the patch's)
+    becomes an error of that test part. Returns `unittest.case`, or None where there is no unittest."""
+    try:
+        import contextlib
+        import unittest.case as case
+    except ImportError:
+        return None
+    outcome, stop = getattr(case, "_Outcome", None), getattr(case, "_ShouldStop", None)
+    original = getattr(outcome, "testPartExecutor", None)
+    if original is None or stop is None:
+        return case
+
+    @contextlib.contextmanager
+    def testPartExecutor(self, test_case, subTest=False):
+        with original(self, test_case, subTest):
+            try:
+                yield
+            except stop:
+                if self.success and not getattr(self, "expectedFailure", None):
+                    raise RuntimeError("unittest's _ShouldStop raised by the code under test") from None
+                raise
+
+    outcome.testPartExecutor = testPartExecutor
+    return case
 
 
 def _codes(cls):
@@ -463,22 +339,15 @@ def _codes(cls):
 
 def _pytest_plugin(pytest, send):
     class SealPlugin:
-        def __init__(self):
-            self.raised = {}
-
-        @pytest.hookimpl(hookwrapper=True)
-        def pytest_runtest_call(self, item):
-            outcome = yield
-            self.raised[item.nodeid] = outcome.excinfo is not None
-
         def pytest_runtest_logreport(self, report):
-            raised = self.raised.pop(report.nodeid, None) if report.when == "call" else None
-            send("report", {"id": report.nodeid, "when": report.when, "outcome": report.outcome,
-                            "xfail": hasattr(report, "wasxfail"), "raised": raised})
+            send("report", report)
+
+        def pytest_load_initial_conftests(self):
+            send("conftests", None)  # after pytest's own tryfirst patches, before the repository's conftests
 
         @pytest.hookimpl(hookwrapper=True, tryfirst=True)
-        def pytest_load_initial_conftests(self):
-            send("snapshot", {})  # the plugins pytest loaded before the repository's conftests
+        def pytest_runtestloop(self, session):
+            send("freeze", session.config.pluginmanager)  # collected, before the first test
             yield
 
     return SealPlugin()
@@ -487,7 +356,7 @@ def _pytest_plugin(pytest, send):
 def _unittest_runner(unittest, send):
     class SealResult(unittest.TextTestResult):
         def _seal(self, test, status):
-            send("report", {"id": test.id(), "status": status})
+            send("report", (test, status))
 
         def addSuccess(self, test):
             self._seal(test, "passed")
@@ -521,78 +390,11 @@ def _unittest_runner(unittest, send):
     class SealRunner(unittest.TextTestRunner):
         resultclass = SealResult
 
+        def run(self, test):
+            send("freeze", None)  # loaded, before the first test
+            return super().run(test)
+
     return SealRunner
-
-
-def _snapshot(snap):
-    """(namespace, name, object, label) of every function and class of the runner's modules and their
-    classes, added for modules not seen yet; the hook compares them at every message."""
-    seen = snap[0] if snap else set()  # ids of the modules and classes already in
-    if not snap:
-        snap.append(seen)
-    for name, module in list(sys.modules.items()):
-        if module is None or name.split(".", 1)[0] not in RUNNER_PREFIXES or id(module) in seen:
-            continue
-        seen.add(id(module))
-        d = module.__dict__
-        for key, obj in list(d.items()):
-            if callable(obj) and not key.startswith("__"):
-                snap.append((d, key, obj, name))
-            if isinstance(obj, type) and getattr(obj, "__module__", None) == name and id(obj) not in seen:
-                seen.add(id(obj))
-                ns = vars(obj)  # a live view of the class's namespace
-                for attr, value in list(ns.items()):
-                    if callable(value) or isinstance(value, (classmethod, staticmethod, property)):
-                        snap.append((ns, attr, value, "%s.%s" % (name, obj.__qualname__)))
-
-
-def _sealed_path(path, rdir):
-    """"proc" for this process's /proc entries a forgery reads, "seal" for the seal's directory, ""."""
-    if isinstance(path, int) or path is None:
-        return ""
-    p = os.path.abspath(os.fsdecode(path))
-    if p.startswith(rdir) or p + os.sep == rdir:
-        return "seal"
-    parts = p.split(os.sep)
-    if len(parts) >= 4 and parts[1] == "proc" and (parts[2] in ("self", "thread-self") or parts[2].isdigit()):
-        return "proc" if parts[3] in PROC_ENTRIES else ""
-    return ""
-
-
-def _library_prefixes():
-    paths = set()
-    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
-        try:
-            paths.add(sysconfig.get_paths()[key])
-        except KeyError:
-            pass
-    try:
-        paths.update(site.getsitepackages())
-    except AttributeError:
-        pass
-    paths.add(os.path.dirname(os.__file__))
-    out = set()
-    for p in paths:
-        for q in (p, os.path.realpath(p)):
-            if q and q != os.sep and not os.getcwd().startswith(q + os.sep) and os.getcwd() != q:
-                out.add(q.rstrip(os.sep) + os.sep)
-    return tuple(sorted(out))
-
-
-def _repo_files(root):
-    """Every .py file under the repository (not .git) by absolute path -> (mtime_ns, size, inode)."""
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d != ".git"]
-        for name in filenames:
-            if name.endswith(".py"):
-                path = os.path.join(dirpath, name)
-                try:
-                    st = os.stat(path)
-                except OSError:
-                    continue
-                out[path] = (st.st_mtime_ns, st.st_size, st.st_ino)
-    return out
 
 
 if __name__ == "__main__":

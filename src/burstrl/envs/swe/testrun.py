@@ -38,11 +38,13 @@ def grading_command(task: SweTask, options: str = "", test_cmd: str = "") -> str
     return " ".join([test_cmd or task.test_cmd, *([options] if options else []), *(shlex.quote(t) for t in ids)])
 
 
-def run_tests(sandbox: GradingSandbox, task: SweTask, timeout_s: float, changed: Sequence[str] | None = None) -> GradingRun:
+def run_tests(sandbox: GradingSandbox, task: SweTask, timeout_s: float, changed: Sequence[str] | None = None,
+              test_files: Sequence[str] = ()) -> GradingRun:
     """One run of the graded tests: {text, timed_out, exit_code, seconds, report, nonce, seal}.
 
     `changed`: the paths the patch still changes when the tests run; given (not None), the run is
-    sealed when its command allows (`seal`: the collector's verdict, None if it printed none).
+    sealed when its command allows (`seal`: the collector's verdict, None if it printed none);
+    `test_files`: the graded tests' sources, which the patch's code may not read in a sealed run.
     Otherwise, in a fresh random directory (`integrity`): for pytest the grader's own JUnit report
     (`report`, with `-rA` added), and for a plain `python -m pytest|unittest` command the wrapper that
     ends the run with a marker holding `nonce` ("" when not wrapped). The log is stdout and stderr
@@ -53,8 +55,10 @@ def run_tests(sandbox: GradingSandbox, task: SweTask, timeout_s: float, changed:
     check(sandbox.exec(f"mkdir -m 700 {rdir}", timeout=60), "make the report directory")
     sealed = sealed_command(task.test_cmd, rdir, log) if changed is not None else None
     if sealed is not None:
-        sandbox.write_file(f"{rdir}/seal.py", BOOTSTRAP.encode())
+        for name, text in BOOTSTRAP.items():
+            sandbox.write_file(f"{rdir}/{name}", text.encode())
         sandbox.write_file(f"{rdir}/changed", "".join(f"{p}\n" for p in changed or ()).encode())
+        sandbox.write_file(f"{rdir}/tests", "".join(f"{p}\n" for p in test_files).encode())
         graded = unique(task.FAIL_TO_PASS + task.PASS_TO_PASS)
         sandbox.write_file(f"{rdir}/graded", "".join(f"{t}\n{dotted_id(t)}\n" for t in graded).encode())
         options = "-rA" if runner_kind(task.test_cmd) == "pytest" else ""
