@@ -1,4 +1,5 @@
-"""The functions environment (issue 35): one completion per attempt, graded in real sandboxes, sealed."""
+"""The functions environment (issues 35, 48): one completion per attempt, graded in real sandboxes that
+hold neither the tests nor the expected values (envs/functions/grade.py)."""
 
 from __future__ import annotations
 
@@ -42,11 +43,12 @@ def env(tmp_path_factory: pytest.TempPathFactory):
 
 
 def gold_body(env: FunctionsEnv, task) -> str:
-    swe = SweTask.from_json(task.data)
-    return next(line[1:] for line in swe.patch.splitlines() if line.startswith("+    return"))
+    from burstrl.envs.functions.env import _gold_body
+
+    return _gold_body(SweTask.from_json(task.data))
 
 
-def test_attempts_are_graded_by_their_hidden_tests(env: FunctionsEnv) -> None:
+def test_attempts_are_graded_by_their_cases(env: FunctionsEnv) -> None:
     [task] = env.make_tasks(1, seed=5)
     body = gold_body(env, task)
     cases = {  # completion -> (reward, passed, kind)
@@ -55,7 +57,11 @@ def test_attempts_are_graded_by_their_hidden_tests(env: FunctionsEnv) -> None:
         "syntax": ("    return (\n", 0.0, False, "syntax"),
         "not_a_body": ("print('hello')\n", 0.0, False, "empty"),
         "infinite_loop": ("    while True:\n        pass\n", 0.0, False, "timeout"),
-        "heap_walk": ("    import gc\n    gc.get_objects()\n" + body + "\n", 0.0, False, "suspicious"),
+        "raises": ("    raise RuntimeError('no')\n", 0.0, False, "error"),
+        # The heap walk was `suspicious` (a static scan, reward 0) while the tests ran in this process; now
+        # the heap holds nothing of the grader's, so a correct body that also walks it is just correct.
+        "heap_walk": ("    import gc\n    gc.get_objects()\n" + body, 1.0, True, "ok"),
+        "prints": ("    print('debug')\n" + body, 1.0, True, "ok"),  # its output goes nowhere
     }
 
     async def go():
@@ -64,8 +70,32 @@ def test_attempts_are_graded_by_their_hidden_tests(env: FunctionsEnv) -> None:
     outcomes = asyncio.run(go())
     for (name, (_, reward, passed, kind)), out in zip(cases.items(), outcomes, strict=True):
         assert (out.reward, out.passed, out.info["kind"]) == (reward, passed, kind), (name, out)
-    assert outcomes[0].parts["resolved"] == 1.0 and outcomes[0].parts["f2p"] == 1.0
-    assert outcomes[4].info["reason"].startswith("tests_timeout") and outcomes[4].parts["tests_timeout"] == 1.0
+    assert outcomes[0].parts == {"resolved": 1.0, "f2p": 1.0, "tests_timeout": 0.0}
+    assert set(outcomes[0].info["statuses"]) == set(SweTask.from_json(task.data).FAIL_TO_PASS)
+    assert set(outcomes[4].info["statuses"].values()) == {"timeout"} and outcomes[4].parts["tests_timeout"] == 1.0
+
+
+def test_an_expected_exception_crosses_as_its_type_name(env: FunctionsEnv, tmp_path: Path) -> None:
+    """A task whose reference raises for some inputs ("Raise ValueError if x is negative"): the gold
+    body passes every case (the raising ones by type name); a body that raises another type there
+    fails exactly those cases."""
+    from burstrl.envs.base import Task
+    from burstrl.envs.functions.tasks import make_function_tasks
+
+    swe = next(t for t in make_function_tasks(tmp_path / "set", 120, 0, "train")
+               if t.extra["template"] == "checked_scale" and any("raises" in c for c in t.extra["cases"]))
+    task = Task(id=swe.instance_id, env="functions", difficulty=1, data=swe.to_json())
+    raising = [c["id"] for c in swe.extra["cases"] if "raises" in c]
+    body = gold_body(env, task)
+
+    async def go():
+        return await asyncio.gather(*(env.rollout(Scripted(text), task) for text in
+                                      (body, body.replace("raise ValueError", "raise TypeError"))))
+
+    gold, wrong_type = asyncio.run(go())
+    assert gold.reward == 1.0 and gold.passed, gold
+    assert [tid for tid, s in wrong_type.info["statuses"].items() if s != "passed"] == raising, wrong_type
+    assert wrong_type.reward == 1.0 - len(raising) / len(swe.extra["cases"])
 
 
 def test_splits_are_generated_once_per_run_and_differ(env: FunctionsEnv) -> None:

@@ -1,4 +1,5 @@
-"""The functions task family (issue 35): distinct problems, held-out splits, stubs, tests and patches."""
+"""The functions task family (issues 35, 48): distinct problems, held-out splits, stubs, cases as data
+(what grading compares), the same cases as unittest files (for people), and patches."""
 
 from __future__ import annotations
 
@@ -53,6 +54,20 @@ def test_the_reference_passes_its_tests_and_the_stub_fails_them(tmp_path: Path) 
         ran = sum(len(p.cases) for p in problems)
         assert f"Ran {ran} tests" in res.stderr, res.stderr[-500:]
         assert (res.returncode == 0) == ok and (ok or f"errors={ran})" in res.stderr), res.stderr[-1500:]
+
+
+@pytest.mark.parametrize("split", ["train", "test"])
+def test_the_cases_hold_for_the_reference_and_the_variant_and_not_the_stub(split: str, tmp_path: Path) -> None:
+    """What grading compares (`extra.cases`, through the runner, as `tasks check --host` runs it): the
+    gold body and the variant pass every case, the stub none."""
+    from burstrl.envs.functions.check import check_function_task
+
+    tasks = make_function_tasks(tmp_path / split, 16, 5, split)
+    assert all(t.extra["variants"] for t in tasks)
+    for t in tasks:
+        result = check_function_task(t, sandbox=False, timeout=20)
+        assert result.ok, (t.instance_id, result.problems)
+        assert set(result.at_gold.values()) == {"passed"} and "passed" not in result.at_base.values()
 
 
 def test_function_body_stops_at_the_end_of_the_function() -> None:

@@ -1,1 +1,2 @@
-"""One-function Python problems for base models: completion prompts, hidden tests, sealed grading."""
+"""One-function Python problems for base models: completion prompts, cases as data, and grading that runs
+the candidate apart from the expected values (`grade.py`)."""

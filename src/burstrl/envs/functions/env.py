@@ -2,12 +2,12 @@
 
 One attempt is one completion call (no chat template: made for base models): the prompt is the
 task's def line and docstring, the model writes the body, stopped at the end of the function (stop
-strings, then the first line that is not indented). The body goes into the task's stub file as a
-patch and is graded like any coding attempt (`envs/swe/grade.py`): diff policy, static scan, the
-sealed test run in a fresh sandbox. A syntax error, a timeout or an infinite loop fails the tests:
-the model's 0. Reward = the share of the hidden tests passed (`f2p`), `resolved` = all of them.
-A grading sandbox that could not start (infra) is an `InfraError`: the attempt is re-run, never
-scored.
+strings, then the first line that is not indented). The module (prompt + body) is graded by
+`envs/functions/grade.py`: it runs in a fresh sandbox that holds neither the tests nor the expected
+values, one forked call per case, and only plain data comes back to be compared here. A syntax
+error, an exception, an exit or an infinite loop fails the cases it hits: the model's 0 for those.
+Reward = the share of the cases passed (`f2p`), `resolved` = all of them. A grading sandbox that
+could not start (infra) is an `InfraError`: the attempt is re-run, never scored.
 
 Options (`[orchestrator.env.functions]`): the task set (generated into RUN_DIR/functions-tasks on
 first use, or a `tasks make-functions` output), its split, sandboxes, limits.
@@ -21,15 +21,17 @@ import threading
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from burstrl.atomic import build_dir
 from burstrl.config import Section
 from burstrl.envs.base import ChatClient, InfraError, Outcome, Task
+from burstrl.envs.functions.cases import task_cases
+from burstrl.envs.functions.grade import GRADE_TIMEOUT_S, SYNTAX, FunctionResult
 from burstrl.envs.swe.task import SweTask, load_tasks
 
 STOP = ["\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\n@", "\nassert ", "\n\n\n"]
-PARTS = ("resolved", "f2p", "apply_ok", "tampered", "tests_timeout")
+PARTS = ("resolved", "f2p", "tests_timeout")
 
 
 class FunctionsOptions(Section):
@@ -41,10 +43,20 @@ class FunctionsOptions(Section):
     max_tokens: int = Field(48, ge=1, description="max_tokens of the completion (the function body).")
     backend: Literal["auto", "namespace", "oci", "runsc"] = Field("auto", description="Sandbox backend of grading.")
     max_sandboxes: int = Field(8, ge=1, description="Grading sandboxes alive at once.")
-    grade_timeout_s: float = Field(60.0, gt=0, description="Timeout of one attempt's tests (an infinite loop "
-                                   "is the model's 0 once the tests without it finish in half that).")
-    suspicious: Literal["zero", "flag"] = Field("zero", description="The static scan of the body: zero = "
-                                                "an attempt reaching for a forgery's primitives scores 0.")
+    grade_timeout_s: float = Field(GRADE_TIMEOUT_S, gt=0, description="Time limit of one attempt's run; each case may "
+                                   "take 1/(2(n+1)) of it (n cases), so all of them at their limit end in half.")
+    suspicious: str = Field("", exclude=True, description="Gone: the static scan of the body. The candidate now "
+                            "runs apart from the tests and expected values, so nothing it calls can forge a pass; "
+                            "setting it is an error that says so.")
+
+    @field_validator("suspicious")
+    @classmethod
+    def _gone(cls, value: str) -> str:
+        if value:
+            raise ValueError("orchestrator.env.functions.suspicious is no longer an option: functions attempts run "
+                             "in a sandbox that holds neither the tests nor the expected values, and only plain data "
+                             "comes back (envs/functions/grade.py), so no static scan is needed; remove the key")
+        return value
 
 
 class FunctionsEnv:
@@ -67,6 +79,8 @@ class FunctionsEnv:
             tasks = [t for t in load_tasks(path) if t.extra.get("split") == split]
             if not tasks:
                 raise ValueError(f"{path}: no functions task of split {split!r}")
+            for t in tasks:  # a set made by an older burstrl has no cases: say so before any attempt
+                task_cases(t)
             self._tasks[split] = tasks
         return self._tasks[split]
 
@@ -122,28 +136,22 @@ class FunctionsEnv:
             self._pool.close_all()
 
     async def rollout(self, client: ChatClient, task: Task) -> Outcome:
-        from burstrl.envs.functions.tasks import attempt_patch, stub_path
-        from burstrl.envs.swe.grade import grade, reward_of
+        from burstrl.envs.functions.grade import grade, reward
 
         swe = SweTask.from_json(task.data)
         prompt = swe.extra["prompt"]
         text = await client.complete(prompt, max_tokens=self.cfg.max_tokens, stop=STOP)
         body = function_body(text)
-        path = stub_path(swe.instance_id)
-        stub = f"{prompt}    raise NotImplementedError\n"
-        patch = attempt_patch(path, stub, prompt + body)
-        r = await asyncio.to_thread(grade, swe, patch, self.pool(), timeout_s=self.cfg.grade_timeout_s,
-                                    suspicious=self.cfg.suspicious)
+        r = await asyncio.to_thread(grade, swe, prompt + body, self.pool(), timeout_s=self.cfg.grade_timeout_s)
         if r.infra_error:
             raise InfraError(f"grading {swe.instance_id}: {r.infra_error}")
-        reward = 0.0 if r.model_error else reward_of(r, "f2p")
-        parts = {"resolved": float(r.resolved), "f2p": r.f2p, "apply_ok": float(r.apply_ok),
-                 "tampered": float(bool(r.tampered)), "tests_timeout": float(r.reason.startswith("tests_timeout"))}
+        timeouts = r.timed_out or any(s == "timeout" for s in r.statuses.values())
+        parts = {"resolved": float(r.resolved), "f2p": r.f2p, "tests_timeout": float(timeouts)}
         reason = r.reason or (f"model_error: {r.model_error}" if r.model_error else "")
         info: dict[str, Any] = {"body": body[:2000], "statuses": r.statuses, "kind": failure_kind(r, body)}
         if reason:
             info["reason"] = reason
-        return Outcome(reward=reward, parts=parts, passed=r.resolved, info=info)
+        return Outcome(reward=reward(r), parts=parts, passed=r.resolved, info=info)
 
 
 def function_body(text: str) -> str:
@@ -158,25 +166,31 @@ def function_body(text: str) -> str:
     return body + "\n" if body else ""
 
 
-def failure_kind(r: Any, body: str) -> str:
-    """What went wrong, for decomposing what RL learned: ok, empty, syntax, timeout, error, wrong, partial."""
+def failure_kind(r: FunctionResult, body: str) -> str:
+    """What went wrong, for decomposing what RL learned: ok, empty, syntax, timeout, error, wrong, partial
+    (or the kind of a named failure: runner_lost, model_error)."""
     if r.resolved:
         return "ok"
     if not body.strip():
         return "empty"
-    if r.reason.startswith("tests_timeout"):
+    if r.import_error:
+        return "syntax" if r.import_error in SYNTAX else "error"
+    if r.timed_out or r.reason.startswith("tests_timeout"):
         return "timeout"
-    if r.reason or r.tampered or r.model_error:
-        return r.reason.split(":", 1)[0] or "tampered"
-    text = r.log or ""
-    if "SyntaxError" in text or "IndentationError" in text:
-        return "syntax"
+    if r.reason or r.model_error:
+        return r.reason.split(":", 1)[0] or "model_error"
+    if r.f2p > 0:
+        return "partial"
     statuses = list(r.statuses.values())
+    if "timeout" in statuses:
+        return "timeout"
     if statuses and all(s == "error" for s in statuses):
         return "error"
-    return "partial" if r.f2p > 0 else "wrong"
+    return "wrong"
 
 
 def _gold_body(swe: SweTask) -> str:
-    added = [line[1:] for line in swe.patch.splitlines() if line.startswith("+") and not line.startswith("+++")]
-    return "\n".join(added[-1:]) + "\n"
+    from burstrl.envs.functions.grade import stub_source
+    from burstrl.envs.functions.tasks import apply_patch
+
+    return apply_patch(stub_source(swe), swe.patch).removeprefix(swe.extra["prompt"])

@@ -1,12 +1,14 @@
-"""The functions task set: distinct problems from the templates, written as one git repository so
-that every completion is graded exactly as a coding task is (`envs/swe/grade.py`: diff policy,
-static scan, sealed test run, in a fresh sandbox).
+"""The functions task set: distinct problems from the templates, as `SweTask` records whose cases
+are data (`extra["cases"]`: arguments and expected results, `cases.py`), graded by `grade.py` with
+the candidate in a sandbox that holds neither tests nor expected values.
 
-Layout of the repository (one commit, the base of every task): `fns/<id>.py` holds each task's stub
-(the prompt and `raise NotImplementedError`), `tests/test_<id>.py` its hidden tests (unittest: the
-sandbox's system Python has no pytest). A task is a `SweTask` whose FAIL_TO_PASS are its tests and
-whose gold patch is the reference body; an attempt's patch replaces the stub's body with the
-completion. `extra` keeps the prompt, the split, the template and the category.
+The records keep SWE-bench's shape, so `tasks check`, evals and reports treat them like any task:
+FAIL_TO_PASS names the cases, the gold patch turns the stub into the reference, `extra.variants`
+holds patches of other correct bodies. The repository beside them (one commit) has `fns/<id>.py`,
+each task's stub (the prompt and `raise NotImplementedError`), and `tests/test_<id>.py`, the same
+cases as unittest tests for people to read and run; grading never reads or uploads it (it holds
+every task's expected values). `extra` also keeps the prompt, the function's name, the split, the
+template and the category.
 
 Splits: "train" draws templates not held out, with constants from the training ranges; "test"
 draws held-out templates (any constants) and the templates that take a constant, with constants from
@@ -21,11 +23,13 @@ import hashlib
 import random
 from pathlib import Path
 
-from burstrl.envs.functions.templates import TEMPLATES, FunctionTemplate, Problem, make_problem
+from burstrl.envs.functions.cases import Case, encode_case
+from burstrl.envs.functions.templates import TEMPLATES, FunctionTemplate, Problem, Raises, make_problem
 from burstrl.envs.swe.repo import commit_all, init_repo
 from burstrl.envs.swe.task import SweTask, dump_tasks
 
 TEST_CMD = "python3 -m unittest -v"
+VERSION = "functions-2"  # functions-1: no extra.cases (graded by the test files)
 CATEGORY = {t.key: t.category for t in TEMPLATES}
 SPLITS = ("train", "test")
 
@@ -91,12 +95,23 @@ def stub(p: Problem) -> str:
 
 
 def hidden_tests(iid: str, p: Problem) -> str:
-    """The hidden tests: one unittest method per case, importing the task's function."""
+    """The cases as unittest tests (one method per case, importing the task's function): for people;
+    grading uses `extra.cases`."""
     lines = ["import unittest", "", f"from fns.{_module(iid)} import {p.name}", "", "", "class TestFunction(unittest.TestCase):"]
     for i, (args, expected) in enumerate(p.cases):
         call = f"{p.name}({', '.join(repr(a) for a in args)})"
-        lines += [f"    def test_{i}(self):", f"        self.assertEqual({call}, {expected!r})", ""]
+        if isinstance(expected, Raises):
+            lines += [f"    def test_{i}(self):", f"        with self.assertRaises({expected.name}):",
+                      f"            {call}", ""]
+        else:
+            lines += [f"    def test_{i}(self):", f"        self.assertEqual({call}, {expected!r})", ""]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def problem_cases(iid: str, p: Problem) -> list[Case]:
+    """The problem's cases as data, named by the task's FAIL_TO_PASS ids."""
+    return [Case(tid, tuple(args), None, expected.name) if isinstance(expected, Raises) else Case(tid, tuple(args), expected)
+            for tid, (args, expected) in zip(graded_ids(iid, p), p.cases, strict=True)]
 
 
 def graded_ids(iid: str, p: Problem) -> list[str]:
@@ -119,14 +134,59 @@ def attempt_patch(path: str, old: str, new: str) -> str:
     return f"diff --git a/{path} b/{path}\n" + "".join(out) if out else ""
 
 
+def apply_patch(old: str, patch: str) -> str:
+    """`old` with the one-file unified diff `patch` applied (the inverse of `attempt_patch`, for the
+    gold patch and `extra.variants`: grading takes the module's text, not a patch). ValueError if it
+    does not apply to `old` exactly (no fuzz)."""
+    src = _split_lines(old)
+    out: list[str] = []
+    pos = 0
+    for start, body in _hunks(patch):
+        if start < pos or start > len(src):
+            raise ValueError(f"a hunk at line {start + 1} does not fit the file")
+        out += src[pos:start]
+        pos = start
+        for op, text in body:
+            if op in " -":
+                if pos >= len(src) or src[pos] != text:
+                    raise ValueError(f"the patch does not match line {pos + 1}")
+                pos += 1
+            if op in " +":
+                out.append(text)
+    return "".join(out + src[pos:])
+
+
+def _split_lines(text: str) -> list[str]:
+    parts = text.split("\n")
+    return [line + "\n" for line in parts[:-1]] + ([parts[-1]] if parts[-1] else [])
+
+
+def _hunks(patch: str) -> list[tuple[int, list[tuple[str, str]]]]:
+    """(0-based start in the old file, [(op, line)]) per hunk; a "\\ No newline" marker takes the
+    newline off the line before it."""
+    hunks: list[tuple[int, list[tuple[str, str]]]] = []
+    for line in _split_lines(patch):
+        if line.startswith("@@"):
+            old = line.split()[1].lstrip("-").split(",")
+            start = int(old[0]) - 1 if len(old) == 1 or int(old[1]) > 0 else int(old[0])
+            hunks.append((start, []))
+        elif hunks and line[:1] in (" ", "-", "+") and not line.startswith(("--- ", "+++ ")):
+            hunks[-1][1].append((line[0], line[1:]))
+        elif hunks and line.startswith("\\") and hunks[-1][1]:
+            op, text = hunks[-1][1][-1]
+            hunks[-1][1][-1] = (op, text.removesuffix("\n"))
+    return hunks
+
+
 def _task(iid: str, p: Problem, repo: str, base: str, seed: int, split: str) -> SweTask:
     path = stub_path(iid)
     return SweTask(
         instance_id=iid, repo=repo, base_commit=base, problem_statement=p.prompt,
         FAIL_TO_PASS=graded_ids(iid, p), PASS_TO_PASS=[], patch=attempt_patch(path, stub(p), p.solution),
-        version="functions-1", difficulty=1, test_cmd=TEST_CMD, memory=512, disk=256,
+        version=VERSION, difficulty=1, test_cmd=TEST_CMD, memory=512, disk=256,
         extra={"split": split, "seed": seed, "template": p.template, "category": CATEGORY[p.template],
-               "prompt": p.prompt, "file": path,
+               "prompt": p.prompt, "file": path, "function": p.name,
+               "cases": [encode_case(c) for c in problem_cases(iid, p)],
                "variants": [attempt_patch(path, stub(p), p.variant_solution)] if p.variant else [],
                "stub_sha": hashlib.sha256(stub(p).encode()).hexdigest()[:16]},
     )

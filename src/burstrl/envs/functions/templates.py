@@ -8,7 +8,9 @@ training never sees (`TRAIN_CONSTS` / `TEST_CONSTS`), so a lift on it is general
 
 A template's `doc` and `body` are format strings over the argument names (`a`, `b`) and the
 constants (`c`: a small integer, `ch`: a letter, `k`: a dict key); `inputs` names how test
-arguments are drawn.
+arguments are drawn. A body is one line or several (joined by "\n    ", the function's indent).
+Some references raise a builtin exception for some inputs, as their docstring says; such a case
+expects that exception (`Raises`), by type name.
 """
 
 from __future__ import annotations
@@ -60,6 +62,9 @@ TEMPLATES: tuple[FunctionTemplate, ...] = (
     FunctionTemplate("far_apart", "cond", ("far_apart", "differ_by_more_than_{c}"), (("a", "b"), ("x", "y")),
              "Return True if {a} and {b} differ by more than {c}, otherwise False.", "return abs({a} - {b}) > {c}",
              "int2"),
+    FunctionTemplate("checked_scale", "cond", ("checked_times_{c}", "scale_nonnegative_{c}"), (("x",), ("n",), ("value",)),
+             "Return {a} multiplied by {c}. Raise ValueError if {a} is negative.",
+             "if {a} < 0:\n        raise ValueError('negative')\n    return {a} * {c}", "int"),
     FunctionTemplate("sign", "cond", ("sign", "sign_of"), (("x",), ("n",)),
              "Return 1 if {a} is positive, -1 if it is negative and 0 if it is zero.",
              "return (({a} > 0) - ({a} < 0))", "int", held_out=True),
@@ -97,6 +102,9 @@ TEMPLATES: tuple[FunctionTemplate, ...] = (
              "Return the number of keys in the dict {a}.", "return len({a})", "dict"),
     FunctionTemplate("has_key", "dict", ("has_{k}", "contains_{k}"), (("d",), ("table",), ("counts",)),
              "Return True if the dict {a} has the key '{k}', otherwise False.", "return '{k}' in {a}", "dict"),
+    FunctionTemplate("get_strict", "dict", ("require_{k}", "strict_{k}"), (("d",), ("table",), ("counts",)),
+             "Return the value stored under the key '{k}' in the dict {a}. Raise KeyError if the key is missing.",
+             "return {a}['{k}']", "dict"),
     FunctionTemplate("sum_values", "dict", ("total", "sum_values"), (("d",), ("counts",)),
              "Return the sum of the values in the dict {a}.", "return sum({a}.values())", "dict", held_out=True),
 )
@@ -116,7 +124,16 @@ VARIANTS = {
     "add_each": "return list(map(lambda v: v + {c}, {a}))", "evens": "return list(filter(lambda v: v % 2 == 0, {a}))",
     "get_default": "return {a}['{k}'] if '{k}' in {a} else {c}", "num_keys": "return len({a}.keys())",
     "has_key": "return {a}.get('{k}') is not None", "sum_values": "return sum(v for v in {a}.values())",
+    "checked_scale": "if {a} >= 0:\n        return {c} * {a}\n    raise ValueError({a})",
+    "get_strict": "if '{k}' not in {a}:\n        raise KeyError('{k}')\n    return {a}['{k}']",
 }
+
+
+@dataclass(frozen=True)
+class Raises:
+    """An expected result that is an exception: the reference raised a builtin exception of this type."""
+
+    name: str
 
 
 @dataclass(frozen=True)
@@ -127,9 +144,9 @@ class Problem:
     name: str
     args: tuple[str, ...]
     doc: str
-    body: str  # the reference body (one line, no indent)
+    body: str  # the reference body (its first line without indent; "\n    " between lines)
     variant: str  # another correct body ("" if none)
-    cases: tuple[tuple[tuple[Any, ...], Any], ...]  # (arguments, expected result)
+    cases: tuple[tuple[tuple[Any, ...], Any], ...]  # (arguments, expected result or Raises)
 
     @property
     def signature(self) -> str:
@@ -167,9 +184,17 @@ def make_problem(t: FunctionTemplate, rng: random.Random, test_consts: bool, n_c
         call = _inputs(t.inputs, rng, ch, k)
         if any(call == seen for seen, _ in cases):
             continue
-        cases.append((call, ref(*call)))
+        cases.append((call, _expected(ref, call)))
     variant = VARIANTS.get(t.key, "").format(**names)
     return Problem(t.key, name, args, t.doc.format(**names), body, variant, tuple(cases))
+
+
+def _expected(ref: Any, call: tuple[Any, ...]) -> Any:
+    """What the reference returns for `call`, or `Raises` of the builtin exception it raised."""
+    try:
+        return ref(*call)
+    except Exception as exc:  # the template's own reference: its exceptions are the documented ones
+        return Raises(type(exc).__name__)
 
 
 def _compile(name: str, args: tuple[str, ...], body: str) -> Any:

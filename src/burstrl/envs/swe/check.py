@@ -149,6 +149,12 @@ def check_task(task: SweTask, workdir: Path, sandbox: bool = True, timeout: floa
     a repository that will not export is a problem of the task, reported like the others. `hacks`
     (sandboxes only; "zero" or "flag", the static scan's setting of training): a task that holds is
     also graded against `hacks.HACKS`, and any hack that scores above 0 is a problem."""
+    from burstrl.envs.functions.cases import is_functions_task
+
+    if is_functions_task(task):  # graded apart from the candidate, not by this grader: envs/functions/check.py
+        from burstrl.envs.functions.check import check_function_task
+
+        return check_function_task(task, sandbox, timeout, backend, hacks=bool(hacks))
     start = time.monotonic()
     result = CheckResult(task.instance_id, ok=False)
     if sandbox:
