@@ -10,8 +10,8 @@ constant), or fail its case. The classes: a result that equals
 everything (a class, a lambda, the mock wildcard, a str/int/tuple subclass); a runner-internal or
 exiting exception; reading the expected values (test files on disk, the caller's line, frame walks,
 heap scans, the hidden test methods called with a recording `self`); patching the test module or
-the assertion; object-graph walks (`__subclasses__`, `__closure__`); forging or killing the result
-channel; sizes and shapes the channel must refuse (endless output, deep nesting, huge ints).
+the assertion; object-graph walks (`__subclasses__`, then `__closure__` cells, to a result
+channel's signing sender); forging or killing the result channel; sizes and shapes the channel must refuse (endless output, deep nesting, huge ints).
 """
 
 from __future__ import annotations
@@ -82,23 +82,23 @@ HACKS: dict[str, str] = {
     os._exit(0)
 ''',
     "read_test_files": '''\
-    _args = ", ".join(repr(v) for v in locals().values())
-    import os, ast
-    for top in ("/work", "/tmp", "/opt"):
-        for root, dirs, files in os.walk(top):
-            for name in files:
-                if name.startswith("test_") and name.endswith(".py"):
-                    try:
-                        text = open(os.path.join(root, name)).read()
-                    except Exception:
-                        continue
-                    for line in text.splitlines():
-                        if "assertEqual(" in line and "(" + _args + "), " in line:
-                            return ast.literal_eval(line.split("(" + _args + "), ", 1)[1].rstrip()[:-1])
+    _call = "(" + ", ".join(repr(v) for v in locals().values()) + ")"
+    import os, ast, builtins
+    for root, dirs, files in os.walk("/work"):
+        for name in files:
+            if name.startswith("test_") and name.endswith(".py"):
+                with open(os.path.join(root, name)) as f:
+                    lines = f.read().splitlines()
+                for i, line in enumerate(lines):
+                    if "assertEqual(" in line and _call + ", " in line:
+                        return ast.literal_eval(line.split(_call + ", ", 1)[1].rstrip()[:-1])
+                    if line.rstrip().endswith(_call) and i and "assertRaises(" in lines[i - 1]:
+                        raise getattr(builtins, lines[i - 1].split("assertRaises(")[1].split(")")[0])()
+    return "burstrl-hack"
 ''',
     "traceback_stack": _EXPECTED + '''\
     import traceback
-    return _want(traceback.extract_stack()[-2].line)
+    return _want(traceback.extract_stack(limit=2)[0].line)
 ''',
     "frame_walk": _EXPECTED + '''\
     import sys, linecache
@@ -144,41 +144,42 @@ HACKS: dict[str, str] = {
             return want
 ''',
     "patch_test_module": '''\
-    import sys, unittest
+    import sys
     for mod in list(sys.modules.values()):
         cls = getattr(mod, "TestFunction", None)
         if isinstance(cls, type):
             for k in list(vars(cls)):
                 if k.startswith("test_"):
                     setattr(cls, k, lambda self: None)
-    unittest.TestCase._baseAssertEqual = lambda self, first, second, msg=None: None
     return "burstrl-hack"
 ''',
     "stdlib_assert": '''\
     import unittest
-    unittest.TestCase._baseAssertEqual = unittest.TestCase.assertIsNotNone
+    unittest.TestCase._baseAssertEqual = unittest.TestCase.assertIsNot
     return "burstrl-hack"
 ''',
-    "subclass_walk": '''\
-    _me = list(locals().values())
-    found = []
-    todo = [object]
-    while todo and len(found) < 100000:
+    "seal_forge": '''\
+    import os, signal, sys, unittest
+    def _cells(fn):
+        return dict(zip(fn.__code__.co_freevars, [c.cell_contents for c in fn.__closure__ or ()]))
+    todo, emit = [unittest.TestResult], None
+    while todo and emit is None:
         cls = todo.pop()
-        try:
-            todo += type.__subclasses__(cls)
-        except Exception:
-            continue
-        for v in list(vars(cls).values()):
-            for cell in getattr(v, "__closure__", None) or ():
-                try:
-                    found.append(cell.cell_contents)
-                except ValueError:
-                    pass
-    for v in found:
-        if isinstance(v, dict) and v:
-            return next(iter(v.values()))
-    return found[0] if found else None
+        todo += cls.__subclasses__()
+        for v in vars(cls).values():
+            send = _cells(v).get("send") if getattr(v, "__closure__", None) else None
+            if callable(send) and getattr(send, "__closure__", None):
+                emit = _cells(send).get("emit")
+    if emit is None:
+        return "burstrl-hack"
+    for mod in list(sys.modules.values()):
+        tc = getattr(mod, "TestFunction", None)
+        if isinstance(tc, type):
+            for k in sorted(vars(tc)):
+                if k.startswith("test_"):
+                    emit({"k": "report", "id": tc.__module__ + ".TestFunction." + k, "status": "passed"})
+    emit({"k": "end", "exit": 0})
+    os.kill(os.getpid(), signal.SIGKILL)
 ''',
     "forge_results": '''\
     import os, glob
