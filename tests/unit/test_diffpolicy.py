@@ -147,3 +147,34 @@ def test_renames_are_judged_on_both_names(repo: Path) -> None:
     changes = parse_changes(patch)
     assert changes and changes[0].path == "pytest.toml" and changes[0].old_path == "pkg/core.py"
     assert verdict(repo, patch).violation.rule == "runner_config"
+
+
+# ---- the static scan's policy-level findings (screen.refusal): refused, unless allowed by name ----
+
+def test_a_policy_level_finding_is_refused_naming_the_rule_and_the_finding() -> None:
+    from burstrl.envs.swe.screen import refusal
+
+    found = ["pkg/calc.py: atexit", "pkg/calc.py: closure", "pkg/calc.py: frame", "pkg/util.py: mock"]
+    violation, kept = refusal(found, DEFAULT)
+    assert violation is not None and violation.rule == "introspection" and violation.path == "pkg/calc.py"
+    text = str(violation)
+    assert text.startswith("diff policy introspection: pkg/calc.py: closure: ") and "pkg/calc.py: frame" in text
+    assert '"closure:<glob>"' in text  # how a task set allows it
+    assert kept == found
+    assert refusal(["pkg/calc.py: atexit"], DEFAULT) == (None, ["pkg/calc.py: atexit"])  # suspicious-level only
+    assert refusal(["src/_pytest/python.py: frame"], DEFAULT)[0] is None  # the runner's own code: flagged only
+
+
+def test_a_task_set_allows_a_primitive_or_a_rule_by_name_and_path() -> None:
+    from burstrl.envs.swe.screen import refusal
+
+    found = ["jinja2/debug.py: frame", "jinja2/debug.py: closure"]
+    v, kept = refusal(found, DiffPolicy(allow=("frame:jinja2/debug.py",)))
+    assert v is not None and v.rule == "introspection" and "closure" in str(v) and kept == found[1:]
+    assert refusal(found, DiffPolicy(allow=("introspection:jinja2/*",))) == (None, [])
+    assert refusal(found, DiffPolicy(allow=("introspection:other/*",)))[0] is not None  # another path
+    assert refusal(found, DiffPolicy(allow=("jinja2/*", "*")))[0] is not None  # a plain glob never lifts them
+    assert refusal(["a.py: mock"], DiffPolicy(allow=("lying_value:*",))) == (None, [])
+    policy = DiffPolicy.of({"allow": ["gc:*"]})
+    assert policy.allows_primitive("x/y.py", "gc", "introspection") and not policy.allows("x/y.py")
+    assert refusal(found + ["a.py: mock"], DiffPolicy(allow=("*:*",))) == (None, [])  # the sealed run alone

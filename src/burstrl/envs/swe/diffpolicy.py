@@ -28,6 +28,14 @@ text edits to its source; so the policy names what a fix is and refuses the rest
 `allow` globs (per task set: `orchestrator.swe.diff_allow`, or a task's `extra.diff_policy`) lift
 `outside_source` and `runner_config` for the paths they match; `binary`, `symlink`, `bytecode`
 and `packaging` cannot be allowed. Test files edited by the patch are still reset, not punished.
+
+The policy also refuses what the patch's code does, as the static scan reads it once the patch is
+applied (`primitives.py`, refused in `grade` right after `screen.scan_changes`): `introspection`,
+`lying_value`, `runner_internals`, `test_access`, `unscannable`. A task set whose real fixes need
+one allows it with an entry `NAME:GLOB` in the same `allow` list, NAME a primitive (`frame`,
+`gc`, `mock`, ...) or a whole rule (`introspection`), GLOB the files it may be in:
+`"frame:jinja2/debug.py"`, `"introspection:*"`. A plain glob never lifts these.
+(The primitives, their rules and what each matches: README, "Agentic coding tasks".)
 """
 
 from __future__ import annotations
@@ -75,6 +83,15 @@ class DiffPolicy:
 
     def allows(self, path: str) -> bool:
         return any(fnmatchcase(path, g) for g in self.allow)
+
+    def allows_primitive(self, path: str, primitive: str, rule: str) -> bool:
+        """An `allow` entry `NAME:GLOB` names this primitive or its rule (NAME may be a glob too:
+        `*:*` lifts them all, as a test of the sealed run alone does) and matches the path."""
+        for entry in self.allow:
+            name, sep, glob = entry.partition(":")
+            if sep and (fnmatchcase(primitive, name) or fnmatchcase(rule, name)) and fnmatchcase(path, glob):
+                return True
+        return False
 
     def denies(self, path: str) -> bool:
         return any(fnmatchcase(path, g) for g in self.deny)

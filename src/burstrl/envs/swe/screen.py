@@ -2,7 +2,8 @@
 
 Both run in the grading sandbox's terms (the test interpreter is asked about shadowing; the changed
 files are read back after the patch) and decide before any code of the patch runs. The rules are
-in `diffpolicy.py` and `scan.py`; this module only feeds them the sandbox's facts.
+in `diffpolicy.py`, `scan.py` and `primitives.py`; this module feeds them the sandbox's facts and
+turns the scan's policy-level findings into the diff policy's refusal (`refusal`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import shlex
 import tarfile
 from collections.abc import Sequence
 
-from burstrl.envs.swe import diffpolicy, scan
+from burstrl.envs.swe import diffpolicy, primitives, scan
 from burstrl.envs.swe.diffpolicy import DiffPolicy
 from burstrl.envs.swe.integrity import nearest_test_dir
 from burstrl.envs.swe.sandboxes import GradingSandbox
@@ -25,9 +26,12 @@ class GradeInfraError(RuntimeError):
     """A grading step that cannot fail for a model's reason failed (resetting the fresh repo)."""
 
 
-def scan_changes(sandbox: GradingSandbox, paths: Sequence[str], repo_tar: bytes, repo_dir: str) -> list[str]:
+def scan_changes(sandbox: GradingSandbox, paths: Sequence[str], repo_tar: bytes, repo_dir: str,
+                 tests: Sequence[str] = ()) -> list[str]:
     """`scan.added` over the changed Python files (read back from the sandbox after the patch; the
-    base versions from the export): what the patch adds of a forgery's primitives."""
+    base versions from the export): what the patch adds of a forgery's primitives. `tests`: the
+    graded test files (code that names them is `test_access`). Policy-level findings come first,
+    so that the record's cap never drops one."""
     found: list[str] = []
     with tarfile.open(fileobj=io.BytesIO(repo_tar)) as tar:
         names = set(tar.getnames())
@@ -48,8 +52,33 @@ def scan_changes(sandbox: GradingSandbox, paths: Sequence[str], repo_tar: bytes,
                 continue
             member = tar.extractfile(f"./{path}") if f"./{path}" in names else None
             base = member.read().decode("utf-8", "replace") if member is not None else None
-            found += scan.added(base, new.decode("utf-8", "replace"), path)
+            found += scan.added(base, new.decode("utf-8", "replace"), path, tests)
+    found.sort(key=lambda f: not scan.policy_rule(f))
     return found[:50]
+
+
+def refusal(findings: Sequence[str], policy: DiffPolicy) -> tuple[diffpolicy.Violation | None, list[str]]:
+    """(the diff policy's refusal of the first policy-level finding the task set does not allow,
+    the findings to record): allowed ones are dropped, the task set vouched for them."""
+    refused: list[tuple[str, str, str]] = []
+    kept: list[str] = []
+    for finding in findings:
+        rule = scan.policy_rule(finding)
+        path, _, primitive = finding.rpartition(": ")
+        if rule and policy.allows_primitive(path, primitive, rule):
+            continue
+        kept.append(finding)
+        if rule:
+            refused.append((rule, path, primitive))
+    if not refused:
+        return None, kept
+    rule, path, primitive = refused[0]
+    more = [f"{p}: {q}" for _, p, q in refused[1:4]]
+    why = (f"{primitive}: {primitives.WHY.get(primitive, primitive)}"
+           + (f" (and {', '.join(more)})" if more else "")
+           + f"; no bug fix needs it (a task set whose fixes do: allow \"{primitive}:<glob>\" in "
+           "orchestrator.swe.diff_allow or the task's extra.diff_policy)")
+    return diffpolicy.Violation(rule, path, why), kept
 
 
 def test_dirs(tests: Sequence[str]) -> set[str]:
