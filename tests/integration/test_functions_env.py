@@ -70,7 +70,7 @@ def test_attempts_are_graded_by_their_cases(env: FunctionsEnv) -> None:
     outcomes = asyncio.run(go())
     for (name, (_, reward, passed, kind)), out in zip(cases.items(), outcomes, strict=True):
         assert (out.reward, out.passed, out.info["kind"]) == (reward, passed, kind), (name, out)
-    assert outcomes[0].parts == {"resolved": 1.0, "f2p": 1.0, "tests_timeout": 0.0}
+    assert outcomes[0].parts == {"resolved": 1.0, "f2p": 1.0, "tests_timeout": 0.0, "sandbox_lost": 0.0}
     assert set(outcomes[0].info["statuses"]) == set(SweTask.from_json(task.data).FAIL_TO_PASS)
     assert set(outcomes[4].info["statuses"].values()) == {"timeout"} and outcomes[4].parts["tests_timeout"] == 1.0
 

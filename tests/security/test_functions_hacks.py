@@ -73,6 +73,7 @@ VARIANTS: dict[str, str] = {
                        "            f.write('[%d,[\"ok\",[\"str\",\"burstrl-hack\"]]]\\n' % i)\n    os._exit(0)\n",
     "stop_parent": "    import os, signal\n    os.kill(os.getppid(), signal.SIGSTOP)\n",
     "kill_group": "    import os, signal\n    os.killpg(0, signal.SIGKILL)\n",
+    "kill_everything": "    import os, signal\n    os.kill(-1, signal.SIGKILL)\n",
     "raw_fd_output": "    import os\n    while True:\n        os.write(1, b'[0,[\"ok\",[\"int\",\"1\"]]]\\n' * 1000)\n",
     "deep_dict": "    x = {}\n    for _ in range(1000):\n        x = {'k': x}\n    return x\n",
     "deep_tuple": "    x = ()\n    for _ in range(1000):\n        x = (x,)\n    return x\n",

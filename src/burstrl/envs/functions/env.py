@@ -31,7 +31,7 @@ from burstrl.envs.functions.grade import GRADE_TIMEOUT_S, SYNTAX, FunctionResult
 from burstrl.envs.swe.task import SweTask, load_tasks
 
 STOP = ["\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\n@", "\nassert ", "\n\n\n"]
-PARTS = ("resolved", "f2p", "tests_timeout")
+PARTS = ("resolved", "f2p", "tests_timeout", "sandbox_lost")
 
 
 class FunctionsOptions(Section):
@@ -146,8 +146,9 @@ class FunctionsEnv:
         if r.infra_error:
             raise InfraError(f"grading {swe.instance_id}: {r.infra_error}")
         timeouts = r.timed_out or any(s == "timeout" for s in r.statuses.values())
-        parts = {"resolved": float(r.resolved), "f2p": r.f2p, "tests_timeout": float(timeouts)}
-        reason = r.reason or (f"model_error: {r.model_error}" if r.model_error else "")
+        parts = {"resolved": float(r.resolved), "f2p": r.f2p, "tests_timeout": float(timeouts),
+                 "sandbox_lost": float(bool(r.model_error))}
+        reason = r.reason or (f"sandbox_lost: grading: {r.model_error}" if r.model_error else "")
         info: dict[str, Any] = {"body": body[:2000], "statuses": r.statuses, "kind": failure_kind(r, body)}
         if reason:
             info["reason"] = reason
@@ -168,7 +169,7 @@ def function_body(text: str) -> str:
 
 def failure_kind(r: FunctionResult, body: str) -> str:
     """What went wrong, for decomposing what RL learned: ok, empty, syntax, timeout, error, wrong, partial
-    (or the kind of a named failure: runner_lost, model_error)."""
+    (or the kind of a named failure: runner_lost, sandbox_lost)."""
     if r.resolved:
         return "ok"
     if not body.strip():
@@ -177,8 +178,10 @@ def failure_kind(r: FunctionResult, body: str) -> str:
         return "syntax" if r.import_error in SYNTAX else "error"
     if r.timed_out or r.reason.startswith("tests_timeout"):
         return "timeout"
-    if r.reason or r.model_error:
-        return r.reason.split(":", 1)[0] or "model_error"
+    if r.model_error:
+        return "sandbox_lost"
+    if r.reason:
+        return r.reason.split(":", 1)[0]
     if r.f2p > 0:
         return "partial"
     statuses = list(r.statuses.values())
