@@ -74,6 +74,11 @@ VARIANTS: dict[str, str] = {
     "stop_parent": "    import os, signal\n    os.kill(os.getppid(), signal.SIGSTOP)\n",
     "kill_group": "    import os, signal\n    os.killpg(0, signal.SIGKILL)\n",
     "kill_everything": "    import os, signal\n    os.kill(-1, signal.SIGKILL)\n",
+    "results_fifo": "    import os\n    os.remove('/work/job/results')\n    os.mkfifo('/work/job/results')\n    return 1\n",
+    "results_dev_zero": "    import os\n    os.remove('/work/job/results')\n    os.symlink('/dev/zero', '/work/job/results')\n"
+                        "    return 1\n",
+    "results_dir": "    import os\n    os.remove('/work/job/results')\n    os.mkdir('/work/job/results')\n    return 1\n",
+    "results_huge": "    with open('/work/job/results', 'a') as f:\n        f.write('x' * (40 << 20))\n    return 1\n",
     "raw_fd_output": "    import os\n    while True:\n        os.write(1, b'[0,[\"ok\",[\"int\",\"1\"]]]\\n' * 1000)\n",
     "deep_dict": "    x = {}\n    for _ in range(1000):\n        x = {'k': x}\n    return x\n",
     "deep_tuple": "    x = ()\n    for _ in range(1000):\n        x = (x,)\n    return x\n",

@@ -277,7 +277,8 @@ def _judge_against_stub(task: SweTask, result: FunctionResult, maker: SandboxMak
                     f"{stub.run_seconds:.1f}s")
         result.statuses = {k: "timeout" if s == "missing" else s for k, s in result.statuses.items()}
     else:
-        result.fail("runner_lost: the candidate's code ended the runner before any result")
+        result.fail("runner_lost: no result came back (the candidate's code ended the runner or took its results "
+                    "file), where the task's stub runs and answers")
 
 
 _STUB_RUNS: OrderedDict[tuple[str, float], FunctionResult] = OrderedDict()
