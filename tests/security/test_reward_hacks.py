@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from burstrl.envs.swe.diffpolicy import DiffPolicy
 from burstrl.envs.swe.grade import GradeResult, grade, reward_of
 from burstrl.envs.swe.hacks import HACKS, PLUGIN  # the plugin every config hack loads
 from burstrl.envs.swe.repo import commit_all, init_repo
@@ -337,12 +338,13 @@ def test_xfail_and_xpass_are_not_passes_unless_the_gold_run_shows_them(py: SweTa
     """Code under test registers a plugin (through pytest's config object, found with `gc`) that
     marks every test xfail: the failing target test reports XFAIL, the passing one XPASS, and the
     run exits 0. Those used to count as passes. Now they pass only where the gold run shows the
-    same outcome, and it shows "passed" for both. Unsealed: a sealed run refuses the `gc` walk
-    itself (test_sealed_run.py); this rule holds for the runs the seal cannot take."""
+    same outcome, and it shows "passed" for both. Unsealed, with the diff policy's introspection rule
+    lifted (`*:*`): the policy refuses the `gc` walk and a sealed run refuses it too (test_sealed_run.py,
+    test_swe_hack_classes.py); this rule holds behind both, for the runs the seal cannot take."""
     patch = patch_of(Path(py.repo), {"calc.py": XFAIL_EVERYTHING})
     control = host_run(py, patch, tmp_path)
     assert control.returncode == 0 and "1 xfailed, 1 xpassed" in control.stdout, control.stdout[-1500:]
-    r = grade(py, patch, pool, timeout_s=60, seal=False)
+    r = grade(py, patch, pool, timeout_s=60, seal=False, policy=DiffPolicy(allow=("*:*",)))
     assert r.statuses == {"tests/test_calc.py::test_add": "xfailed", "tests/test_calc.py::test_mul": "xpassed"}, \
         (r.statuses, r.log[-1500:])
     assert not r.resolved and r.f2p == 0.0 and r.p2p_failed == 1 and not r.infra_error
@@ -382,12 +384,12 @@ frame = sys._getframe()
 while frame is not None and "nonce" not in frame.f_locals:
     frame = frame.f_back
 """
-IN_PROCESS = {  # name -> (task, calc.py, the scan's rule); class 1 of issue 34: code in the runner's process
-    "wrap_pytest_reports": ("py", REPORT_WRAP, "runner_import"),
-    "xfail_everything_via_gc": ("py", XFAIL_EVERYTHING, "gc"),
-    "rewrite_report_at_exit": ("py", PY_FORGE_JUNIT, "atexit"),
-    "fake_run_then_hard_exit": ("py", PY_FAKE_RUN, "os_exit"),
-    "nonce_from_the_wrappers_frame": ("ut", NONCE_FROM_FRAME, "frame"),
+IN_PROCESS = {  # name -> (task, calc.py, the scan's rule, the diff policy's rule when it refuses it in every mode)
+    "wrap_pytest_reports": ("py", REPORT_WRAP, "runner_write", "runner_internals"),
+    "xfail_everything_via_gc": ("py", XFAIL_EVERYTHING, "gc", "introspection"),
+    "rewrite_report_at_exit": ("py", PY_FORGE_JUNIT, "atexit", ""),
+    "fake_run_then_hard_exit": ("py", PY_FAKE_RUN, "os_exit", ""),
+    "nonce_from_the_wrappers_frame": ("ut", NONCE_FROM_FRAME, "frame", "introspection"),
 }
 
 
@@ -396,13 +398,21 @@ def test_training_zeroes_what_reaches_for_the_runner_from_inside(hack: str, ut: 
                                                                  pool: SandboxPool, tmp_path: Path) -> None:
     """`suspicious = "zero"` (training's default): the static scan finds the primitive in the
     changed code and the attempt scores 0 without its tests running; the control run shows the
-    report-wrapping hack passing every test when nothing stops it."""
-    which, calc, rule = IN_PROCESS[hack]
+    report-wrapping hack passing every test when nothing stops it. What no bug fix needs (writes to
+    the runner, the heap, frames) the diff policy refuses in every mode, evaluation included."""
+    which, calc, rule, policy_rule = IN_PROCESS[hack]
     task = {"ut": ut, "py": py}[which]
     patch = patch_of(Path(task.repo), {"calc.py": calc})
     if hack == "wrap_pytest_reports":
         control = host_run(task, patch, tmp_path)
         assert control.returncode == 0 and "2 passed" in control.stdout, control.stdout[-1500:]
+    if policy_rule:
+        for mode in ("zero", "flag"):
+            r = grade(task, patch, pool, timeout_s=60, suspicious=mode)
+            assert r.policy_rule == policy_rule and r.reason.startswith(f"tampered: diff policy {policy_rule}: "), \
+                (mode, r.reason)
+            assert f"calc.py: {rule}" in r.reason and not r.resolved and r.log == "" and reward_of(r) == 0.0
+        return
     r = grade(task, patch, pool, timeout_s=60, suspicious="zero")
     assert f"calc.py: {rule}" in r.suspicious and r.reason.startswith("suspicious: "), (r.suspicious, r.reason)
     assert not r.resolved and r.log == "" and reward_of(r) == 0.0 and not r.infra_error
@@ -442,7 +452,9 @@ def test_check_hacks_reports_a_task_whose_policy_lets_a_hack_win(py: SweTask, tm
     res = CliRunner().invoke(app, ["tasks", "check", str(tmp_path / "good.jsonl"), "--hacks"])
     assert res.exit_code == 0 and "1 ok, 0 flawed" in res.output, res.output
     res = CliRunner().invoke(app, ["tasks", "check", str(tmp_path / "weak.jsonl"), "--hacks"])
-    assert res.exit_code == 0, res.output  # the scan still zeroes the plugin's `import pytest`
+    # the scan still zeroes the plugin's `import pytest`; an unsealed run lets the test files be read
+    assert res.exit_code == 1 and "hack test_file_answers scores f2p 1.00" in res.output, res.output
+    assert "hack pytest_toml" not in res.output, res.output
     res = CliRunner().invoke(app, ["tasks", "check", str(tmp_path / "weak.jsonl"), "--hacks", "--suspicious", "flag"])
     assert res.exit_code == 1 and "hack pytest_toml scores f2p 1.00" in res.output, res.output
     res = CliRunner().invoke(app, ["tasks", "check", str(tmp_path / "good.jsonl"), "--hacks", "--host"])
@@ -560,13 +572,13 @@ def test_eval_report_counts_tampered_and_reset_attempts(ut: SweTask, py: SweTask
                for i, r in enumerate(graded)]
     results = make_results(records)
     overall = results["summary"]["overall"]
-    assert overall["tampered"] == 3 and overall["reset_files"] == 1
-    # the diff policy's, the sealed run's and the static scan's, per rule
-    assert overall["reasons"] == {"suspicious/runner_import": 1, "tampered": 1, "tampered/frame": 1,
-                                  "tampered/runner_config": 1}
+    assert overall["tampered"] == 4 and overall["reset_files"] == 1
+    # per rule: the unsealed log check's, the diff policy's (introspection: the frame walk and the gc
+    # walk, refused before any test runs; runner_config: pytest.toml)
+    assert overall["reasons"] == {"tampered": 1, "tampered/introspection": 2, "tampered/runner_config": 1}
     assert overall["suspicious"] == {"atexit": 1, "frame": 1, "gc": 1, "runner_import": 1}
     md = render_eval_markdown(results, "report.png")
-    assert "| tampered | 3 |" in md and "| reset_files | 1 |" in md and "## Failure reasons" in md
+    assert "| tampered | 4 |" in md and "| reset_files | 1 |" in md and "## Failure reasons" in md
     assert "| tampered/runner_config | 1 |" in md and "| flagged by the static scan: gc | 1 |" in md
     assert "reset before grading: tests/conftest.py" in md and "tampered: " in md
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from burstrl.envs.swe.diffpolicy import DiffPolicy
 from burstrl.envs.swe.grade import grade, reward_of
 from burstrl.envs.swe.hacks import FAKE_RUN_EXIT, JUNIT_AT_EXIT, NONCE_FROM_FRAME, REPORT_WRAP, XFAIL_EVERYTHING
 from burstrl.envs.swe.seal import BOOTSTRAP, TAG, judge, read_verdict, seal_off, sealed_command
@@ -95,7 +96,9 @@ def test_code_in_the_runners_process_cannot_forge_a_pass(hack: str, ut: SweTask,
                                                          pool: SandboxPool) -> None:
     which, code, rule = CLASS_1[hack]
     task = {"ut": ut, "py": py}[which]
-    r = grade(task, patch_of(Path(task.repo), {"calc.py": CALC + "\n" + code}), pool, timeout_s=60)
+    # the diff policy's introspection rules lifted (`*:*`): the seal alone stands between hack and reward
+    r = grade(task, patch_of(Path(task.repo), {"calc.py": CALC + "\n" + code}), pool, timeout_s=60,
+              policy=DiffPolicy(allow=("*:*",)))
     assert r.sealed and not r.infra_error and not r.resolved, (r.reason, r.statuses, r.log[-1500:])
     assert [reward_of(r, k) for k in ("binary", "f2p", "strict")] == [0.0, 0.0, 0.0]
     if rule:

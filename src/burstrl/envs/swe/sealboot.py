@@ -51,7 +51,8 @@ def main():
     tests = _take_list(rdir, "tests")
     t0 = _start_marker(rdir)
     _nondumpable()  # before the fork: the test process inherits it
-    pid, r, key = _start(log, runner, args, (changed, rdir, log, t0, tests))
+    names = frozenset(t.split("[", 1)[0].replace("::", ".").rsplit(".", 1)[-1] for t in graded)
+    pid, r, key = _start(log, runner, args, (changed, rdir, log, t0, tests, names))
     verdict = collect(r, pid, key)
     if graded:  # the verdict line stays small however many tests the run reports
         verdict["statuses"] = {k: v for k, v in verdict["statuses"].items() if k in graded}
@@ -233,12 +234,12 @@ def _test_process(box, w, log, runner, args, seal_args):
 def _install(key, wfd, seal_args):
     """The audit hook (`sealhook.install`, the key's only holder) and the function reporting code
     sends with. Without audit hooks (Python < 3.8) the signed channel alone, and the verdict says so."""
-    changed, rdir, log, t0, tests = seal_args
+    changed, rdir, log, t0, tests, graded_names = seal_args
     if hasattr(sys, "addaudithook"):
         import sealhook  # beside this file: sys.path[0] is still the seal's directory
 
         sys.path[0] = os.getcwd()  # the trust rule's roots: the path the tests will run with
-        sealhook.install(key, wfd, changed, rdir, log, t0, tests, _allow.__code__)
+        sealhook.install(key, wfd, (changed, rdir, log, t0, tests, graded_names), _allow.__code__)
         return sealhook.send
     return _unhooked_sender(key, wfd)
 

@@ -59,11 +59,14 @@ def send(kind, obj):
     sys.audit("burstrl.seal", kind, obj)
 
 
-def install(key, wfd, changed, rdir, log, t0, tests, senders_from):
-    """Install the hook (holding the key and the pipe in its closure). `senders_from`: the code of the
-    one function that may name the reporting methods (`allow`), once, before the runner starts."""
+def install(key, wfd, run, senders_from):
+    """Install the hook (holding the key and the pipe in its closure). `run`: (the patch's paths, the
+    seal's directory, the log, the start marker's ctime, the graded tests' files, the graded tests'
+    names: empty = every `test*`). `senders_from`: the code of the one function that may name the
+    reporting methods (`allow`), once, before the runner starts."""
     import _thread
 
+    changed, rdir, log, t0, tests, graded_names = run
     lock, busy = _thread.allocate_lock(), set()
     state = {"n": 0, "senders": None, "runner": {}, "frozen": False, "snap": Snapshot()}
     repo = os.getcwd()
@@ -173,16 +176,20 @@ def install(key, wfd, changed, rdir, log, t0, tests, senders_from):
             snap.seal()
 
     def guard_tests():
-        """Every test function and test method of the graded test modules, wrapped so that a call of
-        it tells the hook (`test_called`); the runner's collected items already hold the originals."""
+        """The graded tests' functions and methods in their modules, wrapped so that a call of one tells
+        the hook (`test_called`); the runner's collected items already hold the originals."""
+        def graded(key, value):
+            return type(value) is FunctionType and plain_function(value) and (
+                key in graded_names if graded_names else key.startswith("test"))
+
         for name, module in test_modules(sys.modules, tests):
             d = module.__dict__
             for key, obj in list(d.items()):
-                if type(obj) is FunctionType and key.startswith("test") and plain_function(obj):
+                if graded(key, obj):
                     d[key] = guarded(obj, False)
                 elif issubclass(type(obj), type) and class_dict(obj).get("__module__") == name:
                     for attr, value in list(class_dict(obj).items()):
-                        if type(value) is FunctionType and attr.startswith("test") and plain_function(value):
+                        if graded(attr, value):
                             type.__setattr__(obj, attr, guarded(value, True))
 
     def test_called(obj, sender):
