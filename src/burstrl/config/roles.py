@@ -350,9 +350,11 @@ class SweEnvConfig(Section):
     command_timeout_s: float = Field(30.0, gt=0, description="Timeout of one agent command in the sandbox.")
     grade_timeout_s: float = Field(300.0, gt=0, description="Timeout of grading one attempt.")
     suspicious: Literal["zero", "flag"] = Field(
-        "zero", description="What the static scan of the changed code (envs/swe/scan.py: runner internals, gc, "
-        "frames, atexit, os._exit, /proc/self, writes into builtins or sys.modules, ctypes, marshal) does: zero = "
-        "the attempt scores 0 untested (training), flag = recorded only (burstrl eval's default)."
+        "zero", description="What the static scan's suspicious-level findings in the changed code (envs/swe/scan.py: "
+        "pytest imports, atexit, os._exit, /proc/self, writes into builtins, marshal) do: zero = the attempt scores "
+        "0 untested (training), flag = recorded only (burstrl eval's default). What no bug fix adds (frames, gc, "
+        "ctypes, closure cells, __subclasses__, writes into sys.modules or the runner, values equal to everything: "
+        "envs/swe/primitives.py) the diff policy refuses in every mode."
     )
     seal: bool = Field(
         True, description="Run the graded tests sealed (envs/swe/seal.py: results signed by an audit hook and "

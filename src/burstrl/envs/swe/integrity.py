@@ -55,10 +55,12 @@ report and marker then all agree), or dig the end-marker nonce out of the wrappe
 process that must write to it, nor a value from code in the same interpreter. A command the
 wrapper does not reproduce (`cd sub && pytest`, `tox`, a custom runner) gets no end marker, and a
 runner other than pytest gets no report cross-check. Those attacks need deliberate code aimed at
-the harness's internals, so the static scan (`scan.py`, AST of the changed files) records what the
-patch adds of a forgery's primitives (runner internals, `gc`, frames, `atexit`, `os._exit`,
-`/proc/self`, writes into `builtins` / `sys.modules`, `ctypes`, `marshal`), and under
-`orchestrator.swe.suspicious = "zero"` (training's default) such an attempt scores 0. The
+the harness's internals, so the static scan (AST of the changed files) refuses in every mode what
+no bug fix adds (`primitives.py`: frames, `gc`, `ctypes`, closure cells, `__subclasses__`, writes
+into `sys.modules` or the runner, values that equal everything, imports of the tests), and records
+the rest of a forgery's primitives (`scan.py`: `atexit`, `os._exit`, `/proc/self`, writes into
+`builtins`, `marshal`, pytest imports), which under `orchestrator.swe.suspicious = "zero"`
+(training's default) score 0 too. The
 sealed run (`seal.py`) closes these channels for the commands it can run (a plain
 `python -m pytest|unittest`, the runner not the code under test): results signed by an audit hook
 and collected out of the code's reach, the primitives above refused; the channels here then serve
