@@ -20,7 +20,7 @@ from typing import Any
 from burstrl.envs.functions.cases import Case, task_cases
 from burstrl.envs.functions.grade import GRADE_TIMEOUT_S, FunctionResult, grade, job_files, score, stub_source
 from burstrl.envs.functions.tasks import apply_patch
-from burstrl.envs.swe.check import MAX_PROBLEMS, CheckResult
+from burstrl.envs.swe.checkresult import MAX_PROBLEMS, CheckResult
 from burstrl.envs.swe.task import SweTask, TaskError
 
 Grader = Callable[[SweTask, str], FunctionResult]

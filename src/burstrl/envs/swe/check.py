@@ -21,11 +21,11 @@ import subprocess
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from burstrl.envs.swe import diffpolicy
+from burstrl.envs.swe.checkresult import MAX_PROBLEMS, CheckResult
 from burstrl.envs.swe.diffpolicy import DiffPolicy
 from burstrl.envs.swe.grade import base_tar, grade, graded_test_files, patch_paths
 from burstrl.envs.swe.integrity import harness_files, runner_error
@@ -33,19 +33,6 @@ from burstrl.envs.swe.repo import export_base
 from burstrl.envs.swe.screen import test_dirs
 from burstrl.envs.swe.task import SweTask
 from burstrl.envs.swe.testlog import EXPECTED, parse_test_log, status_of
-
-MAX_PROBLEMS = 12
-
-
-@dataclass
-class CheckResult:
-    instance_id: str
-    ok: bool
-    problems: list[str] = field(default_factory=list)
-    seconds: float = 0.0
-    at_base: dict[str, str] = field(default_factory=dict)  # test id -> status, test patch applied
-    at_gold: dict[str, str] = field(default_factory=dict)  # ... and the gold patch too
-
 
 # (command, cwd) -> (exit code, output); one per place the steps run.
 Exec = Callable[[str, str], tuple[int, str]]
