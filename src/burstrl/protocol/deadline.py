@@ -1,0 +1,276 @@
+"""Outgoing HTTP calls with an overall deadline, and one error type for every way they fail.
+
+Why (issue 49): httpx's timeouts are per read, so a peer that answers one byte a second never times
+out: a scrape, a health check or a relayed call to it waits as long as it drips, and whatever waits on
+that call (a control loop, a lock, the shared executor) waits too. Every outgoing call of the router,
+orchestrator and adapters goes through here instead, so no peer's answer can hold its caller past a
+deadline the caller chose:
+
+- `afetch` / `fetch`: a whole call (connect, request, response headers and body) within `deadline`
+  seconds, the body at most `max_bytes`; the answer as a `Reply` (any status: the caller judges it).
+- `aopen` + `achunks` (async) and `open_stream` + `chunks` (sync): a streamed answer whose headers
+  come within `header_deadline` and whose body chunks come at most `gap` seconds apart (optionally
+  all within `deadline`): a long generation is fine, a stalled one is cut.
+- every failure (timeout, refused or reset connection, protocol error, an answer over `max_bytes`)
+  raises `CallFailed`, with `timed_out` set for a deadline; callers catch one type.
+
+Async calls are bounded by cancellation (`asyncio.timeout`), so any `httpx.AsyncClient` works. A sync
+call cannot be cancelled, so its bound is in the sockets: `sync_client` makes a client whose every
+read, write and connect waits at most until the call's deadline; `fetch` refuses other clients
+(a plain `httpx.Client` would silently be unbounded again).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import time
+import weakref
+from collections.abc import AsyncIterator, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpcore
+import httpx
+
+# The monotonic time by which the current sync call's socket operations must end (None: unbounded).
+_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar("burstrl_http_deadline", default=None)
+_BOUNDED: weakref.WeakSet[httpx.Client] = weakref.WeakSet()  # clients made by `sync_client`
+
+
+class CallFailed(Exception):
+    """An outgoing HTTP call that got no usable answer: timed out, failed to connect, broke, or was too long.
+
+    `timed_out` says the call ran past its deadline (or a stream past its gap), `too_large` that the
+    answer passed `max_bytes`; `url` names the peer so a caller's log and metric can say whom.
+    """
+
+    def __init__(self, url: str, reason: str, timed_out: bool = False, too_large: bool = False) -> None:
+        super().__init__(f"{url}: {reason}")
+        self.url, self.reason, self.timed_out, self.too_large = url, reason, timed_out, too_large
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A whole answer: its status, headers and body (at most the call's `max_bytes`)."""
+
+    status: int
+    headers: httpx.Headers
+    body: bytes
+
+    def json(self) -> Any:
+        """The body as JSON; a body that is not JSON raises ValueError (the caller's bad answer, not a transport failure)."""
+        import json
+
+        return json.loads(self.body)
+
+
+# --- async --------------------------------------------------------------------------------------
+
+
+async def afetch(client: httpx.AsyncClient, method: str, url: str, *, deadline: float,
+                 max_bytes: int | None = None, **kwargs: Any) -> Reply:
+    """One whole call within `deadline` seconds (connect to last body byte); `kwargs` go to `client.stream`."""
+    try:
+        async with asyncio.timeout(deadline):
+            async with client.stream(method, url, **kwargs) as response:
+                body = await _aread(response, url, max_bytes)
+                return Reply(response.status_code, response.headers, body)
+    except TimeoutError:
+        raise CallFailed(url, f"no whole answer within the {deadline:g} s deadline", timed_out=True) from None
+    except httpx.HTTPError as exc:
+        raise _failed(url, exc) from None
+
+
+async def aopen(client: httpx.AsyncClient, request: httpx.Request, *, header_deadline: float) -> httpx.Response:
+    """Send `request` and return its response once the headers are in (within `header_deadline`), body unread.
+
+    The caller owns the response: read it with `achunks` and close it (`aclose`) however it ends.
+    """
+    url = str(request.url)
+    try:
+        async with asyncio.timeout(header_deadline):
+            return await client.send(request, stream=True)
+    except TimeoutError:
+        raise CallFailed(url, f"no answer headers within the {header_deadline:g} s deadline", timed_out=True) from None
+    except httpx.HTTPError as exc:
+        raise _failed(url, exc) from None
+
+
+async def achunks(response: httpx.Response, *, gap: float, deadline: float | None = None) -> AsyncIterator[bytes]:
+    """The raw body of an open response, chunk by chunk, each within `gap` seconds of the last (and all
+    within `deadline` seconds from now, if given); a stall or a broken stream raises `CallFailed`."""
+    url, end = str(response.request.url), None if deadline is None else time.monotonic() + deadline
+    chunks = response.aiter_raw()
+    while True:
+        wait = gap if end is None else min(gap, end - time.monotonic())
+        try:
+            async with asyncio.timeout(max(wait, 0.0)):
+                chunk = await anext(chunks)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise CallFailed(url, f"stream stalled: no data within {wait:g} s", timed_out=True) from None
+        except httpx.HTTPError as exc:
+            raise _failed(url, exc) from None
+        yield chunk
+
+
+async def _aread(response: httpx.Response, url: str, max_bytes: int | None) -> bytes:
+    """The body, refused as soon as it (or its declared length) passes `max_bytes`."""
+    _check_length(response, url, max_bytes)
+    body = bytearray()
+    async for chunk in response.aiter_raw():
+        body += chunk
+        if max_bytes is not None and len(body) > max_bytes:
+            raise _too_large(url, max_bytes)
+    return bytes(body)
+
+
+# --- sync ---------------------------------------------------------------------------------------
+
+
+def sync_client(**kwargs: Any) -> httpx.Client:
+    """An `httpx.Client` whose sockets honour `fetch`'s deadlines; `kwargs` go to `httpx.Client`
+    (`transport`, `mounts` and `proxy` are refused: the bound lives in this client's own transport)."""
+    for name in ("transport", "mounts", "proxy"):
+        if name in kwargs:
+            raise TypeError(f"sync_client makes its own transport; {name!r} is not supported")
+    transport_args = {k: kwargs[k] for k in ("verify", "limits", "http1", "http2", "trust_env") if k in kwargs}
+    transport = httpx.HTTPTransport(**transport_args)
+    pool = transport._pool  # httpx gives no other way to choose the network backend
+    pool._network_backend = _DeadlineBackend(pool._network_backend)
+    client = httpx.Client(transport=transport, **kwargs)
+    _BOUNDED.add(client)
+    return client
+
+
+def fetch(client: httpx.Client, method: str, url: str, *, deadline: float,
+          max_bytes: int | None = None, **kwargs: Any) -> Reply:
+    """`afetch` for sync code: one whole call within `deadline` seconds; `client` from `sync_client`."""
+    _require_bounded(client)
+    token = _DEADLINE.set(time.monotonic() + deadline)
+    try:
+        with client.stream(method, url, **kwargs) as response:
+            _check_length(response, url, max_bytes)
+            body = bytearray()
+            for chunk in response.iter_raw():
+                body += chunk
+                if max_bytes is not None and len(body) > max_bytes:
+                    raise _too_large(url, max_bytes)
+            return Reply(response.status_code, response.headers, bytes(body))
+    except httpx.HTTPError as exc:
+        raise _failed(url, exc, deadline) from None
+    finally:
+        _DEADLINE.reset(token)
+
+
+def open_stream(client: httpx.Client, request: httpx.Request, *, header_deadline: float) -> httpx.Response:
+    """`aopen` for sync code: the response once its headers are in; the caller reads it with `chunks`
+    and closes it."""
+    _require_bounded(client)
+    token = _DEADLINE.set(time.monotonic() + header_deadline)
+    try:
+        return client.send(request, stream=True)
+    except httpx.HTTPError as exc:
+        raise _failed(str(request.url), exc, header_deadline) from None
+    finally:
+        _DEADLINE.reset(token)
+
+
+def chunks(response: httpx.Response, *, gap: float, deadline: float | None = None) -> Iterator[bytes]:
+    """`achunks` for sync code (a response from `open_stream`)."""
+    url, end = str(response.request.url), None if deadline is None else time.monotonic() + deadline
+    raw = response.iter_raw()
+    while True:
+        limit = time.monotonic() + gap if end is None else min(time.monotonic() + gap, end)
+        token = _DEADLINE.set(limit)
+        try:
+            chunk = next(raw)
+        except StopIteration:
+            return
+        except httpx.HTTPError as exc:
+            raise _failed(url, exc, gap) from None
+        finally:
+            _DEADLINE.reset(token)
+        yield chunk
+
+
+def _require_bounded(client: httpx.Client) -> None:
+    if client not in _BOUNDED:
+        raise TypeError("a sync call with a deadline needs a client from deadline.sync_client()")
+
+
+class _DeadlineStream(httpcore.NetworkStream):
+    """A socket whose every read and write waits at most until the current call's deadline."""
+
+    def __init__(self, inner: httpcore.NetworkStream) -> None:
+        self._inner = inner
+
+    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        return self._inner.read(max_bytes, _clamp(timeout))
+
+    def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        self._inner.write(buffer, _clamp(timeout, write=True))
+
+    def close(self) -> None:
+        self._inner.close()
+
+    def start_tls(self, ssl_context: Any, server_hostname: str | None = None,
+                  timeout: float | None = None) -> httpcore.NetworkStream:
+        return _DeadlineStream(self._inner.start_tls(ssl_context, server_hostname, _clamp(timeout)))
+
+    def get_extra_info(self, info: str) -> Any:
+        return self._inner.get_extra_info(info)
+
+
+class _DeadlineBackend(httpcore.NetworkBackend):
+    """The default backend, its streams wrapped in `_DeadlineStream` and its connects clamped too."""
+
+    def __init__(self, inner: httpcore.NetworkBackend) -> None:
+        self._inner = inner
+
+    def connect_tcp(self, host: str, port: int, timeout: float | None = None, local_address: str | None = None,
+                    socket_options: Iterable[Any] | None = None) -> httpcore.NetworkStream:
+        return _DeadlineStream(self._inner.connect_tcp(host, port, _clamp(timeout, connect=True),
+                                                       local_address, socket_options))
+
+    def connect_unix_socket(self, path: str, timeout: float | None = None,
+                            socket_options: Iterable[Any] | None = None) -> httpcore.NetworkStream:
+        return _DeadlineStream(self._inner.connect_unix_socket(path, _clamp(timeout, connect=True), socket_options))
+
+    def sleep(self, seconds: float) -> None:
+        self._inner.sleep(seconds)
+
+
+def _clamp(timeout: float | None, write: bool = False, connect: bool = False) -> float | None:
+    """`timeout`, cut to what is left of the current call's deadline; none left raises the matching timeout."""
+    end = _DEADLINE.get()
+    if end is None:
+        return timeout
+    left = end - time.monotonic()
+    if left <= 0:
+        kind = httpcore.ConnectTimeout if connect else httpcore.WriteTimeout if write else httpcore.ReadTimeout
+        raise kind("deadline passed")
+    return left if timeout is None else min(timeout, left)
+
+
+# --- shared -------------------------------------------------------------------------------------
+
+
+def _check_length(response: httpx.Response, url: str, max_bytes: int | None) -> None:
+    length = response.headers.get("content-length", "")
+    if max_bytes is not None and length.isdigit() and int(length) > max_bytes:
+        raise _too_large(url, max_bytes)
+
+
+def _too_large(url: str, max_bytes: int) -> CallFailed:
+    return CallFailed(url, f"answer over {max_bytes} bytes", too_large=True)
+
+
+def _failed(url: str, exc: httpx.HTTPError, deadline: float | None = None) -> CallFailed:
+    """The one error for a transport failure; a timeout names the deadline it passed."""
+    if isinstance(exc, httpx.TimeoutException):
+        within = f" within the {deadline:g} s deadline" if deadline is not None else ""
+        return CallFailed(url, f"no answer{within} ({type(exc).__name__})", timed_out=True)
+    return CallFailed(url, f"{type(exc).__name__}: {exc}")
