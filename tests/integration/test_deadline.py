@@ -1,4 +1,4 @@
-"""`protocol.deadline` against a real loopback server that drips, stalls or answers too much (issue 49).
+"""`burstrl.deadline` against a real loopback server that drips, stalls or answers too much (issue 49).
 
 Why a raw socket server: the failure is httpx's per-read timeout, which a peer defeats by sending one
 byte per read; only a real socket shows whether a call ends by its deadline. Each case asserts an upper
@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from burstrl.protocol.deadline import (
+from burstrl.deadline import (
     CallFailed,
     achunks,
     afetch,

@@ -19,7 +19,7 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 PACKAGE = SRC / "burstrl"
 
 # Shared foundations: anyone may import them; they import no role package.
-FOUNDATIONS = {"burstrl", "atomic", "config", "protocol"}
+FOUNDATIONS = {"burstrl", "atomic", "config", "deadline", "protocol"}
 # Arrows between role packages (foundations left out). Keep in step with docs/architecture.md.
 ALLOWED: dict[str, set[str]] = {
     "cli": {"envs", "eval", "inference", "launcher", "model", "orchestrator", "router", "sandbox", "store",

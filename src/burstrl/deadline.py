@@ -198,7 +198,7 @@ def chunks(response: httpx.Response, *, gap: float, deadline: float | None = Non
 
 def _require_bounded(client: httpx.Client) -> None:
     if client not in _BOUNDED:
-        raise TypeError("a sync call with a deadline needs a client from deadline.sync_client()")
+        raise TypeError("a sync call with a deadline needs a client from burstrl.deadline.sync_client()")
 
 
 class _DeadlineStream(httpcore.NetworkStream):
