@@ -9,10 +9,12 @@ one frame, `{"type": "observation", "data": {"observation": {...}, "reward": x, 
 `{"type": "error", "data": {"message": ..., "code": ...}}`. HTTP `/reset` and `/step` are stateless
 (each builds a fresh environment), so episodes need the socket.
 
-Everything the server sends is hostile input: frames are bounded in size (`max_size`, the socket is
-closed past it) and in time (each answer within `timeout_s`), and must have the documented shape.
-A fault of the server or the connection is an `InfraError` (the attempt re-runs); the server
-refusing or failing on the model's action is `ActionRejected` (the model's failure, scored).
+Everything the server sends is hostile input: messages are bounded in size (`max_size`, the socket is
+closed past it), in frames (`MAX_FRAMES`: the memory one message costs, not only its bytes) and in
+time (each answer within `timeout_s`), and must have the documented shape. Every failure of the
+transport, whatever the library raises, is an `InfraError` (the attempt re-runs, or after the
+model's action is scored as its failure); the server refusing or failing on the model's action is
+`ActionRejected` (the model's failure, scored).
 """
 
 from __future__ import annotations
@@ -27,7 +29,10 @@ from urllib.parse import urlsplit
 
 import httpx
 from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import ConnectionClosed, WebSocketException
+from websockets.client import ClientProtocol
+from websockets.exceptions import ConnectionClosed, ProtocolError
+from websockets.frames import OP_BINARY, OP_CONT, OP_TEXT, Frame
+from websockets.sync.client import ClientConnection as SyncClientConnection
 
 from burstrl.envs.base import InfraError
 
@@ -36,6 +41,12 @@ SCHEMES = {"http": "ws", "https": "wss", "ws": "http", "wss": "https"}
 ACTION_ERRORS = ("VALIDATION_ERROR", "EXECUTION_ERROR")
 MAX_QUEUE = 4  # frames buffered unread; the server answers one per request, so more is a bad server
 TEXT_LIMIT = 300  # characters of a server's error text kept in an exception
+# Frames one message may take (its fragments and any control frames between them). websockets parses
+# every frame a read brings (up to 256 KiB: ~87,000 one-byte fragments) into a ~200-byte object and
+# keeps them all until the message is whole; its `max_size` counts payload bytes only, so a 900 KB
+# message in one-byte fragments cost ~190 MB. A server's framework sends a message as one frame.
+MAX_FRAMES = 1024
+DATA_OPCODES = (OP_TEXT, OP_BINARY, OP_CONT)
 
 
 class ActionRejected(Exception):
@@ -142,10 +153,58 @@ def probe(ep: Endpoint, timeout_s: float, max_bytes: int) -> None:
     fetch_action_schema(ep, timeout_s, max_bytes)
     try:
         with connect_sync(ep.ws, open_timeout=timeout_s, close_timeout=timeout_s, compression=None, proxy=None,
-                          max_size=max_bytes) as ws:
+                          max_size=max_bytes, create_connection=BoundedSyncConnection) as ws:
             ws.send(json.dumps({"type": "close"}))
-    except (OSError, TimeoutError, WebSocketException) as exc:
+    except Exception as exc:  # noqa: BLE001  (any failure of the transport is the server's: see EnvSocket._ask)
         raise ValueError(f"{ep.ws}: no OpenEnv WebSocket endpoint ({type(exc).__name__}: {short(exc)})") from None
+
+
+class FrameBudget:
+    """Stands in for a connection's `recv_frame`: fails the connection once a message takes more than
+    `limit` frames. In the protocol, not after it, so the parser stops at the frame that passes the
+    limit instead of building every frame of the read first."""
+
+    def __init__(self, recv_frame: Any, limit: int = MAX_FRAMES) -> None:
+        self.recv_frame, self.limit, self.count = recv_frame, limit, 0
+        self.exceeded = False
+
+    def __call__(self, frame: Frame) -> None:
+        self.count += 1
+        if self.count > self.limit:  # the parser turns this into a failed connection (close code 1002)
+            self.exceeded = True
+            raise ProtocolError(f"the server sent more than {self.limit} frames in one message")
+        self.recv_frame(frame)
+        if frame.fin and frame.opcode in DATA_OPCODES:
+            self.count = 0  # a whole message: the next one starts afresh
+
+
+def bound_frames(protocol: ClientProtocol) -> FrameBudget:
+    """Put a FrameBudget in front of `protocol`'s frame handling (the parser calls self.recv_frame)."""
+    budget = protocol.recv_frame = FrameBudget(protocol.recv_frame)  # type: ignore[method-assign]
+    return budget
+
+
+class BoundedConnection(ClientConnection):
+    """An asyncio client connection whose messages are bounded in frames (`MAX_FRAMES`)."""
+
+    def __init__(self, protocol: ClientProtocol, **kwargs: Any) -> None:
+        self.budget = bound_frames(protocol)
+        super().__init__(protocol, **kwargs)
+
+    def data_received(self, data: bytes) -> None:
+        """Past the budget, drop the connection at once: websockets would wait `close_timeout` for the
+        server to answer its close frame before a pending `recv` learns the connection failed."""
+        super().data_received(data)
+        if self.budget.exceeded:
+            self.transport.abort()
+
+
+class BoundedSyncConnection(SyncClientConnection):
+    """The same bound for the threaded client of `probe` (which reads nothing but the closing handshake)."""
+
+    def __init__(self, sock: Any, protocol: ClientProtocol, **kwargs: Any) -> None:
+        bound_frames(protocol)
+        super().__init__(sock, protocol, **kwargs)
 
 
 def parse_frame(raw: Any, during: str) -> StepResult:
@@ -219,8 +278,8 @@ class EnvSocket:
         """
         try:
             ws = await connect(url, compression=None, proxy=None, open_timeout=timeout_s, close_timeout=timeout_s,
-                               max_size=max_frame_bytes, max_queue=MAX_QUEUE)
-        except (OSError, asyncio.TimeoutError, WebSocketException) as exc:
+                               max_size=max_frame_bytes, max_queue=MAX_QUEUE, create_connection=BoundedConnection)
+        except Exception as exc:  # noqa: BLE001  (see _ask)
             raise InfraError(f"cannot open {url}: {type(exc).__name__}: {short(exc)}") from None
         return cls(ws, timeout_s)
 
@@ -231,15 +290,22 @@ class EnvSocket:
         return parse_frame(await self._ask({"type": "step", "data": action}, "step"), "step")
 
     async def _ask(self, message: dict[str, Any], during: str) -> Any:
-        """Send one request and read its one answer within `timeout_s` (InfraError otherwise)."""
+        """Send one request and read its one answer within `timeout_s` (InfraError otherwise).
+
+        Every exception of the transport is an InfraError, not only the ones websockets documents: a
+        server can drive the library into states it asserts against (a fragmented message cut by the
+        timeout once raised "cannot reset() while queue isn't empty"), and an exception out of
+        `rollout` would read as a bug of the orchestrator and stop the run.
+        """
         if self.broken:
             raise InfraError(f"{during}: the connection already failed")
         self.broken = True  # until the answer is in
+        text = json.dumps(message, allow_nan=False)  # the adapter's own data: a failure here is a bug
         try:
-            raw = await asyncio.wait_for(self._exchange(json.dumps(message, allow_nan=False)), self.timeout_s)
+            raw = await asyncio.wait_for(self._exchange(text), self.timeout_s)
         except asyncio.TimeoutError:
             raise InfraError(f"{during}: no answer from the server within {self.timeout_s:g} s") from None
-        except (OSError, WebSocketException) as exc:
+        except Exception as exc:  # noqa: BLE001
             raise InfraError(f"{during}: the connection failed ({type(exc).__name__}: {short(exc)})") from None
         self.broken = False
         return raw
@@ -252,15 +318,22 @@ class EnvSocket:
         return await self.ws.recv()
 
     async def close(self) -> None:
-        """Say `close` (the server then drops the session) and wait for the closing handshake, bounded;
-        a failed connection is just closed."""
+        """Say `close` (the server then drops the session) and wait for the closing handshake, bounded.
+
+        A failed connection is dropped at once: its stream may be out of step (a message cut by a
+        timeout) and a server that misbehaved gets no `close_timeout` more of the attempt's time.
+        """
+        if self.broken:
+            self.ws.transport.abort()
+            return
         try:
-            if not self.broken:
-                await asyncio.wait_for(self.ws.send(json.dumps({"type": "close"})), self.timeout_s)
-        except (OSError, asyncio.TimeoutError, WebSocketException):
-            pass
-        finally:
-            await self.ws.close()  # bounded by close_timeout; never raises on a dead peer
+            await asyncio.wait_for(self.ws.send(json.dumps({"type": "close"})), self.timeout_s)
+            await self.ws.close()  # bounded by close_timeout
+        except Exception:  # noqa: BLE001  (nothing more is read from this connection)
+            self.ws.transport.abort()
+        except BaseException:  # cancelled: drop the connection all the same
+            self.ws.transport.abort()
+            raise
 
     async def __aenter__(self) -> EnvSocket:
         return self
