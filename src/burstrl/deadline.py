@@ -12,7 +12,8 @@ deadline the caller chose:
   come within `header_deadline` and whose body chunks come at most `gap` seconds apart (optionally
   all within `deadline`): a long generation is fine, a stalled one is cut.
 - every failure (timeout, refused or reset connection, protocol error, an answer over `max_bytes`)
-  raises `CallFailed`, with `timed_out` set for a deadline; callers catch one type.
+  raises `CallFailed`, whose `kind` (refused, broken, timeout, too_large) is what a caller's policy
+  needs (retry elsewhere, drop the peer, answer 504); callers catch one type.
 
 Async calls are bounded by cancellation (`asyncio.timeout`), so any `httpx.AsyncClient` works. A sync
 call cannot be cancelled, so its bound is in the sockets: `sync_client` makes a client whose every
@@ -39,15 +40,36 @@ _BOUNDED: weakref.WeakSet[httpx.Client] = weakref.WeakSet()  # clients made by `
 
 
 class CallFailed(Exception):
-    """An outgoing HTTP call that got no usable answer: timed out, failed to connect, broke, or was too long.
+    """An outgoing HTTP call that got no usable answer, with `kind` saying how, for the caller's policy:
 
-    `timed_out` says the call ran past its deadline (or a stream past its gap), `too_large` that the
-    answer passed `max_bytes`; `url` names the peer so a caller's log and metric can say whom.
+    - "refused": no connection was made (refused, unreachable, connect timeout): the call never reached
+      the peer, so it is safe to send again, elsewhere or later;
+    - "broken": the connection broke or the answer was not HTTP: the peer may have run the call;
+    - "timeout": the call passed its deadline (or a stream its gap between chunks);
+    - "too_large": the answer passed `max_bytes`.
+
+    `url` names the peer so a caller's log and metric can say whom.
     """
 
-    def __init__(self, url: str, reason: str, timed_out: bool = False, too_large: bool = False) -> None:
+    KINDS = ("refused", "broken", "timeout", "too_large")
+
+    def __init__(self, url: str, reason: str, kind: str = "broken") -> None:
+        assert kind in self.KINDS, kind
         super().__init__(f"{url}: {reason}")
-        self.url, self.reason, self.timed_out, self.too_large = url, reason, timed_out, too_large
+        self.url, self.reason, self.kind = url, reason, kind
+
+    @property
+    def timed_out(self) -> bool:
+        return self.kind == "timeout"
+
+    @property
+    def too_large(self) -> bool:
+        return self.kind == "too_large"
+
+    @property
+    def never_sent(self) -> bool:
+        """The call never reached the peer (safe to retry)."""
+        return self.kind == "refused"
 
 
 @dataclass(frozen=True)
@@ -77,7 +99,7 @@ async def afetch(client: httpx.AsyncClient, method: str, url: str, *, deadline: 
                 body = await _aread(response, url, max_bytes)
                 return Reply(response.status_code, response.headers, body)
     except TimeoutError:
-        raise CallFailed(url, f"no whole answer within the {deadline:g} s deadline", timed_out=True) from None
+        raise CallFailed(url, f"no whole answer within the {deadline:g} s deadline", kind="timeout") from None
     except httpx.HTTPError as exc:
         raise _failed(url, exc) from None
 
@@ -92,7 +114,7 @@ async def aopen(client: httpx.AsyncClient, request: httpx.Request, *, header_dea
         async with asyncio.timeout(header_deadline):
             return await client.send(request, stream=True)
     except TimeoutError:
-        raise CallFailed(url, f"no answer headers within the {header_deadline:g} s deadline", timed_out=True) from None
+        raise CallFailed(url, f"no answer headers within the {header_deadline:g} s deadline", kind="timeout") from None
     except httpx.HTTPError as exc:
         raise _failed(url, exc) from None
 
@@ -110,7 +132,7 @@ async def achunks(response: httpx.Response, *, gap: float, deadline: float | Non
         except StopAsyncIteration:
             return
         except TimeoutError:
-            raise CallFailed(url, f"stream stalled: no data within {wait:g} s", timed_out=True) from None
+            raise CallFailed(url, f"stream stalled: no data within {wait:g} s", kind="timeout") from None
         except httpx.HTTPError as exc:
             raise _failed(url, exc) from None
         yield chunk
@@ -265,12 +287,14 @@ def _check_length(response: httpx.Response, url: str, max_bytes: int | None) -> 
 
 
 def _too_large(url: str, max_bytes: int) -> CallFailed:
-    return CallFailed(url, f"answer over {max_bytes} bytes", too_large=True)
+    return CallFailed(url, f"answer over {max_bytes} bytes", kind="too_large")
 
 
 def _failed(url: str, exc: httpx.HTTPError, deadline: float | None = None) -> CallFailed:
     """The one error for a transport failure; a timeout names the deadline it passed."""
+    if isinstance(exc, httpx.ConnectTimeout | httpx.ConnectError):
+        return CallFailed(url, f"no connection ({type(exc).__name__}: {exc})", kind="refused")
     if isinstance(exc, httpx.TimeoutException):
         within = f" within the {deadline:g} s deadline" if deadline is not None else ""
-        return CallFailed(url, f"no answer{within} ({type(exc).__name__})", timed_out=True)
+        return CallFailed(url, f"no answer{within} ({type(exc).__name__})", kind="timeout")
     return CallFailed(url, f"{type(exc).__name__}: {exc}")

@@ -134,7 +134,7 @@ def test_afetch_answers_and_caps(base: str) -> None:
 
 def test_afetch_maps_a_refused_connection(base: str) -> None:
     _, result = asyncio.run(_afetch(f"http://127.0.0.1:{_free_port()}/", deadline=5))
-    assert isinstance(result, CallFailed) and not result.timed_out and "ConnectError" in result.reason
+    assert isinstance(result, CallFailed) and result.never_sent and "ConnectError" in result.reason
 
 
 async def _astream(url: str, header_deadline: float, gap: float) -> tuple[float, bytes | CallFailed]:
@@ -187,7 +187,7 @@ def test_fetch_answers_caps_and_maps(base: str) -> None:
     _, result = _fetch(base + "/big-chunked", deadline=5, max_bytes=100)
     assert isinstance(result, CallFailed) and result.too_large
     _, result = _fetch(f"http://127.0.0.1:{_free_port()}/", deadline=5)
-    assert isinstance(result, CallFailed) and not result.timed_out
+    assert isinstance(result, CallFailed) and result.never_sent
 
 
 def test_fetch_reuses_a_connection_under_a_new_deadline(base: str) -> None:
