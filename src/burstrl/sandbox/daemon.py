@@ -17,9 +17,14 @@ socket file removed), except when it is pid 1 (see `guard_signals`).
 
 Base environment: `--env-file FILE` (a JSON object of strings) or the env var SANDBOXD_ENV (the same
 JSON, removed from this process's env) is given to every command, under the request's `env`; that
-is how a backend passes `SandboxSpec.env` and an image's `Env`. With `--inherit-env` the daemon's
-own environment (read after SANDBOX_TOKEN and SANDBOXD_ENV are removed from it) is the base, under
-the JSON: for a backend that already sets the spec's env on the daemon process.
+is how every backend passes `SandboxSpec.env` and an image's `Env`. With `--inherit-env` the
+daemon's own environment (read after SANDBOX_TOKEN and SANDBOXD_ENV are removed from it) is the
+base, under the JSON: for local use only, since a runtime may add to a daemon's env (no backend
+uses it: a command's env is built from nothing, issue 49).
+
+Fds: every fd the daemon holds above 2 is marked close-on-exec at start and before each spawn
+(`guard.no_inherited_fds`), so a command gets only the fds its spawn names, never the listening
+socket handed over with `--listen-fd`.
 
 Holding against its own commands: at most `connections.MAX_CONNECTIONS` connections, a new one
 evicting the oldest connection that is not serving an authenticated request (so idle or half-sent
@@ -50,7 +55,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import burstrl
 from burstrl.sandbox.connections import ConnectionCap
-from burstrl.sandbox.guard import guard_signals, protect_self, reap_forever
+from burstrl.sandbox.guard import guard_signals, no_inherited_fds, protect_self, reap_forever
 from burstrl.sandbox.protocol import (
     ENDPOINTS,
     MAX_BODY,
@@ -350,6 +355,7 @@ def run_sandboxd(socket_path: Optional[str] = None, host: str = "127.0.0.1", por
     """Serve until /close (or SIGTERM/SIGINT, unless pid 1); print the ready line once listening."""
     if socket_path is None and port is None and listen_fd is None:
         raise ValueError("give --socket PATH, --listen-fd N or --port N for TCP")
+    no_inherited_fds()  # the fds a runtime handed over stay ours: a command gets only what its spawn names
     token = read_token(token_file, token_fd)  # first: it removes the token from the env a command may inherit
     runtime = Runtime(root=root, work_dir=work_dir or os.getcwd(), base_env=read_base_env(env_file, inherit_env),
                       cgroup_fd=cgroup_fd)

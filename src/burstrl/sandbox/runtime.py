@@ -34,7 +34,9 @@ dropped first: a thousand 1 MB outputs would otherwise OOM the daemon); an id wh
 dropped answers 410, never a second run.
 
 Environment. Every command gets `DEFAULT_ENV`, overlaid by the base env the daemon was started with
-(the sandbox spec's and the image's `Env`), overlaid by the request's `env`.
+(the sandbox spec's and the image's `Env`), overlaid by the request's `env`; nothing else but the
+PWD its shell sets (the shell's OLDPWD is unset). Backends hand the base env over as JSON
+(SANDBOXD_ENV), never as the daemon's own environment, which a runtime may add to.
 
 Protection (what an unprivileged daemon can do against its own commands). Given the commands'
 cgroup.procs (`cgroup_fd`, opened by the harness), every command moves itself into the commands'
@@ -63,7 +65,7 @@ from collections import OrderedDict
 from typing import Dict, List, Optional, Set, Tuple, Union
 
 from burstrl.sandbox.files import check_member, decode_content, extract_member, inside, open_regular, os_errors
-from burstrl.sandbox.guard import ENTER_CGROUP, ENTER_CGROUP_PY, cgroup_actions, own_cgroup_fd
+from burstrl.sandbox.guard import ENTER_CGROUP, ENTER_CGROUP_PY, cgroup_actions, no_inherited_fds, own_cgroup_fd
 from burstrl.sandbox.output import OutputCapture
 from burstrl.sandbox.protocol import (
     ExecRequest,
@@ -88,6 +90,8 @@ DROPPED_IDS = 65536  # ids whose result was dropped, remembered so a retry answe
 # one's own score needs no privilege; a missing /proc only loses the protection.
 OOM_PREFIX = "{ echo 1000 >/proc/self/oom_score_adj; } 2>/dev/null; "
 SHELL = "/bin/sh"
+# `cd` exports OLDPWD (the daemon's cwd): no variable of the daemon's reaches a command (issue 49).
+CD_UNSET = "unset OLDPWD; "
 # Without a shell in the image: enter the cgroup (if argv[1] is "1"), the cwd, raise the score, exec
 # (argv: "1" or "", cwd, path, program argv).
 NO_SHELL_ENTER = ("import os, sys\n" + ENTER_CGROUP_PY +
@@ -428,7 +432,7 @@ def _command_argv(cmd: Union[str, List[str]], env: Dict[str, str], cwd: str,
     cgroup, enters `cwd` and raises the command's oom_score_adj, then runs the string or execs the
     program. A program that cannot be found or run is the OS's error instead (127/126, as a shell
     reports it), decided here without spawning anything."""
-    enter = (ENTER_CGROUP if move else "") + f"cd -- {_quote(os.path.abspath(cwd))} || exit 126; " + OOM_PREFIX
+    enter = (ENTER_CGROUP if move else "") + f"cd -- {_quote(os.path.abspath(cwd))} || exit 126; " + CD_UNSET + OOM_PREFIX
     if isinstance(cmd, str):
         return [SHELL, "-c", enter + cmd]
     found = _find(cmd[0], env.get("PATH", ""), cwd)
@@ -447,9 +451,11 @@ def _spawn(argv: List[str], env: Dict[str, str], fds: Tuple[int, int], cgroup_fd
     posix_spawn, not fork + exec: `subprocess` reports a failed exec through a pipe the daemon holds,
     and under gVisor a command can open the daemon's fds through /proc/1/fd and write there, which
     broke the exec being started (issue 37). posix_spawn (glibc: vfork-style) has no such pipe. It
-    leaves the daemon's fds alone, all close-on-exec (PEP 446); every signal disposition goes back to
-    its default (the daemon ignores SIGPIPE, and as pid 1 the signals of `guard.guard_signals`).
+    passes on every fd not close-on-exec, so every one above 2 is marked first (`no_inherited_fds`:
+    the daemon's inherited listening socket was one, issue 49); every signal disposition goes back
+    to its default (the daemon ignores SIGPIPE, and as pid 1 the signals of `guard.guard_signals`).
     """
+    no_inherited_fds()
     return os.posix_spawn(argv[0], argv, env, setsid=True, setsigmask=(), setsigdef=RESET_SIGNALS,
                           file_actions=[(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
                                         (os.POSIX_SPAWN_DUP2, fds[0], 1), (os.POSIX_SPAWN_DUP2, fds[1], 2),

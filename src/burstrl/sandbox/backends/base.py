@@ -236,8 +236,8 @@ def src_dir() -> Path:
 
 def daemon_argv(python: str = "python3", fds: tuple[int, int] | None = None,
                 detach_stdio: bool = False) -> list[str]:
-    """The daemon's command line; `--inherit-env`: the env the backend gave the daemon
-    (`SandboxSpec.env`, an image's `Env`) is the base env of every command.
+    """The daemon's command line. Its commands' base env comes as JSON in SANDBOXD_ENV
+    (`namespace.daemon_env`), never from the daemon's own env (no `--inherit-env`).
 
     `fds` (listening socket, token pipe) as inherited by the daemon: the socket then exists only
     on the host and nothing of it is mounted inside; without them the daemon makes its socket in
@@ -249,7 +249,7 @@ def daemon_argv(python: str = "python3", fds: tuple[int, int] | None = None,
         where = ["--listen-fd", str(fds[0]), "--token-fd", str(fds[1])]
     else:
         where = ["--socket", f"{RUN_MOUNT}/{SOCKET_NAME}", "--token-file", f"{RUN_MOUNT}/{TOKEN_NAME}"]
-    return [python, "-I", "-c", _BOOTSTRAP, *([DETACH_FLAG] if detach_stdio else []), *where, "--inherit-env"]
+    return [python, "-I", "-c", _BOOTSTRAP, *([DETACH_FLAG] if detach_stdio else []), *where]
 
 
 class Handover:

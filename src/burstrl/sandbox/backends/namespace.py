@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import secrets
 import select
@@ -195,7 +196,7 @@ class NamespaceBackend:
 
     def _common_args(self, run: Path, code: Path, spec: SandboxSpec, image_env: dict[str, str]) -> list[str]:
         env: list[str] = []
-        for key, value in sandbox_env(spec, image_env).items():
+        for key, value in daemon_env(spec, image_env).items():
             env += ["--setenv", key, value]
         tmpfs = str(tmpfs_bytes(spec))
         # --as-pid-1: the daemon is init of the pid namespace, so `kill -9 -1` from a command
@@ -218,6 +219,14 @@ def sandbox_env(spec: SandboxSpec, image_env: dict[str, str]) -> dict[str, str]:
     """Every command's base env: ours, under the image's `Env` (its PATH to its own Python),
     under the spec's."""
     return {"PATH": PATH, "HOME": "/work", "LANG": "C.UTF-8", **image_env, **spec.env}
+
+
+def daemon_env(spec: SandboxSpec, image_env: dict[str, str]) -> dict[str, str]:
+    """The daemon's own env: the commands' base env, and that env again as the JSON the daemon
+    takes (and removes) as its commands' base (SANDBOXD_ENV). Why both: the daemon's own env is
+    whatever a runtime makes of it (runc adds to it); commands get the JSON's names only."""
+    env = sandbox_env(spec, image_env)
+    return {**env, "SANDBOXD_ENV": json.dumps(env)}
 
 
 def tmpfs_bytes(spec: SandboxSpec) -> int:

@@ -93,9 +93,9 @@ from burstrl.sandbox.backends.namespace import (
     PATH,
     REPLACED,
     cgroup_fd_args,
+    daemon_env,
     default_state_dir,
     hand_over,
-    sandbox_env,
     tmpfs_bytes,
 )
 from burstrl.sandbox.backends.workdir import disk_report, prepare_root, release_work
@@ -351,7 +351,7 @@ def bundle_config(path: Path, base: Path | None, spec: SandboxSpec, cgroup: str,
     if gvisor:
         mounts.append({"destination": RUN_MOUNT, "type": "bind", "source": str(path / "run"),
                        "options": ["rbind", "rw", "nosuid", "nodev", "noexec"]})
-    env = [f"{k}={v}" for k, v in sandbox_env(spec, image_env or {}).items()]
+    env = [f"{k}={v}" for k, v in daemon_env(spec, image_env or {}).items()]
     return {
         "ociVersion": "1.0.2",
         # The daemon is pid 1: it reaps orphans, and signals from its commands do not reach it.
