@@ -46,12 +46,14 @@ class CallFailed(Exception):
       the peer, so it is safe to send again, elsewhere or later;
     - "broken": the connection broke or the answer was not HTTP: the peer may have run the call;
     - "timeout": the call passed its deadline (or a stream its gap between chunks);
-    - "too_large": the answer passed `max_bytes`.
+    - "too_large": the answer passed `max_bytes`;
+    - "invalid": this side could not make or read the call (a bad URL, a header h11 refuses): neither
+      the peer's fault nor worth a retry.
 
     `url` names the peer so a caller's log and metric can say whom.
     """
 
-    KINDS = ("refused", "broken", "timeout", "too_large")
+    KINDS = ("refused", "broken", "timeout", "too_large", "invalid")
 
     def __init__(self, url: str, reason: str, kind: str = "broken") -> None:
         assert kind in self.KINDS, kind
@@ -74,7 +76,8 @@ class CallFailed(Exception):
 
 @dataclass(frozen=True)
 class Reply:
-    """A whole answer: its status, headers and body (at most the call's `max_bytes`)."""
+    """A whole answer: its status, headers and body (decoded as `httpx.Response.content` is, at most the
+    call's `max_bytes` after decoding: a small compressed body cannot grow past the cap)."""
 
     status: int
     headers: httpx.Headers
@@ -142,7 +145,7 @@ async def _aread(response: httpx.Response, url: str, max_bytes: int | None) -> b
     """The body, refused as soon as it (or its declared length) passes `max_bytes`."""
     _check_length(response, url, max_bytes)
     body = bytearray()
-    async for chunk in response.aiter_raw():
+    async for chunk in response.aiter_bytes():
         body += chunk
         if max_bytes is not None and len(body) > max_bytes:
             raise _too_large(url, max_bytes)
@@ -176,7 +179,7 @@ def fetch(client: httpx.Client, method: str, url: str, *, deadline: float,
         with client.stream(method, url, **kwargs) as response:
             _check_length(response, url, max_bytes)
             body = bytearray()
-            for chunk in response.iter_raw():
+            for chunk in response.iter_bytes():
                 body += chunk
                 if max_bytes is not None and len(body) > max_bytes:
                     raise _too_large(url, max_bytes)
@@ -297,4 +300,5 @@ def _failed(url: str, exc: httpx.HTTPError, deadline: float | None = None) -> Ca
     if isinstance(exc, httpx.TimeoutException):
         within = f" within the {deadline:g} s deadline" if deadline is not None else ""
         return CallFailed(url, f"no answer{within} ({type(exc).__name__})", kind="timeout")
-    return CallFailed(url, f"{type(exc).__name__}: {exc}")
+    broken = isinstance(exc, httpx.NetworkError | httpx.RemoteProtocolError | httpx.ProxyError)
+    return CallFailed(url, f"{type(exc).__name__}: {exc}", kind="broken" if broken else "invalid")

@@ -38,7 +38,7 @@ def forward(reg: Registry, method: str, answers: dict[tuple[str, str], httpx.Res
     async def go() -> httpx.Response:
         async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
             try:
-                r = await forward_trace(reg, asyncio.Lock(), client, method, "s", {})
+                r = await forward_trace(reg, asyncio.Lock(), client, method, "s", {}, deadline=30)
             except RouteError as err:
                 return httpx.Response(err.status, json={"error": err.message})
             return httpx.Response(r.status_code, content=r.body)

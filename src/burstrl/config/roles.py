@@ -269,7 +269,12 @@ class RouteConfig(Section):
         2, ge=1, description="Consecutive failed scrapes after which a replica is dropped."
     )
     request_timeout_s: float = Field(
-        600.0, gt=0, description="Timeout of every call forwarded to a replica (connect: 5 s)."
+        600.0, gt=0, description="Overall deadline of every call forwarded to a replica, however slowly it "
+        "answers: its headers, and a non-streaming answer's whole body (connect: 5 s)."
+    )
+    stream_gap_s: float = Field(
+        120.0, gt=0, description="Longest wait between two chunks of a relayed stream; a stream stalled longer "
+        "ends with an error event (504). Covers queueing before the first token, so generous."
     )
     max_body_bytes: int = Field(8 << 20, ge=1024, description="Largest JSON request body.")
     scrape_timeout_s: float = Field(

@@ -20,6 +20,7 @@ import asyncio
 import json
 import logging
 import re
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
@@ -27,6 +28,7 @@ import httpx
 from fastapi.responses import Response, StreamingResponse
 
 from burstrl.config import RouteConfig
+from burstrl.deadline import CallFailed, achunks, aopen
 from burstrl.protocol.http import error_body
 from burstrl.router.registry import Registry, RouteError
 
@@ -46,15 +48,21 @@ class RouterState(Protocol):
 
 async def forward(router: RouterState, replica: str, path: str, raw: bytes, headers: dict[str, str],
                   stream: bool) -> Response:
-    """Send one call to `replica` and answer with what it answers (capped); a stream as a `RelayResponse`."""
-    client = router.http()
+    """Send one call to `replica` and answer with what it answers (capped); a stream as a `RelayResponse`.
+
+    Deadlines (`burstrl.deadline`): the headers within `request_timeout_s`, however slowly they drip; a
+    non-streaming body within what is left of it; a stream's chunks at most `stream_gap_s` apart. Every
+    failure is a `CallFailed` (the caller maps its kind to a retry, a drop or a 504).
+    """
+    client, deadline = router.http(), router.cfg.request_timeout_s
     request = client.build_request("POST", replica + path, content=raw,
                                    headers={**headers, "accept-encoding": "identity"})
-    upstream = await client.send(request, stream=True)
+    end = time.monotonic() + deadline
+    upstream = await aopen(client, request, header_deadline=deadline)
     media_type = upstream.headers.get("content-type", "text/event-stream" if stream else "application/json")
     if not stream:
         try:
-            body = await read_capped(router, replica, upstream)
+            body = await read_capped(router, replica, upstream, end - time.monotonic())
         finally:
             await upstream.aclose()
         return Response(body, status_code=upstream.status_code, media_type=media_type)
@@ -67,13 +75,14 @@ async def forward(router: RouterState, replica: str, path: str, raw: bytes, head
                          media_type=media_type)
 
 
-async def read_capped(router: RouterState, replica: str, upstream: httpx.Response) -> bytes:
-    """A non-streaming answer's body, or a 502 naming `max_answer_bytes` as soon as it is known to pass it."""
+async def read_capped(router: RouterState, replica: str, upstream: httpx.Response, deadline: float) -> bytes:
+    """A non-streaming answer's body within `deadline` seconds, or a 502 naming `max_answer_bytes` as soon as
+    it is known to pass it."""
     cap = router.cfg.max_answer_bytes
     length = upstream.headers.get("content-length", "")
     body = bytearray()
     if not (length.isdigit() and int(length) > cap):
-        async for chunk in upstream.aiter_raw():
+        async for chunk in achunks(upstream, gap=max(deadline, 0.0), deadline=deadline):
             body += chunk
             if len(body) > cap:
                 break
@@ -110,7 +119,7 @@ async def relay(router: RouterState, replica: str, upstream: httpx.Response) -> 
     stream or an event over the cap ends in an error event."""
     cap, pending = router.cfg.max_event_bytes, bytearray()
     try:
-        async for chunk in upstream.aiter_raw():
+        async for chunk in achunks(upstream, gap=router.cfg.stream_gap_s):
             start = max(0, len(pending) - 3)  # a separator may straddle the chunk boundary
             pending += chunk
             cut = max(_end_after(pending, b"\n\n", start), _end_after(pending, b"\r\n\r\n", start))
@@ -125,14 +134,14 @@ async def relay(router: RouterState, replica: str, upstream: httpx.Response) -> 
                 del pending[:cut]
         if pending:
             yield bytes(pending)
-    except httpx.TimeoutException:
+    except CallFailed as exc:
         router.registry.counters.errors += 1
-        yield sse_error(504, f"replica {replica} timed out mid-stream; the partial answer is void")
-    except httpx.HTTPError as exc:
-        router.registry.counters.errors += 1
-        log.warning("stream from %s broke (%s); replica dropped", replica, type(exc).__name__)
+        if exc.timed_out:
+            yield sse_error(504, f"replica {replica} timed out mid-stream ({exc.reason}); the partial answer is void")
+            return
+        log.warning("stream from %s broke (%s); replica dropped", replica, exc.reason)
         await drop(router, replica)
-        yield sse_error(503, f"replica {replica} failed mid-stream ({type(exc).__name__}); the partial "
+        yield sse_error(503, f"replica {replica} failed mid-stream ({exc.reason}); the partial "
                         "answer is void. Retrying is safe: the replica is dropped and the session's next "
                         "call goes to another replica")
 

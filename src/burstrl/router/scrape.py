@@ -7,7 +7,8 @@ answer a byte a second held the round (and every other replica's refresh) foreve
 that raised outside the caught exceptions ended the loop silently. Now:
 
 - every replica has its own scrape task, so a slow one delays only itself;
-- a scrape (both requests, both bodies) runs under one total deadline and reads at most
+- a scrape's two requests run side by side, each (connect to last body byte) under the scrape's total
+  deadline (`burstrl.deadline.afetch`, as every outgoing call of the router), reading at most
   `max_scrape_bytes` per answer;
 - answers are parsed and checked (`answers.py`) off the event loop, and a replica whose answer is
   nonsense is marked bad with the reason (out of rotation, still scraped) instead of trusted;
@@ -30,6 +31,7 @@ from typing import Any
 import httpx
 
 from burstrl.config import RouteConfig
+from burstrl.deadline import CallFailed, afetch
 from burstrl.router.answers import BadAnswer, check_answers
 from burstrl.router.policies import ReplicaView
 from burstrl.router.registry import Registry
@@ -70,16 +72,15 @@ class Scraper:
         mark = self.registry.scrape_mark(url)
         deadline = scrape_deadline(self.cfg)
         try:
-            async with asyncio.timeout(deadline):
-                answers = await asyncio.gather(self._get(url + "/v1/loads", deadline),
-                                               self._get(url + "/v1/models", deadline), return_exceptions=True)
+            answers = await asyncio.gather(self._get(url + "/v1/loads", deadline),
+                                           self._get(url + "/v1/models", deadline), return_exceptions=True)
             loads, models = await asyncio.to_thread(check_answers, *bodies(answers))
-        except TimeoutError:
-            return await self.failed(url, None, f"no whole answer within the {deadline:g} s scrape deadline")
         except ReplicaStatus as exc:
             return await self.failed(url, exc.status, str(exc))
-        except httpx.HTTPError as exc:
-            return await self.failed(url, None, f"{type(exc).__name__}: {exc}")
+        except CallFailed as exc:
+            if exc.too_large:
+                return await self.rejected(url, f"{exc} (max_scrape_bytes)")
+            return await self.failed(url, None, str(exc))
         except BadAnswer as exc:
             return await self.rejected(url, str(exc))
         if "sessions" not in loads and url not in self.unlisted:  # pruning would forget its sessions
@@ -88,20 +89,13 @@ class Scraper:
         return await self.apply(url, loads, models, mark)
 
     async def _get(self, url: str, deadline: float) -> bytes:
-        """An answer's body, at most `max_scrape_bytes` (a longer one is a BadAnswer, not read to its end)."""
-        cap = self.cfg.max_scrape_bytes
-        async with self.http().stream("GET", url, headers=self.auth, timeout=deadline) as r:
-            if r.status_code != 200:
-                raise ReplicaStatus(r.status_code)
-            length = r.headers.get("content-length", "")
-            if length.isdigit() and int(length) > cap:
-                raise BadAnswer(f"{url}: answer of {length} bytes, over max_scrape_bytes {cap}")
-            body = bytearray()
-            async for chunk in r.aiter_raw():
-                body += chunk
-                if len(body) > cap:
-                    raise BadAnswer(f"{url}: answer over max_scrape_bytes {cap}")
-            return bytes(body)
+        """An answer's body within the scrape's deadline (`deadline.afetch`: however slowly it drips), at
+        most `max_scrape_bytes` (a longer one is a CallFailed of kind too_large, not read to its end)."""
+        reply = await afetch(self.http(), "GET", url, deadline=deadline, max_bytes=self.cfg.max_scrape_bytes,
+                             headers=self.auth)
+        if reply.status != 200:
+            raise ReplicaStatus(reply.status)
+        return reply.body
 
     async def apply(self, url: str, loads: dict[str, Any], models: dict[str, Any],
                     mark: tuple[ReplicaView, int] | None) -> bool:

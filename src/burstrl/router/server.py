@@ -2,7 +2,8 @@
 
 Why a proxy and not a redirect: OpenAI clients follow neither redirects on POST nor custom
 headers, so the router forwards each call (streams event by event) to the replica the registry
-picks. Every upstream call has a timeout; a replica that refuses connections is dropped and the
+picks. Every upstream call has an overall deadline (`burstrl.deadline`: a replica dripping its answer a
+byte at a time cannot hold a call, a scrape or a stream past it); a replica that refuses connections is dropped and the
 call retried once on the session's new home, so a dying replica costs a cache miss, not a rollout,
 and a caller gets either an answer or a clear JSON error, never a hang. A call the replica may
 already have run (the connection broke after it was sent) is never retried, since it would run
@@ -36,6 +37,7 @@ from fastapi.responses import (
 from starlette.exceptions import HTTPException
 
 from burstrl.config import RouteConfig
+from burstrl.deadline import CallFailed
 from burstrl.protocol.blocks import BLOCK_TOKENS, cache_scope, prefix_block_hashes
 from burstrl.protocol.http import (
     SESSION_HEADERS,
@@ -52,7 +54,7 @@ from burstrl.router.metrics import prometheus_text
 from burstrl.router.registry import LATEST, Registry, RouteError, validate_url
 from burstrl.router.relay import drop, forward
 from burstrl.router.scrape import Scraper
-from burstrl.router.traces import MAYBE_RAN, NEVER_SENT, forward_trace
+from burstrl.router.traces import forward_trace
 
 log = logging.getLogger(__name__)
 
@@ -303,12 +305,12 @@ def build_app(router: Router, on_ready: Callable[[], None] | None = None) -> Fas
     @app.get("/v1/traces/{session_id:path}")
     async def get_trace(session_id: str, request: Request, full: bool = False) -> Response:
         return await forward_trace(router.registry, router.lock, router.http(), "GET", session_id,
-                                   _auth_of(request), full)
+                                   _auth_of(request), router.cfg.request_timeout_s, full)
 
     @app.delete("/v1/traces/{session_id:path}")
     async def delete_trace(session_id: str, request: Request) -> Response:
         return await forward_trace(router.registry, router.lock, router.http(), "DELETE", session_id,
-                                   _auth_of(request))
+                                   _auth_of(request), router.cfg.request_timeout_s)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -349,22 +351,32 @@ async def proxy(router: Router, request: Request, path: str) -> Response:
             raw = json.dumps(body).encode()
         try:
             response = await _counted_forward(router, url, path, raw, headers, bool(body.get("stream")))
-        except NEVER_SENT as exc:
-            log.warning("replica %s refused a call (%s); re-homing session %s", url, type(exc).__name__, sid)
-            await drop(router, url)
-            continue
-        except MAYBE_RAN as exc:
-            await drop(router, url)
-            raise RouteError(503, f"replica {url} failed after it accepted the call ({type(exc).__name__}); "
-                             "not retried, since it may have run there. Retrying is safe: the replica is "
-                             "dropped and the session's next call goes to another replica", "server_error") from None
-        except httpx.TimeoutException:
-            raise RouteError(504, f"replica {url} timed out", "server_error") from None
-        except httpx.HTTPError as exc:
-            raise RouteError(502, f"replica {url}: {type(exc).__name__}", "server_error") from None
+        except CallFailed as exc:
+            if exc.never_sent:
+                log.warning("replica %s refused a call (%s); re-homing session %s", url, exc.reason, sid)
+                await drop(router, url)
+                continue
+            raise await _call_failed(router, url, exc) from None
         response.headers[VERSION_HEADER] = version
         return response
     raise RouteError(503, "replicas refused the connection twice in a row; try again", "server_error")
+
+
+async def _call_failed(router: Router, url: str, exc: CallFailed) -> RouteError:
+    """The caller's error for a call that reached `url` and got no usable answer (`CallFailed`).
+
+    A deadline passed is a 504 for this call only (a long generation may be slow); a connection that
+    broke after the call was sent drops the replica and is never retried (it may have run there); a
+    call this side could not make or read is a 502.
+    """
+    if exc.timed_out:
+        return RouteError(504, f"replica {url} timed out: {exc.reason}", "server_error")
+    if exc.kind != "broken":  # `invalid` (this side's), or `too_large` (raised as a RouteError before here)
+        return RouteError(502, f"replica {url}: {exc.reason}", "server_error")
+    await drop(router, url)
+    return RouteError(503, f"replica {url} failed after it accepted the call ({exc.reason}); not retried, since "
+                      "it may have run there. Retrying is safe: the replica is dropped and the session's next "
+                      "call goes to another replica", "server_error")
 
 
 async def _counted_forward(router: Router, replica: str, path: str, raw: bytes, headers: dict[str, str],

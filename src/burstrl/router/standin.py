@@ -30,13 +30,16 @@ Body = bytes | Callable[[], Iterable[bytes]]
 class Answer:
     """One answer: status, body (bytes, or a function giving its chunks, for huge ones), content type,
     and its pace: bytes bodies are cut into `chunk_bytes` pieces with `pause_s` between chunks (sent
-    chunked, with no length). `close` drops the connection instead of answering."""
+    chunked, with no length). `head_pause_s` drips the status line and headers a byte at a time with that
+    pause (each read a client makes gets a byte: a per-read timeout never fires). `close` drops the
+    connection instead of answering."""
 
     status: int = 200
     body: Body = b""
     content_type: str = "application/json"
     chunk_bytes: int = 0
     pause_s: float = 0.0
+    head_pause_s: float = 0.0
     close: bool = False
 
     def chunks(self) -> Iterable[bytes]:
@@ -149,6 +152,9 @@ def _handler(standin: StandInReplica) -> type[BaseHTTPRequestHandler]:
                 self.close_connection = True
 
         def send(self, answer: Answer) -> None:
+            if answer.head_pause_s:
+                self.drip_head(answer)
+                return
             self.send_response(answer.status)
             self.send_header("content-type", answer.content_type)
             if not answer.paced():
@@ -165,5 +171,17 @@ def _handler(standin: StandInReplica) -> type[BaseHTTPRequestHandler]:
                 if answer.pause_s and standin.stopped.wait(answer.pause_s):
                     return
             self.wfile.write(b"0\r\n\r\n")
+
+        def drip_head(self, answer: Answer) -> None:
+            """The status line and headers a byte per `head_pause_s`, then the body (if the client waited)."""
+            body = b"".join(answer.chunks())
+            head = (f"HTTP/1.1 {answer.status} Dripping\r\ncontent-type: {answer.content_type}\r\n"
+                    f"x-pad: {'x' * 64}\r\ncontent-length: {len(body)}\r\n\r\n").encode()
+            for i in range(len(head)):
+                self.wfile.write(head[i:i + 1])
+                self.wfile.flush()
+                if standin.stopped.wait(answer.head_pause_s):
+                    return
+            self.wfile.write(body)
 
     return Handler

@@ -17,21 +17,18 @@ from typing import Any
 import httpx
 from fastapi.responses import Response
 
+from burstrl.deadline import CallFailed, Reply, afetch
 from burstrl.router.registry import Registry, RouteError
-
-# A replica that is gone. Refused connections mean the call never reached it (safe to retry);
-# a connection that broke after the call was sent may have run it (never retried). A read
-# timeout is neither (a long generation may be slow): a 504 for that call only.
-NEVER_SENT = (httpx.ConnectError, httpx.ConnectTimeout)
-MAYBE_RAN = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
-DEAD = NEVER_SENT + MAYBE_RAN
 
 
 async def forward_trace(registry: Registry, lock: asyncio.Lock, client: httpx.AsyncClient, method: str,
-                        session_id: str, request_headers: dict[str, str], full: bool = False) -> Response:
+                        session_id: str, request_headers: dict[str, str], deadline: float,
+                        full: bool = False) -> Response:
     """Forward GET/DELETE of a session's trace to its replicas (each checks the token itself).
 
-    `lock` is the router's: the registry is read and changed under it, never across I/O.
+    `lock` is the router's: the registry is read and changed under it, never across I/O. Each replica's
+    answer comes whole within `deadline` seconds (`burstrl.deadline.afetch`) or the call fails: a replica
+    gone (no connection, or one that broke) is dropped with a 503, one too slow is a 504.
 
     A trace answered through the router carries `replica` (the home's URL) and `replicas` (every
     replica that recorded part of it, in order). A successful DELETE also drops the session from
@@ -43,23 +40,25 @@ async def forward_trace(registry: Registry, lock: asyncio.Lock, client: httpx.As
     async with lock:
         urls = registry.trace_homes(session_id)
 
-    async def request(url: str) -> httpx.Response:
+    async def request(url: str) -> Reply:
         try:
-            return await client.request(method, f"{url}/v1/traces/{session_id}", headers=request_headers,
-                                        params={"full": "true"} if full else None)
-        except DEAD as exc:
+            return await afetch(client, method, f"{url}/v1/traces/{session_id}", deadline=deadline,
+                                headers=request_headers, params={"full": "true"} if full else None)
+        except CallFailed as exc:
+            if exc.timed_out:
+                raise RouteError(504, f"replica {url} timed out: {exc.reason}", "server_error") from None
+            if exc.kind not in ("refused", "broken"):
+                raise RouteError(502, f"replica {url}: {exc.reason}", "server_error") from None
             async with lock:
                 registry.mark_dead(url)
-            raise RouteError(503, f"session {session_id!r}: replica {url} failed ({type(exc).__name__})",
+            raise RouteError(503, f"session {session_id!r}: replica {url} failed ({exc.reason})",
                              "server_error") from None
-        except httpx.TimeoutException:
-            raise RouteError(504, f"replica {url} timed out", "server_error") from None
 
     home = urls[-1]
     if method == "DELETE":  # the home first: a refused release (a call running) must leave every part in place
         answer = await request(home)
-        if answer.status_code != 200:
-            return Response(answer.content, status_code=answer.status_code, media_type="application/json")
+        if answer.status != 200:
+            return Response(answer.body, status_code=answer.status, media_type="application/json")
         data = {**_json(home, answer), "replica": home, "replicas": urls}
         for url in urls[:-1]:
             try:
@@ -70,12 +69,12 @@ async def forward_trace(registry: Registry, lock: asyncio.Lock, client: httpx.As
             registry.forget(session_id)
         return _answer(data)
     answers = [await request(url) for url in urls]
-    if answers[-1].status_code != 200:
-        return Response(answers[-1].content, status_code=answers[-1].status_code, media_type="application/json")
+    if answers[-1].status != 200:
+        return Response(answers[-1].body, status_code=answers[-1].status, media_type="application/json")
     for url, answer in zip(urls[:-1], answers[:-1], strict=True):
-        if answer.status_code != 200:
+        if answer.status != 200:
             raise RouteError(502, f"session {session_id!r}: the part of its capture on {url} is gone "
-                                  f"({answer.status_code})", "server_error")
+                                  f"({answer.status})", "server_error")
     parts = [_json(url, answer) for url, answer in zip(urls, answers, strict=True)]
     data = {**parts[-1], "replica": home, "replicas": urls}
     if len(parts) > 1:
@@ -107,7 +106,7 @@ def _answer(data: dict[str, Any]) -> Response:
     return Response(json.dumps(data).encode(), status_code=200, media_type="application/json")
 
 
-def _json(url: str, answer: httpx.Response) -> dict[str, Any]:
+def _json(url: str, answer: Reply) -> dict[str, Any]:
     try:
         data = answer.json()
     except ValueError:
