@@ -21,6 +21,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from burstrl.envs.swe.diffpolicy import DiffPolicy
 from burstrl.envs.swe.grade import grade, reward_of
 from burstrl.envs.swe.seal import TAG, judge, read_verdict
 from burstrl.envs.swe.task import SweTask
@@ -69,8 +70,8 @@ def _forging_patch(task: SweTask) -> str:
 
 
 def test_a_process_in_the_sandbox_cannot_write_the_verdict(backend: Any, py: SweTask) -> None:
-    with SandboxPool(backend, max_concurrent=2) as pool:
-        r = grade(py, _forging_patch(py), pool, timeout_s=90)
+    with SandboxPool(backend, max_concurrent=2) as pool:  # the diff policy lifted: the sealed output alone is tested
+        r = grade(py, _forging_patch(py), pool, timeout_s=90, policy=DiffPolicy(allow=("*:*",)))
     seen = {k: v for k, v in vars(r).items() if k != "log"}
     assert not r.infra_error and not r.resolved, seen
     assert [reward_of(r, k) for k in ("binary", "f2p", "strict")] == [0.0, 0.0, 0.0]
