@@ -82,6 +82,27 @@ def _env_names(sb: Any) -> set[str]:
     return {line.split("=", 1)[0] for line in r.stdout.splitlines() if "=" in line}
 
 
+def test_the_runtime_passes_no_fd_of_its_own(tmp_path: Any) -> None:
+    """The mechanism without a sandbox: an fd the daemon's process holds inheritable (as the
+    listening socket a runtime hands over is) reaches no command, plain or private-output, and the
+    command's env has no OLDPWD."""
+    from burstrl.sandbox.protocol import ExecRequest
+    from burstrl.sandbox.runtime import Runtime
+
+    read, write = os.pipe()
+    os.set_inheritable(write, True)
+    try:
+        rt = Runtime(root=str(tmp_path))
+        for private in (False, True):
+            r = rt.exec(ExecRequest(cmd=LIST_FDS, private_output=private))
+            assert sorted(json.loads(r.stdout)) == ["0", "1", "2"], (private, r.stdout, r.stderr)
+        names = {line.split("=", 1)[0] for line in rt.exec(ExecRequest(cmd="env")).stdout.splitlines()}
+        assert "OLDPWD" not in names, names
+    finally:
+        os.close(read)
+        os.close(write)
+
+
 def test_a_command_holds_only_the_fds_its_spawn_names(backend: Any) -> None:
     with backend.create(SandboxSpec(memory_limit_mb=256)) as sb:
         for private in (False, True):
