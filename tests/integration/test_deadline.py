@@ -41,7 +41,8 @@ def _send_slowly(sock: socket.socket, data: bytes, pause: float = DRIP_S) -> Non
 
 
 class _Handler(socketserver.BaseRequestHandler):
-    """Answers by path: ok, big, drip-headers, drip-body, stall (a chunk then nothing), steady (slow chunks)."""
+    """Answers by the path's first part (the rest is the caller's own path): ok, big, drip-headers, drip-body,
+    stall (a chunk then nothing), steady (slow chunks)."""
 
     def handle(self) -> None:
         sock: socket.socket = self.request
@@ -51,9 +52,9 @@ class _Handler(socketserver.BaseRequestHandler):
             if not more:
                 return
             data += more
-        path = data.split(b" ", 2)[1].decode()
+        mode = data.split(b" ", 2)[1].decode().strip("/").split("/")[0]  # /drip-body/v1/assign: drip-body
         try:
-            getattr(self, "answer_" + path.strip("/").replace("-", "_"))(sock)
+            getattr(self, "answer_" + mode.replace("-", "_"))(sock)
         except OSError:
             pass  # the client gave up: that is the point
 

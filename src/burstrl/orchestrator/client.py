@@ -8,15 +8,39 @@ scheduler retries on.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 
+from burstrl.deadline import CallFailed, afetch
 from burstrl.envs.base import ReplicaFailure, VersionGone, fleet_failure
 from burstrl.protocol.http import SESSION_HEADER, default_ssl_context
 
 __all__ = ["ReplicaFailure", "SessionClient", "VersionGone", "assign", "fetch_trace", "release"]
+
+
+SDK_DEADLINE_S = 600.0  # an SDK's call through `sdk_http`, headers and body (its per-read timeout was the same)
+
+
+def _deadline_of(http: httpx.AsyncClient) -> float:
+    """The overall deadline of a call on `http`: its read timeout (the run's `request_timeout_s`), now
+    for the whole call. Why: httpx's timeouts are per read, so a peer dripping its answer held the
+    attempt (and its sandbox, its slot) for as long as it dripped."""
+    return http.timeout.read or SDK_DEADLINE_S
+
+
+async def _send(http: httpx.AsyncClient, method: str, url: str, what: str, **kwargs: Any) -> httpx.Response:
+    """One call to the router within `_deadline_of(http)` (`burstrl.deadline.afetch`), its whole answer as an
+    `httpx.Response`; any transport failure (a deadline passed included) is a `ReplicaFailure`."""
+    try:
+        reply = await afetch(http, method, url, deadline=_deadline_of(http), **kwargs)
+    except CallFailed as exc:
+        raise ReplicaFailure(f"{what}: {exc.reason}") from None
+    return httpx.Response(reply.status, content=reply.body, request=httpx.Request(method, url))
 
 
 def _raise_for(r: httpx.Response, what: str) -> None:
@@ -73,10 +97,8 @@ class SessionClient:
         body = {"model": self.model, **fields, "temperature": self.temperature,
                 "max_tokens": max_tokens or self.max_tokens, "seed": self.seed + self.calls,
                 "session_id": self.session_id}
-        try:
-            r = await self.http.post(f"{self.router}{path}", json=body, headers={SESSION_HEADER: self.session_id})
-        except httpx.TransportError as exc:
-            raise ReplicaFailure(f"{what} call {self.calls + 1}: {type(exc).__name__}: {exc}") from None
+        r = await _send(self.http, "POST", f"{self.router}{path}", f"{what} call {self.calls + 1}", json=body,
+                        headers={SESSION_HEADER: self.session_id})
         _raise_for(r, f"{what} call {self.calls + 1}")
         self.calls += 1
         return r.json()
@@ -84,10 +106,7 @@ class SessionClient:
 
 async def assign(http: httpx.AsyncClient, router: str, session_id: str) -> str:
     """Place a group's first session on the newest routable version; returns that version's name."""
-    try:
-        r = await http.post(f"{router}/v1/assign", json={"session_id": session_id, "version": "latest"})
-    except httpx.TransportError as exc:
-        raise ReplicaFailure(f"assign: {type(exc).__name__}: {exc}") from None
+    r = await _send(http, "POST", f"{router}/v1/assign", "assign", json={"session_id": session_id, "version": "latest"})
     _raise_for(r, "assign")
     return r.json()["version"]
 
@@ -98,10 +117,8 @@ async def fetch_trace(http: httpx.AsyncClient, router: str, session_id: str, adm
     The token is the replicas' admin token: traces hold prompts and completions, so a replica
     serves them only to a caller with it (the router passes the header on).
     """
-    try:
-        r = await http.get(f"{router}/v1/traces/{session_id}", headers={"Authorization": f"Bearer {admin_token}"})
-    except httpx.TransportError as exc:
-        raise ReplicaFailure(f"trace: {type(exc).__name__}: {exc}") from None
+    r = await _send(http, "GET", f"{router}/v1/traces/{session_id}", "trace",
+                    headers={"Authorization": f"Bearer {admin_token}"})
     _raise_for(r, "trace")
     return r.json()
 
@@ -109,9 +126,9 @@ async def fetch_trace(http: httpx.AsyncClient, router: str, session_id: str, adm
 async def release(http: httpx.AsyncClient, router: str, session_id: str, admin_token: str) -> bool:
     """Free the session's cache and trace on its replica; a failure only costs memory there (TTL frees it)."""
     try:
-        r = await http.delete(f"{router}/v1/traces/{session_id}",
-                              headers={"Authorization": f"Bearer {admin_token}"})
-    except httpx.TransportError:
+        r = await _send(http, "DELETE", f"{router}/v1/traces/{session_id}", "release",
+                        headers={"Authorization": f"Bearer {admin_token}"})
+    except ReplicaFailure:
         return False
     return r.status_code == 200
 
@@ -130,11 +147,17 @@ class _SessionTransport(httpx.AsyncBaseTransport):
         generation = request.method == "POST" and request.url.path.endswith(GENERATION_PATHS)
         if generation:
             request = self._pinned(request)
+        end = time.monotonic() + SDK_DEADLINE_S
         try:
-            response = await self.inner.handle_async_request(request)
+            try:
+                async with asyncio.timeout(SDK_DEADLINE_S):
+                    response = await self.inner.handle_async_request(request)
+            except TimeoutError:
+                raise httpx.ReadTimeout(f"no answer headers within {SDK_DEADLINE_S:g} s", request=request) from None
         except httpx.TransportError as exc:
             s.failure = s.failure or ReplicaFailure(f"call {s.calls + 1}: {type(exc).__name__}: {exc}")
             raise
+        response.stream = _BoundedStream(response.stream, end, request, s)
         if generation and response.status_code == 200:
             s.calls += 1
         elif generation and response.status_code >= 400:
@@ -155,6 +178,31 @@ class _SessionTransport(httpx.AsyncBaseTransport):
             return httpx.Request(request.method, request.url, headers=headers, content=request.content)
         body.update(model=s.model, session_id=s.session_id, seed=s.seed + s.calls)  # as `chat` seeds its calls
         return httpx.Request(request.method, request.url, headers=headers, content=json.dumps(body).encode())
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+class _BoundedStream(httpx.AsyncByteStream):
+    """An answer's body that must end by `end` (monotonic), as `burstrl.deadline` bounds the orchestrator's
+    own calls: an SDK reading a dripping answer gets an `httpx.ReadTimeout` (a transport error it handles)."""
+
+    def __init__(self, inner: httpx.AsyncByteStream, end: float, request: httpx.Request, session: SessionClient) -> None:
+        self.inner, self.end, self.request, self.session = inner, end, request, session
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        chunks = self.inner.__aiter__()
+        while True:
+            try:
+                async with asyncio.timeout(max(self.end - time.monotonic(), 0.0)):
+                    chunk = await anext(chunks)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                s = self.session
+                s.failure = s.failure or ReplicaFailure(f"call {s.calls + 1}: answer not whole by its deadline")
+                raise httpx.ReadTimeout("answer not whole by its deadline", request=self.request) from None
+            yield chunk
 
     async def aclose(self) -> None:
         await self.inner.aclose()
