@@ -241,8 +241,9 @@ def install(key, wfd, run, senders_from):
             if status in CREDITED:
                 check_runner("runner_patched")
         else:  # pytest: the report object
-            check_plugins()
             msg = report_fields(obj)
+            if (msg["when"] == "call" and msg["outcome"] == "passed") or msg["xfail"]:  # what can be credited
+                check_plugins()
             bound = live_frame(sender, runner_code("call_and_report"), "report", obj)
             if bound is None:  # made during a test's call (pytest's subtests): for the item running now
                 item, call = running_item(msg["id"], sender), None
