@@ -48,12 +48,13 @@ class CallFailed(Exception):
     - "timeout": the call passed its deadline (or a stream its gap between chunks);
     - "too_large": the answer passed `max_bytes`;
     - "invalid": this side could not make or read the call (a bad URL, a header h11 refuses): neither
-      the peer's fault nor worth a retry.
+      the peer's fault nor worth a retry;
+    - "status": the peer answered with an error status (only from `Reply.check`, for callers that want it).
 
     `url` names the peer so a caller's log and metric can say whom.
     """
 
-    KINDS = ("refused", "broken", "timeout", "too_large", "invalid")
+    KINDS = ("refused", "broken", "timeout", "too_large", "invalid", "status")
 
     def __init__(self, url: str, reason: str, kind: str = "broken") -> None:
         assert kind in self.KINDS, kind
@@ -82,6 +83,14 @@ class Reply:
     status: int
     headers: httpx.Headers
     body: bytes
+    url: str = ""
+
+    def check(self) -> Reply:
+        """This reply if its status is under 400, else a `CallFailed` of kind "status" naming it."""
+        if self.status >= 400:
+            detail = self.body[:300].decode(errors="replace")
+            raise CallFailed(self.url, f"HTTP {self.status}: {detail}", kind="status")
+        return self
 
     def json(self) -> Any:
         """The body as JSON; a body that is not JSON raises ValueError (the caller's bad answer, not a transport failure)."""
@@ -100,7 +109,7 @@ async def afetch(client: httpx.AsyncClient, method: str, url: str, *, deadline: 
         async with asyncio.timeout(deadline):
             async with client.stream(method, url, **kwargs) as response:
                 body = await _aread(response, url, max_bytes)
-                return Reply(response.status_code, response.headers, body)
+                return Reply(response.status_code, response.headers, body, url)
     except TimeoutError:
         raise CallFailed(url, f"no whole answer within the {deadline:g} s deadline", kind="timeout") from None
     except httpx.HTTPError as exc:
@@ -156,16 +165,20 @@ async def _aread(response: httpx.Response, url: str, max_bytes: int | None) -> b
 
 
 def sync_client(**kwargs: Any) -> httpx.Client:
-    """An `httpx.Client` whose sockets honour `fetch`'s deadlines; `kwargs` go to `httpx.Client`
-    (`transport`, `mounts` and `proxy` are refused: the bound lives in this client's own transport)."""
-    for name in ("transport", "mounts", "proxy"):
+    """An `httpx.Client` whose sockets honour `fetch`'s deadlines; `kwargs` go to `httpx.Client`.
+
+    `transport`, `mounts`, `proxy` and `trust_env` are refused and proxies from the environment are not
+    used: the bound lives in this client's own transport, and any other transport (a proxy's) would
+    be unbounded again.
+    """
+    for name in ("transport", "mounts", "proxy", "trust_env"):
         if name in kwargs:
             raise TypeError(f"sync_client makes its own transport; {name!r} is not supported")
-    transport_args = {k: kwargs[k] for k in ("verify", "limits", "http1", "http2", "trust_env") if k in kwargs}
-    transport = httpx.HTTPTransport(**transport_args)
+    transport_args = {k: kwargs[k] for k in ("verify", "limits", "http1", "http2") if k in kwargs}
+    transport = httpx.HTTPTransport(trust_env=False, **transport_args)
     pool = transport._pool  # httpx gives no other way to choose the network backend
     pool._network_backend = _DeadlineBackend(pool._network_backend)
-    client = httpx.Client(transport=transport, **kwargs)
+    client = httpx.Client(transport=transport, trust_env=False, **kwargs)
     _BOUNDED.add(client)
     return client
 
@@ -183,7 +196,7 @@ def fetch(client: httpx.Client, method: str, url: str, *, deadline: float,
                 body += chunk
                 if max_bytes is not None and len(body) > max_bytes:
                     raise _too_large(url, max_bytes)
-            return Reply(response.status_code, response.headers, bytes(body))
+            return Reply(response.status_code, response.headers, bytes(body), url)
     except httpx.HTTPError as exc:
         raise _failed(url, exc, deadline) from None
     finally:

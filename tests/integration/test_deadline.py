@@ -41,8 +41,8 @@ def _send_slowly(sock: socket.socket, data: bytes, pause: float = DRIP_S) -> Non
 
 
 class _Handler(socketserver.BaseRequestHandler):
-    """Answers by the path's first part (the rest is the caller's own path): ok, big, drip-headers, drip-body,
-    stall (a chunk then nothing), steady (slow chunks)."""
+    """Answers by the path's first part (the rest is the caller's own path): ok, big, drip-headers, drip-long,
+    drip-body, stall (a chunk then nothing), steady (slow chunks)."""
 
     def handle(self) -> None:
         sock: socket.socket = self.request
@@ -69,6 +69,10 @@ class _Handler(socketserver.BaseRequestHandler):
 
     def answer_drip_headers(self, sock: socket.socket) -> None:
         _send_slowly(sock, (b"HTTP/1.1 200 OK\r\nx-pad: " + b"a" * DRIP_FOR)[:DRIP_FOR])
+
+    def answer_drip_long(self, sock: socket.socket) -> None:
+        """Headers dripped for three times as long (for deadlines of a few seconds)."""
+        _send_slowly(sock, (b"HTTP/1.1 200 OK\r\nx-pad: " + b"a" * 3 * DRIP_FOR)[:3 * DRIP_FOR])
 
     def answer_drip_body(self, sock: socket.socket) -> None:
         sock.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % DRIP_FOR)

@@ -20,10 +20,12 @@ from typing import Any, Callable
 import httpx
 
 from burstrl.atomic import write_text
+from burstrl.deadline import CallFailed, fetch, sync_client
 from burstrl.providers import Placement, Provider, RoleHandle
 
 log = logging.getLogger("burstrl.run")
 POOLS = ("reserved", "on_demand")
+MAX_ANSWER_BYTES = 16 << 20  # a replica's `/v1/models` or `/v1/loads` answer, read at most this far
 
 
 @dataclass
@@ -71,8 +73,10 @@ class Fleet:
         self.file_lock = threading.Lock()
         self.pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="replica-start")
         # router and replica calls, from the start threads too (httpx clients are thread-safe);
-        # one client: a top-level httpx call builds a TLS context each time (~40 ms CPU)
-        self.http = httpx.Client()
+        # one client: a top-level httpx call builds a TLS context each time (~40 ms CPU). Every call
+        # has an overall deadline (`burstrl.deadline`): a replica dripping its answer a byte at a time
+        # must not hold a start thread or the drain loop (httpx's own timeouts are per read).
+        self.http = sync_client()
         self.starts: list[Future] = []
         self.counter = 0
         self.failed_starts = 0
@@ -119,7 +123,7 @@ class Fleet:
                 return
         try:
             self._register(replica)
-        except httpx.HTTPError as exc:
+        except CallFailed as exc:
             handle.kill()
             with self.lock:
                 replica.state = "gone"
@@ -134,9 +138,8 @@ class Fleet:
 
     def _register(self, replica: FleetReplica) -> None:
         body = {"url": replica.url, "pool": replica.pool, "weight": self.weights[replica.pool]}
-        r = self.http.post(f"{self.router}/v1/replicas", json=body, timeout=30,
-                       headers={"Authorization": f"Bearer {self.cluster_token}"})
-        r.raise_for_status()
+        fetch(self.http, "POST", f"{self.router}/v1/replicas", deadline=30, json=body,
+              headers={"Authorization": f"Bearer {self.cluster_token}"}).check()
 
     def _catch_up(self, replica: FleetReplica) -> None:
         """Load the newest version if one was published between the replica's start and its listing.
@@ -154,11 +157,12 @@ class Fleet:
         name = version_name(found[0])
         auth = {"Authorization": f"Bearer {self.admin_token}"}
         try:
-            served = {m["id"] for m in self.http.get(f"{replica.url}/v1/models", timeout=10).json()["data"]}
+            models = fetch(self.http, "GET", f"{replica.url}/v1/models", deadline=10, max_bytes=MAX_ANSWER_BYTES)
+            served = {m["id"] for m in models.json()["data"]}
             if name not in served:
-                self.http.post(f"{replica.url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(found[1])},
-                               headers=auth, timeout=60).raise_for_status()
-        except (httpx.HTTPError, ValueError, KeyError) as exc:
+                fetch(self.http, "POST", f"{replica.url}/v1/load_lora_adapter", deadline=60, headers=auth,
+                      json={"lora_name": name, "lora_path": str(found[1])}).check()
+        except (CallFailed, ValueError, KeyError, TypeError) as exc:
             log.warning("%s could not catch up to %s: %s", replica.name, name, exc)
 
     def reregister(self) -> None:
@@ -166,14 +170,14 @@ class Fleet:
         for r in self.up():
             try:
                 self._register(r)
-            except httpx.HTTPError as exc:  # the next restart check or a replacement covers it
+            except CallFailed as exc:  # the next restart check or a replacement covers it
                 log.warning("re-registering %s failed: %s", r.name, exc)
 
     def _deregister(self, replica: FleetReplica) -> None:
         try:
-            self.http.delete(f"{self.router}/v1/replicas", params={"url": replica.url}, timeout=10,
-                         headers={"Authorization": f"Bearer {self.cluster_token}"})
-        except httpx.HTTPError as exc:  # the router drops it on failed scrapes anyway
+            fetch(self.http, "DELETE", f"{self.router}/v1/replicas", deadline=10, params={"url": replica.url},
+                  headers={"Authorization": f"Bearer {self.cluster_token}"})
+        except CallFailed as exc:  # the router drops it on failed scrapes anyway
             log.warning("deregistering %s failed: %s", replica.name, exc)
 
     def write_replicas_file(self) -> None:
@@ -218,9 +222,9 @@ class Fleet:
                 r.state, r.drain_deadline = "draining", time.monotonic() + drain_s
         for r in chosen:
             try:
-                self.http.post(f"{self.router}/v1/replicas/drain", json={"url": r.url}, timeout=10,
-                           headers={"Authorization": f"Bearer {self.cluster_token}"})
-            except httpx.HTTPError as exc:
+                fetch(self.http, "POST", f"{self.router}/v1/replicas/drain", deadline=10, json={"url": r.url},
+                      headers={"Authorization": f"Bearer {self.cluster_token}"})
+            except CallFailed as exc:
                 log.warning("draining %s failed: %s", r.name, exc)
             self.event("replica_draining", replica=r.name, pool=r.pool, detail=r.url)
         self.write_replicas_file()
@@ -265,8 +269,8 @@ class Fleet:
 
 def _live_sessions(client: httpx.Client, url: str) -> int:
     try:
-        loads: dict[str, Any] = client.get(f"{url}/v1/loads", timeout=5).json()
-    except (httpx.HTTPError, ValueError):
+        loads: dict[str, Any] = fetch(client, "GET", f"{url}/v1/loads", deadline=5, max_bytes=MAX_ANSWER_BYTES).json()
+    except (CallFailed, ValueError):
         return 0
     # the count is public; the per-session list needs a token
     return int(loads.get("num_sessions", 0)) + int(loads.get("num_running_reqs", 0))

@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 
 from burstrl.config import RunConfig, Section, dump_toml
+from burstrl.deadline import CallFailed, fetch, sync_client
 from burstrl.launcher import control
 from burstrl.launcher.display import Display, snapshot_eta
 from burstrl.launcher.fleet import Fleet, FleetOptions
@@ -349,7 +350,7 @@ class Launcher:
             return
         self.last_sample = now
         if self.http is None:
-            self.http = httpx.Client(timeout=2.0)
+            self.http = sync_client(timeout=2.0)
         self.router_stats = _get_json(self.http, f"{self.router.url}/v1/stats") or self.router_stats
         totals = self.router_stats.get("totals", {})
         sample = {"t": time.time(), "kind": "sample", "step": self.store.last_step(),
@@ -409,9 +410,11 @@ def _raise_stopped(signum: int, _frame: Any) -> None:
 
 
 def _get_json(client: httpx.Client, url: str) -> dict[str, Any] | None:
+    """The router's answer within 2 s in all (`burstrl.deadline`): the 1 Hz poll runs in the supervising
+    loop, which a router dripping its answer a byte at a time must not hold (httpx's timeouts are per read)."""
     try:
-        return client.get(url).json()
-    except (httpx.HTTPError, ValueError):
+        return fetch(client, "GET", url, deadline=2.0, max_bytes=64 << 20).json()
+    except (CallFailed, ValueError):
         return None
 
 
