@@ -12,7 +12,7 @@ deadline the caller chose:
   come within `header_deadline` and whose body chunks come at most `gap` seconds apart (optionally
   all within `deadline`): a long generation is fine, a stalled one is cut.
 - every failure (timeout, refused or reset connection, protocol error, an answer over `max_bytes`)
-  raises `CallFailed`, whose `kind` (refused, broken, timeout, too_large) is what a caller's policy
+  raises `CallFailed`, whose `kind` (refused, broken, timeout, too_large, invalid) is what a caller's policy
   needs (retry elsewhere, drop the peer, answer 504); callers catch one type.
 
 Async calls are bounded by cancellation (`asyncio.timeout`), so any `httpx.AsyncClient` works. A sync
