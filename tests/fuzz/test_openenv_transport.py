@@ -19,25 +19,29 @@ import base64
 import contextlib
 import hashlib
 import json
+import math
 import socket
 import struct
 import threading
 import time
 import tracemalloc
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
 import pytest
 
 from burstrl.envs.base import InfraError
+from burstrl.envs.ecosystem import openenv_env
 from burstrl.envs.ecosystem.openenv_env import OpenEnvEnv, OpenEnvOptions
+from tests.waiting import wait_for
 
 SCHEMA = {"type": "object", "required": ["answer"], "properties": {"answer": {"type": "integer"}}}
 WS_GUID = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
 OBS = json.dumps({"type": "observation", "data": {"observation": {"q": "2 + 3?"}, "reward": 0, "done": False}})
 DRIP_S = 0.25  # one byte of /schema's headers every DRIP_S seconds
-HEADERS = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+HEADERS = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}"  # 40 bytes: a 10 s drip
 
 
 def one_byte_fragments(text: str) -> bytes:
@@ -124,7 +128,7 @@ class RawServer:
             headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
             if what == "ws":
                 self._episode(conn, mode, headers["sec-websocket-key"])
-            elif mode == "drip":
+            elif mode.startswith("drip"):
                 self._drip(conn)
             else:
                 body = json.dumps({"action": SCHEMA}).encode()
@@ -219,3 +223,64 @@ def test_a_message_cut_by_the_timeout_mid_fragments_is_an_infra_error(server: Ra
         result, _, elapsed = play_measured(adapter(f"{server.url}/trickle", timeout_s=0.3))
         assert isinstance(result, InfraError), f"{type(result).__name__}: {result}"
         assert elapsed < 10
+
+
+# ---- item 6: /schema's headers dripped, many attempts in flight ----
+async def attempts_beside_the_shared_executor(env: OpenEnvEnv, n: int) -> tuple[list[Any], float, float]:
+    """`n` attempts at once, and beside them one `to_thread` call after another (what store writes and
+    other environments' grading do): the attempts' results, the slowest to_thread call, the seconds taken."""
+    start = time.monotonic()
+    attempts = [asyncio.create_task(env.rollout(Replies(), t)) for t in env.make_tasks(n, 0)]
+    slowest = 0.0
+    while not all(a.done() for a in attempts) and time.monotonic() - start < 15:
+        asked = time.monotonic()
+        probe = asyncio.ensure_future(asyncio.to_thread(time.monotonic))
+        if not (await asyncio.wait({probe}, timeout=5))[0]:
+            probe.cancel()
+            slowest = math.inf  # held behind the fetch (the attempts are then cancelled)
+            break
+        slowest = max(slowest, time.monotonic() - asked)
+        await asyncio.wait(attempts, timeout=0.05)  # the next probe once one ends or 50 ms passed
+    for a in attempts:
+        a.cancel()
+    results = await asyncio.gather(*attempts, return_exceptions=True)
+    return results, slowest, time.monotonic() - start
+
+
+def run_loop(coro: Any) -> Any:
+    """asyncio.run without waiting for the loop's executor at the end (before the fix, its threads were
+    each held by a dripping fetch: the test would wait minutes instead of failing)."""
+    loop, executor = asyncio.new_event_loop(), ThreadPoolExecutor(max_workers=6)  # 6: asyncio's on 2 cores
+    loop.set_default_executor(executor)
+    try:
+        return loop.run_until_complete(coro)
+    finally:
+        executor.shutdown(wait=False, cancel_futures=True)
+        loop.close()
+
+
+def test_a_dripping_schema_holds_neither_the_shared_executor_nor_every_attempt(server: RawServer) -> None:
+    env = adapter(f"{server.url}/drip", timeout_s=1, max_sessions=64)
+    results, slowest, elapsed = run_loop(attempts_beside_the_shared_executor(env, 64))
+    assert slowest < 0.5, f"a to_thread call beside the fetch waited {slowest:.1f} s"
+    assert elapsed < 5, f"the fetch with a 1 s deadline held the attempts {elapsed:.1f} s"
+    assert all(isinstance(r, InfraError) and "schema" in str(r) for r in results), {repr(r)[:200] for r in results}
+    assert server.requests[("drip", "schema")] == 1
+
+    results, slowest, elapsed = run_loop(attempts_beside_the_shared_executor(env, 8))  # remembered
+    assert all(isinstance(r, InfraError) and "schema" in str(r) for r in results)
+    assert elapsed < 1 and server.requests[("drip", "schema")] == 1
+
+
+def test_a_failed_schema_is_fetched_again_once_its_memory_expires(server: RawServer,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(openenv_env, "RETRY_PREPARE_S", 0.2)
+    env = adapter(f"{server.url}/drip2", timeout_s=0.3)
+    run_loop(attempts_beside_the_shared_executor(env, 4))
+    assert server.requests[("drip2", "schema")] == 1
+
+    def asked_again() -> bool:
+        run_loop(attempts_beside_the_shared_executor(env, 1))
+        return server.requests[("drip2", "schema")] == 2
+
+    wait_for(asked_again, 30, "a second GET /schema once the failure is 0.2 s old")

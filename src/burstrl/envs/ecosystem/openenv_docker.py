@@ -16,14 +16,15 @@ import threading
 import time
 import uuid
 
-import httpx
-
+from burstrl.deadline import CallFailed, fetch, sync_client
 from burstrl.envs.base import InfraError
 
 CONTAINER_PORT = 8000
 # A docker image reference (name[:tag][@digest]); never starts with '-', so it cannot pass as an option.
 IMAGE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/:@-]{0,254}")
 DOCKER_TIMEOUT_S = 30.0  # one docker CLI call (run, port, rm)
+HEALTH_TIMEOUT_S = 5.0  # one GET /health while the container starts, start to end
+HEALTH_MAX_BYTES = 1 << 16
 
 
 def check_image(image: str, timeout_s: float = DOCKER_TIMEOUT_S) -> None:
@@ -95,13 +96,17 @@ class Container:
         return r.stdout
 
     def _wait_healthy(self, url: str) -> None:
+        """Poll `/health` until 200; each poll has an overall deadline (a container dripping its answer
+        would otherwise hold the start past `start_timeout_s`)."""
         deadline = time.monotonic() + self.start_timeout_s
-        with httpx.Client(timeout=5.0, trust_env=False) as http:
-            while time.monotonic() < deadline:
+        with sync_client(timeout=HEALTH_TIMEOUT_S) as http:
+            while (left := deadline - time.monotonic()) > 0:
                 try:
-                    if http.get(f"{url}/health").status_code == 200:
+                    reply = fetch(http, "GET", f"{url}/health", deadline=min(HEALTH_TIMEOUT_S, left),
+                                  max_bytes=HEALTH_MAX_BYTES)
+                    if reply.status == 200:
                         return
-                except httpx.HTTPError:
+                except CallFailed:
                     pass
                 time.sleep(0.25)
         raise InfraError(f"image {self.image!r}: {url}/health did not answer within {self.start_timeout_s:g} s"

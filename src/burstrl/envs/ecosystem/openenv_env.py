@@ -33,10 +33,12 @@ Whose fault (an `InfraError` re-runs the attempt; an outcome with a reason is st
   within `timeout_s`, the connection closed, a frame that is not the documented shape):
   "env_failed_after_action: ...". An action can crash or hang a server; were that an infra error,
   the attempt would re-run unscored, and a policy could farm re-runs instead of taking a 0;
-- infra: what happens before the model acts: the server unreachable, no /schema, a bad frame or an
-  error frame to `reset`, a server at capacity for longer than `timeout_s`, an episode done at reset
-  or whose first observation does not fit `max_context_chars` (the model never got a turn: a rollout
-  needs at least one call);
+- infra: what happens before the model acts: the server unreachable, no /schema (fetched once, in
+  the adapter's own thread, within `timeout_s` overall; a failure is remembered for RETRY_PREPARE_S,
+  in which attempts fail at once instead of each asking again), a bad frame or an error frame to
+  `reset`, a server at capacity for longer than `timeout_s`, an episode done at reset or whose first
+  observation does not fit `max_context_chars` (the model never got a turn: a rollout needs at least
+  one call);
 - the fleet's: `client.chat` raises `ReplicaFailure`, which propagates (the attempt re-runs).
 
 Tasks: OpenEnv environments have no task list; a task is a reset seed, hashed from (split, seed,
@@ -54,6 +56,7 @@ import math
 import threading
 import time
 import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +77,9 @@ from burstrl.envs.ecosystem.openenv_ws import (
     probe,
 )
 
+# How long a failed preparation (the server's /schema, or its container) is remembered: attempts in that
+# time fail at once (InfraError, re-run later) instead of each asking a server that just failed.
+RETRY_PREPARE_S = 10.0
 SYSTEM_PROMPT = ("You act in an environment. Each user message is JSON: the current observation and the "
                  "JSON schema of an action. Reply with the action only, as a JSON object that matches the schema.")
 
@@ -162,7 +168,14 @@ class OpenEnvEnv:
         else:
             self._endpoint, self._container = None, Container(self.spec, self.options.start_timeout_s)
         self._schema: dict[str, Any] | None = None
-        self._lock = threading.Lock()  # the first rollouts fetch the schema (and start the container) once
+        # The first rollouts fetch the schema (and start the container) once, in this adapter's own
+        # thread: never in the event loop's executor, which store writes and every other environment
+        # share (a server dripping /schema held all of its threads). One preparation at a time, shared
+        # by every attempt waiting for it; a failed one is remembered for RETRY_PREPARE_S.
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="openenv-prepare")
+        self._lock = threading.Lock()  # guards _preparing and _retry_at only; never held while blocking
+        self._preparing: Future[tuple[Endpoint, dict[str, Any]]] | None = None
+        self._retry_at = 0.0
         self._gates: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = (
             weakref.WeakKeyDictionary())
 
@@ -180,7 +193,8 @@ class OpenEnvEnv:
             raise ValueError(f"environment {cls.name!r}: {exc}") from None
 
     def close(self) -> None:
-        """Stop the container this adapter started, if any."""
+        """Stop the container this adapter started, if any (the idle preparation thread stays for a
+        later rollout, as the adapter does; it ends with the process)."""
         if self._container is not None:
             self._container.stop()
 
@@ -198,8 +212,8 @@ class OpenEnvEnv:
     async def rollout(self, client: ChatClient, task: Task) -> Outcome:
         """Reset the server with the task's seed, then one model call per step until the episode ends."""
         ep, schema = self._endpoint, self._schema
-        if ep is None or schema is None:  # first use: fetched (the container started) in a worker thread
-            ep, schema = await asyncio.to_thread(self._prepare)
+        if ep is None or schema is None:  # first use: fetched (the container started) in the adapter's thread
+            ep, schema = await self._prepared()
         reset = {**self.options.reset_args, "seed": task.data["seed"]}
         session = getattr(client, "session_id", None)
         if session:
@@ -209,19 +223,40 @@ class OpenEnvEnv:
             async with socket:
                 return await self._play(client, socket, schema, first)
 
-    def _prepare(self) -> tuple[Endpoint, dict[str, Any]]:
-        """The server's endpoint (starting the container of an image spec) and its action schema, once."""
+    async def _prepared(self) -> tuple[Endpoint, dict[str, Any]]:
+        """The endpoint and action schema, from the preparation every waiting attempt shares.
+
+        Shielded: one attempt cancelled does not cancel the others' preparation. A failure is raised
+        afresh to each attempt (one exception object raised in many tasks would share a traceback).
+        """
+        try:
+            return await asyncio.shield(asyncio.wrap_future(self._preparation()))
+        except InfraError as exc:
+            raise InfraError(f"{exc} (a failed preparation is retried after {RETRY_PREPARE_S:g} s)") from None
+
+    def _preparation(self) -> Future[tuple[Endpoint, dict[str, Any]]]:
+        """The preparation in flight or remembered; a new one once a failed one is RETRY_PREPARE_S old."""
         with self._lock:
+            prep = self._preparing
+            if prep is None or (prep.done() and time.monotonic() >= self._retry_at):
+                prep = self._preparing = self._worker.submit(self._prepare)
+            return prep
+
+    def _prepare(self) -> tuple[Endpoint, dict[str, Any]]:
+        """The server's endpoint (starting the container of an image spec) and its action schema (in
+        the adapter's thread). Every HTTP call in it has an overall deadline (`burstrl.deadline`)."""
+        try:
             if self._endpoint is None:
                 assert self._container is not None
                 self._endpoint = endpoint(self._container.start())
             if self._schema is None:
-                try:
-                    self._schema = fetch_action_schema(self._endpoint, self.options.timeout_s,
-                                                       self.options.max_frame_bytes)
-                except ValueError as exc:
-                    raise InfraError(str(exc)) from None
+                self._schema = fetch_action_schema(self._endpoint, self.options.timeout_s,
+                                                   self.options.max_frame_bytes)
             return self._endpoint, self._schema
+        except (InfraError, ValueError) as exc:
+            with self._lock:
+                self._retry_at = time.monotonic() + RETRY_PREPARE_S
+            raise InfraError(str(exc)) from None
 
     def _gate(self) -> asyncio.Semaphore:
         """This event loop's bound on open episodes (a semaphore belongs to one loop)."""

@@ -22,18 +22,17 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import time
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-import httpx
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.client import ClientProtocol
 from websockets.exceptions import ConnectionClosed, ProtocolError
 from websockets.frames import OP_BINARY, OP_CONT, OP_TEXT, Frame
 from websockets.sync.client import ClientConnection as SyncClientConnection
 
+from burstrl.deadline import CallFailed, fetch, sync_client
 from burstrl.envs.base import InfraError
 
 SCHEMES = {"http": "ws", "https": "wss", "ws": "http", "wss": "https"}
@@ -108,27 +107,22 @@ def short(text: Any) -> str:
 
 
 def get_json(url: str, timeout_s: float, max_bytes: int) -> Any:
-    """GET `url` and parse its JSON body, read up to `max_bytes` and within `timeout_s` overall.
+    """GET `url` and parse its JSON body, read up to `max_bytes` and within `timeout_s` overall
+    (`burstrl.deadline`: connect to last byte, so a server that drips its headers is cut too).
 
     ValueError names the failure (unreachable, not 200, too big, too slow, not JSON). Proxies from
     the environment are ignored: the server is reached directly.
     """
-    deadline = time.monotonic() + timeout_s
-    body = bytearray()
     try:
-        with httpx.Client(timeout=timeout_s, trust_env=False) as http, http.stream("GET", url) as r:
-            if r.status_code != 200:
-                raise ValueError(f"GET {url}: HTTP {r.status_code}")
-            for chunk in r.iter_bytes():
-                body += chunk
-                if len(body) > max_bytes:
-                    raise ValueError(f"GET {url}: the answer is over {max_bytes} bytes")
-                if time.monotonic() > deadline:
-                    raise ValueError(f"GET {url}: no whole answer within {timeout_s:g} s")
-    except httpx.HTTPError as exc:
-        raise ValueError(f"GET {url}: {type(exc).__name__}: {short(exc)}") from None
+        with sync_client(timeout=timeout_s) as http:
+            reply = fetch(http, "GET", url, deadline=timeout_s, max_bytes=max_bytes)
+    except CallFailed as exc:
+        reason = f"the answer is over {max_bytes} bytes" if exc.too_large else exc.reason
+        raise ValueError(f"GET {url}: {short(reason)}") from None
+    if reply.status != 200:
+        raise ValueError(f"GET {url}: HTTP {reply.status}")
     try:
-        return json.loads(body)
+        return json.loads(reply.body)
     except (ValueError, RecursionError):
         raise ValueError(f"GET {url}: the answer is not JSON") from None
 
