@@ -147,7 +147,9 @@ class FakeOpenEnv:
         if mode == "weird":
             return '{"type": "error", "data": {"message": "?", "code": "SESSION_ERROR"}}'
         if mode == "bigreward":
-            return obs(reward=1e308)
+            return obs(reward=1e308 if tries < 3 else -(10**400) // 10**100)  # 1e308 twice, then -1e300
+        if mode == "boolreward":
+            return obs(reward=True, done=True)
         if mode == "growing":
             return obs("z" * 3000, reward=0.0)
         right = action.get("answer") == 5
@@ -280,7 +282,7 @@ INFRA = {  # mode -> what the InfraError says
     "rewardhuge": "not a finite number", "doneyes": "not a boolean", "statetype": "not an observation",
     "reseterror": "server error VALIDATION_ERROR", "binary": "binary frame", "huge": "connection failed",
     "doneatreset": "ended the episode at reset", "hugeobs": "over max_context_chars",
-    "bigreward": "sum to inf", "noschema": "HTTP 404", "badschema": "no action schema",
+    "noschema": "HTTP 404", "badschema": "no action schema",
     "bigschema": "over 16384 bytes", "nows": "cannot open",
 }
 
@@ -290,6 +292,15 @@ def test_a_bad_server_is_an_infra_error(fake: FakeOpenEnv, mode: str, match: str
     env = adapter(f"{fake.url}/{mode}", max_frame_bytes=16384, timeout_s=10)
     with pytest.raises(InfraError, match=match):
         play(env, Scripted("1", "1", "1"))
+
+
+def test_step_rewards_are_clipped_and_a_boolean_one_counts_as_one(fake: FakeOpenEnv) -> None:
+    """One server's 1e300 would swamp its group's advantages (issue 49, noted): clipped, and said so."""
+    out = play(adapter(f"{fake.url}/bigreward", max_turns=3, reward_clip=100), Scripted("1", "1", "1"))
+    assert out.info["rewards"] == [100.0, 100.0, -100.0] and out.info["clipped_steps"] == 3
+    assert out.reward == 100.0 and out.parts["env_reward"] == 100.0
+    out = play(adapter(f"{fake.url}/boolreward"), Scripted("1"))
+    assert out.reward == 1.0 and out.passed and "clipped_steps" not in out.info
 
 
 AFTER_ACTION = {"weird": "SESSION_ERROR", "close": "connection failed", "silent": "no answer"}

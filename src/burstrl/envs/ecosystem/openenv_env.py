@@ -19,9 +19,11 @@ The LLM glue (OpenEnv environments never call a model) is verifiers' OpenEnv con
 Not handled: MCP tool environments (verifiers lists their tools first; here the model sees only the
 generic action schema) and openenv's task API (`/{env}/tasks`).
 
-Outcome: reward = the summed step rewards, 0 on the model's failure; parts `env_reward` (the sum)
-and `valid` (0 on the model's failure); info `ended` (done, max_turns, context or invalid),
-`steps`, `rewards`, and on the model's failure `reason`: "bad_reply: ..." or "action_rejected: ...".
+Outcome: reward = the summed step rewards, each clipped to +-`reward_clip` (a boolean reward is 1 or
+0, as openenv allows), 0 on the model's failure; parts `env_reward` (the sum) and `valid` (0 on the
+model's failure); info `ended` (done, max_turns, context or invalid), `steps`, `rewards` (clipped),
+`clipped_steps` when any was, and on the model's failure `reason`: "bad_reply: ..." or
+"action_rejected: ...".
 
 Whose fault (an `InfraError` re-runs the attempt; an outcome with a reason is stored, reward 0):
 - the model's: a reply that is not an action (empty, not an object where the schema needs one,
@@ -52,7 +54,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import math
 import threading
 import time
 import weakref
@@ -100,6 +101,9 @@ class OpenEnvOptions(Section):
                              "(connect, reset, step, /schema), and to free a session when at capacity.")
     max_frame_bytes: int = Field(1 << 20, ge=1024, le=64 << 20, description="Largest frame or /schema "
                                  "answer read from the server; a bigger one is an infra error.")
+    reward_clip: float = Field(1e4, gt=0, description="Each step's reward is clipped to [-reward_clip, "
+                               "reward_clip]: one huge reward (a server's 1e300) would swamp its group's "
+                               "advantages. A boolean reward counts as 1 or 0, as openenv's Observation allows.")
     max_sessions: int = Field(8, ge=1, description="Episodes open at once in this process (set it to the "
                               "server's max_concurrent_envs).")
     start_timeout_s: float = Field(120.0, gt=0, description="Image specs: time for the container to answer "
@@ -292,36 +296,38 @@ class OpenEnvEnv:
         messages = [{"role": "system", "content": o.system_prompt}] if o.system_prompt else []
         messages.append({"role": "user", "content": user_turn(result.observation, schema)})
         rewards: list[float] = []
+        clipped = 0  # steps whose reward was clipped (info "clipped_steps" when any)
         for turn in range(o.max_turns):
             size = sum(len(m["content"]) for m in messages)
             if size > o.max_context_chars:
                 if turn == 0:
                     raise InfraError(f"the first observation makes a {size}-character prompt, over "
                                      f"max_context_chars={o.max_context_chars}")
-                return self._outcome(rewards, "context")
+                return self._outcome(rewards, clipped, "context")
             reply = await client.chat(messages, max_tokens=o.max_tokens or None)
             messages.append({"role": "assistant", "content": reply})
             try:
                 result = await socket.step(parse_reply(reply, schema))
             except ReplyError as exc:
-                return self._outcome(rewards, "invalid", reason=f"bad_reply: {exc}")
+                return self._outcome(rewards, clipped, "invalid", reason=f"bad_reply: {exc}")
             except ActionRejected as exc:
-                return self._outcome(rewards, "invalid", reason=f"action_rejected: {exc}")
+                return self._outcome(rewards, clipped, "invalid", reason=f"action_rejected: {exc}")
             except InfraError as exc:  # after the model's action: its doing for all we can tell
-                return self._outcome(rewards, "invalid", reason=f"env_failed_after_action: {exc}")
-            rewards.append(result.reward)
+                return self._outcome(rewards, clipped, "invalid", reason=f"env_failed_after_action: {exc}")
+            rewards.append(min(max(result.reward, -o.reward_clip), o.reward_clip))
+            clipped += rewards[-1] != result.reward
             if result.done:
-                return self._outcome(rewards, "done")
+                return self._outcome(rewards, clipped, "done")
             messages.append({"role": "user", "content": user_turn(result.observation, schema)})
-        return self._outcome(rewards, "max_turns")
+        return self._outcome(rewards, clipped, "max_turns")
 
-    def _outcome(self, rewards: list[float], ended: str, reason: str | None = None) -> Outcome:
-        """reward = the summed step rewards, or 0 when the model failed (`reason`)."""
-        total = sum(rewards)  # finite each (openenv_ws checks), but a hostile server can overflow the sum
-        if not math.isfinite(total):
-            raise InfraError(f"the server's rewards sum to {total}")
+    def _outcome(self, rewards: list[float], clipped: int, ended: str, reason: str | None = None) -> Outcome:
+        """reward = the summed (clipped) step rewards, or 0 when the model failed (`reason`)."""
+        total = float(sum(rewards))  # finite: each is within reward_clip, and steps are at most max_turns
         valid = reason is None
         info: dict[str, Any] = {"ended": ended, "steps": len(rewards), "rewards": rewards}
+        if clipped:
+            info["clipped_steps"] = clipped
         if reason is not None:
             info["reason"] = reason
         return Outcome(reward=total if valid else 0.0, parts={"env_reward": total, "valid": float(valid)},
