@@ -284,3 +284,13 @@ def test_a_failed_schema_is_fetched_again_once_its_memory_expires(server: RawSer
         return server.requests[("drip2", "schema")] == 2
 
     wait_for(asked_again, 30, "a second GET /schema once the failure is 0.2 s old")
+
+
+def test_check_of_a_dripping_server_ends_within_its_deadline(server: RawServer) -> None:
+    """`check` (before a run starts) asks /health and /schema the same way: cut at `timeout_s`, not at the drip's end."""
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="health") as refused:
+        type(adapter(f"{server.url}/drip3")).check(OpenEnvOptions(timeout_s=0.5))
+    elapsed = time.monotonic() - start
+    assert elapsed < 5, f"check took {elapsed:.1f} s against a 0.5 s deadline"
+    assert "deadline" in str(refused.value)
