@@ -104,3 +104,23 @@ def test_router_helpers_take_any_body(body: dict, version: str) -> None:
     assert all(type(t) is int for t in ids)
     assert 0 <= first_call_tokens(body) <= MAX_TOKENS_HINT
     assert isinstance(prompt_blocks(body, version), tuple)
+
+
+def test_token_ids_are_ints_on_the_wire_never_coerced() -> None:
+    """Issue 49 (noted): pydantic's lax mode took `["5", true, 7.0]` as token ids [5, 1, 7]; a token id
+    is an int as sent, on the token-in endpoint and in a completion's token prompt alike."""
+    for bad in (["5", True, 7.0], [True], [7.0], ["5"], [1, False]):
+        try:
+            gen.parse_generate({"model": "base", "token_ids": bad})
+        except ApiError as exc:
+            assert exc.status == 400, bad
+        else:
+            raise AssertionError(f"token_ids {bad!r} were accepted")
+        for field in ("prompt", "input_ids") if bad != ["5"] else ("input_ids",):  # ["5"]: a prompt of text
+            try:
+                api.CompletionRequest.model_validate({"model": "base", field: bad})
+            except ValueError:
+                continue
+            raise AssertionError(f"{field} {bad!r} was accepted")
+    assert gen.parse_generate({"model": "base", "token_ids": [5, 1, 7]}).token_ids == [5, 1, 7]
+    assert api.CompletionRequest.model_validate({"model": "base", "prompt": [[1, 2]]}).prompt == [[1, 2]]

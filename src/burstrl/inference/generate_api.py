@@ -83,7 +83,7 @@ class GenerateRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")  # as vLLM and /v1/completions: unknown top-level fields pass
 
     model: str
-    token_ids: list[int]
+    token_ids: list[api.TokenId]
     sampling_params: GenerateSampling = Field(default_factory=GenerateSampling)
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
     session_id: str | None = None  # else the X-Session-ID (or another session) header

@@ -19,9 +19,13 @@ import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from burstrl.inference.tools import assistant_message
+
+# A token id is an int on the wire, never a string, a bool or a float that pydantic's lax mode would
+# turn into one (`["5", true, 7.0]` was accepted as [5, 1, 7]): what the client sent is what is sampled.
+TokenId = StrictInt
 
 if TYPE_CHECKING:  # parsing and shapes need no torch; only the replica's engine does
     from burstrl.inference.engine import Request
@@ -72,7 +76,7 @@ class SamplingFields(BaseModel):
     min_p: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     n: int | None = None
     ignore_eos: bool | None = None
     min_tokens: int | None = None
@@ -108,8 +112,8 @@ class ChatRequest(_Common):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str] | list[list[int]] | None = None
-    input_ids: list[int] | None = None
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]] | None = None
+    input_ids: list[TokenId] | None = None
     logprobs: int | None = None
     # vLLM's extension and default: a text prompt gets the tokenizer's special tokens (Gemma's <bos>;
     # without it Gemma 3 answers "\nAnswer:\nAnswer:" to a question). Token-id prompts are used as given.
