@@ -60,6 +60,15 @@ def test_serve_unknown_key_exits_2_naming_it():
     assert "Traceback" not in result.stderr
 
 
+def test_serve_a_path_that_is_no_model_is_one_line(tmp_path):
+    """Issue 49 (noted): `serve --model /nonexistent` or a directory without config.json ended in the
+    hub client's or transformers' traceback; now one line, as the other commands answer a bad path."""
+    for path in ("/nonexistent", str(tmp_path)):
+        result = burstrl("serve", "--model", path, "--port", "0")
+        assert result.returncode != 0 and f"{path}: not a model directory" in result.stderr, result.stderr[-2000:]
+        assert "Traceback" not in result.stderr
+
+
 def test_serve_missing_config_file_exits_2():
     result = burstrl("serve", "/no/such/config.toml", "--dry-run")
     assert result.returncode == 2

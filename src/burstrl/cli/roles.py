@@ -102,6 +102,8 @@ def serve(
     cfg = command_config(ServeConfig, ctx, [f"{key}={value}" for key, value in sugar.items() if value is not None])
     if dry_run:
         return print_config(cfg)
+    if cfg.model.path and not (Path(cfg.model.path).expanduser() / "config.json").is_file():
+        fail(f"{cfg.model.path}: not a model directory")  # as eval says it (the hub client's traceback, before)
     from burstrl.inference.server import run_replica
 
     run_replica(cfg)
