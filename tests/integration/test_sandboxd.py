@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from burstrl.sandbox.client import AsyncSandboxClient, SandboxClient, SandboxError
+from burstrl.sandbox.protocol import ExecResult
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 TOKEN = "s3cret-token"
@@ -261,7 +262,10 @@ def test_close_while_the_same_clients_exec_is_in_flight(daemon: Daemon) -> None:
     c.close()
     thread.join(timeout=30)
     assert not thread.is_alive() and daemon.proc.wait(timeout=10) == 0
-    assert len(outcome) == 1 and isinstance(outcome[0], SandboxError), outcome
+    # the exec ends with the daemon: an error, or (when the daemon's kill of the command wins the race
+    # to the connection, as it did once under make test-fast's load) its result, killed by SIGKILL
+    killed = isinstance(outcome[0], ExecResult) and outcome[0].exit_code == -9 if outcome else False
+    assert len(outcome) == 1 and (isinstance(outcome[0], SandboxError) or killed), outcome
     assert "CannotSendRequest" not in repr(outcome[0])
 
 
