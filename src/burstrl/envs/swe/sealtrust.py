@@ -105,31 +105,8 @@ def _read_only(path):
         return False
 
 
-def trusted_roots(repo, sys_path):
-    """The interpreter's install and the `sys.path` directories at the seal's start, as prefixes."""
-    paths = set(sys_path)
-    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
-        try:
-            paths.add(sysconfig.get_paths()[key])
-        except KeyError:
-            pass
-    try:
-        paths.update(site.getsitepackages())
-    except AttributeError:
-        pass
-    paths.add(os.path.dirname(os.__file__))
-    out = set()
-    for p in paths:
-        if not isinstance(p, str) or not os.path.isabs(p) or not os.path.isdir(p):
-            continue
-        for q in (p, os.path.realpath(p)):
-            if q != repo and not q.startswith(repo.rstrip(os.sep) + os.sep):
-                out.add(q.rstrip(os.sep) + os.sep)
-    return tuple(sorted(out))
-
-
-def library_prefixes():
-    """The interpreter's own install (stdlib and site-packages): where the primitives' helpers live."""
+def _install_paths():
+    """The interpreter's own install: its stdlib and site-packages directories."""
     paths = set()
     for key in ("stdlib", "platstdlib", "purelib", "platlib"):
         try:
@@ -141,8 +118,25 @@ def library_prefixes():
     except AttributeError:
         pass
     paths.add(os.path.dirname(os.__file__))
+    return paths
+
+
+def trusted_roots(repo, sys_path):
+    """The interpreter's install and the `sys.path` directories at the seal's start, as prefixes."""
     out = set()
-    for p in paths:
+    for p in _install_paths() | set(sys_path):
+        if not isinstance(p, str) or not os.path.isabs(p) or not os.path.isdir(p):
+            continue
+        for q in (p, os.path.realpath(p)):
+            if q != repo and not q.startswith(repo.rstrip(os.sep) + os.sep):
+                out.add(q.rstrip(os.sep) + os.sep)
+    return tuple(sorted(out))
+
+
+def library_prefixes():
+    """The interpreter's own install (stdlib and site-packages): where the primitives' helpers live."""
+    out = set()
+    for p in _install_paths():
         for q in (p, os.path.realpath(p)):
             if q and q != os.sep and not os.getcwd().startswith(q + os.sep) and os.getcwd() != q:
                 out.add(q.rstrip(os.sep) + os.sep)
