@@ -10,8 +10,17 @@ from burstrl.inference.generic import GenericRunner
 from burstrl.inference.lora import ATTN_PROJ, MLP_PROJ, LoraAdapter, LoraBatch
 from burstrl.inference.paged import KVPool, SequenceKV
 from burstrl.inference.paged_attention import PagedDecode
-from burstrl.inference.probe import adapter_mismatch, mismatch, probe_ids, reference_logprobs, select_runner
-from burstrl.inference.runner import ModelRunner, UnsupportedModel, causal_attention
+from burstrl.inference.probe import (
+    adapter_mismatch,
+    fp32_reference,
+    median_kl,
+    mismatch,
+    own_logprobs,
+    probe_ids,
+    reference_logprobs,
+    select_runner,
+)
+from burstrl.inference.runner import ModelRunner, UnsupportedModel, _Norm, causal_attention
 
 SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, max_position_embeddings=128)
@@ -221,3 +230,101 @@ def test_a_gemma3_lora_with_windows_is_proven_on_either_path(path: str) -> None:
     runner = ModelRunner(model) if path == "fast" else GenericRunner(model)
     problem, err = adapter_mismatch(runner, random_adapter(runner))
     assert problem is None and err < 1e-4
+
+
+# ---- 16-bit engines: proven against the float32 forward of the same weights ----
+
+def qwen3() -> torch.nn.Module:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(Qwen3Config(**SHAPE)).eval()
+
+
+def bf16_adapter(runner, seed: int = 0) -> LoraAdapter:
+    """`random_adapter` in the served dtype, as the adapter registry loads a version."""
+    adapter = random_adapter(runner, seed)
+    adapter.weights = {k: (a.to(runner.dtype), b.to(runner.dtype), s) for k, (a, b, s) in adapter.weights.items()}
+    return adapter
+
+
+def test_a_bf16_models_reference_is_a_float32_copy_of_its_weights_made_for_the_probe_only() -> None:
+    model = gemma3(4).to(torch.bfloat16)  # tied embeddings
+    served = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with fp32_reference(model) as ref:
+        assert ref is not model
+        assert all(p.dtype == torch.float32 for p in ref.parameters())
+        for name, p in ref.named_parameters():
+            assert torch.equal(p, served[name].float()) and p.data_ptr() != model.get_parameter(name).data_ptr()
+        assert ref.lm_head.weight is ref.model.embed_tokens.weight  # still tied: one copy
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert all(torch.equal(p, served[n]) for n, p in model.named_parameters())  # the served model is untouched
+    fp32 = qwen3()
+    with fp32_reference(fp32) as ref:
+        assert ref is fp32  # nothing built for a float32 model
+    assert own_logprobs(fp32, probe_ids(256)) is None
+
+
+@pytest.mark.parametrize("path", ["fast", "generic"])
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+def test_a_bf16_model_is_proven_on_either_path(arch: str, path: str) -> None:
+    model = (qwen3() if arch == "qwen3" else gemma3(4)).to(torch.bfloat16)
+    runner, err = select_runner(model, path)
+    assert runner.path == path and runner.dtype == torch.bfloat16 and 0 < err < 0.5
+
+
+@pytest.mark.parametrize("wrong", ["rope", "norm", "weights"])
+def test_a_wrong_path_is_refused_in_bf16(wrong: str) -> None:
+    """bf16 rounding moves every log-probability, so the 16-bit bound is loose (a median KL within
+    4x HF's own bf16 forward's), but not so loose that a wrong model passes: a layer given the other
+    rope table, a Gemma norm computed as w instead of 1 + w, one layer's weights perturbed by 10%."""
+    model = gemma3(4).to(torch.bfloat16)
+    ids = probe_ids(256)
+    reference, own = reference_logprobs(model, ids), own_logprobs(model, ids)
+    runner = ModelRunner(model)
+    assert mismatch(runner, reference, ids, own=own)[0] is None
+    if wrong == "rope":
+        runner.fused[0].rope = runner.fused[1].rope
+    elif wrong == "norm":
+        norm = runner.fused[1].mlp_norm
+        runner.fused[1].mlp_norm = _Norm(norm.weight - 1.0, norm.eps, norm.upcast)
+    else:
+        w = runner.layers[1].self_attn.o_proj.weight
+        with torch.no_grad():
+            w.add_(torch.randn(w.shape, generator=torch.Generator().manual_seed(0)).to(w.dtype) * w.float().std() * 0.1)
+    problem, err = mismatch(runner, reference, ids, own=own)
+    assert problem is not None and "median KL" in problem and "bfloat16" in problem
+
+
+def test_the_16_bit_bound_is_capped_and_nan_is_refused() -> None:
+    """HF's own bf16 forward far off (here: garbage) widens the bound only up to the cap; a path
+    that computes NaN is refused whatever the bound."""
+    model = gemma3(4).to(torch.bfloat16)
+    ids = probe_ids(256)
+    reference = reference_logprobs(model, ids)
+    runner = ModelRunner(model)
+    problem, err = mismatch(runner, reference, ids, own=torch.zeros_like(reference))
+    assert problem is None and err < 0.5
+    assert median_kl(reference, reference) == 0.0
+    with torch.no_grad():
+        runner.layers[1].mlp.down_proj.weight[0, 0] = float("nan")
+    problem, err = mismatch(runner, reference, ids, own=torch.zeros_like(reference))
+    assert problem is not None and "median KL nan" in problem and "at most 0.05" in problem
+
+
+@pytest.mark.parametrize("path", ["fast", "generic"])
+def test_a_lora_version_is_proven_in_bf16_and_a_wrongly_applied_one_refused(path: str, monkeypatch) -> None:
+    model = gemma3(6).to(torch.bfloat16)
+    runner = ModelRunner(model) if path == "fast" else GenericRunner(model)
+    adapter = bf16_adapter(runner)
+    problem, err = adapter_mismatch(runner, adapter)
+    assert problem is None and err < 0.5
+    add = LoraBatch.add_
+
+    def skips_v(self, layer, name, x, y):
+        if name != "v_proj":
+            add(self, layer, name, x, y)
+
+    monkeypatch.setattr(LoraBatch, "add_", skips_v)
+    problem, err = adapter_mismatch(runner, adapter)
+    assert problem is not None and "median KL" in problem
