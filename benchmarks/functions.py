@@ -102,6 +102,9 @@ def main() -> None:
         result["rl_step_wait_s"] = [round(m["wait_s"], 1) for m in metrics]
         result["rl_step_compute_s"] = [round(m["compute_s"], 1) for m in metrics]
         result["rl_ratio_max"] = max(m["ratio_max"] for m in metrics)
+        # behaviour (captured) vs the trainer's recomputed logprobs, per step before its update
+        result["rl_ratio_mean_by_step"] = [round(m.get("ratio_mean", float("nan")), 4) for m in metrics]
+        result["rl_ratio_outside_frac_by_step"] = [round(m.get("ratio_outside_frac", float("nan")), 4) for m in metrics]
         adapter = root / "run" / "adapters" / f"policy-v{args.steps}"
         t1 = time.monotonic()
         burstrl("eval", *evals, "--adapter", str(adapter), "--out", str(root / "after"), "--compare", str(root / "before"))

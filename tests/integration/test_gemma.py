@@ -150,4 +150,5 @@ def test_a_lora_step_on_gemma_recomputes_the_captured_logprobs(server: Server, g
     step = metrics(run_dir)[0]
     # the trainer's PEFT model (Gemma's module names) starts as the base: new / old logprob ratio 1
     assert step["ratio_max"] == pytest.approx(1.0, abs=1e-3) and step["clip_frac"] == 0
+    assert step["ratio_outside_frac"] == 0 and step["ratio_mean"] == pytest.approx(1.0, abs=1e-3)
     assert step["grad_norm"] > 0 and (run_dir / "checkpoints" / "step-1" / "adapter").is_dir()

@@ -82,6 +82,9 @@ def test_two_ranks_train_like_one(tiny_model_dir: Path, tmp_path: Path) -> None:
         assert a["tokens"] == b["tokens"] and a["kept_groups"] == b["kept_groups"]
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-7)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+        assert a["ratio_mean"] == pytest.approx(b["ratio_mean"], rel=1e-6)
+        assert a["ratio_outside_frac"] == b["ratio_outside_frac"]
+    assert m1[0]["ratio_outside_frac"] == 0 and m1[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-4)  # on-policy
     assert m1[0]["kl"] == 0.0 and m1[1]["kl"] > 0  # the adapter starts as the base model (B = 0)
     w1, w2 = adapter(one, 2), adapter(two, 2)
     assert w1.keys() == w2.keys()

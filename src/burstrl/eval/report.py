@@ -168,6 +168,11 @@ def _summary(run: RunData) -> dict[str, Any]:
         "reward_first": rewards[0] if rewards else None,
         "reward_last5": _mean(rewards[-5:]),
         "staleness_mean": _mean(_values(run.metrics, "staleness_mean")),
+        # the trainer's recomputed vs the replicas' captured logprobs, per step before its update
+        "ratio_mean": _mean(_values(run.metrics, "ratio_mean")),
+        "ratio_max": max(_values(run.metrics, "ratio_max"), default=None),
+        "ratio_outside_frac": _mean(_values(run.metrics, "ratio_outside_frac")),
+        "ratio_outside_frac_max": max(_values(run.metrics, "ratio_outside_frac"), default=None),
         "utilisation": utilisation(run.metrics),
         "step_s_median": statistics.median(step_times) if step_times else None,
         "rollouts_done": _last(run.orchestrator, "rollouts_done"),
@@ -232,6 +237,10 @@ def render_markdown(figures: dict[str, Any], png_name: str) -> str:
         f"| reward, first step | {_fmt(figures['reward_first'])} |",
         f"| reward, mean of last 5 steps | {_fmt(figures['reward_last5'])} |",
         f"| staleness, mean | {_fmt(figures['staleness_mean'], 2)} |",
+        f"| importance ratio (recomputed / captured), mean of steps; max | {_fmt(figures.get('ratio_mean'), 4)}; "
+        f"{_fmt(figures.get('ratio_max'), 3)} |",
+        f"| tokens with ratio outside [0.8, 1.25], mean of steps; worst step "
+        f"| {_fmt(figures.get('ratio_outside_frac'), 4)}; {_fmt(figures.get('ratio_outside_frac_max'), 4)} |",
         f"| trainer utilisation (compute / step time) | {_fmt(figures['utilisation'], 2)} |",
         f"| step time, median | {_fmt(figures['step_s_median'], 2)} s |",
         f"| outage ratio (step spanning a replica loss / median of neighbours) "

@@ -25,6 +25,12 @@ logprobs the replica captured when it sampled the token (an older version, in as
 - k3_t = exp(q_t) - q_t - 1 with q_t = log pi_base(y_t) - log pi(y_t): Schulman's low-variance KL
   estimator to the base model (the adapter disabled), only when beta = kl_coef > 0.
 
+Mismatch: every token's rho_t is computed before the step's one optimizer update (all
+micro-batches run first), so at step 1 of an on-policy run it measures only how far the trainer's
+forward is from the replica's (rounding: bf16 serving vs an fp32 trainer). A step reports the mean
+of rho_t over sampled tokens and the share of tokens with rho_t outside MISMATCH_BAND = [0.8, 1.25]
+(the band the off-policy literature flags, e.g. Yao et al. 2025).
+
 Aggregation: "token-mean" divides the sum over every sampled token of the batch by their count
 (DAPO); "sequence-mean" averages each sequence's token-mean, then averages sequences (GRPO). The
 divisor is the whole batch's (all micro-batches, all ranks), so gradients summed across micro-batches
@@ -52,6 +58,9 @@ def group_advantages(rewards: list[float], std_norm: bool, eps: float = 1e-6) ->
     return [(r - mean) / scale for r in rewards]
 
 
+MISMATCH_BAND = (0.8, 1.25)  # rho_t outside it counts as a mismatched token
+
+
 @dataclass
 class TokenLoss:
     """Per-token loss and the statistics a step reports (all [N] over sampled tokens)."""
@@ -61,6 +70,7 @@ class TokenLoss:
     clipped: torch.Tensor  # bool: the clipped branch was taken
     truncated: torch.Tensor  # bool: rho_t > C
     kl: torch.Tensor | None
+    outside: torch.Tensor | None = None  # bool: rho_t outside MISMATCH_BAND (NaN counts as outside)
 
 
 def token_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, cfg: TrainerSection,
@@ -80,8 +90,11 @@ def token_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, cf
         kl = torch.exp(q) - q - 1.0
         loss = loss + cfg.kl_coef * kl
     truncated = ratio > cfg.tis_cap if cfg.tis_cap > 0 else torch.zeros_like(ratio, dtype=torch.bool)
-    return TokenLoss(loss=loss, ratio=ratio.detach(), clipped=(clipped < unclipped).detach(),
-                     truncated=truncated.detach(), kl=None if kl is None else kl.detach())
+    r = ratio.detach()
+    low, high = MISMATCH_BAND
+    return TokenLoss(loss=loss, ratio=r, clipped=(clipped < unclipped).detach(),
+                     truncated=truncated.detach(), kl=None if kl is None else kl.detach(),
+                     outside=~((r >= low) & (r <= high)))
 
 
 def aggregate(loss: torch.Tensor, seq_index: torch.Tensor, seq_tokens: torch.Tensor, mode: str,

@@ -52,8 +52,9 @@ class StepBatch:
 @dataclass
 class LossSums:
     """What a step adds up over its micro-batches and then across ranks: the loss, the sampled
-    tokens, and per-token sums of the importance ratio, of clipped and truncated (TIS) tokens and
-    of the KL term; `ratio_max` is a maximum, not a sum.
+    tokens, and per-token sums of the importance ratio, of clipped and truncated (TIS) tokens, of
+    tokens whose ratio is outside grpo.MISMATCH_BAND and of the KL term; `ratio_max` is a maximum,
+    not a sum.
 
     Why named fields: the metrics read them by name, where `sums[3]` said nothing. The all-reduce
     still packs the sums into one float64 tensor (one collective) and the maximum into another."""
@@ -65,6 +66,7 @@ class LossSums:
     truncated: float = 0.0
     kl: float = 0.0
     ratio_max: float = 0.0
+    outside: float = 0.0
 
     def add(self, part: LossSums) -> None:
         """Add one micro-batch's figures (a NaN ratio maximum stays NaN, as torch.maximum keeps it)."""
@@ -74,17 +76,19 @@ class LossSums:
         self.clipped += part.clipped
         self.truncated += part.truncated
         self.kl += part.kl
+        self.outside += part.outside
         if math.isnan(part.ratio_max) or part.ratio_max > self.ratio_max:
             self.ratio_max = part.ratio_max
 
     def all_reduce(self, dist: Dist) -> None:
         """Sum the sums and take the maximum across ranks, in place."""
-        sums = torch.tensor([self.loss, self.tokens, self.ratio, self.clipped, self.truncated, self.kl],
-                            dtype=torch.float64)
+        sums = torch.tensor([self.loss, self.tokens, self.ratio, self.clipped, self.truncated, self.kl,
+                             self.outside], dtype=torch.float64)
         ratio_max = torch.tensor([self.ratio_max], dtype=torch.float64)
         dist.sum_(sums)
         dist.max_(ratio_max)
-        self.loss, self.tokens, self.ratio, self.clipped, self.truncated, self.kl = (float(x) for x in sums)
+        self.loss, self.tokens, self.ratio, self.clipped, self.truncated, self.kl, self.outside = (
+            float(x) for x in sums)
         self.ratio_max = float(ratio_max[0])
 
 
@@ -251,7 +255,8 @@ class Trainer:
             "zero_variance_groups": batch.zero_variance_groups, "invalid_rollouts": batch.invalid_rollouts,
             "staleness_mean": sum(batch.staleness) / max(len(batch.staleness), 1),
             "staleness_max": max(batch.staleness, default=0),
-            "ratio_mean": sums.ratio / tokens, "ratio_max": sums.ratio_max,
+            # behaviour (captured) vs recomputed, before the update: the mismatch the step trains on
+            "ratio_mean": sums.ratio / tokens, "ratio_max": sums.ratio_max, "ratio_outside_frac": sums.outside / tokens,
             "clip_frac": sums.clipped / tokens, "tis_frac": sums.truncated / tokens,
             "kl": sums.kl / tokens, "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0],
             "skipped_update": total_tokens == 0,
@@ -275,7 +280,8 @@ class Trainer:
         part = LossSums(loss=float(loss.detach()), tokens=float(n), ratio=float(out.ratio.sum()),
                         clipped=float(out.clipped.sum()), truncated=float(out.truncated.sum()),
                         kl=float(out.kl.sum()) if out.kl is not None else 0.0,
-                        ratio_max=float(out.ratio.max()) if n else 0.0)
+                        ratio_max=float(out.ratio.max()) if n else 0.0,
+                        outside=float(out.outside.sum()) if out.outside is not None else 0.0)
         return loss, part
 
     def _token_logprobs(self, ids: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
