@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from burstrl.config.loading import Section
+from burstrl.config.vllm import VllmSection
 
 
 class ModelConfig(Section):
@@ -27,6 +28,11 @@ class ModelConfig(Section):
 
 
 class EngineConfig(Section):
+    backend: Literal["burstrl", "vllm"] = Field(
+        "burstrl", description="The engine behind the replica: burstrl's own continuous-batching engine, or "
+        "vLLM as a child process (engine.vllm); the API, sessions, capture and versions are the same on both."
+    )
+    vllm: VllmSection = Field(default_factory=VllmSection)
     max_total_num_tokens: int = Field(
         65536, ge=16, description="KV budget in tokens: cached sessions plus running requests."
     )

@@ -67,6 +67,8 @@ class AdapterRegistry:
         # called with every newly built adapter before it is served (the engine's LoRA probe);
         # raises AdapterError to refuse it
         self.verify: Callable[[LoraAdapter], object] | None = None
+        # called with every version freed (no session can name it any more): the engine lets it go
+        self.release: Callable[[LoraAdapter], None] | None = None
         # uploads staged on disk by an earlier version of this code are abandoned
         shutil.rmtree(self.state_dir / "uploads", ignore_errors=True)
 
@@ -101,13 +103,7 @@ class AdapterRegistry:
         if not NAME.fullmatch(name) or name == "base":
             raise AdapterError(f"adapter name must match {NAME.pattern} and not be 'base'")
         adapter = load_adapter(name, path, self.num_layers, self.dtype, self.device, self.shapes)
-        if self.verify is not None:
-            self.verify(adapter)
-        with self._lock:
-            if name in self.active or name in self.retiring:
-                raise AdapterError(f"adapter {name!r} is already loaded; versions never change")
-            self.active[name] = adapter
-        return adapter
+        return self._admit(adapter, AdapterError)
 
     def unload(self, name: str, in_use: dict[str, int]) -> str:
         """Stop new sessions on `name`; free it now if no session uses it. Returns the state."""
@@ -118,15 +114,21 @@ class AdapterRegistry:
             if in_use.get(name, 0):
                 self.retiring[name] = adapter
                 return "retiring"
-            return "unloaded"
+        self._released([adapter])
+        return "unloaded"
 
     def collect(self, in_use: dict[str, int]) -> list[str]:
         """Free retiring versions whose last session has been released."""
         with self._lock:
             done = [n for n in self.retiring if not in_use.get(n, 0)]
-            for n in done:
-                del self.retiring[n]
-            return done
+            freed = [self.retiring.pop(n) for n in done]
+        self._released(freed)
+        return done
+
+    def _released(self, adapters: list[LoraAdapter]) -> None:
+        if self.release is not None:
+            for adapter in adapters:
+                self.release(adapter)
 
     # ---- sharded upload ----
     def staged(self) -> list[str]:
@@ -212,12 +214,19 @@ class AdapterRegistry:
         finally:  # the adapter holds copies (lora._build), never views of the received bytes
             with self._lock:
                 self._recycle(up)
+        return self._admit(adapter, UploadError)
+
+    def _admit(self, adapter: LoraAdapter, error: type[Exception]) -> LoraAdapter:
+        """Prove a built version and serve it, unless its name was taken meanwhile (then let it go again)."""
         if self.verify is not None:
             self.verify(adapter)
         with self._lock:
-            if name in self.active or name in self.retiring:
-                raise UploadError(f"adapter {name!r} is already loaded; versions never change")
-            self.active[name] = adapter
+            taken = adapter.name in self.active or adapter.name in self.retiring
+            if not taken:
+                self.active[adapter.name] = adapter
+        if taken:
+            self._released([adapter])
+            raise error(f"adapter {adapter.name!r} is already loaded; versions never change")
         return adapter
 
     def _load_upload(self, name: str, up: _Upload) -> LoraAdapter:

@@ -27,7 +27,8 @@ from typing import Any
 import torch
 
 from burstrl.config import EngineConfig
-from burstrl.inference.capture import CallRecord, new_record
+from burstrl.inference.backend import MetricRow
+from burstrl.inference.calls import report_done, settle_session
 from burstrl.inference.kvcache import SessionCache
 from burstrl.inference.load_report import LoadReport
 from burstrl.inference.lora import AdapterError, LoraAdapter, LoraBatch
@@ -504,38 +505,29 @@ class Engine:
             session.kv_tokens = 0
         if req.text is None:
             req.text = self.tokenizer.decode(req.completion_ids, skip_special_tokens=True)
-        session.messages, session.tools, session.cache_salt = req.messages, req.tools, req.cache_salt
-        session.prompt_ids = req.prompt_ids
-        session.completion_ids = req.completion_ids
-        session.completion_text = req.text
+        settle_session(req, req.text)
         req.kv = None
         self._report_done(req, req.finish_reason or "abort")
 
     def _report_done(self, req: Request, reason: str) -> None:
-        req.finish_reason = reason
-        req.t_end = time.monotonic()
-        c = self.counters.requests
-        c[reason] = c.get(reason, 0) + 1
-        session = req.session
-        if self.cfg.capture and not session.ephemeral and req.error is None:
-            self.sessions.capture(session, self._record(req))
-        self.sessions.end(session)
-        req.on_done(req)
-
-    def _record(self, req: Request) -> CallRecord:
-        start = req.t_start or req.t_end
-        timings = {
-            "queued_s": start - req.t_submit,
-            "ttft_s": (req.t_first or req.t_end) - req.t_submit,
-            "total_s": req.t_end - req.t_submit,
-        }
-        return new_record(
-            req.id, req.version, req.prompt_ids, req.completion_ids, req.logprobs,
-            finish_reason=req.finish_reason or "", cached_tokens=req.cached_tokens,
-            timings=timings, created=time.time(),
-        )
+        report_done(req, reason, self.sessions, self.counters, self.cfg.capture)
 
     # ---- load reporting (read from any thread; values are a snapshot) ----
+    @property
+    def path(self) -> str:
+        """"fast" (own layer math) or "generic" (the model's forward)."""
+        return self.runner.path
+
+    @property
+    def vocab_size(self) -> int:
+        return self.runner.vocab_size
+
+    def release_adapter(self, adapter: LoraAdapter) -> None:
+        """Nothing to do: the version's tensors go with its last reference, its KV namespace with them."""
+
+    def metric_rows(self) -> list[MetricRow]:
+        return self._report.metric_rows(self.counters)
+
     def prefix_summary(self, max_blocks: int = 16384) -> dict:
         return self._report.prefix_summary(max_blocks)
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from burstrl.inference.backend import MetricRow
 from burstrl.inference.kvcache import SessionCache
+from burstrl.inference.request import EngineCounters
 from burstrl.inference.sessions import SessionTable
 from burstrl.protocol.blocks import BLOCK_TOKENS, cache_scope, prefix_block_hashes
 
@@ -80,3 +82,28 @@ class LoadReport:
             "sessions": sessions,
             "kv_window": self.kv_window,
         }
+
+    def metric_rows(self, counters: EngineCounters) -> list[MetricRow]:
+        """The engine's own figures, with vLLM's names where vLLM has one (`inference.metrics`)."""
+        stats, cache, c = self.cache.stats, self.cache, counters
+        running, waiting = self.queues()
+        return [
+            ("vllm:num_requests_running", "gauge", "Requests in the decode batch.", running),
+            ("vllm:num_requests_waiting", "gauge", "Requests waiting for admission.", waiting),
+            ("vllm:kv_cache_usage_perc", "gauge", "KV tokens held / budget (0-1).", cache.used_tokens / cache.capacity),
+            ("vllm:prefix_cache_queries_total", "counter", "Prompt tokens looked up in the cache.", stats.queries_tokens),
+            ("vllm:prefix_cache_hits_total", "counter", "Prompt tokens served from the cache.", stats.hit_tokens),
+            ("burstrl:prefix_cache_shared_hits_total", "counter", "Hit tokens copied from another session.",
+             stats.shared_hit_tokens),
+            ("vllm:prompt_tokens_total", "counter", "Prompt tokens prefilled.", c.prompt_tokens),
+            ("vllm:generation_tokens_total", "counter", "Tokens sampled.", c.generation_tokens),
+            ("burstrl:decode_steps_total", "counter", "Batched decode steps run.", c.decode_steps),
+            ("burstrl:kv_evictions_total", "counter", "Idle session caches evicted.", stats.evictions),
+            ("burstrl:kv_evicted_tokens_total", "counter", "Tokens of evicted caches.", stats.evicted_tokens),
+            ("burstrl:kv_refills_total", "counter", "Sessions re-prefilled after eviction.", stats.refills),
+            ("burstrl:kv_thrash_total", "counter", "Evictions of a session soon after its re-fill.", stats.thrash),
+            ("burstrl:failed_requests_total", "counter", "Requests failed alone inside the engine (the engine "
+             "served on).", c.failed_requests),
+            ("burstrl:engine_step_failures_total", "counter", "Forward passes that raised (their requests failed).",
+             c.step_failures),
+        ]

@@ -8,29 +8,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from burstrl.inference.backend import MetricRow
+
 if TYPE_CHECKING:
     from burstrl.inference.replica import InferenceReplica
 
 
 def prometheus_text(rep: InferenceReplica) -> str:
-    eng, stats = rep.engine, rep.engine.cache.stats
+    eng = rep.engine
     label = f'model_name="{rep.cfg.served_model_name}"'
-    cache = eng.cache
-    rows: list[tuple[str, str, str, float]] = [
-        ("vllm:num_requests_running", "gauge", "Requests in the decode batch.", len(eng.rows)),
-        ("vllm:num_requests_waiting", "gauge", "Requests waiting for admission.", len(eng.waiting)),
-        ("vllm:kv_cache_usage_perc", "gauge", "KV tokens held / budget (0-1).", cache.used_tokens / cache.capacity),
-        ("vllm:prefix_cache_queries_total", "counter", "Prompt tokens looked up in the cache.", stats.queries_tokens),
-        ("vllm:prefix_cache_hits_total", "counter", "Prompt tokens served from the cache.", stats.hit_tokens),
-        ("burstrl:prefix_cache_shared_hits_total", "counter", "Hit tokens copied from another session.",
-         stats.shared_hit_tokens),
-        ("vllm:prompt_tokens_total", "counter", "Prompt tokens prefilled.", eng.counters.prompt_tokens),
-        ("vllm:generation_tokens_total", "counter", "Tokens sampled.", eng.counters.generation_tokens),
-        ("burstrl:decode_steps_total", "counter", "Batched decode steps run.", eng.counters.decode_steps),
-        ("burstrl:kv_evictions_total", "counter", "Idle session caches evicted.", stats.evictions),
-        ("burstrl:kv_evicted_tokens_total", "counter", "Tokens of evicted caches.", stats.evicted_tokens),
-        ("burstrl:kv_refills_total", "counter", "Sessions re-prefilled after eviction.", stats.refills),
-        ("burstrl:kv_thrash_total", "counter", "Evictions of a session soon after its re-fill.", stats.thrash),
+    rows: list[MetricRow] = [
+        *eng.metric_rows(),
         ("burstrl:live_sessions", "gauge", "Sessions held by this replica.", len(rep.sessions.snapshot())),
         ("burstrl:sessions_expired_total", "counter", "Sessions released by the idle TTL or their lifetime.", rep.sessions.expired),
         ("burstrl:capture_tokens", "gauge", "Token ids held by all sessions' captures (deltas).",
@@ -44,10 +32,6 @@ def prometheus_text(rep: InferenceReplica) -> str:
          rep.counters.client_disconnects),
         ("burstrl:bad_requests_total", "counter", "Requests refused with a 4xx.", rep.counters.bad_requests),
         ("burstrl:uploads_refused_total", "counter", "Adapter loads/uploads refused.", rep.counters.uploads_refused),
-        ("burstrl:failed_requests_total", "counter", "Requests failed alone inside the engine (the engine served on).",
-         eng.counters.failed_requests),
-        ("burstrl:engine_step_failures_total", "counter", "Forward passes that raised (their requests failed).",
-         eng.counters.step_failures),
     ]
     if rep.chat is not None:
         rows.append(("burstrl:chat_continuity_breaks_total", "counter",

@@ -21,6 +21,7 @@ from typing import Any
 
 from burstrl.config import ServeConfig
 from burstrl.inference.adapters import AdapterRegistry
+from burstrl.inference.backend import EngineBackend
 from burstrl.inference.bulk import BulkReceiver, tls_context
 from burstrl.inference.capture import CaptureLimits
 from burstrl.inference.chat import ChatError, ChatTokenizer
@@ -52,7 +53,7 @@ class InferenceReplica:
     """Everything an HTTP handler needs; one per process."""
 
     cfg: ServeConfig
-    engine: Engine
+    engine: EngineBackend
     registry: AdapterRegistry
     sessions: SessionTable
     tokenizer: Any
@@ -83,30 +84,19 @@ class InferenceReplica:
 
 
 def build_replica(cfg: ServeConfig) -> InferenceReplica:
-    """Load the model and start the engine thread (the caller owns `close()`)."""
-    from burstrl.model.hf import eos_token_ids, load_model, load_tokenizer
+    """Load the model and start the engine (the caller owns `close()`)."""
+    from burstrl.model.hf import load_tokenizer
 
     if not cfg.model.path:
         raise ValueError("model.path is required (burstrl serve --model DIR)")
-    model = load_model(cfg.model.path, cfg.model.dtype, cfg.model.device)
     tokenizer = load_tokenizer(cfg.model.path)
-    max_len = cfg.engine.max_model_len or int(model.config.max_position_embeddings)
-    budget = max(1, cfg.engine.max_total_num_tokens // cfg.engine.kv_block_size) * cfg.engine.kv_block_size
-    if max_len > budget:  # the KV pool holds whole blocks: the budget rounded down to one
-        log.warning("max_model_len %d exceeds the KV budget; capping it to %d", max_len, budget)
-        max_len = budget
-    if cfg.server.state_dir:
-        state_dir = Path(cfg.server.state_dir)
-        state_dir.mkdir(parents=True, exist_ok=True)
+    state_dir = _state_dir(cfg)
+    if cfg.engine.backend == "vllm":
+        from burstrl.inference.vllm.build import vllm_engine
+
+        engine, registry, sessions, max_len = vllm_engine(cfg, tokenizer, state_dir, session_table)
     else:
-        sweep_dead_state_dirs(Path(tempfile.gettempdir()))
-        state_dir = make_state_dir(Path(tempfile.gettempdir()))
-    per_session = cfg.engine.capture_max_session_tokens or 4 * max_len
-    sessions = SessionTable(cfg.engine.session_ttl_s, cfg.engine.session_max_life_s,
-                            CaptureLimits(per_session, cfg.engine.capture_max_total_tokens))
-    engine = Engine(model, tokenizer, cfg.engine, eos_token_ids(model, tokenizer), sessions, max_len)
-    registry = AdapterRegistry.for_layers(state_dir, engine.runner.layers, engine.runner.dtype,
-                                          engine.runner.device, cfg.server.upload_ttl_s)
+        engine, registry, sessions, max_len = _own_engine(cfg, tokenizer, state_dir)
     try:
         chat = ChatTokenizer(tokenizer, cfg.content_special_tokens)
     except ChatError:
@@ -119,17 +109,54 @@ def build_replica(cfg: ServeConfig) -> InferenceReplica:
                       owns_state_dir=not cfg.server.state_dir)
     engine.on_release = replica.collect_retired
     registry.verify = engine.prove_adapter  # every version is proven on first load, as the model was at start
-    for name, path in cfg.adapters.items():
-        registry.load(name, path)
-    if cfg.adapter_volume:
-        _load_newest_version(registry, Path(cfg.adapter_volume))
-    if cfg.server.bulk_port >= 0:
-        replica.bulk = BulkReceiver(registry, replica.admin_token, cfg.server.host, cfg.server.bulk_port,
-                                    cfg.server.max_shard_bytes,
-                                    tls_context(cfg.server.ssl_certfile, cfg.server.ssl_keyfile),
-                                    on_refused=replica.counters.refused_upload)
-    engine.start()
+    registry.release = engine.release_adapter
+    try:
+        engine.start()
+        for name, path in cfg.adapters.items():
+            registry.load(name, path)
+        if cfg.adapter_volume:
+            _load_newest_version(registry, Path(cfg.adapter_volume))
+        if cfg.server.bulk_port >= 0:
+            replica.bulk = BulkReceiver(registry, replica.admin_token, cfg.server.host, cfg.server.bulk_port,
+                                        cfg.server.max_shard_bytes,
+                                        tls_context(cfg.server.ssl_certfile, cfg.server.ssl_keyfile),
+                                        on_refused=replica.counters.refused_upload)
+    except BaseException:
+        replica.close()
+        raise
     return replica
+
+
+def _own_engine(cfg: ServeConfig, tokenizer: Any, state_dir: Path) -> tuple[Engine, AdapterRegistry, SessionTable, int]:
+    """burstrl's own engine on the model loaded here, its registry checking versions against its layers."""
+    from burstrl.model.hf import eos_token_ids, load_model
+
+    model = load_model(cfg.model.path, cfg.model.dtype, cfg.model.device)
+    max_len = cfg.engine.max_model_len or int(model.config.max_position_embeddings)
+    budget = max(1, cfg.engine.max_total_num_tokens // cfg.engine.kv_block_size) * cfg.engine.kv_block_size
+    if max_len > budget:  # the KV pool holds whole blocks: the budget rounded down to one
+        log.warning("max_model_len %d exceeds the KV budget; capping it to %d", max_len, budget)
+        max_len = budget
+    sessions = session_table(cfg, max_len)
+    engine = Engine(model, tokenizer, cfg.engine, eos_token_ids(model, tokenizer), sessions, max_len)
+    registry = AdapterRegistry.for_layers(state_dir, engine.runner.layers, engine.runner.dtype,
+                                          engine.runner.device, cfg.server.upload_ttl_s)
+    return engine, registry, sessions, max_len
+
+
+def session_table(cfg: ServeConfig, max_len: int) -> SessionTable:
+    per_session = cfg.engine.capture_max_session_tokens or 4 * max_len
+    return SessionTable(cfg.engine.session_ttl_s, cfg.engine.session_max_life_s,
+                        CaptureLimits(per_session, cfg.engine.capture_max_total_tokens))
+
+
+def _state_dir(cfg: ServeConfig) -> Path:
+    if cfg.server.state_dir:
+        state_dir = Path(cfg.server.state_dir)
+        state_dir.mkdir(parents=True, exist_ok=True)
+        return state_dir
+    sweep_dead_state_dirs(Path(tempfile.gettempdir()))
+    return make_state_dir(Path(tempfile.gettempdir()))
 
 
 STATE_PREFIX = "burstrl-replica-"

