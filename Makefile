@@ -19,11 +19,12 @@ install: system-deps $(STAMP)
 
 # Sandboxes need bubblewrap, OCI runtimes for the oci backend (runc, and gVisor's runsc)
 # and e2fsprogs (each sandbox's /work is a size-limited ext4 on a loop device): Debian packages,
-# installed when missing and we are root; otherwise the sandbox tests skip and say why.
+# installed when missing and we are root; otherwise the sandbox tests skip and say why. uidmap
+# (newuidmap/newgidmap): an ordinary user's sandboxes get subordinate host uids of their own.
 system-deps:
-	@if command -v bwrap >/dev/null && command -v runsc >/dev/null && command -v mkfs.ext4 >/dev/null && command -v docker-registry >/dev/null; then :; \
+	@if command -v bwrap >/dev/null && command -v runsc >/dev/null && command -v mkfs.ext4 >/dev/null && command -v docker-registry >/dev/null && command -v newuidmap >/dev/null; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-		apt-get update -qq && apt-get install -y -qq bubblewrap runc runsc e2fsprogs util-linux docker-registry openssl; \
+		apt-get update -qq && apt-get install -y -qq bubblewrap runc runsc e2fsprogs util-linux docker-registry openssl uidmap; \
 	else echo "bubblewrap, runsc or mkfs.ext4 missing and not root: some sandbox tests will be skipped"; fi
 
 $(PY):

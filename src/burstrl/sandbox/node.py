@@ -192,7 +192,7 @@ class NodeAgent:
                 "pid": owner.get("pid"),  # the sandbox's own top process (bwrap / the OCI runtime)
                 "limits": {"cpu": held.sandbox.limits.cpu, "memory": held.sandbox.limits.memory,
                            "pids": held.sandbox.limits.pids, "disk": held.sandbox.limits.disk,
-                           "oom": held.sandbox.limits.oom}}
+                           "oom": held.sandbox.limits.oom, "uid": held.sandbox.limits.uid}}
 
     def delete(self, sid: str) -> None:
         with self._lock:

@@ -124,7 +124,13 @@ class LimitsReport:
     `oom`: what keeps the OOM killer off the daemon. "cgroup": its commands run in a memory cgroup
     of their own under the sandbox's, which it is not in (`cgroups`), so an OOM there picks commands
     only; "score": only the commands' oom_score_adj (`guard`), which a crowd of commands that keep
-    lowering theirs can defeat."""
+    lowering theirs can defeat.
+
+    `uid`: which host uid the sandbox's per-uid kernel counts (inotify instances and watches,
+    processes, pending signals, pipe pages, ...) are charged to, and which it shares with whom:
+    e.g. "own host uid 1879048193 (leased ...)" as root, "own subordinate uid 100123 (newuidmap):
+    ...; still charged to the harness's uid 1000 ...: inotify ..." or "shared with the harness's
+    uid 1000 (why): ..." as an ordinary user (`subids`)."""
 
     cpu: str = "none"
     memory: str = "none"
@@ -132,6 +138,7 @@ class LimitsReport:
     reasons: tuple[str, ...] = ()
     disk: str = "none"
     oom: str = "score"
+    uid: str = "not reported"
 
     @property
     def enforced(self) -> bool:
@@ -325,7 +332,23 @@ def remove_tree(path: Path) -> None:
     work = path / "work"
     if os.path.ismount(work):  # an overlay /work (namespace backend): unmount, never delete through it
         subprocess.run(["umount", "-l", str(work)], capture_output=True)
-    shutil.rmtree(path, onerror=fix)
+    try:
+        shutil.rmtree(path, onerror=fix)
+    except PermissionError:
+        if os.geteuid() == 0:
+            raise
+        _remove_subordinate(path)
+
+
+def _remove_subordinate(path: Path) -> None:
+    """An ordinary user's sandbox dir left with files of its subordinate uid (a harness that died
+    before its close): removed from a user namespace mapping the user's subordinate ids."""
+    from burstrl.sandbox.backends import subids
+
+    found = subids.detect()
+    err = subids.remove_owned(path, found.sub) if found.sub is not None else found.why
+    if path.exists():
+        raise PermissionError(f"cannot remove {path}: {err}")
 
 
 def kill_group(proc: subprocess.Popen[bytes]) -> None:

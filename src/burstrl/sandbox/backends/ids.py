@@ -44,17 +44,19 @@ def sandbox_ids(uid: int | None, gid: int | None) -> tuple[int | None, int | Non
 class IdLease:
     """A host id (uid and gid) held for one sandbox: an exclusive flock on `LEASE_DIR/<id>`, let go
     at close or when the harness dies, so no two sandboxes, of this harness or another on the same
-    machine, ever hold the same id. Root only (it is what may run processes as another uid).
+    machine, ever hold the same id: as root from `LEASE_DIR`, as an ordinary user with subordinate
+    ids from a dir of that user's own (`subids`).
 
     The file goes at release (unlinked while locked); a contender that opened it just before
     then holds a lock on a file no longer at that path, sees so and tries the next id."""
 
-    def __init__(self, first: int, count: int) -> None:
-        LEASE_DIR.mkdir(mode=0o700, exist_ok=True)
+    def __init__(self, first: int, count: int, directory: Path = LEASE_DIR) -> None:
+        self.dir = directory  # an ordinary user's leases of its subordinate ids: `subids.lease`
+        directory.mkdir(mode=0o700, exist_ok=True)
         start = secrets.randbelow(count)  # from anywhere in the block: few lock files to try
         for i in range(count):
             self.id = first + (start + i) % count
-            self._fd = self._lock(LEASE_DIR / str(self.id))
+            self._fd = self._lock(directory / str(self.id))
             if self._fd is not None:
                 return
         raise RuntimeError(f"every sandbox id of {first}-{first + count - 1} is leased")
@@ -72,7 +74,7 @@ class IdLease:
         return None
 
     def release(self) -> None:
-        (LEASE_DIR / str(self.id)).unlink(missing_ok=True)
+        (self.dir / str(self.id)).unlink(missing_ok=True)
         os.close(self._fd)
 
 
@@ -80,12 +82,14 @@ def id_block(user: str = "root") -> tuple[int, int]:
     """(first id, count) that sandboxes lease ids from: `user`'s subordinate ids where a range of
     /etc/subuid is also one of /etc/subgid (so a sandbox's uid and gid are one number), else
     `ID_BLOCK`."""
-    gids = set(_subordinate(Path("/etc/subgid"), user))
-    both = [r for r in _subordinate(Path("/etc/subuid"), user) if r in gids]
+    gids = set(subordinate(Path("/etc/subgid"), user, "0"))
+    both = [r for r in subordinate(Path("/etc/subuid"), user, "0") if r in gids]
     return both[0] if both else ID_BLOCK
 
 
-def _subordinate(path: Path, user: str) -> list[tuple[int, int]]:
+def subordinate(path: Path, *owners: str) -> list[tuple[int, int]]:
+    """The (first, count) ranges of /etc/subuid or /etc/subgid (`path`) whose owner field is one of
+    `owners` (a name or a uid, as shadow's newuidmap reads them), in file order."""
     try:
         lines = path.read_text().splitlines()
     except OSError:
@@ -93,6 +97,6 @@ def _subordinate(path: Path, user: str) -> list[tuple[int, int]]:
     ranges = []
     for line in lines:
         parts = line.strip().split(":")
-        if len(parts) == 3 and parts[0] in (user, "0") and parts[1].isdigit() and parts[2].isdigit():
+        if len(parts) == 3 and parts[0] in owners and parts[1].isdigit() and parts[2].isdigit():
             ranges.append((int(parts[1]), int(parts[2])))
     return ranges

@@ -59,13 +59,16 @@ class _Spawner:
 spawner = _Spawner()
 
 
-def spawn(argv: list[str], env: dict[str, str], log: Path, pass_fds: Sequence[int] = ()) -> subprocess.Popen[bytes]:
+def spawn(argv: list[str], env: dict[str, str], log: Path, pass_fds: Sequence[int] = (),
+          stdin: int | None = None) -> subprocess.Popen[bytes]:
     """Popen from the long-lived spawner thread, in a new process group, stdout and stderr on one
     pipe that `wait_ready` reads: the harness copies what comes out into `log`, bounded
-    (`DaemonLog`), and no host file is ever the sandbox's to write (`log` was its stderr before)."""
+    (`DaemonLog`), and no host file is ever the sandbox's to write (`log` was its stderr before).
+    `stdin`: an fd the entry process reads first (`subids.map_ids`' go line), else /dev/null."""
     log.touch()
     def start() -> subprocess.Popen[bytes]:
-        return subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        return subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL if stdin is None else stdin,
+                                stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, start_new_session=True, pass_fds=tuple(pass_fds))
     return spawner.call(start)
 

@@ -53,6 +53,44 @@ PRLIMIT_OPTIONS = {"RLIMIT_NOFILE": "nofile", "RLIMIT_MEMLOCK": "memlock", "RLIM
                    "RLIMIT_SIGPENDING": "sigpending", "RLIMIT_CORE": "core", "RLIMIT_NPROC": "nproc"}
 
 
+@dataclass(frozen=True)
+class UsernsLimit:
+    """A per-uid count an ordinary user's sandbox may take at most, held by its own user namespace
+    (`/proc/sys/user/<name>` there, written before any command runs: `subids`).
+
+    Why: the kernel charges these counts (ucounts) to every user namespace up to the init
+    namespace's owner, which is the harness's uid whatever uid the sandbox is mapped to (measured:
+    a command holding 128 inotify instances made the harness's inotify_init fail with EMFILE, with
+    or without a subordinate uid). The namespace's own maximum bounds what one sandbox takes; the
+    rest stays the harness's."""
+
+    name: str
+    value: int
+    why: str
+
+
+USERNS_LIMITS = (
+    UsernsLimit("max_inotify_instances", 8, "of the host's 128 per uid (fs.inotify.max_user_instances): "
+                "a watcher, an editor or node need one or two"),
+    UsernsLimit("max_inotify_watches", 8192, "of the host's per-uid watches (fs.inotify.max_user_watches, "
+                "~190k here): enough to watch a task repo's tree"),
+)
+
+
+def userns_limits() -> tuple[UsernsLimit, ...]:
+    """`USERNS_LIMITS`, each at most half the host's own maximum (a host set lower keeps its half)."""
+    host = {"max_inotify_instances": "fs/inotify/max_user_instances",
+            "max_inotify_watches": "fs/inotify/max_user_watches"}
+    out = []
+    for limit in USERNS_LIMITS:
+        try:
+            own = int(open(f"/proc/sys/{host[limit.name]}").read())
+        except (OSError, ValueError):
+            own = limit.value * 2
+        out.append(UsernsLimit(limit.name, max(1, min(limit.value, own // 2)), limit.why))
+    return tuple(out)
+
+
 def sandbox_rlimits(spec: SandboxSpec, pids_by_cgroup: bool) -> tuple[Rlimit, ...]:
     """`RLIMITS`, plus RLIMIT_NPROC at the pids limit where no cgroup holds pids; run by an ordinary
     user, each hard limit at most the harness's own (only root may raise one)."""

@@ -14,6 +14,11 @@ bind source within its filesystem (the host's /usr, /etc, ..., the daemon's code
 filesystem of its own or an overlay whose options name its dirs). bwrap has no way to hide a
 bind's root field; with /proc/sys read-only and no host uid 0 the path is not a way out.
 
+Run by an ordinary user, each sandbox starts in a user namespace of its own (`subids`) whose root
+bwrap runs as: a subordinate host uid leased for that sandbox where the OS offers one (newuidmap),
+else the harness's uid; that namespace's own inotify maxima bound what the sandbox takes of the
+per-uid counts it still shares with the harness (`LimitsReport.uid` says which).
+
 The daemon's socket is made here and inherited (`Handover`), the token through a pipe: no
 socket dir is mounted inside. So is, where the sandbox's memory cgroup got a child for the commands
 (as root: `cgroups`), a write fd of that child's cgroup.procs (`--cgroup-fd`): every command moves
@@ -40,7 +45,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from burstrl.sandbox.backends import cgroups, seccomp
+from burstrl.sandbox.backends import cgroups, seccomp, subids
 from burstrl.sandbox.backends.base import (
     CLOSE_GRACE_S,
     CODE_MOUNT,
@@ -64,7 +69,7 @@ from burstrl.sandbox.backends.base import (
 )
 from burstrl.sandbox.backends.cgroups import CgroupSet
 from burstrl.sandbox.backends.ids import NOBODY, IdLease, id_block, sandbox_ids
-from burstrl.sandbox.backends.launch import spawn, wait_ready
+from burstrl.sandbox.backends.launch import wait_ready
 from burstrl.sandbox.backends.limits import sandbox_rlimits
 from burstrl.sandbox.backends.workdir import disk_report, prepare_root, release_work
 
@@ -88,6 +93,7 @@ class NamespaceState(SandboxState):
     cgroups: CgroupSet | None = None
     mounts: list[Path] = dataclasses.field(default_factory=list)  # unmounted before the dir is removed
     pid_ns: PidNamespace | None = None  # the daemon's pid namespace, once it is ready
+    outer: subids.Outer | None = None  # run by an ordinary user: its own user namespace (`subids`)
 
 
 def default_state_dir() -> Path:
@@ -110,18 +116,23 @@ class NamespaceBackend:
         self.uid, self.gid = sandbox_ids(sandbox_uid, sandbox_gid)
         # As root with no uid given: one leased uid per sandbox, instead of nobody for all.
         self.id_block = id_block() if os.geteuid() == 0 and sandbox_uid is None else None
-        if self.uid is not None:  # bwrap, as that uid, must reach its bind sources under state_dir
-            os.chmod(self.state_dir, 0o711)
+        # Run by an ordinary user: what the OS offers for uids of the sandboxes' own (once per process).
+        self.found = subids.detect() if self.uid is None else None
+        if self.uid is not None or (self.found and self.found.sub):  # bwrap, as another uid, must
+            os.chmod(self.state_dir, 0o711)  # reach its bind sources under state_dir
 
     def create(self, spec: SandboxSpec) -> Sandbox:
         sid = secrets.token_hex(4)
         path = self.state_dir / sid
-        path.mkdir(mode=0o700 if self.uid is None else 0o711)
+        other = self.uid is not None or bool(self.found and self.found.sub)
+        path.mkdir(mode=0o711 if other else 0o700)
         state = NamespaceState(path=path, uid=self.uid, gid=self.gid)
         try:
             if self.id_block is not None:
                 state.lease = IdLease(*self.id_block)
                 state.uid = state.gid = state.lease.id
+            elif self.found is not None:
+                state.outer = subids.outer(self.found)
             return self._start(sid, spec, state)
         except BaseException:
             _teardown(state, self.layer_cache)
@@ -137,19 +148,20 @@ class NamespaceBackend:
             hand_over([path / "work"], state.uid, state.gid)
         cg = cgroups.create(sid, spec)
         state.cgroups = cg
-        report = dataclasses.replace(_report(cg.report), disk=disk_report(state)[0])
+        report = dataclasses.replace(_report(cg.report), disk=disk_report(state)[0], uid=_uid_report(state))
         env = {"PATH": PATH, "BURSTRL_CGROUP_PROCS": " ".join(map(str, cg.procs_files))}
         handover, filter_fd = Handover(run, token), seccomp.write_program_fd()
         cgroup_fd = cg.open_cmds_procs()
         fds = (*handover.fds, filter_fd, *([] if cgroup_fd is None else [cgroup_fd]))
-        argv = ["/bin/sh", "-c", _ENTER, "sh", *self._prefix(spec, report, state), self.bwrap, *base,
-                *(["--uid", str(NOBODY), "--gid", str(NOBODY)] if state.lease else []),
+        argv = ["/bin/sh", "-c", _ENTER, "sh", *self._prefix(spec, report, state),
+                *(subids.outer_args(state.outer, path / "work") if state.outer else []), self.bwrap, *base,
+                *_uid_args(state),
                 *self._common_args(run, code, spec, state.image_env), "--seccomp", str(filter_fd),
                 *daemon_argv(fds=handover.fds), *cgroup_fd_args(cgroup_fd)]
         write_owner(path, cgroups=[str(d) for d in cg.dirs])
         log = path / "daemon.log"
         try:
-            proc = spawn(argv, env, log, pass_fds=fds)
+            proc = subids.spawn_mapped(argv, env, log, fds, state.outer)
         finally:
             handover.close()  # the daemon holds them now; our copies would keep a dead daemon's socket open
             os.close(filter_fd)
@@ -181,7 +193,11 @@ class NamespaceBackend:
     def _reachable(self, path: Path, mount_point: Path, state: NamespaceState) -> Path:
         """`path`, or a read-only bind of it at `mount_point` when the sandbox uid cannot walk
         down to it (a layer cache or checkout under root's 0700 home): bwrap, run as that uid,
-        resolves its bind sources with that uid's rights."""
+        resolves its bind sources with that uid's rights. Run by an ordinary user, whose binds
+        need root, such a sandbox keeps the harness's uid instead of a subordinate one."""
+        outer = state.outer
+        if outer is not None and outer.uid is not None and not _walkable(path, outer.uid, outer.gid):
+            outer.share(f"{path} is out of reach of other uids")
         if state.uid is None or _walkable(path, state.uid, state.gid):
             return path
         mount_point.mkdir()
@@ -208,6 +224,25 @@ class NamespaceBackend:
                 "--size", tmpfs, "--tmpfs", "/tmp",
                 "--bind", str(run.parent / "work"), "/work",
                 "--ro-bind", str(code), CODE_MOUNT, "--remount-ro", "/", "--chdir", "/work"]
+
+
+def _uid_args(state: NamespaceState) -> list[str]:
+    """bwrap's uid and gid inside: nobody for a leased uid (as root); the harness's own numbers in
+    an outer namespace (bwrap runs as its root there), so a sandbox looks as it did without one."""
+    if state.lease is not None and state.uid is not None:
+        return ["--uid", str(NOBODY), "--gid", str(NOBODY)]
+    if state.outer is not None:
+        return ["--uid", str(os.getuid()), "--gid", str(os.getgid())]
+    return []
+
+
+def _uid_report(state: NamespaceState) -> str:
+    """`LimitsReport.uid`: whose per-uid counts (inotify, processes, pipe pages...) the sandbox's are."""
+    if state.uid is None:
+        return subids.uid_report(state.outer)
+    if state.lease is not None:
+        return f"own host uid {state.uid} (leased for this sandbox alone)"
+    return f"host uid {state.uid} (sandbox_uid), shared with every sandbox given the same"
 
 
 def cgroup_fd_args(fd: int | None) -> list[str]:
@@ -381,9 +416,12 @@ def _teardown(state: NamespaceState, layer_cache: Any) -> None:
     _remove(state, layer_cache)
     if left:  # the uid stays leased (its flock held) while a process of it may still run
         raise SandboxNotGone(state.path.name, left)
-    if state.lease is not None:
-        state.lease.release()
-        state.lease = None
+    for lease in (state.lease, state.outer.lease if state.outer else None):
+        if lease is not None:
+            lease.release()
+    state.lease = None
+    if state.outer is not None:
+        state.outer.lease = None
 
 
 def _kill(state: NamespaceState) -> list[int]:
@@ -403,6 +441,8 @@ def _kill(state: NamespaceState) -> list[int]:
 
 def _remove(state: NamespaceState, layer_cache: Any) -> None:
     mounts, state.mounts = state.mounts, []
+    if state.outer is not None and state.outer.sub is not None:  # /work's files are a subordinate uid's
+        subids.remove_owned(state.path / "work", state.outer.sub)
     for mount_point in mounts:  # unmounted first: rmtree must never reach the source
         subprocess.run(["umount", "-l", str(mount_point)], capture_output=True, check=False)
         with contextlib.suppress(OSError):  # still mounted: its bind is read-only, rmtree fails on it
