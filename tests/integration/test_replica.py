@@ -177,3 +177,28 @@ def test_a_new_session_reuses_another_sessions_prefix(server: Server, hf_greedy)
     assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == len(system)
     assert server.get("/v1/loads")["prefix_cache_shared_hit_tokens"] - before == len(system)
     assert r["choices"][0]["token_ids"] == hf_greedy(prompt, 4)
+
+
+def test_n_samples_in_one_request_are_captured_as_sessions_of_their_own(loaded: Server, tiny_model_dir: Path,
+                                                                        adapters: dict[str, Path]) -> None:
+    """A GRPO client asks for its group in one request: n choices, sample i seeded seed + i and
+    captured as session `<sid>/i`, each exactly the fresh forward's logprobs; with seed + i, sample i
+    equals the same request sent alone with n = 1."""
+    body = {"model": "policy-v1", "prompt": "Once upon a time", "max_tokens": 12, "temperature": 1.0, "seed": 7,
+            "n": 3, "session_id": "group-a", "logprobs": 0, "return_token_ids": True}
+    r = HTTP.post(loaded.url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2]
+    assert out["meta_info"]["session_ids"] == ["group-a/0", "group-a/1", "group-a/2"]
+    assert out["usage"]["completion_tokens"] == sum(len(c["token_ids"]) for c in out["choices"])
+    assert len({tuple(c["token_ids"]) for c in out["choices"]}) > 1  # different samples
+    for i, choice in enumerate(out["choices"]):
+        [call] = loaded.get(f"/v1/traces/group-a/{i}?full=true")["calls"]
+        assert call["completion_ids"] == choice["token_ids"]
+        ref = reference_logprobs(tiny_model_dir, adapters["policy-v1"], call["prompt_ids"] + call["completion_ids"],
+                                 len(call["prompt_ids"]))
+        assert (torch.tensor(call["logprobs"]) - ref).abs().max().item() < 1e-4
+    alone = HTTP.post(loaded.url + "/v1/completions", timeout=120,
+                      json={**body, "n": 1, "seed": 8, "session_id": "group-b"}).json()
+    assert alone["choices"][0]["token_ids"] == out["choices"][1]["token_ids"]

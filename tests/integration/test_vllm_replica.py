@@ -171,7 +171,7 @@ def test_loads_and_metrics_come_from_vllm(server: Server) -> None:
 
 def test_hostile_requests_get_the_same_answers_as_on_the_own_engine(server: Server) -> None:
     url = server.url + "/v1/completions"
-    cases = [({"prompt": [5, 10 ** 9]}, 400), ({"prompt": "hi", "n": 2}, 400), ({"prompt": "hi", "model": "nope"}, 404),
+    cases = [({"prompt": [5, 10 ** 9]}, 400), ({"prompt": "hi", "n": 0}, 400), ({"prompt": "hi", "n": 2, "stream": True}, 400), ({"prompt": "hi", "model": "nope"}, 404),
              ({"prompt": "hi", "max_tokens": 10 ** 6}, 400), ({"prompt": "hi", "temperature": -1}, 400),
              ({"prompt": ["5", True, 7.0]}, 400), ({"prompt": "hi", "logit_bias": {"999999999": 5}}, 400)]
     for extra, status in cases:
@@ -195,6 +195,23 @@ def test_an_unloaded_version_leaves_vllm_and_its_files_go(server: Server) -> Non
     assert not any(p.name.startswith("policy-v2@") for p in versions.iterdir())
     r = HTTP.post(server.url + "/v1/completions", json={"model": "policy-v2", "prompt": "x", "max_tokens": 1}, timeout=30)
     assert r.status_code == 404
+
+
+def test_n_samples_in_one_request_on_vllm(server: Server, reference) -> None:
+    """n = 3 as on the own engine: sample i seeded seed + i, captured as `<sid>/i`, exact."""
+    body = {"model": "base", "prompt": "Once upon a time", "max_tokens": 12, "temperature": 1.0, "seed": 7,
+            "n": 3, "session_id": "vgroup", "logprobs": 0, "return_token_ids": True}
+    out = HTTP.post(server.url + "/v1/completions", json=body, timeout=300).json()
+    assert out["meta_info"]["session_ids"] == ["vgroup/0", "vgroup/1", "vgroup/2"]
+    assert len({tuple(c["token_ids"]) for c in out["choices"]}) > 1
+    calls = [server.get(f"/v1/traces/vgroup/{i}?full=true")["calls"][0] for i in range(3)]
+    assert [c["completion_ids"] for c in calls] == [c["token_ids"] for c in out["choices"]]
+    model, _ = reference
+    with model.disable_adapter():
+        assert captured_vs_reference(model, calls) < FP32_TOL
+    alone = HTTP.post(server.url + "/v1/completions", timeout=300,
+                      json={**body, "n": 1, "seed": 8, "session_id": "vgroup-b"}).json()
+    assert alone["choices"][0]["token_ids"] == out["choices"][1]["token_ids"]
 
 
 def test_when_vllm_dies_the_replica_answers_503_and_exits(server: Server) -> None:

@@ -248,10 +248,45 @@ def _completion_prompt(rep: InferenceReplica, body: Any) -> list[int]:
 async def _generate(rep: InferenceReplica, request: Request, body: Any, kind: str, *, top_logprobs: int,
                     max_tokens: int | None, want_logprobs: bool, messages: list | None = None,
                     tools: ToolSpec | None = None, prompt_ids: list[int] | None = None) -> Response:
-    if body.n not in (None, 1):
-        raise ApiError(400, "n must be 1: start one session per sample")
-    rid = api.new_id("chatcmpl" if kind == "chat" else "cmpl")
+    n = _samples(body)
     sid = session_id_from(body.session_id, request.headers)
+    rid = api.new_id("chatcmpl" if kind == "chat" else "cmpl")
+    if n == 1:
+        req, events = await _start(rep, body, sid, rid, None, messages, tools, prompt_ids, max_tokens, top_logprobs)
+        if body.stream:
+            return StreamingResponse(stream_response(rep, req, events, body, kind, want_logprobs),
+                                     media_type="text/event-stream")
+        return JSONResponse(await _answer(rep, request, body, kind, req, events, want_logprobs))
+    # a group in one request (GRPO): sample i is its own session `<sid>/i`, seeded `seed + i`
+    started = []
+    try:
+        for i in range(n):
+            started.append(await _start(rep, body, sid and f"{sid}/{i}", f"{rid}-{i}", i, messages, tools,
+                                        prompt_ids, max_tokens, top_logprobs))
+        answers = [await _answer(rep, request, body, kind, req, events, want_logprobs) for req, events in started]
+    except BaseException:
+        for req, _ in started:
+            rep.engine.abort(req.id)
+        raise
+    return JSONResponse(_merge(answers, rid, sid))
+
+
+MAX_SAMPLES = 64  # `n` per request
+
+
+def _samples(body: Any) -> int:
+    n = 1 if body.n is None else body.n
+    if type(n) is not int or not 1 <= n <= MAX_SAMPLES:
+        raise ApiError(400, f"n must be an integer from 1 to {MAX_SAMPLES}")
+    if n > 1 and body.stream:
+        raise ApiError(400, "n > 1 is answered whole, not streamed: send stream=false, or one request per sample")
+    return n
+
+
+async def _start(rep: InferenceReplica, body: Any, sid: str | None, rid: str, sample: int | None,
+                 messages: list | None, tools: ToolSpec | None, prompt_ids: list[int] | None,
+                 max_tokens: int | None, top_logprobs: int) -> tuple[EngineRequest, asyncio.Queue[str]]:
+    """Begin one call's session and hand the call to the engine; its events queue says when it is done."""
     existing = rep.sessions.get(sid) if sid else None
     adapter = _resolve_adapter(rep, body.model, existing is not None)
     try:
@@ -265,6 +300,8 @@ async def _generate(rep: InferenceReplica, request: Request, body: Any, kind: st
             prompt_ids = await rep.workers.run(_chat_prompt, rep, messages, tools, session)
         _check_extends(rep, session, prompt_ids)
         params = _params(rep, body, prompt_ids, max_tokens, top_logprobs)
+        if sample is not None and params.seed is not None:
+            params.seed += sample
         req = EngineRequest(
             id=rid, session=session, prompt_ids=prompt_ids, params=params, version=body.model,
             adapter=adapter, messages=messages, tools=tools, cache_salt=body.cache_salt,
@@ -278,14 +315,29 @@ async def _generate(rep: InferenceReplica, request: Request, body: Any, kind: st
     except BaseException:
         rep.sessions.end(session)
         raise
-    if body.stream:
-        return StreamingResponse(stream_response(rep, req, events, body, kind, want_logprobs),
-                                 media_type="text/event-stream")
+    return req, events
+
+
+async def _answer(rep: InferenceReplica, request: Request, body: Any, kind: str, req: EngineRequest,
+                  events: asyncio.Queue[str], want_logprobs: bool) -> dict[str, Any]:
     await _wait_done(rep, request, req, events)
     if req.error is not None:
         raise ApiError(500, f"engine error: {req.error}", "server_error")
     build = {"chat": api.chat_response, "text": api.completion_response, "generate": gen.generate_response}[kind]
-    return JSONResponse(build(req, body.model, body.return_token_ids, want_logprobs, rep.text))
+    return build(req, body.model, body.return_token_ids, want_logprobs, rep.text)
+
+
+def _merge(answers: list[dict[str, Any]], rid: str, sid: str | None) -> dict[str, Any]:
+    """One answer with a choice per sample (index i); usage counts the prompt once, as OpenAI does."""
+    body = dict(answers[0])
+    body["id" if "id" in body else "request_id"] = rid
+    body["choices"] = [{**a["choices"][0], "index": i} for i, a in enumerate(answers)]
+    done = sum(a["usage"]["completion_tokens"] for a in answers)
+    body["usage"] = {**body["usage"], "completion_tokens": done, "total_tokens": body["usage"]["prompt_tokens"] + done}
+    body["meta_info"] = {**body["meta_info"], "session_id": sid,
+                         "session_ids": [a["meta_info"]["session_id"] for a in answers],
+                         "cached_tokens": [a["meta_info"]["cached_tokens"] for a in answers]}
+    return body
 
 
 def _chat_prompt(rep: InferenceReplica, messages: list[dict[str, Any]], tools: ToolSpec | None,
