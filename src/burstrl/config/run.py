@@ -28,6 +28,8 @@ from burstrl.config.roles import (
     WeightsConfig,
 )
 
+VLLM_REPLICA_EXTRA_S = 120.0  # a vLLM replica's start beyond vLLM's own: imports, tokenizer, the newest version
+
 
 class FleetConfig(Section):
     reserved: int = Field(1, ge=0, description="Replicas in the reserved pool (never scaled down).")
@@ -35,7 +37,9 @@ class FleetConfig(Section):
     reserved_weight: float = Field(1.0, gt=0, description="Router weight of a reserved replica.")
     on_demand_weight: float = Field(1.0, gt=0, description="Router weight of an on-demand replica.")
     replace_dead: bool = Field(True, description="Start a replacement when a replica dies.")
-    start_timeout_s: float = Field(180.0, gt=0, description="A replica not ready in this time has failed.")
+    start_timeout_s: float = Field(
+        0.0, ge=0, description="A replica not ready in this time has failed; 0 = by engine: 180 s on burstrl's "
+        "engine, engine.vllm.start_timeout_s + 120 s on vLLM (its start alone takes minutes on a busy CPU).")
     zygote: bool = Field(True, description="Fork replicas from a process that has torch and the model code "
                          "imported (a replacement then only loads weights): one per run (local), one per node (ray).")
 
@@ -120,6 +124,46 @@ class RunConfig(Section):
     def volume(self) -> str:
         """Where versions are published and late-joining replicas load the newest from."""
         return self.weights.volume or str(self.abs_run_dir() / "adapters")
+
+    def replica_start_timeout_s(self) -> float:
+        """How long a replica may take to report ready (`fleet.start_timeout_s`, or the engine's default)."""
+        if self.fleet.start_timeout_s:
+            return self.fleet.start_timeout_s
+        if self.engine.backend == "vllm":
+            return self.engine.vllm.start_timeout_s + VLLM_REPLICA_EXTRA_S
+        return 180.0
+
+    def most_replicas(self) -> int:
+        """The most replicas the run holds at once (reserved + the on-demand pool at its largest)."""
+        grown = self.autoscale.max_on_demand if self.autoscale.enabled else 0
+        return self.fleet.reserved + max(self.fleet.on_demand, grown)
+
+    def replica_cores(self, host_cores: int, cpu: bool) -> int:
+        """Cores of its own each replica's engine binds, given out by the provider; 0 = none.
+
+        Why: vLLM on CPU pins an OpenMP thread to every core of `engine.vllm.cpu_cores` (empty = all
+        the replica may use), and replicas on one host with the same list slow each other down many
+        times over (protocol/cores.py). So unless the user set the list (then every replica shares it)
+        each vLLM replica on CPU gets a disjoint slice: locally all replicas share this host, so the
+        slice is its cores split by the most replicas the run holds at once (ValueError if there are
+        fewer cores than that); on Ray, `ray.replica_cpus` cores of the node it is placed on (Ray
+        then places at most CPUs / replica_cpus replicas on a node).
+        """
+        if self.engine.backend != "vllm" or self.engine.vllm.cpu_cores or not cpu:
+            return 0
+        if self.provider == "ray":
+            if self.ray.replica_cpus < 1:
+                raise ValueError("engine.backend \"vllm\" on CPU with provider \"ray\": set ray.replica_cpus >= 1 "
+                                 "(the cores each replica's vLLM binds; Ray then places at most CPUs / replica_cpus "
+                                 "replicas on a node) or engine.vllm.cpu_cores (every replica binds that list)")
+            return int(self.ray.replica_cpus)
+        most = self.most_replicas()
+        if most > host_cores:
+            raise ValueError(f"engine.backend \"vllm\" on CPU: the run holds up to {most} replicas at once on this "
+                             f"host's {host_cores} cores, and each replica's vLLM needs cores of its own (its threads "
+                             "are bound to them): lower fleet.reserved + fleet.on_demand (and autoscale.max_on_demand), "
+                             "or set engine.vllm.cpu_cores (every replica then binds that list)")
+        return host_cores // most
 
     def router_config(self) -> RouteConfig:
         """Any free port (the launcher reads it from the ready line); replicas register as they start."""

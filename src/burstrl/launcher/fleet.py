@@ -57,6 +57,7 @@ class FleetOptions:
     weights: dict[str, float]  # the router's weight of a replica, by pool
     start_timeout_s: float  # a start that is not ready by then failed
     volume: Path  # where published versions live (a new replica catches up from it)
+    cores: tuple[str, int] | None = None  # cores of its own per replica (`Placement.cores`; vLLM on CPU)
 
 
 class Fleet:
@@ -68,6 +69,7 @@ class Fleet:
         self.cluster_token, self.admin_token = o.cluster_token, o.admin_token
         self.replicas_file = o.run_dir / "replicas.txt"
         self.weights, self.event, self.start_timeout_s = o.weights, event, o.start_timeout_s
+        self.cores = o.cores
         self.replicas: dict[str, FleetReplica] = {}
         self.lock = threading.Lock()
         self.file_lock = threading.Lock()
@@ -80,6 +82,7 @@ class Fleet:
         self.starts: list[Future] = []
         self.counter = 0
         self.failed_starts = 0
+        self.last_failure = ""  # why the latest start failed (the provider's message: it quotes the log)
         self.spot_losses = 0  # replicas whose node was preempted (the provider knows; Ray does)
         self.write_replicas_file()
 
@@ -109,11 +112,13 @@ class Fleet:
     def _bring_up(self, replica: FleetReplica, why: str) -> None:
         try:
             handle = self.provider.start(replica.name, self.serve_args, wait_ready=True, timeout=self.start_timeout_s,
-                                         placement=Placement(listen=("server.host", "server.port"), pool=replica.pool))
+                                         placement=Placement(listen=("server.host", "server.port"), pool=replica.pool,
+                                                             cores=self.cores))
         except Exception as exc:  # a failed start is a fault to count and retry, not a crash
             with self.lock:
                 replica.state = "gone"
                 self.failed_starts += 1
+                self.last_failure = f"{replica.name}: {exc}"
             self.event("replica_failed_start", replica=replica.name, pool=replica.pool, detail=str(exc)[-300:])
             return
         with self.lock:

@@ -55,7 +55,8 @@ def quickstart_swe_model(forgetful: bool = False) -> Path:
 
 def check(cfg: RunConfig) -> None:
     """Raise PreflightError listing every problem with `cfg` on this machine."""
-    problems = _model_problems(cfg) + _env_problems(cfg) + _plan_problems(cfg) + _provider_problems(cfg)
+    problems = (_model_problems(cfg) + _env_problems(cfg) + _plan_problems(cfg) + _provider_problems(cfg)
+                + _engine_problems(cfg))
     if not problems and cfg.provider == "local":  # on Ray the cluster places (or times out) each role
         problems = _resource_problems(cfg)
     if problems:
@@ -115,18 +116,49 @@ def _provider_problems(cfg: RunConfig) -> list[str]:
     return []
 
 
+def _engine_problems(cfg: RunConfig) -> list[str]:
+    """vLLM: its environment exists, and each replica can have cores of its own (RunConfig.replica_cores)."""
+    if cfg.engine.backend != "vllm":
+        return []
+    out = []
+    python = cfg.engine.vllm.python or os.environ.get("BURSTRL_VLLM_PYTHON", "")
+    if python and not Path(python).is_file():
+        out.append(f"engine.vllm.python {python!r} is not a file (`make vllm` makes .venv-vllm)")
+    try:
+        cfg.replica_cores(len(os.sched_getaffinity(0)), replicas_on_cpu(cfg))
+    except ValueError as exc:
+        out.append(str(exc))
+    return out
+
+
+def replicas_on_cpu(cfg: RunConfig) -> bool:
+    """Whether the run's replicas compute on CPU: on Ray when they hold no GPU; locally by `model.device`
+    (auto: when torch sees no GPU here, the rule `inference.vllm.process.is_cpu` applies in the replica)."""
+    if cfg.provider == "ray":
+        return cfg.ray.replica_gpus == 0
+    if cfg.model.device != "auto":
+        return cfg.model.device == "cpu"
+    import torch
+
+    return not torch.cuda.is_available()
+
+
 def _resource_problems(cfg: RunConfig) -> list[str]:
     """Memory: the most replicas the run may hold at once, each with weights and its KV budget, plus the trainer."""
     path = Path(cfg.model.path)
     weights = sum(f.stat().st_size for f in path.glob("*.safetensors")) or sum(
         f.stat().st_size for f in path.glob("*.bin"))
-    kv = kv_bytes_per_token(json.loads((path / "config.json").read_text())) * cfg.engine.max_total_num_tokens
-    most = cfg.fleet.reserved + max(cfg.fleet.on_demand, cfg.autoscale.max_on_demand if cfg.autoscale.enabled else 0)
+    if cfg.engine.backend == "vllm":  # vLLM on CPU reserves its KV cache whole at start
+        kv, why = int(cfg.engine.vllm.kv_cache_gib * GIB), f"engine.vllm.kv_cache_gib={cfg.engine.vllm.kv_cache_gib:g}"
+    else:
+        kv = kv_bytes_per_token(json.loads((path / "config.json").read_text())) * cfg.engine.max_total_num_tokens
+        why = f"engine.max_total_num_tokens={cfg.engine.max_total_num_tokens}"
+    most = cfg.most_replicas()
     need = most * (weights + kv) + cfg.trainer.world_size * 4 * weights
     have = available_memory()
     if have is not None and need > have:
         return [f"impossible resource request: {most} replicas x ({weights / GIB:.2f} GiB weights + "
-                f"{kv / GIB:.2f} GiB KV for engine.max_total_num_tokens={cfg.engine.max_total_num_tokens}) "
+                f"{kv / GIB:.2f} GiB KV for {why}) "
                 f"plus the trainer need {need / GIB:.1f} GiB, this machine has {have / GIB:.1f} GiB available"]
     return []
 

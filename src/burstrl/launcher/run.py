@@ -30,13 +30,16 @@ from burstrl.deadline import CallFailed, fetch, sync_client
 from burstrl.launcher import control
 from burstrl.launcher.display import Display, snapshot_eta
 from burstrl.launcher.fleet import Fleet, FleetOptions
+from burstrl.launcher.preflight import replicas_on_cpu
 from burstrl.orchestrator.autoscaler import FleetSignals, decide, wait_fraction
+from burstrl.protocol.cores import host_cores
 from burstrl.providers import Placement, RoleHandle, make_provider
 from burstrl.store import RolloutStore
 
 log = logging.getLogger("burstrl.run")
 MAX_FAILED_STARTS = 5  # replica starts that may fail (beyond the first fleet) before the run gives up
 SANDBOX_NODE_POLL_S = 3.0  # how often the launcher looks for sandbox nodes that joined or left
+CORES_KEY = "engine.vllm.cpu_cores"  # where a replica's own cores go (`Placement.cores`)
 
 
 class LaunchError(RuntimeError):
@@ -161,7 +164,8 @@ class Launcher:
         options = FleetOptions(serve_args=["serve", self.role_config("serve", serve)], router=self.router.url,
                                cluster_token=self.cluster_token, admin_token=self.admin_token, run_dir=self.run_dir,
                                weights={"reserved": c.fleet.reserved_weight, "on_demand": c.fleet.on_demand_weight},
-                               start_timeout_s=c.fleet.start_timeout_s, volume=Path(serve.adapter_volume))
+                               start_timeout_s=c.replica_start_timeout_s(), volume=Path(serve.adapter_volume),
+                               cores=self.replica_cores())
         self.fleet = Fleet(self.provider, options, self.event)
         for pool, n in (("reserved", c.fleet.reserved), ("on_demand", c.fleet.on_demand)):
             for _ in range(n):
@@ -216,14 +220,27 @@ class Launcher:
         except RuntimeError as exc:
             raise LaunchError(f"the {name} failed to start: {exc}") from None
 
+    def replica_cores(self) -> tuple[str, int] | None:
+        """`Placement.cores` for the replicas: cores of their own for vLLM on CPU (RunConfig.replica_cores)."""
+        c = self.cfg
+        if c.engine.backend != "vllm":
+            return None
+        try:
+            count = c.replica_cores(len(host_cores()), replicas_on_cpu(c))
+        except ValueError as exc:  # preflight said so already; a config changed since (tests) says it here
+            raise LaunchError(str(exc)) from None
+        return (CORES_KEY, count) if count else None
+
     def wait_for_first_replica(self) -> None:
-        deadline = time.monotonic() + self.cfg.fleet.start_timeout_s
+        timeout = self.cfg.replica_start_timeout_s()
+        deadline = time.monotonic() + timeout
         while not self.fleet.up():
             self.check_roles()
             if all(r.state == "gone" for r in self.fleet.replicas.values()):
-                raise LaunchError(f"no replica could start; see {self.run_dir / 'logs'}/replica-*.log")
+                raise LaunchError(f"no replica could start; see {self.run_dir / 'logs'}/replica-*.log; the last "
+                                  f"failure: {self.fleet.last_failure}")
             if time.monotonic() > deadline:
-                raise LaunchError(f"no replica was ready in {self.cfg.fleet.start_timeout_s:.0f} s; "
+                raise LaunchError(f"no replica was ready in {timeout:.0f} s (fleet.start_timeout_s); "
                                   f"see {self.run_dir / 'logs'}/replica-*.log")
             time.sleep(0.2)
 
@@ -300,8 +317,22 @@ class Launcher:
             control.answer_scale(self.run_dir, request, {"ok": False, "error": f"replicas must be >= the "
                                                          f"{reserved} reserved replicas, got {total}"})
             return
+        most = self.most_replicas_here()
+        if most is not None and total > most:
+            control.answer_scale(self.run_dir, request, {"ok": False, "error": f"{total} replicas do not fit: each "
+                                 f"vLLM replica binds {self.fleet.cores[1]} cores of its own and this host has "
+                                 f"{len(host_cores())} ({most} at most): the slices are cut at start for the "
+                                 "most replicas the config holds at once (fleet.on_demand, autoscale.max_on_demand); "
+                                 "set those, or engine.vllm.cpu_cores to share cores"})
+            return
         self.scale_on_demand(total - reserved, "burstrl scale")
         control.answer_scale(self.run_dir, request, {"ok": True, "reserved": reserved, "on_demand": total - reserved})
+
+    def most_replicas_here(self) -> int | None:
+        """The most replicas that fit this host's cores (vLLM on CPU, local provider); None = no such bound."""
+        if self.fleet.cores is None or self.cfg.provider != "local":
+            return None
+        return len(host_cores()) // self.fleet.cores[1]
 
     def autoscale(self) -> None:
         a = self.cfg.autoscale

@@ -40,6 +40,10 @@ class Placement:
     pool: str = ""  # a replica's pool: reserved | on_demand
     restartable: bool = False  # restart in place after a crash, at the same address (the router)
     on_driver: bool = False  # beside the launcher, on its machine
+    # (dotted config key, count): the role's engine binds its threads to cores (vLLM on CPU); the
+    # provider gives it `count` cores no other role of the run with this hint holds on its host, set
+    # as `--KEY LIST` (protocol/cores.py says why)
+    cores: tuple[str, int] | None = None
 
 
 class Provider(Protocol):

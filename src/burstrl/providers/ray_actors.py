@@ -11,8 +11,11 @@ A replica may instead be forked by its node's zygote (`fork()`, providers/ray_zy
 child is then the zygote's, not the actor's; the zygote kills it when this actor's worker exits,
 and the actor watches it through a pidfd and learns its exit status from the zygote.
 
-Kept free of torch (its one burstrl import is the standard-library-only process helpers): workers
-import this module to build the actor.
+A replica whose engine binds cores (`Placement.cores`: vLLM on CPU) claims its cores on its node in
+`_args`, with a lock per core that this actor holds until its process ends (protocol/cores.py).
+
+Kept free of torch (its burstrl imports are the standard-library-only process and core helpers):
+workers import this module to build the actor.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError
 
+from burstrl.protocol.cores import claim_cores, claims_dir, core_list
 from burstrl.protocol.process import die_with_parent_signal, ready_url
 
 
@@ -48,6 +52,9 @@ class ProcessSpec:
     host_key: str = ""  # dotted config key of the bind address: set to this node's IP
     port_key: str = ""  # dotted config key of the bind port: set to `port` (0 = any free port)
     port: int = 0
+    cores_key: str = ""  # dotted config key set to `cores` cores of this node no other role of the run holds
+    cores: int = 0
+    cores_run: str = ""  # the run's key: its per-core lock files on the node (protocol/cores.py)
 
 
 class ForkedChild:
@@ -94,6 +101,7 @@ class RoleActor:
         self.url = ""
         self.spec = spec
         self.stopping = False
+        self.core_locks: list[int] = []  # held as long as this actor (and so its child) lives
         if spec is not None:
             self._spawn(spec)
 
@@ -103,6 +111,9 @@ class RoleActor:
             args += [f"--{spec.host_key}", ray.util.get_node_ip_address()]
         if spec.port_key:
             args += [f"--{spec.port_key}", str(spec.port)]
+        if not self.core_locks:
+            extra, self.core_locks = claim_role_cores(spec)  # NoFreeCores: a failed start
+            args += extra
         Path(spec.log).parent.mkdir(parents=True, exist_ok=True)
         return args
 
@@ -200,6 +211,15 @@ class RoleActor:
                 while await self._poll() is None:
                     await asyncio.sleep(0.05)
         return self.proc.returncode
+
+
+def claim_role_cores(spec: ProcessSpec) -> tuple[list[str], list[int]]:
+    """`--KEY LIST` for a spec that asks for cores of its own on this node, and the lock fds that hold
+    them while open; ([], []) for one that asks for none. NoFreeCores if too few are free."""
+    if not spec.cores_key:
+        return [], []
+    cores, fds = claim_cores(claims_dir(spec.cores_run), spec.cores)
+    return [f"--{spec.cores_key}", core_list(cores)], fds
 
 
 def _signal_group(pid: int, sig: int) -> None:

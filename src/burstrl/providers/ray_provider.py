@@ -315,8 +315,10 @@ class RayProvider:
         if placement.restartable:
             opts.update(max_restarts=self.cfg.router_restarts, max_task_retries=0)
         log_path = self.logs_dir / f"{name}.log"
+        cores_key, cores = placement.cores or ("", 0)
         spec = ProcessSpec(args=list(args), log=str(log_path), env=self.env, ready_line=wait_ready, append=append,
-                           host_key=host_key, port_key=port_key, port=port)
+                           host_key=host_key, port_key=port_key, port=port, cores_key=cores_key, cores=cores,
+                           cores_run=str(self.run_dir))
         fork = self.zygotes is not None and wait_ready and bool(placement.pool) and placement.listen == REPLICA_LISTEN
         t0 = time.time()
         actor, node = self._spare(placement.pool) if fork else (None, None)

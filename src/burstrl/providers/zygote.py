@@ -44,7 +44,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Callable, TextIO
 
 from burstrl.protocol.process import die_with_parent_signal
 
@@ -357,7 +357,8 @@ class Zygote:
         try:
             with self.lock:
                 while got not in self.urls and child.code is None:
-                    self._wait(deadline, f"{args[:1]} not ready after {timeout:.0f}s")
+                    self._wait(deadline, lambda: f"{args[:1]} not ready after {timeout:.0f}s; log {log}:\n"
+                               f"{_tail(Path(log))}")  # the log says how far it got
                 if child.code is not None:
                     raise RuntimeError(f"{args[:1]} exited with {child.code}; log {log}:\n{_tail(Path(log))}")
                 child.url = self.urls.pop(got)
@@ -366,10 +367,10 @@ class Zygote:
             raise
         return child
 
-    def _wait(self, deadline: float, what: str) -> None:
+    def _wait(self, deadline: float, what: str | Callable[[], str]) -> None:
         left = deadline - time.monotonic()
         if left <= 0:
-            raise RuntimeError(what)
+            raise RuntimeError(what if isinstance(what, str) else what())
         self.changed.wait(min(left, 1.0))
 
     def close(self, timeout: float = 5.0) -> None:
