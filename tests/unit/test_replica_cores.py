@@ -39,6 +39,8 @@ def test_vllm_replicas_on_cpu_split_the_hosts_cores_by_the_most_replicas_at_once
     grown = _cfg("--engine.backend", "vllm", "--fleet.on_demand", "0", "--autoscale.enabled", "true",
                  "--autoscale.max_on_demand", "3")
     assert grown.replica_cores(host_cores=8, cpu=True) == 2  # 1 reserved + up to 3 on demand
+    planned = _cfg("--engine.backend", "vllm", "--fleet.on_demand", "0", "--fleet.max_replicas", "2")
+    assert planned.replica_cores(host_cores=2, cpu=True) == 1, "room for one more by `burstrl scale`"
     assert _cfg("--fleet.on_demand", "1").replica_cores(8, cpu=True) == 0, "the own engine binds no cores"
     assert two.replica_cores(8, cpu=False) == 0, "vLLM on a GPU binds no cores"
     named = _cfg("--engine.backend", "vllm", "--engine.vllm.cpu_cores", "0-1", "--fleet.on_demand", "4")

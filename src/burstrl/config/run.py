@@ -40,6 +40,10 @@ class FleetConfig(Section):
     start_timeout_s: float = Field(
         0.0, ge=0, description="A replica not ready in this time has failed; 0 = by engine: 180 s on burstrl's "
         "engine, engine.vllm.start_timeout_s + 120 s on vLLM (its start alone takes minutes on a busy CPU).")
+    max_replicas: int = Field(
+        0, ge=0, description="Most replicas the run plans to hold at once, `burstrl scale` included: vLLM replicas "
+        "on CPU get the host's cores split by it, and memory is checked for it; 0 = reserved + on_demand (or + "
+        "autoscale.max_on_demand when autoscaling).")
     zygote: bool = Field(True, description="Fork replicas from a process that has torch and the model code "
                          "imported (a replacement then only loads weights): one per run (local), one per node (ray).")
 
@@ -136,7 +140,7 @@ class RunConfig(Section):
     def most_replicas(self) -> int:
         """The most replicas the run holds at once (reserved + the on-demand pool at its largest)."""
         grown = self.autoscale.max_on_demand if self.autoscale.enabled else 0
-        return self.fleet.reserved + max(self.fleet.on_demand, grown)
+        return max(self.fleet.max_replicas, self.fleet.reserved + max(self.fleet.on_demand, grown))
 
     def replica_cores(self, host_cores: int, cpu: bool) -> int:
         """Cores of its own each replica's engine binds, given out by the provider; 0 = none.
@@ -161,8 +165,9 @@ class RunConfig(Section):
         if most > host_cores:
             raise ValueError(f"engine.backend \"vllm\" on CPU: the run holds up to {most} replicas at once on this "
                              f"host's {host_cores} cores, and each replica's vLLM needs cores of its own (its threads "
-                             "are bound to them): lower fleet.reserved + fleet.on_demand (and autoscale.max_on_demand), "
-                             "or set engine.vllm.cpu_cores (every replica then binds that list)")
+                             "are bound to them): lower fleet.reserved + fleet.on_demand (fleet.max_replicas, "
+                             "autoscale.max_on_demand), or set engine.vllm.cpu_cores (every replica then binds that "
+                             "list)")
         return host_cores // most
 
     def router_config(self) -> RouteConfig:

@@ -322,8 +322,8 @@ class Launcher:
             control.answer_scale(self.run_dir, request, {"ok": False, "error": f"{total} replicas do not fit: each "
                                  f"vLLM replica binds {self.fleet.cores[1]} cores of its own and this host has "
                                  f"{len(host_cores())} ({most} at most): the slices are cut at start for the "
-                                 "most replicas the config holds at once (fleet.on_demand, autoscale.max_on_demand); "
-                                 "set those, or engine.vllm.cpu_cores to share cores"})
+                                 "most replicas the run holds at once: start it with fleet.max_replicas, or set "
+                                 "engine.vllm.cpu_cores to share cores"})
             return
         self.scale_on_demand(total - reserved, "burstrl scale")
         control.answer_scale(self.run_dir, request, {"ok": True, "reserved": reserved, "on_demand": total - reserved})
