@@ -22,6 +22,11 @@
 #              The real Gemma 3 270M cannot reach the GPU machine (1 GB; no package registry there).
 #   kv_window_gemma3  benchmarks/kv_window.py on the same model, 8 sessions x 4,096 tokens: KV bytes per
 #              token and the decode step with window-only KV for the sliding layers vs every block kept
+#   vllm_engine  benchmarks/vllm_engine.py --gpu on that model in bf16: bare vLLM vs burstrl serving from
+#              vLLM vs burstrl's own engine (wrapper_vs_bare, vllm_vs_own). Only where a CUDA vLLM is
+#              installed (`make vllm` with the registry reachable, or $BURSTRL_VLLM_PYTHON): the GPU
+#              machine reaches no registry and vLLM (GBs) cannot travel with the working tree, so
+#              without one the check reports itself skipped (ok, "skipped": why) and measures nothing.
 #   functions  benchmarks/functions.py --quick on that random Gemma-3-shaped model (device and dtype
 #              auto: CUDA, bf16): the whole RL loop of issue 35 (eval, router, replica, sandboxes,
 #              store, LoRA trainer, pushes) on a GPU, for its step costs (wait_s / compute_s) only:
@@ -230,6 +235,11 @@ if [ "$MODE" = run ]; then
   bench engine_gemma3 900 benchmarks/replica.py --model "$GEMMA3_DIR" --quick
   bench engine_gemma3_generic 900 benchmarks/replica.py --model "$GEMMA3_DIR" --quick --engine-path generic
   bench kv_window_gemma3 900 benchmarks/kv_window.py --model "$GEMMA3_DIR" --sessions 8 --context 4096
+  if "$PY" -c 'import sys; from burstrl.config.vllm import VllmSection; from burstrl.inference.vllm.process import vllm_python; vllm_python(VllmSection())' 2>/dev/null; then
+    bench vllm_engine 900 benchmarks/vllm_engine.py --gpu --model "$GEMMA3_DIR" --dtypes bfloat16 --completions 64 --max-tokens 128
+  else
+    echo '{"check": "vllm_engine", "ok": true, "skipped": "no vLLM environment on this machine (make vllm needs the package registry)"}'
+  fi
   bench functions 900 benchmarks/functions.py --model "$GEMMA3_DIR" --quick --work-dir "$LOGS/functions"
 else
   log "dry run: checking that every command parses (no GPU needed; nothing is measured)"
@@ -245,6 +255,7 @@ else
   bench engine_gemma3 900 benchmarks/replica.py --model "$GEMMA3_DIR" --quick
   bench engine_gemma3_generic 900 benchmarks/replica.py --model "$GEMMA3_DIR" --quick --engine-path generic
   bench kv_window_gemma3 900 benchmarks/kv_window.py --model "$GEMMA3_DIR" --sessions 8 --context 4096
+  bench vllm_engine 900 benchmarks/vllm_engine.py --gpu --model "$GEMMA3_DIR" --dtypes bfloat16 --completions 64 --max-tokens 128
   bench functions 900 benchmarks/functions.py --model "$GEMMA3_DIR" --quick --work-dir "$LOGS/functions"
   parse_queued
 fi

@@ -31,12 +31,15 @@ class VllmStartError(RuntimeError):
     """vLLM did not come up: its interpreter is missing, it exited, or it missed the start deadline."""
 
 
-def vllm_python(cfg: VllmSection) -> str:
+# `make vllm`'s environment beside the checkout (src/burstrl/inference/vllm -> the checkout)
+DEFAULT_PYTHON = Path(__file__).resolve().parents[4] / ".venv-vllm" / "bin" / "python"
+
+
+def vllm_python(cfg: VllmSection, default: Path = DEFAULT_PYTHON) -> str:
     """The interpreter vLLM runs under (see `VllmSection.python`); VllmStartError naming `make vllm` if none."""
-    candidates = [cfg.python, os.environ.get("BURSTRL_VLLM_PYTHON", "")]
-    checkout = Path(__file__).resolve().parents[4]  # src/burstrl/inference/vllm -> the checkout
-    candidates.append(str(checkout / ".venv-vllm" / "bin" / "python"))
-    for path in candidates:
+    if cfg.python and not Path(cfg.python).is_file():
+        raise VllmStartError(f"engine.vllm.python: {cfg.python}: no such interpreter")
+    for path in (cfg.python, os.environ.get("BURSTRL_VLLM_PYTHON", ""), str(default)):
         if path and Path(path).is_file():
             return path
     raise VllmStartError("engine.backend = \"vllm\" needs vLLM's environment: run `make vllm`, or set "
