@@ -112,6 +112,7 @@ def subordinate_user() -> Iterator[None]:
         subprocess.run(["groupdel", NAME], capture_output=True, check=False)
         for path in ("/etc/subuid", "/etc/subgid"):  # userdel removes them; make sure
             subprocess.run(["sed", "-i", f"/^{NAME}:/d", path], capture_output=True, check=False)
+        shutil.rmtree(f"/tmp/burstrl-subids-{USER_UID}", ignore_errors=True)  # its (released) leases
 
 
 def _controls(res: dict[str, Any]) -> None:
