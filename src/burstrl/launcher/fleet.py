@@ -58,6 +58,7 @@ class FleetOptions:
     start_timeout_s: float  # a start that is not ready by then failed
     volume: Path  # where published versions live (a new replica catches up from it)
     cores: tuple[str, int] | None = None  # cores of its own per replica (`Placement.cores`; vLLM on CPU)
+    stop_timeout_s: float = 5.0  # SIGTERM to SIGKILL at the run's end (a vLLM replica stops its vLLM first)
 
 
 class Fleet:
@@ -69,7 +70,7 @@ class Fleet:
         self.cluster_token, self.admin_token = o.cluster_token, o.admin_token
         self.replicas_file = o.run_dir / "replicas.txt"
         self.weights, self.event, self.start_timeout_s = o.weights, event, o.start_timeout_s
-        self.cores = o.cores
+        self.cores, self.stop_timeout_s = o.cores, o.stop_timeout_s
         self.replicas: dict[str, FleetReplica] = {}
         self.lock = threading.Lock()
         self.file_lock = threading.Lock()
@@ -263,12 +264,12 @@ class Fleet:
                 r.state = "gone" if r.handle is not None else "cancelled"
             handles = [r.handle for r in self.replicas.values() if r.handle is not None]
         for h in handles:
-            h.stop(timeout=5.0)
+            h.stop(timeout=self.stop_timeout_s)
         self.pool.shutdown(wait=True, cancel_futures=True)
         with self.lock:  # starts that finished while we shut down
             late = [r.handle for r in self.replicas.values() if r.handle is not None and r.handle not in handles]
         for h in late:
-            h.stop(timeout=5.0)
+            h.stop(timeout=self.stop_timeout_s)
         self.http.close()
 
 

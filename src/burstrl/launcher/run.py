@@ -40,6 +40,9 @@ log = logging.getLogger("burstrl.run")
 MAX_FAILED_STARTS = 5  # replica starts that may fail (beyond the first fleet) before the run gives up
 SANDBOX_NODE_POLL_S = 3.0  # how often the launcher looks for sandbox nodes that joined or left
 CORES_KEY = "engine.vllm.cpu_cores"  # where a replica's own cores go (`Placement.cores`)
+# A vLLM replica's SIGTERM to exit: it stops vLLM's process group first (10 s grace, then SIGKILL);
+# killing the replica sooner leaves vLLM's engine core to its own parent-death handling.
+VLLM_STOP_S = 30.0
 
 
 class LaunchError(RuntimeError):
@@ -161,11 +164,12 @@ class Launcher:
                                   ready=True, placement=Placement(listen=("host", "port"), restartable=True,
                                                                   on_driver=True))
         serve = c.serve_config()
+        vllm = c.engine.backend == "vllm"
         options = FleetOptions(serve_args=["serve", self.role_config("serve", serve)], router=self.router.url,
                                cluster_token=self.cluster_token, admin_token=self.admin_token, run_dir=self.run_dir,
                                weights={"reserved": c.fleet.reserved_weight, "on_demand": c.fleet.on_demand_weight},
                                start_timeout_s=c.replica_start_timeout_s(), volume=Path(serve.adapter_volume),
-                               cores=self.replica_cores())
+                               cores=self.replica_cores(), stop_timeout_s=VLLM_STOP_S if vllm else 5.0)
         self.fleet = Fleet(self.provider, options, self.event)
         for pool, n in (("reserved", c.fleet.reserved), ("on_demand", c.fleet.on_demand)):
             for _ in range(n):
