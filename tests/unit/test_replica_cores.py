@@ -20,10 +20,10 @@ def _cfg(*args: str) -> RunConfig:
 
 
 def test_every_replica_reads_the_runs_engine_backend_and_vllm_settings() -> None:
-    serve = _cfg("--engine.backend", "vllm", "--engine.vllm.kv_cache_gib", "1.5", "--engine.vllm.max_loras",
+    serve = _cfg("--engine.backend", "vllm", "--engine.vllm.kv_cache_gib", "3", "--engine.vllm.max_loras",
                  "3").serve_config()
     assert serve.engine.backend == "vllm"
-    assert serve.engine.vllm.kv_cache_gib == 1.5 and serve.engine.vllm.max_loras == 3
+    assert serve.engine.vllm.kv_cache_gib == 3 and serve.engine.vllm.max_loras == 3
 
 
 def test_the_replica_start_deadline_follows_the_engine_unless_set() -> None:
