@@ -153,3 +153,24 @@ def test_preflight_refuses_more_vllm_replicas_than_cores_naming_the_keys(tmp_pat
         preflight.check(cfg)
     assert "up to 3 replicas at once on this host's 2 cores" in str(err.value)
     assert "engine.vllm.python" in str(err.value) and "is not a file" in str(err.value)
+
+
+def test_burstrl_scale_past_the_hosts_core_slices_is_refused_naming_the_keys(tmp_path: Path, monkeypatch) -> None:
+    import json
+
+    from burstrl.launcher import control, run
+
+    class _Fleet:
+        cores = ("engine.vllm.cpu_cores", 1)
+
+        def count(self, pool: str) -> int:
+            return 1 if pool == "reserved" else 0
+
+    launcher = run.Launcher.__new__(run.Launcher)  # no provider, no processes: the scale decision only
+    launcher.cfg, launcher.run_dir, launcher.fleet = _cfg("--engine.backend", "vllm"), tmp_path, _Fleet()
+    monkeypatch.setattr(run, "host_cores", lambda: [0, 1])
+    control._write(tmp_path / "control" / "scale.json", {"id": "r1", "replicas": 3})
+    launcher.apply_scale_request()
+    answer = json.loads((tmp_path / "control" / "scale.ack.json").read_text())
+    assert answer["id"] == "r1" and not answer["ok"]
+    assert "3 replicas do not fit" in answer["error"] and "fleet.max_replicas" in answer["error"]
