@@ -102,6 +102,7 @@ class RoleActor:
         self.spec = spec
         self.stopping = False
         self.core_locks: list[int] = []  # held as long as this actor (and so its child) lives
+        self.core_args: list[str] = []  # `--KEY LIST` for those cores
         if spec is not None:
             self._spawn(spec)
 
@@ -111,9 +112,9 @@ class RoleActor:
             args += [f"--{spec.host_key}", ray.util.get_node_ip_address()]
         if spec.port_key:
             args += [f"--{spec.port_key}", str(spec.port)]
-        if not self.core_locks:
-            extra, self.core_locks = claim_role_cores(spec)  # NoFreeCores: a failed start
-            args += extra
+        if not self.core_locks:  # once: a fork that falls back to a plain start keeps the cores it claimed
+            self.core_args, self.core_locks = claim_role_cores(spec)  # NoFreeCores: a failed start
+        args += self.core_args
         Path(spec.log).parent.mkdir(parents=True, exist_ok=True)
         return args
 
