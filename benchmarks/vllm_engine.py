@@ -59,7 +59,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--rank", type=int, default=16, help="LoRA rank of the version [16]")
-    p.add_argument("--kv-gib", type=float, default=2.0)
+    p.add_argument("--kv-gib", type=int, default=2)
     p.add_argument("--gpu", action="store_true", help="servers on the GPU (vLLM's CUDA build) [CPU]")
     p.add_argument("--work-dir")
     return p.parse_args(argv)
@@ -76,7 +76,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(kind: str, model: str, dtype: str, work: Path, kv_gib: float, gpu: bool) -> tuple[subprocess.Popen, str, float]:
+def start(kind: str, model: str, dtype: str, work: Path, kv_gib: int, gpu: bool) -> tuple[subprocess.Popen, str, float]:
     """Start a server, wait until it answers; (process, url, seconds to ready)."""
     from burstrl.config.vllm import VllmSection
     from burstrl.inference.vllm.process import server_argv, server_env, vllm_python

@@ -112,14 +112,14 @@ def test_metrics_parse_sums_engines_and_reads_the_cache_size() -> None:
 
 
 def test_the_server_command_and_environment(tmp_path) -> None:
-    cfg = VllmSection(cpu_cores="0-1", kv_cache_gib=1.5, extra_args=["--foo"])
+    cfg = VllmSection(cpu_cores="0-1", kv_cache_gib=3, extra_args=["--foo"])
     argv = server_argv("/py", "/m", "float32", 2048, tmp_path / "s.sock", "key", cfg, cpu=True)
     for flag in ("--enable-scale-out", "--enable-lora", "--enable-prompt-tokens-details"):
         assert flag in argv
     assert argv[argv.index("--logprobs-mode") + 1] == "processed_logprobs" and argv[-1] == "--foo"
     assert "--gpu-memory-utilization" not in argv
     env = server_env(cfg, cpu=True)
-    assert env["VLLM_CPU_KVCACHE_SPACE"] == "1.5" and env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "3" and env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
     assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1" and "PYTHONPATH" not in env
 
 

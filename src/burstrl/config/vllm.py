@@ -18,9 +18,9 @@ class VllmSection(Section):
         "", description="Interpreter of the environment vLLM is installed in; empty = $BURSTRL_VLLM_PYTHON, "
         "else .venv-vllm/bin/python beside the package's checkout (`make vllm` makes it)."
     )
-    kv_cache_gib: float = Field(
-        2.0, gt=0, description="KV cache memory (GiB) on CPU (VLLM_CPU_KVCACHE_SPACE); on a GPU the cache is "
-        "gpu_memory_utilization's share instead."
+    kv_cache_gib: int = Field(
+        2, ge=1, description="KV cache memory in whole GiB on CPU (VLLM_CPU_KVCACHE_SPACE takes an integer); on "
+        "a GPU the cache is gpu_memory_utilization's share instead."
     )
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="GPU memory share vLLM may use (GPU only).")
     cpu_cores: str = Field(

@@ -4,13 +4,18 @@ Why a private Unix socket: the replica is vLLM's only client. On a socket in the
 directory (mode 0700) no other process on the host can reach vLLM, with or without its API key, and
 there is no port to pick, race for or leave open. The API key is kept anyway (defence in depth).
 
-Why its own process group: vLLM starts an engine-core process and OpenMP workers; stopping it must
-end every one of them (`stop`), and a replica killed -9 must not leave them running
-(`die_with_parent_signal`: the kernel sends SIGKILL to the child when the replica dies).
+Why its own process group, led by a guard: vLLM starts an engine-core process, workers and a
+resource tracker; stopping it must end every one of them (`stop`), and a replica killed -9 must not
+leave them running. The kernel's parent-death signal reaches only the direct child, and vLLM's
+children outlive their parent (measured: engine core, worker and tracker still running 20 s after
+the replica's SIGKILL). So the child is a shell guard (`GUARD`) whose parent-death signal is SIGUSR1:
+it then SIGKILLs its whole group, vLLM's children included. A normal stop SIGTERMs the group (vLLM
+shuts down gracefully) and SIGKILLs what is left.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import secrets
@@ -25,6 +30,7 @@ from burstrl.config.vllm import VllmSection
 
 log = logging.getLogger(__name__)
 MODULE = "vllm.entrypoints.openai.api_server"
+GUARD = 'trap "kill -KILL 0" USR1; "$@" & wait $!'  # `wait` returns on the trapped signal; the group dies
 
 
 class VllmStartError(RuntimeError):
@@ -70,7 +76,7 @@ def server_env(cfg: VllmSection, cpu: bool) -> dict[str, str]:
     env.pop("PYTHONPATH", None)  # burstrl's own packages must not shadow the vLLM environment's
     if cpu:
         cores = cfg.cpu_cores or _cores()
-        env.update(VLLM_CPU_KVCACHE_SPACE=f"{cfg.kv_cache_gib:g}", VLLM_CPU_OMP_THREADS_BIND=cores)
+        env.update(VLLM_CPU_KVCACHE_SPACE=str(cfg.kv_cache_gib), VLLM_CPU_OMP_THREADS_BIND=cores)
     return env
 
 
@@ -93,13 +99,11 @@ class VllmProcess:
 
     def start(self) -> None:
         """Spawn vLLM and return once /health answers 200 (VllmStartError with the log's tail otherwise)."""
-        from burstrl.protocol.process import die_with_parent_signal
-
         self.socket.unlink(missing_ok=True)
         with open(self.log_path, "ab") as out:
-            self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                         env=server_env(self.cfg, self.cpu), start_new_session=True,
-                                         preexec_fn=die_with_parent_signal)
+            self.proc = subprocess.Popen(["bash", "-c", GUARD, "vllm-guard", *self.argv], stdin=subprocess.DEVNULL,
+                                         stdout=out, stderr=subprocess.STDOUT, env=server_env(self.cfg, self.cpu),
+                                         start_new_session=True, preexec_fn=_usr1_on_parent_death)
         log.info("vLLM starting (pid %d, log %s)", self.proc.pid, self.log_path)
         self._wait_healthy(time.monotonic() + self.cfg.start_timeout_s)
 
@@ -115,7 +119,7 @@ class VllmProcess:
                     except httpx.HTTPError:
                         pass
                 time.sleep(0.5)
-        self.stop()
+        self.stop(grace_s=1.0)
         raise VllmStartError(f"vLLM not healthy within {self.cfg.start_timeout_s:g} s:\n{self.log_tail()}")
 
     @property
@@ -127,21 +131,17 @@ class VllmProcess:
         return "not started" if self.proc is None else f"vLLM exited with {code}" if code is not None else ""
 
     def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM vLLM's process group, SIGKILL what is left after `grace_s`."""
+        """SIGTERM vLLM's process group, SIGKILL what is left of it after `grace_s`."""
         if self.proc is None:
             return
-        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 30.0)):
-            if self.proc.poll() is not None:
-                break
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self.proc.wait(timeout=wait)
-            except subprocess.TimeoutExpired:
-                continue
-        _kill_group(self.proc.pid)  # the engine core and workers, if the server left before them
+        pgid = self.proc.pid
+        _signal_group(pgid, signal.SIGTERM)
+        end = time.monotonic() + grace_s
+        while time.monotonic() < end and _signal_group(pgid, 0):
+            self.proc.poll()  # reaps the guard; vLLM's own processes are reaped by init once orphaned
+            time.sleep(0.1)
+        _signal_group(pgid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
         self.socket.unlink(missing_ok=True)
 
     def log_tail(self, lines: int = 30) -> str:
@@ -151,11 +151,20 @@ class VllmProcess:
             return "(no log)"
 
 
-def _kill_group(pgid: int) -> None:
+def _usr1_on_parent_death() -> None:
+    """In the forked child before exec: SIGUSR1 when the replica's thread that started it dies (kept
+    across exec; the guard's trap turns it into SIGKILL for the whole group)."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGUSR1)  # PR_SET_PDEATHSIG
+
+
+def _signal_group(pgid: int, sig: int) -> bool:
+    """Signal a process group; False once nothing is left in it."""
     try:
-        os.killpg(pgid, signal.SIGKILL)
+        os.killpg(pgid, sig)
+        return True
     except (ProcessLookupError, PermissionError):
-        pass
+        return False
 
 
 def is_cpu(device: str) -> bool:
