@@ -162,6 +162,17 @@ def test_unknown_model_is_404(cluster: Cluster) -> None:
     assert "nope" in r.json()["error"]["message"]
 
 
+def test_a_groups_samples_are_traced_through_the_router(cluster: Cluster) -> None:
+    """n > 1: the replica captures sample i as `<sid>/i`; the router finds it where `<sid>` lives."""
+    out = complete(cluster, "group", n=2, temperature=1.0, seed=3)
+    assert out["meta_info"]["session_ids"] == ["group/0", "group/1"]
+    for i in range(2):
+        r = HTTP.get(cluster.url(f"/v1/traces/group/{i}"), headers=AUTH, timeout=10)
+        assert r.status_code == 200, r.text
+        assert r.json()["calls"][0]["request_id"].endswith(f"-{i}")
+    assert HTTP.get(cluster.url("/v1/traces/group/x"), headers=AUTH, timeout=10).status_code == 404
+
+
 def test_registration_needs_the_token_and_an_http_url(cluster: Cluster) -> None:
     body = {"url": cluster.spare.url, "pool": "on_demand", "weight": 1, "capacity_tokens": 0}
     assert HTTP.post(cluster.url("/v1/replicas"), json=body, timeout=10).status_code == 401

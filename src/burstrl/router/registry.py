@@ -346,8 +346,12 @@ class Registry:
     def trace_homes(self, session_id: str) -> list[str]:
         """The replicas holding the session's capture, in the order it lived there (its home last).
 
-        503 if one it moved off is gone: that part of the capture is lost with it.
+        503 if one it moved off is gone: that part of the capture is lost with it. Sample i of a call
+        with `n` > 1 (`<sid>/i`, captured by the replica as a session of its own) is where `<sid>` is.
         """
+        parent, _, index = session_id.rpartition("/")
+        if session_id not in self.homes and parent in self.homes and index.isdigit():
+            return self.trace_homes(parent)
         home = self.home_of(session_id).id
         past = [url for url in self.past_homes.get(session_id, []) if url != home]
         for url in past:
