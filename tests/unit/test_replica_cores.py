@@ -128,6 +128,7 @@ def test_a_ray_replica_claims_cores_of_its_own_on_its_node(tmp_path: Path, monke
     from burstrl.providers.ray_actors import ProcessSpec, claim_role_cores
 
     monkeypatch.setattr("burstrl.protocol.cores.host_cores", lambda: [0, 1])
+    monkeypatch.setattr("burstrl.protocol.cores.tempfile.gettempdir", lambda: str(tmp_path))  # no litter in /tmp
     spec = ProcessSpec(args=["serve"], log="x.log", cores_key="engine.vllm.cpu_cores", cores=1,
                        cores_run=str(tmp_path / "run"))
     first, first_fds = claim_role_cores(spec)
