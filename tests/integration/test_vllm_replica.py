@@ -85,6 +85,7 @@ def reference(gemma_model: Path, tmp_path_factory: pytest.TempPathFactory):
 def test_vllm_engine_serves_the_model_and_captures_exact_logprobs_past_the_window(server: Server,
                                                                                  reference) -> None:
     assert HTTP.get(server.url + "/v1/models", timeout=30).json()["engine_path"] == "vllm"
+    assert "vLLM proven on a 24-token probe (float32" in Path(server.replica.log).read_text()
     answer = complete(server, "Question: What is 12 + 7?\nAnswer:", max_tokens=12, temperature=0)
     assert "19" in answer["choices"][0]["text"], answer["choices"][0]["text"]
     story = " ".join(f"Line {i}: the robot counted {i * 7 % 13} bolts." for i in range(80))  # ~800 tokens

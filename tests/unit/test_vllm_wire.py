@@ -132,3 +132,21 @@ def test_a_missing_vllm_environment_is_named(tmp_path, monkeypatch) -> None:
     real = tmp_path / "python"
     real.write_text("")
     assert vllm_python(VllmSection(python=str(real)), default=tmp_path / "absent") == str(real)
+
+
+def test_the_start_probe_reads_prompt_logprobs_and_judges_by_dtype() -> None:
+    from burstrl.inference.vllm import probe
+
+    ids = [5, 6, 7]
+    answer = {"prompt_logprobs": [None, {"6": {"logprob": -1.0, "rank": 1}}, {"7": {"logprob": -2.0, "rank": 3},
+                                                                               "1": {"logprob": -0.5}}]}
+    assert probe.engine_logprobs(answer, ids) == [-1.0, -2.0]
+    for bad in ({"prompt_logprobs": None}, {"prompt_logprobs": [None, {"9": {"logprob": -1.0}}, None]},
+                {"prompt_logprobs": [None, {"6": {"logprob": "x"}}, {"7": {"logprob": -1.0}}]}):
+        with pytest.raises(ValueError):
+            probe.engine_logprobs(bad, ids)
+    assert probe.judge([-1.0, -2.0], [-1.0002, -2.0], "float32")[0] is None
+    assert "max |dlogp|" in probe.judge([-1.0, -2.0], [-1.01, -2.0], "float32")[0]
+    assert probe.judge([-1.0, -2.0], [-1.2, -2.1], "bfloat16")[0] is None
+    assert "mean |dlogp|" in probe.judge([-1.0, -2.0], [-1.6, -2.5], "bfloat16")[0]
+    assert probe.judge([float("nan"), -2.0], [-1.0, -2.0], "bfloat16")[0] == "NaN logprobs"

@@ -31,6 +31,11 @@ class VllmSection(Section):
     max_lora_rank: int = Field(16, ge=1, description="Largest LoRA rank vLLM accepts.")
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs per replica (vLLM's tensor parallelism).")
     enforce_eager: bool = Field(False, description="No CUDA graphs / compilation (faster start, slower steps).")
+    start_probe: bool = Field(
+        True, description="Prove vLLM computes the model before the replica says ready: its logprobs of a fixed "
+        "24-token sequence against an fp32 HF forward loaded on the CPU for the probe (4 bytes a parameter while "
+        "it lives; off where that does not fit)."
+    )
     start_timeout_s: float = Field(600.0, gt=0, description="Longest vLLM may take to answer /health at start.")
     request_timeout_s: float = Field(
         30.0, gt=0, description="Deadline of the replica's calls to vLLM other than generation (health, metrics, "

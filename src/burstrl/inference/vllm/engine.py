@@ -31,10 +31,10 @@ from burstrl.inference.calls import report_done, settle_session
 from burstrl.inference.lora import AdapterError, LoraAdapter
 from burstrl.inference.request import EngineCounters, Request
 from burstrl.inference.sessions import SessionTable
-from burstrl.inference.vllm import versions, wire
+from burstrl.inference.vllm import probe, versions, wire
 from burstrl.inference.vllm.loads import loads_body, metric_rows, prefix_summary
 from burstrl.inference.vllm.metrics import VllmFigures, parse
-from burstrl.inference.vllm.process import VllmProcess
+from burstrl.inference.vllm.process import VllmProcess, VllmStartError
 
 log = logging.getLogger(__name__)
 logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per call to vLLM otherwise (scrapes twice a second)
@@ -53,6 +53,7 @@ class VllmEngine:
         self.counters = EngineCounters()
         self.figures = VllmFigures()
         self.error: str | None = None
+        self.probe_error: float | None = None  # the start probe's max |dlogp|
         self.on_release: Callable[[], None] | None = None
         self.on_fatal: Callable[[str], None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -74,6 +75,31 @@ class VllmEngine:
         self._thread = threading.Thread(target=self._run, args=(ready,), name="burstrl-vllm", daemon=True)
         self._thread.start()
         ready.wait()
+        if self.cfg.vllm.start_probe:
+            try:
+                self._prove_model()
+            except BaseException:
+                self.stop()
+                raise
+
+    def _prove_model(self) -> None:
+        """The start probe (`vllm.probe`): VllmStartError naming the mismatch if vLLM computes another model."""
+        ids = probe.probe_sequence(self.vocab_size)
+        reply = self._call(afetch(self._client, "POST", "/inference/v1/generate", deadline=self._timeout * 4,
+                                  max_bytes=8 << 20, json=probe.request_body(ids)))
+        if reply.status != 200:
+            raise VllmStartError(f"the start probe's call failed: {reply.status} {reply.body[:300]!r}")
+        try:
+            engine = probe.engine_logprobs(reply.json(), ids)
+        except ValueError as exc:
+            raise VllmStartError(f"the start probe: {exc}") from None
+        reference = probe.reference_logprobs(self.process.model, ids)
+        problem, worst, mean = probe.judge(engine, reference, self.process.dtype)
+        if problem is not None:
+            raise VllmStartError(f"vLLM refused by the start probe: {problem}")
+        self.probe_error = worst
+        log.info("vLLM proven on a %d-token probe (%s; max |dlogp| %.2g, mean %.2g)", len(ids), self.process.dtype,
+                 worst, mean)
 
     def stop(self) -> None:
         if self._loop is not None and self._thread is not None and self._thread.is_alive():

@@ -90,7 +90,7 @@ class VllmProcess:
 
     def __init__(self, model: str, dtype: str, max_model_len: int, cfg: VllmSection, state_dir: Path,
                  cpu: bool) -> None:
-        self.cfg, self.cpu = cfg, cpu
+        self.cfg, self.cpu, self.model, self.dtype = cfg, cpu, model, dtype
         self.socket = state_dir / "vllm.sock"
         self.log_path = state_dir / "vllm.log"
         self.api_key = secrets.token_urlsafe(24)
