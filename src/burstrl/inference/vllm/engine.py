@@ -82,24 +82,29 @@ class VllmEngine:
                 self.stop()
                 raise
 
-    def _prove_model(self) -> None:
-        """The start probe (`vllm.probe`): VllmStartError naming the mismatch if vLLM computes another model."""
+    def _prove_model(self, adapter: LoraAdapter | None = None) -> None:
+        """The probe (`vllm.probe`): VllmStartError (AdapterError for a version) naming the mismatch if vLLM
+        computes another model, or another version, than the checkpoint and the adapter say. Blocks."""
+        error = VllmStartError if adapter is None else AdapterError
+        what = "vLLM" if adapter is None else f"adapter {adapter.name!r}"
         ids = probe.probe_sequence(self.vocab_size)
+        lora = None if adapter is None else versions.lora_name(adapter)
         reply = self._call(afetch(self._client, "POST", "/inference/v1/generate", deadline=self._timeout * 4,
-                                  max_bytes=8 << 20, json=probe.request_body(ids)))
+                                  max_bytes=8 << 20, json=probe.request_body(ids, lora)))
         if reply.status != 200:
-            raise VllmStartError(f"the start probe's call failed: {reply.status} {reply.body[:300]!r}")
+            raise error(f"{what}: the probe's call failed: {reply.status} {reply.body[:300]!r}")
         try:
             engine = probe.engine_logprobs(reply.json(), ids)
         except ValueError as exc:
-            raise VllmStartError(f"the start probe: {exc}") from None
-        reference = probe.reference_logprobs(self.process.model, ids)
+            raise error(f"{what}: the probe: {exc}") from None
+        reference = probe.reference_logprobs(self.process.model, ids, adapter)
         problem, worst, mean = probe.judge(engine, reference, self.process.dtype)
         if problem is not None:
-            raise VllmStartError(f"vLLM refused by the start probe: {problem}")
-        self.probe_error = worst
-        log.info("vLLM proven on a %d-token probe (%s; max |dlogp| %.2g, mean %.2g)", len(ids), self.process.dtype,
-                 worst, mean)
+            raise error(f"{what} refused by the probe: {problem}")
+        if adapter is None:
+            self.probe_error = worst
+        log.info("%s proven on a %d-token probe (%s; max |dlogp| %.2g, mean %.2g)", what, len(ids),
+                 self.process.dtype, worst, mean)
 
     def stop(self) -> None:
         if self._loop is not None and self._thread is not None and self._thread.is_alive():
@@ -127,13 +132,15 @@ class VllmEngine:
 
     # ---- versions ----
     def prove_adapter(self, adapter: LoraAdapter) -> float:
-        """Write the version for vLLM and load it there (AdapterError if vLLM refuses it). Blocks: never
-        call it on the loop's thread. Exactness against a reference forward is proven by the test suite
-        (tests/integration/test_vllm_replica.py), not at each load."""
+        """Write the version for vLLM, load it there and prove it (`_prove_model`; AdapterError if vLLM or the
+        probe refuses it). Blocks: never call it on the loop's thread."""
         path = versions.write_peft(adapter, self.versions_dir)
         try:
             self._call(self._load(adapter, path))
+            if self.cfg.vllm.start_probe:
+                self._prove_model(adapter)
         except BaseException:
+            self.release_adapter(adapter)
             versions.remove(adapter, self.versions_dir)
             raise
         return 0.0

