@@ -34,6 +34,10 @@ def server(gemma_model: Path, tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def reference(gemma_model: Path, tmp_path_factory: pytest.TempPathFactory):
+    return make_reference(gemma_model, tmp_path_factory.mktemp("gemma-lora"))
+
+
+def make_reference(gemma_model: Path, out: Path):
     """One fp32 load of the model with two random LoRA versions (PEFT), saved for the replica:
     (model, {version: adapter dir}). `model.disable_adapter()` gives the base model."""
     from peft import get_peft_model
@@ -45,7 +49,6 @@ def reference(gemma_model: Path, tmp_path_factory: pytest.TempPathFactory):
     model = get_peft_model(load_model(gemma_model, "float32", "cpu"), lora_config(8, init_random=True),
                            adapter_name="policy-v1")
     model.add_adapter("policy-v2", lora_config(8, init_random=True))
-    out = tmp_path_factory.mktemp("gemma-lora")
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_B" in name:

@@ -24,12 +24,11 @@ import torch
 
 from burstrl.config.vllm import VllmSection
 from burstrl.inference.vllm.process import VllmStartError, vllm_python
+from burstrl.protocol.process import start_replica
 from tests.http_client import HTTP
 
-from burstrl.protocol.process import start_replica
-
 from .conftest import ADMIN_TOKEN, Server, stop_server
-from .test_gemma import captured_vs_reference, complete
+from .test_gemma import captured_vs_reference, complete, make_reference
 
 pytestmark = pytest.mark.slow
 FP32_TOL = 2.5e-4  # max |captured - fp32 HF| logprob (the own engine: < 1e-4 on the same prompts)
@@ -59,27 +58,8 @@ def server(gemma_model: Path, tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def reference(gemma_model: Path, tmp_path_factory: pytest.TempPathFactory):
-    """One fp32 HF load with two random rank-8 LoRA versions saved as PEFT (test_gemma's)."""
-    from peft import get_peft_model
-
-    from burstrl.model.hf import load_model
-    from burstrl.model.lora import lora_config
-
-    torch.manual_seed(1)
-    model = get_peft_model(load_model(gemma_model, "float32", "cpu"), lora_config(8, init_random=True),
-                           adapter_name="policy-v1")
-    model.add_adapter("policy-v2", lora_config(8, init_random=True))
-    out = tmp_path_factory.mktemp("vllm-lora")
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0.0, 0.02)
-    dirs = {}
-    for version in ("policy-v1", "policy-v2"):
-        model.save_pretrained(str(out / version), selected_adapters=[version])
-        dirs[version] = out / version / version
-    model.eval()
-    return model, dirs
+    """test_gemma's: an fp32 HF load with two random rank-8 LoRA versions saved as PEFT."""
+    return make_reference(gemma_model, tmp_path_factory.mktemp("vllm-lora"))
 
 
 def test_vllm_engine_serves_the_model_and_captures_exact_logprobs_past_the_window(server: Server,

@@ -61,7 +61,7 @@ def test_sse_events_split_across_chunks_and_stop_at_done() -> None:
 
 
 def _choice(ids, lps, finish=None, stop=None, tops=None):
-    content = [{"token_id": t, "logprob": lp, "top_logprobs": (tops or {}).get(t, [])} for t, lp in zip(ids, lps)]
+    content = [{"token_id": t, "logprob": lp, "top_logprobs": (tops or {}).get(t, [])} for t, lp in zip(ids, lps, strict=False)]
     return {"choices": [{"token_ids": ids, "logprobs": {"content": content}, "finish_reason": finish,
                          "stop_reason": stop}]}
 

@@ -77,7 +77,7 @@ def apply(req: Request, event: dict[str, Any], eos_ids: set[int], vocab_size: in
         content = (choice.get("logprobs") or {}).get("content") or []
         if len(ids) != len(content):
             raise WireError(f"vLLM sent {len(ids)} token ids with {len(content)} logprobs")
-        for token, entry in zip(ids, content):
+        for token, entry in zip(ids, content, strict=True):
             _append(req, token, entry, vocab_size)
             added += 1
         if choice.get("finish_reason"):
