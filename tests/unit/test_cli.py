@@ -69,6 +69,18 @@ def test_serve_a_path_that_is_no_model_is_one_line(tmp_path):
         assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow  # two `burstrl serve` processes that get as far as the tokenizer
+def test_serve_on_vllm_answers_a_bad_setting_in_one_line(tiny_model_dir, tmp_path):
+    """No vLLM interpreter there, or a setting vLLM cannot serve: one line naming it, no traceback."""
+    cases = [(("--engine.vllm.python", str(tmp_path / "nope")), "no such interpreter"),
+             (("--engine.logprobs_mode", "raw"), 'engine.logprobs_mode = "raw" is not supported')]
+    for extra, needle in cases:
+        result = burstrl("serve", "--model", str(tiny_model_dir), "--port", "0", "--engine.backend", "vllm",
+                         "--server.state_dir", str(tmp_path / "state"), *extra)
+        assert result.returncode != 0 and needle in result.stderr, result.stderr[-2000:]
+        assert "Traceback" not in result.stderr
+
+
 def test_serve_missing_config_file_exits_2():
     result = burstrl("serve", "/no/such/config.toml", "--dry-run")
     assert result.returncode == 2

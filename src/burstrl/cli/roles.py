@@ -105,8 +105,12 @@ def serve(
     if cfg.model.path and not (Path(cfg.model.path).expanduser() / "config.json").is_file():
         fail(f"{cfg.model.path}: not a model directory")  # as eval says it (the hub client's traceback, before)
     from burstrl.inference.server import run_replica
+    from burstrl.inference.vllm.process import VllmStartError
 
-    run_replica(cfg)
+    try:
+        run_replica(cfg)
+    except VllmStartError as exc:  # no vLLM environment, a refused setting, or vLLM failed to start or prove
+        fail(str(exc))
 
 
 @app.command(**CONFIG_COMMAND)

@@ -18,7 +18,7 @@ from burstrl.config import ServeConfig
 from burstrl.inference.adapters import AdapterRegistry
 from burstrl.inference.sessions import SessionTable
 from burstrl.inference.vllm.engine import VllmEngine
-from burstrl.inference.vllm.process import VllmProcess, is_cpu, vllm_python
+from burstrl.inference.vllm.process import VllmProcess, VllmStartError, is_cpu, vllm_python
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def vllm_engine(cfg: ServeConfig, tokenizer: Any, state_dir: Path,
 
 def _refuse_unsupported(cfg: ServeConfig) -> None:
     if cfg.engine.logprobs_mode == "raw":
-        raise ValueError("engine.logprobs_mode = \"raw\" is not supported with engine.backend = \"vllm\": the "
+        raise VllmStartError("engine.logprobs_mode = \"raw\" is not supported with engine.backend = \"vllm\": the "
                          "replica runs vLLM with processed logprobs, which capture needs")
 
 
