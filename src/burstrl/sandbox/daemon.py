@@ -34,9 +34,20 @@ pid namespace it reaps orphans, raises back to 1000 the oom_score_adj of any com
 its own, and no signal from inside (`kill -9 -1`) reaches it (`guard`). With `--cgroup-fd N` (the
 commands' cgroup.procs, opened by the harness) every command moves itself into the commands' own
 memory cgroup first, so an OOM there cannot pick the daemon whatever the commands' scores (`guard`).
+With `--commands-ns UID:GID` (gVisor, whose sentry shows every process pid 1's /proc files) the
+daemon, started as root, puts its commands in a pid namespace of their own and becomes UID:GID,
+installing `--seccomp-file` on itself (`cmdns`).
 """
 
 from __future__ import annotations
+
+import sys
+
+from burstrl.sandbox import cmdns as _cmdns
+
+# Under gVisor (--commands-ns) the commands' spawner is forked here, before the imports below: a
+# smaller process forks faster, and the spawner makes the namespace while the daemon imports.
+EARLY_NS = _cmdns.fork_early(sys.argv) if __name__ == "__main__" else None
 
 import argparse
 import contextlib
@@ -46,7 +57,6 @@ import os
 import signal
 import socket
 import socketserver
-import sys
 import threading
 import time
 import traceback
@@ -54,8 +64,9 @@ from typing import Any, Dict, List, Optional, Tuple
 from urllib.parse import parse_qs, urlsplit
 
 import burstrl
+from burstrl.sandbox.cmdns import CommandNamespace, drop_ids, install_seccomp, read_bytes
 from burstrl.sandbox.connections import ConnectionCap
-from burstrl.sandbox.guard import guard_signals, no_inherited_fds, protect_self, reap_forever
+from burstrl.sandbox.guard import guard_signals, hold_fd_dir, no_inherited_fds, protect_self, reap_forever
 from burstrl.sandbox.protocol import (
     ENDPOINTS,
     MAX_BODY,
@@ -351,20 +362,29 @@ def read_base_env(env_file: Optional[str], inherit: bool = False) -> Dict[str, s
 def run_sandboxd(socket_path: Optional[str] = None, host: str = "127.0.0.1", port: Optional[int] = None,
                  token_file: Optional[str] = None, root: str = "/", work_dir: Optional[str] = None,
                  env_file: Optional[str] = None, inherit_env: bool = False, listen_fd: Optional[int] = None,
-                 token_fd: Optional[int] = None, cgroup_fd: Optional[int] = None) -> int:
-    """Serve until /close (or SIGTERM/SIGINT, unless pid 1); print the ready line once listening."""
+                 token_fd: Optional[int] = None, cgroup_fd: Optional[int] = None,
+                 commands_ns: Optional[Tuple[int, int]] = None, seccomp_file: Optional[str] = None) -> int:
+    """Serve until /close (or SIGTERM/SIGINT, unless pid 1); print the ready line once listening.
+    `commands_ns` (uid, gid): commands run in a pid namespace of their own as those ids (`cmdns`)."""
     if socket_path is None and port is None and listen_fd is None:
         raise ValueError("give --socket PATH, --listen-fd N or --port N for TCP")
     no_inherited_fds()  # the fds a runtime handed over stay ours: a command gets only what its spawn names
+    cmdns = _start_commands_ns(commands_ns) if commands_ns is not None else None
     token = read_token(token_file, token_fd)  # first: it removes the token from the env a command may inherit
+    if cmdns is not None:
+        seccomp = read_bytes(seccomp_file)
+        cmdns.send_filter(seccomp)
+        install_seccomp(seccomp)  # before any thread: every later thread inherits it
     runtime = Runtime(root=root, work_dir=work_dir or os.getcwd(), base_env=read_base_env(env_file, inherit_env),
-                      cgroup_fd=cgroup_fd)
+                      cgroup_fd=cgroup_fd, cmdns=cmdns)
     daemon = Daemon(runtime, token)
     protect_self()
     server = make_server(daemon, socket_path, host, port, listen_fd)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: daemon.stop_soon())
     guard_signals()
+    if cmdns is not None:
+        cmdns.wait_ready()
     if os.getpid() == 1:
         threading.Thread(target=reap_forever, args=(runtime,), name="reaper", daemon=True).start()
     ready: Dict[str, Any] = {"event": "ready", "pid": os.getpid()}
@@ -387,6 +407,29 @@ def run_sandboxd(socket_path: Optional[str] = None, host: str = "127.0.0.1", por
     return 0
 
 
+def _start_commands_ns(ids: Tuple[int, int]) -> CommandNamespace:
+    """The commands' spawner, forked at import (`EARLY_NS`) or now, while single-threaded and before
+    the token is read (`cmdns`); then become `ids` with no capability (the token and filter files
+    are theirs, 0600)."""
+    cmdns = EARLY_NS
+    if cmdns is None:
+        hold_fd_dir()  # the daemon's own fds stay listable once the commands' /proc replaces the sandbox's
+        cmdns = CommandNamespace.start(*ids)
+    drop_ids(*ids)
+    return cmdns
+
+
+def parse_ids(text: Optional[str]) -> Optional[Tuple[int, int]]:
+    """"UID:GID" as two ints (None for None)."""
+    if text is None:
+        return None
+    uid, _, gid = text.partition(":")
+    try:
+        return int(uid), int(gid)
+    except ValueError:
+        raise ValueError(f"--commands-ns {text!r}: expected UID:GID") from None
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="sandboxd", description=__doc__.split("\n")[0])
     parser.add_argument("--socket", help="Unix socket path to listen on (created with mode 0600).")
@@ -402,10 +445,14 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="Commands inherit this process's env (token removed), under --env-file.")
     parser.add_argument("--cgroup-fd", type=int,
                         help="Inherited fd of the commands' cgroup.procs, open for writing: every command enters it.")
+    parser.add_argument("--commands-ns", metavar="UID:GID",
+                        help="Started as root (gVisor's): commands in a pid namespace of their own, all as UID:GID.")
+    parser.add_argument("--seccomp-file", help="A BPF filter the daemon installs on itself (with --commands-ns).")
     args = parser.parse_args(argv)
     try:
         return run_sandboxd(args.socket, args.host, args.port, args.token_file, args.root, args.work_dir,
-                            args.env_file, args.inherit_env, args.listen_fd, args.token_fd, args.cgroup_fd)
+                            args.env_file, args.inherit_env, args.listen_fd, args.token_fd, args.cgroup_fd,
+                            parse_ids(args.commands_ns), args.seccomp_file)
     except (ValueError, OSError) as exc:
         sys.stderr.write(f"sandboxd: error: {exc}\n")
         return 2

@@ -14,7 +14,7 @@ import binascii
 import contextlib
 import os
 import stat
-from typing import Iterator, List
+from typing import Iterator, List, Optional
 
 from burstrl.sandbox.protocol import ProtocolError, WriteFileRequest
 
@@ -102,3 +102,21 @@ def extract_member(tar, member, dest: str) -> None:
             raise ProtocolError(400, f"archive member '{member.name}': resolves outside the destination")
     kwargs = {"filter": "data"} if hasattr(tar, "extraction_filter") else {}
     tar.extract(member, dest, set_attrs=not member.issym(), **kwargs)
+
+
+def find_program(prog: str, path: str, cwd: str) -> Optional[str]:
+    """Where `prog` resolves like execvp would, if it is an executable file."""
+    for full in _candidates(prog, path, cwd):
+        if os.path.isfile(full) and os.access(full, os.X_OK):
+            return full
+    return None
+
+
+def program_exists(prog: str, path: str, cwd: str) -> bool:
+    """Whether `prog` names something that is not executable (execvp's EACCES, not ENOENT)."""
+    return any(os.path.exists(full) for full in _candidates(prog, path, cwd))
+
+
+def _candidates(prog: str, path: str, cwd: str) -> List[str]:
+    dirs = [""] if "/" in prog else [d or "." for d in path.split(os.pathsep)]
+    return [os.path.join(cwd, d, prog) for d in dirs]

@@ -132,10 +132,23 @@ def no_inherited_fds() -> None:
                     os.set_inheritable(fd, False)
 
 
+def hold_fd_dir() -> None:
+    """Keep an fd of this process's /proc/self/fd for `_open_fds`.
+
+    Why: in a commands' pid namespace (`cmdns`) /proc is replaced by that namespace's, where the
+    daemon has no entry; the fd still lists the daemon's fds. Call before that /proc is mounted.
+    """
+    global _FD_DIR
+    _FD_DIR = os.open("/proc/self/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+
+
+_FD_DIR: Optional[int] = None
+
+
 def _open_fds() -> List[int]:
     """The fds open now; without /proc every fd below the soft limit (at most 65536)."""
     try:
-        return [int(name) for name in os.listdir("/proc/self/fd")]
+        return [int(name) for name in os.listdir("/proc/self/fd" if _FD_DIR is None else _FD_DIR)]
     except OSError:
         return list(range(min(resource.getrlimit(resource.RLIMIT_NOFILE)[0], 65536)))
 

@@ -16,7 +16,8 @@ exec is self-contained; a process that must persist across requests has to escap
 
 Private output. A command's stdout and stderr are pipes, and any process of the sandbox's uid may
 reopen a pipe through /proc/<pid>/fd/N of a process holding it (the `sh -c` wrapper; under gVisor
-the daemon itself) and write into what the caller reads. An exec with `private_output` gets the
+the daemon itself, before commands got a pid namespace of their own: `cmdns`) and write into what
+the caller reads. An exec with `private_output` gets the
 two ends of unix socket pairs instead, which /proc cannot reopen (ENXIO) and pidfd_getfd may not
 take (seccomp), so only the command and its children write there. Pipes stay the default: with a
 socket, `echo > /dev/stdout` fails (ENXIO), which ordinary scripts do. The grader's sealed run,
@@ -55,6 +56,7 @@ import base64
 import contextlib
 import errno
 import os
+import select
 import selectors
 import signal
 import socket
@@ -64,6 +66,8 @@ import time
 from collections import OrderedDict
 from typing import Dict, List, Optional, Set, Tuple, Union
 
+from burstrl.sandbox import files
+from burstrl.sandbox.cmdns import CommandNamespace
 from burstrl.sandbox.files import check_member, decode_content, extract_member, inside, open_regular, os_errors
 from burstrl.sandbox.guard import ENTER_CGROUP, ENTER_CGROUP_PY, cgroup_actions, no_inherited_fds, own_cgroup_fd
 from burstrl.sandbox.output import OutputCapture
@@ -119,9 +123,11 @@ class Runtime:
     """Runs requests against this machine (or sandbox); thread-safe, one per daemon."""
 
     def __init__(self, root: str = "/", work_dir: Optional[str] = None, env: Optional[Dict[str, str]] = None,
-                 base_env: Optional[Dict[str, str]] = None, cgroup_fd: Optional[int] = None):
+                 base_env: Optional[Dict[str, str]] = None, cgroup_fd: Optional[int] = None,
+                 cmdns: Optional[CommandNamespace] = None):
         """`env` replaces `DEFAULT_ENV`; `base_env` (the spec's and image's env) overlays it;
-        `cgroup_fd`: the commands' cgroup.procs, open for writing (taken over: see the docstring)."""
+        `cgroup_fd`: the commands' cgroup.procs, open for writing (taken over: see the docstring);
+        `cmdns`: where commands start, if not as the daemon's own children (gVisor: `cmdns`)."""
         self.root = os.path.realpath(root)
         self.work_dir = os.path.realpath(work_dir) if work_dir else self.root
         self.env = dict(DEFAULT_ENV if env is None else env, **(base_env or {}))
@@ -132,6 +138,7 @@ class Runtime:
         self._kept_bytes = 0
         self._running: Set[int] = set()
         self._cgroup_fd = own_cgroup_fd(cgroup_fd)
+        self._cmdns = cmdns
 
     # ---- commands ----
 
@@ -219,7 +226,7 @@ class Runtime:
         ours, theirs = _output_channels(req.private_output)
         try:
             with self._lock:  # a pid 1 reaper must never reap a leader before it is in _running
-                pid = _spawn(argv, env, theirs, self._cgroup_fd)
+                pid, exit_fd = self._start(argv, env, theirs)
                 self._running.add(pid)
         except OSError as exc:  # e.g. EAGAIN: the sandbox's process limit, reached by its own commands
             for fd in ours:
@@ -231,16 +238,22 @@ class Runtime:
             for fd in theirs:
                 os.close(fd)
         try:
-            out, err, timed_out = _collect(pid, ours, start + req.timeout, req.max_output_bytes)
+            out, err, timed_out = _collect(pid, ours, start + req.timeout, req.max_output_bytes, exit_fd)
         finally:
             _kill_group(pid)  # leader not reaped yet, so the group id cannot have been reused
-            _, status = os.waitpid(pid, 0)
+            status = os.waitpid(pid, 0)[1] if exit_fd is None else self._cmdns.reap(pid, exit_fd)  # type: ignore[union-attr]
             with self._lock:
                 self._running.discard(pid)
         stdout, stderr = out.text(), err.text()  # first: fitting the wire may elide more
         return ExecResult(stdout=stdout, stderr=stderr, exit_code=_exit_code(status), timed_out=timed_out,
                           truncated=bool(out.elided or err.elided), stdout_elided_bytes=out.elided,
                           stderr_elided_bytes=err.elided, duration_s=time.monotonic() - start)
+
+    def _start(self, argv: List[str], env: Dict[str, str], fds: Tuple[int, int]) -> Tuple[int, Optional[int]]:
+        """(pid, None) of a child of ours, or (pid, exit fd) of one the commands' namespace started."""
+        if self._cmdns is None:
+            return _spawn(argv, env, fds, self._cgroup_fd), None
+        return self._cmdns.spawn(argv, env, [*fds, *([] if self._cgroup_fd is None else [self._cgroup_fd])])
 
     def reap_orphans(self) -> int:
         """Reap exited children no request waits for; returns how many.
@@ -344,17 +357,18 @@ def _output_channels(private: bool) -> Tuple[Tuple[int, int], Tuple[int, int]]:
     return (ours[0], ours[1]), (theirs[0], theirs[1])
 
 
-def _collect(pid: int, fds: Tuple[int, int], deadline: float,
-             limit: int) -> Tuple[OutputCapture, OutputCapture, bool]:
+def _collect(pid: int, fds: Tuple[int, int], deadline: float, limit: int,
+             exit_fd: Optional[int] = None) -> Tuple[OutputCapture, OutputCapture, bool]:
     """Read both streams (our ends `fds`, closed here) until they close after the leader exited
-    (+ grace) or the deadline passes."""
+    (+ grace) or the deadline passes. `exit_fd` (readable once the leader exited) stands for the
+    pidfd of a leader that is not our child."""
     caps = {fds[0]: OutputCapture(limit), fds[1]: OutputCapture(limit)}
     out_fd, err_fd = fds
     sel = selectors.DefaultSelector()
     for fd in caps:
         os.set_blocking(fd, False)
         sel.register(fd, selectors.EVENT_READ)
-    pidfd = _pidfd_open(pid)
+    pidfd = _pidfd_open(pid) if exit_fd is None else os.dup(exit_fd)
     if pidfd is not None:
         sel.register(pidfd, selectors.EVENT_READ)  # readable once the leader exits
     open_fds = set(caps)
@@ -363,7 +377,7 @@ def _collect(pid: int, fds: Tuple[int, int], deadline: float,
     try:
         while True:
             now = time.monotonic()
-            if exited_at is None and _has_exited(pid):
+            if exited_at is None and (_has_exited(pid) if exit_fd is None else _readable(exit_fd)):
                 exited_at = now
             if exited_at is not None and (not open_fds or now >= exited_at + EXIT_GRACE_S):
                 break
@@ -416,6 +430,10 @@ def _has_exited(pid: int) -> bool:
     return info is not None and info.si_pid != 0
 
 
+def _readable(fd: int) -> bool:
+    return bool(select.select([fd], [], [], 0)[0])
+
+
 def _pidfd_open(pid: int) -> Optional[int]:
     opener = getattr(os, "pidfd_open", None)
     if opener is None:
@@ -435,9 +453,9 @@ def _command_argv(cmd: Union[str, List[str]], env: Dict[str, str], cwd: str,
     enter = (ENTER_CGROUP if move else "") + f"cd -- {_quote(os.path.abspath(cwd))} || exit 126; " + CD_UNSET + OOM_PREFIX
     if isinstance(cmd, str):
         return [SHELL, "-c", enter + cmd]
-    found = _find(cmd[0], env.get("PATH", ""), cwd)
+    found = files.find_program(cmd[0], env.get("PATH", ""), cwd)
     if found is None:
-        code = errno.EACCES if _exists(cmd[0], env.get("PATH", ""), cwd) else errno.ENOENT
+        code = errno.EACCES if files.program_exists(cmd[0], env.get("PATH", ""), cwd) else errno.ENOENT
         return OSError(code, os.strerror(code))
     if not os.path.exists(SHELL):  # an image without a shell: the program, entered by `python3 -c`
         return [sys.executable, "-I", "-S", "-c", NO_SHELL_ENTER, "1" if move else "", cwd, found, *cmd]
@@ -449,8 +467,8 @@ def _spawn(argv: List[str], env: Dict[str, str], fds: Tuple[int, int], cgroup_fd
     fd (if any) at `guard.CGROUP_FD` for the prefix to use and close; its pid.
 
     posix_spawn, not fork + exec: `subprocess` reports a failed exec through a pipe the daemon holds,
-    and under gVisor a command can open the daemon's fds through /proc/1/fd and write there, which
-    broke the exec being started (issue 37). posix_spawn (glibc: vfork-style) has no such pipe. It
+    and under gVisor a command could open the daemon's fds through /proc/1/fd and write there, which
+    broke the exec being started (issue 37; under gVisor commands now start from `cmdns`). posix_spawn (glibc: vfork-style) has no such pipe. It
     passes on every fd not close-on-exec, so every one above 2 is marked first (`no_inherited_fds`:
     the daemon's inherited listening socket was one, issue 49); every signal disposition goes back
     to its default (the daemon ignores SIGPIPE, and as pid 1 the signals of `guard.guard_signals`).
@@ -470,24 +488,6 @@ def _exit_code(status: int) -> int:
 def _quote(text: str) -> str:
     """`text` as one single-quoted shell word."""
     return "'" + text.replace("'", "'\\''") + "'"
-
-
-def _find(prog: str, path: str, cwd: str) -> Optional[str]:
-    """Where `prog` resolves like execvp would, if it is an executable file."""
-    for full in _candidates(prog, path, cwd):
-        if os.path.isfile(full) and os.access(full, os.X_OK):
-            return full
-    return None
-
-
-def _exists(prog: str, path: str, cwd: str) -> bool:
-    """Whether `prog` names something that is not executable (execvp's EACCES, not ENOENT)."""
-    return any(os.path.exists(full) for full in _candidates(prog, path, cwd))
-
-
-def _candidates(prog: str, path: str, cwd: str) -> List[str]:
-    dirs = [""] if "/" in prog else [d or "." for d in path.split(os.pathsep)]
-    return [os.path.join(cwd, d, prog) for d in dirs]
 
 
 def _kill_group(pgid: int) -> None:

@@ -11,15 +11,19 @@ sweep finds it even when its state dir is gone).
 Who runs as whom: run as root (CI, GPU pods), the daemon and its commands run as `sandbox_uid`
 if given, else under runc as a host uid leased for that sandbox alone (`ids.IdLease`; no user
 namespace, so inside it reads as that number, with no passwd entry) and under runsc as nobody (the
-sentry counts per-uid resources in its own kernel); never host uid 0. The daemon is the container's pid 1: it reaps orphans, and no signal
-from a command reaches it. runc gets the daemon's socket already listening (made on the
+sentry counts per-uid resources in its own kernel); never host uid 0. The daemon is the container's
+pid 1: it reaps orphans, and no signal from a command reaches it. Under runsc the daemon starts as
+the sentry's root (no host privilege) with `GVISOR_CAPS` only, to put its commands in a pid
+namespace of their own (`sandbox.cmdns`: the sentry shows every process pid 1's environ, maps, auxv
+and fds, non-dumpable or not), then becomes that uid and installs the seccomp filter on itself; the
+bundle carries none there. runc gets the daemon's socket already listening (made on the
 host, passed as fd 3 with the token pipe as fd 4: `--preserve-fds 2`), so no socket dir exists
 inside. runsc cannot pass fds: its daemon makes the socket in a bound dir (`--host-uds=create`),
 and once it is ready the harness takes that dir back (root-owned, 0700: commands can neither
-replace the socket nor read the token, which is deleted). Under runsc commands can open the
-daemon's fds through /proc/1/fd (the sentry does not apply non-dumpable there), so once its ready
-line is out the daemon's stdio are the sandbox's own /dev/null (`base.DETACH_FLAG`): no host pipe
-or log file is left inside. Every runtime gets `limits.RLIMITS` in config.json.
+replace the socket nor read the token, which is deleted). Under runsc, once its ready line is out,
+the daemon's stdio are the sandbox's own /dev/null all the same (`base.DETACH_FLAG`): no host pipe
+or log file is left inside, were its fds ever reachable again. Every runtime gets `limits.RLIMITS`
+in config.json.
 
 The commands' own memory cgroup (issue 37, `cgroups`), with runc where cgroup v1 holds the memory
 controller: the harness makes S/cmds under the cgroup runc is about to make (runc then joins the
@@ -104,7 +108,8 @@ RUNTIMES = ("runc", "runsc")  # by the binary's name; a path to either is fine
 RO = ["rbind", "ro", "nosuid", "nodev"]
 # gVisor: no network stack at all, the ptrace platform (KVM is not available everywhere), and
 # the right to create the daemon's unix socket on the host through the bound socket dir.
-# --oci-seccomp: the sentry applies config.json's seccomp filter to the sandbox's own processes.
+# --oci-seccomp: the sentry applies config.json's seccomp filter to the sandbox's own processes (the
+# probe's bundle has one; a sandbox's has none under gVisor: its daemon installs the filter, `cmdns`).
 RUNSC_FLAGS = ("--network=none", "--platform=ptrace", "--host-uds=create", "--oci-seccomp")
 # Moves the handed-over fds to 3 and 4 for `--preserve-fds 2` (bash: dash takes single-digit fds only),
 # and the commands' cgroup.procs to 5 for `--preserve-fds 3`.
@@ -112,6 +117,11 @@ _MOVE_FDS = 'exec 3<&"$1" 4<&"$2"; shift 2; exec "$@"'
 _MOVE_3_FDS = 'exec 3<&"$1" 4<&"$2" 5>&"$3"; shift 3; exec "$@"'
 FDS_INSIDE = (3, 4)
 CGROUP_FD_INSIDE = 5
+# gVisor: the daemon starts as the sentry's root with these only, to make the commands' pid namespace
+# (`cmdns`), then drops them; the BPF filter it installs on itself lies beside the socket.
+GVISOR_CAPS = ["CAP_SYS_ADMIN", "CAP_SETUID", "CAP_SETGID"]
+SECCOMP_NAME = "seccomp.bpf"
+GVISOR_PIDS_HEADROOM = 64  # host pids for the commands' spawner and init (`_resources`)
 # Under gVisor the host's cgroup holds the sentry, not the commands.
 RUNSC_OOM = ("oom: under gVisor the sentry holds the sandbox's memory cgroup: an OOM there ends the whole sandbox, "
              "the daemon with it")
@@ -165,6 +175,8 @@ class OciBackend:
     def _start(self, sid: str, spec: SandboxSpec, state: OciState) -> Sandbox:
         path = state.path
         run, token = make_run_dir(path, token_file=self.gvisor)
+        if self.gvisor:
+            (run / SECCOMP_NAME).write_bytes(seccomp.bpf_program())
         (path / "work").mkdir()
         base = prepare_root(self, spec, path / "work", state)
         if state.uid is not None:
@@ -277,6 +289,7 @@ def take_back(run: Path) -> None:
     root's again, 0700, so commands of the daemon's uid can neither replace the socket nor read
     the token. As root only (runsc needs root here anyway)."""
     (run / TOKEN_NAME).unlink(missing_ok=True)
+    (run / SECCOMP_NAME).unlink(missing_ok=True)
     if os.geteuid() == 0:
         os.chown(run, 0, 0)
         os.chmod(run, 0o700)
@@ -329,8 +342,9 @@ def bundle_config(path: Path, base: Path | None, spec: SandboxSpec, cgroup: str,
     ipc, uts, mount and cgroup namespaces, the base bound read-only onto empty mount points, the
     host's secrets masked, the seccomp deny list, the daemon as pid 1 as `uid` (0 only where we
     are not root). For `gvisor` (runsc cannot pass fds) the daemon makes its socket in the bound
-    socket dir, else it gets fds 3 and 4 (and `cgroup_fd`, the commands' cgroup.procs, if given); and
-    runsc gets the seccomp list without clone rules."""
+    socket dir, else it gets fds 3 and 4 (and `cgroup_fd`, the commands' cgroup.procs, if given).
+    Under `gvisor` the daemon starts as root with `GVISOR_CAPS` and no filter, makes the commands'
+    pid namespace, then becomes `uid` and installs the deny list itself (`cmdns`)."""
     rootfs = path / "rootfs"
     rootfs.mkdir()
     mounts = _base_mounts(rootfs, base)
@@ -355,11 +369,11 @@ def bundle_config(path: Path, base: Path | None, spec: SandboxSpec, cgroup: str,
     return {
         "ociVersion": "1.0.2",
         # The daemon is pid 1: it reaps orphans, and signals from its commands do not reach it.
-        "process": {"terminal": False, "user": {"uid": uid or 0, "gid": gid or 0},
+        "process": {"terminal": False, "user": {"uid": 0 if gvisor else uid or 0, "gid": 0 if gvisor else gid or 0},
                     "args": [*daemon_argv(fds=None if gvisor else FDS_INSIDE, detach_stdio=gvisor),
-                             *cgroup_fd_args(cgroup_fd)],
+                             *cgroup_fd_args(cgroup_fd), *_commands_ns_args(uid, gid, gvisor)],
                     "env": env, "cwd": "/work", "noNewPrivileges": True,
-                    "capabilities": {k: [] for k in ("bounding", "effective", "inheritable", "permitted", "ambient")},
+                    "capabilities": _capabilities(GVISOR_CAPS if gvisor else []),
                     "rlimits": _rlimits(spec, gvisor)},
         "root": {"path": "rootfs", "readonly": True},
         "hostname": "sandbox",
@@ -368,14 +382,28 @@ def bundle_config(path: Path, base: Path | None, spec: SandboxSpec, cgroup: str,
             "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount", "cgroup")],
             # Relative: nested under the runtime's own cgroup (ours), so a container's limits hold.
             "cgroupsPath": f"burstrl/{cgroup}",
-            "seccomp": seccomp.oci_profile(clone_rules=not gvisor),
-            "resources": _resources(spec),
+            **({} if gvisor else {"seccomp": seccomp.oci_profile()}),
+            "resources": _resources(spec, gvisor),
             "maskedPaths": ["/proc/acpi", "/proc/asound", "/proc/kcore", "/proc/keys", "/proc/latency_stats",
                             "/proc/timer_list", "/proc/timer_stats", "/proc/sched_debug", "/sys/firmware",
                             "/proc/scsi", *HOST_SECRETS],
             "readonlyPaths": ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"],
         },
     }
+
+
+def _capabilities(caps: list[str]) -> dict[str, list[str]]:
+    """config.json's capability sets: `caps` bounding, effective and permitted; nothing inherited."""
+    return {k: caps if k in ("bounding", "effective", "permitted") else []
+            for k in ("bounding", "effective", "inheritable", "permitted", "ambient")}
+
+
+def _commands_ns_args(uid: int | None, gid: int | None, gvisor: bool) -> list[str]:
+    """The daemon's `--commands-ns` under gVisor, where the sentry shows every process of the sandbox
+    its pid 1's /proc files (issue 49): commands then live in a pid namespace without the daemon."""
+    if not gvisor:
+        return []
+    return ["--commands-ns", f"{uid or 0}:{gid or 0}", "--seccomp-file", f"{RUN_MOUNT}/{SECCOMP_NAME}"]
 
 
 def _rlimits(spec: SandboxSpec, gvisor: bool) -> list[dict[str, Any]]:
@@ -386,13 +414,17 @@ def _rlimits(spec: SandboxSpec, gvisor: bool) -> list[dict[str, Any]]:
             for r in sandbox_rlimits(spec, pids_by_cgroup=not gvisor)]
 
 
-def _resources(spec: SandboxSpec) -> dict[str, Any]:
+def _resources(spec: SandboxSpec, gvisor: bool = False) -> dict[str, Any]:
+    """config.json's `linux.resources`. Under gVisor the pids cgroup holds the sentry's host threads
+    (~15 per process inside, with the ptrace platform), of which the commands' spawner and init
+    (`sandbox.cmdns`) take ~30 for good: `GVISOR_PIDS_HEADROOM` more, so that the limit is reached
+    no sooner than before them (a sentry out of pids panics, ending the sandbox)."""
     limit = spec.memory_limit_mb << 20
     return {
         "memory": {"limit": limit, "reservation": (spec.memory_request_mb or 0) << 20, "swap": limit},
         "cpu": {"quota": max(1000, int(spec.cpu_limit * CPU_PERIOD_US)), "period": CPU_PERIOD_US,
                 "shares": max(2, int((spec.cpu_request or 0) * 1024))},
-        "pids": {"limit": spec.pids_limit},
+        "pids": {"limit": spec.pids_limit + (GVISOR_PIDS_HEADROOM if gvisor else 0)},
     }
 
 

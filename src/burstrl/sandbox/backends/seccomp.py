@@ -8,8 +8,9 @@ Two encodings of the same table:
 
 * `bpf_program()`: a classic-BPF filter (the raw `struct sock_filter` array) for bubblewrap's
   `--seccomp FD`; `write_program_fd()` puts it in a memfd for `pass_fds`.
-* `oci_profile()`: the OCI runtime-spec `linux.seccomp` object; runc compiles it with libseccomp,
-  runsc's sentry applies it with `--oci-seccomp`.
+* `oci_profile()`: the OCI runtime-spec `linux.seccomp` object; runc compiles it with libseccomp.
+  Under runsc the daemon installs `bpf_program()` on itself once it has made its commands' pid
+  namespace (`sandbox.cmdns`), so the sentry answers with the table's own errnos there.
 
 `clone` with any CLONE_NEW* flag is refused (else denying `unshare` is moot) and `clone3` fails with
 ENOSYS, whose flags live in memory a filter cannot read; glibc then falls back to `clone` (Docker
@@ -270,9 +271,10 @@ def oci_profile(arch: str | None = None, clone_rules: bool = True) -> dict:
 
     syscalls[0] is the unconditional EPERM list, then one entry per other errno's unconditional
     list (ENOSYS: clone3, io_*...), then the conditional lines' rules. Without `clone_rules`
-    (runsc: its sentry answers every refusal with EPERM whatever `errnoRet` says, seen with runsc
-    20221219, and an EPERM clone3 leaves glibc no fallback, so no thread could start) clone3 and
-    clone are left out; a namespace made inside gVisor is gVisor's, not the host's.
+    (for runsc's `--oci-seccomp`, whose sentry answers every refusal with EPERM whatever `errnoRet`
+    says, seen with runsc 20221219, and an EPERM clone3 leaves glibc no fallback, so no thread could
+    start) clone3 and clone are left out. Sandboxes under runsc no longer use it: their daemon
+    installs `bpf_program()`, whose errnos the sentry keeps.
     """
     _, (table, _, _, oci_arches) = _resolve(arch)
     skip = set() if clone_rules else {"clone", "clone3"}
