@@ -1,7 +1,8 @@
 """Replicas on vLLM: what burstrl's wrapper costs over bare vLLM, and vLLM vs burstrl's own engine.
 
-Issue 50 ("Speed, side by side in one run"). Servers, started one at a time (never sharing the
-cores), each given the same requests: N completions (prompts of 20-200 words, T = 1, logprobs on,
+Issue 50 ("Speed, side by side in one run"). Servers of one dtype are up together (started one after
+another; each idle while another is timed) and get the same requests in turn, round by round, so a
+change of load hits each alike: N completions (prompts of 20-200 words, T = 1, logprobs on,
 one seed per request) of M tokens sent at once, on the base model and on a rank-16 LoRA version
 (every RL request names one). Servers:
 
@@ -144,24 +145,36 @@ def batch(url: str, model: str, texts: list[str], max_tokens: int) -> tuple[int,
     return tokens, time.monotonic() - t0
 
 
-def measure(kind: str, dtype: str, args: argparse.Namespace, model: str, adapter: Path, work: Path) -> dict:
-    proc, url, start_s = start(kind, model, dtype, work / f"{kind}-{dtype}", args.kv_gib, args.gpu)
+def measure(kinds: list[str], dtype: str, args: argparse.Namespace, model: str, adapter: Path,
+            work: Path) -> dict[str, dict]:
+    """Every server of `kinds` up at once (started one after another, idle while another is timed), the
+    same batch sent to each in turn, round by round: a load change hits every server alike."""
+    servers: dict[str, tuple[subprocess.Popen, str]] = {}
+    out: dict[str, dict] = {}
     try:
+        for kind in kinds:
+            proc, url, start_s = start(kind, model, dtype, work / f"{kind}-{dtype}", args.kv_gib, args.gpu)
+            servers[kind] = (proc, url)
+            out[kind] = {"start_s": round(start_s, 1)}
+            log(f"{kind} {dtype} ready in {start_s:.1f} s")
         texts = prompts(args.completions)
-        batch(url, "base", texts[:4], 4)  # warm-up (bare vLLM serves the model as "base" too: server_argv)
-        load_lora(kind, url, adapter)
-        out = {"start_s": round(start_s, 1)}
+        for kind, (_, url) in servers.items():
+            batch(url, "base", texts[:4], 4)  # warm-up (bare vLLM serves the model as "base" too: server_argv)
+            load_lora(kind, url, adapter)
         for label, name in (("base", "base"), ("lora", LORA)):
-            rates = []
+            rates: dict[str, list[float]] = {kind: [] for kind in servers}
             for _ in range(args.rounds):
-                tokens, wall = batch(url, name, texts, args.max_tokens)
-                rates.append(tokens / wall)
-            out[f"{label}_tokens_per_s"] = round(statistics.median(rates), 1)
-            out[f"{label}_rounds"] = [round(r, 1) for r in rates]
-            log(f"{kind} {dtype} {label}: {out[f'{label}_tokens_per_s']} tokens/s {out[f'{label}_rounds']}")
+                for kind, (_, url) in servers.items():
+                    tokens, wall = batch(url, name, texts, args.max_tokens)
+                    rates[kind].append(tokens / wall)
+                    log(f"{kind} {dtype} {label}: {tokens / wall:.1f} tokens/s")
+            for kind, got in rates.items():
+                out[kind][f"{label}_tokens_per_s"] = round(statistics.median(got), 1)
+                out[kind][f"{label}_rounds"] = [round(r, 1) for r in got]
         return out
     finally:
-        stop(proc)
+        for proc, _ in servers.values():
+            stop(proc)
 
 
 def make_adapter(model: str, root: Path, rank: int) -> Path:
@@ -177,8 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     adapter = make_adapter(model, work, args.rank)
     results: dict[str, dict] = {}
     for dtype in args.dtypes.split(","):
-        for kind in args.servers.split(","):
-            results[f"{kind}/{dtype}"] = measure(kind, dtype, args, model, adapter, work)
+        for kind, figures in measure(args.servers.split(","), dtype, args, model, adapter, work).items():
+            results[f"{kind}/{dtype}"] = figures
     ratios = {}
     for dtype in args.dtypes.split(","):
         wrap, bare, own = (results.get(f"{k}/{dtype}") for k in ("burstrl+vllm", "vllm", "burstrl"))
