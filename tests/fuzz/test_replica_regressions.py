@@ -141,7 +141,8 @@ def test_explicit_nulls_are_defaults(server: Server) -> None:
 
 
 @pytest.mark.parametrize("extra,needle", [
-    ({"n": 2}, "n must be 1"),
+    ({"n": 0}, "n must be an integer from 1 to 64"),
+    ({"n": 2, "stream": True}, "n > 1 is answered whole"),
     ({"echo": True}, "echo"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"tool_choice": "auto"}, "tool_choice"),

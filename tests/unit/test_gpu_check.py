@@ -52,10 +52,10 @@ def test_dry_run_parses_every_command_and_runs_the_grpo_step_on_cpu(tmp_path: Pa
     by_name = {r["check"]: r for r in rows}
     # the benchmarks' parses come last: one process parses them all
     assert list(by_name) == ["syntax", "gpu_tests", "grpo_step", "gemma3_model", "engine", "recompute", "push",
-                             "engine_gemma3", "engine_gemma3_generic", "kv_window_gemma3", "functions", "summary"]
+                             "engine_gemma3", "engine_gemma3_generic", "kv_window_gemma3", "vllm_engine", "functions", "summary"]
     assert all(r["ok"] for r in rows), rows
     for name in ("engine", "recompute", "push", "gemma3_model", "engine_gemma3", "engine_gemma3_generic",
-                 "kv_window_gemma3", "functions"):
+                 "kv_window_gemma3", "vllm_engine", "functions"):
         assert by_name[name]["result"] == {"parsed": True}
     step = by_name["grpo_step"]["result"]
     assert step["adapter_finite"] and step["tokens"] == 64

@@ -89,8 +89,10 @@ class VllmEngine:
         what = "vLLM" if adapter is None else f"adapter {adapter.name!r}"
         ids = probe.probe_sequence(self.vocab_size)
         lora = None if adapter is None else versions.lora_name(adapter)
-        reply = self._call(afetch(self._client, "POST", "/inference/v1/generate", deadline=self._timeout * 4,
-                                  max_bytes=8 << 20, json=probe.request_body(ids, lora)))
+        # the first call after vLLM's start may wait on its warm-up: the start's deadline, not a call's
+        deadline = self.cfg.vllm.start_timeout_s
+        reply = self._call(afetch(self._client, "POST", "/inference/v1/generate", deadline=deadline,
+                                  max_bytes=8 << 20, json=probe.request_body(ids, lora)), deadline)
         if reply.status != 200:
             raise error(f"{what}: the probe's call failed: {reply.status} {reply.body[:300]!r}")
         try:
@@ -136,7 +138,7 @@ class VllmEngine:
         probe refuses it). Blocks: never call it on the loop's thread."""
         path = versions.write_peft(adapter, self.versions_dir)
         try:
-            self._call(self._load(adapter, path))
+            self._call(self._load(adapter, path), self._timeout * 4)
             if self.cfg.vllm.start_probe:
                 self._prove_model(adapter)
         except BaseException:
@@ -277,7 +279,7 @@ class VllmEngine:
 
     async def _load(self, adapter: LoraAdapter, path: Path) -> None:
         name = versions.lora_name(adapter)
-        reply = await afetch(self._client, "POST", "/v1/load_lora_adapter", deadline=self._timeout,
+        reply = await afetch(self._client, "POST", "/v1/load_lora_adapter", deadline=self._timeout * 4,
                              max_bytes=1 << 16, json={"lora_name": name, "lora_path": str(path)})
         if reply.status != 200:
             raise AdapterError(f"adapter {adapter.name!r} refused by vLLM: {reply.body[:300].decode(errors='replace')}")
@@ -291,11 +293,13 @@ class VllmEngine:
         finally:
             versions.remove(adapter, self.versions_dir)
 
-    def _call(self, coro: Coroutine) -> Any:
+    def _call(self, coro: Coroutine, deadline: float) -> Any:
+        """Run `coro` on the loop and wait for it; `deadline` bounds the coroutine's own calls (afetch), the
+        wait here gets a margin past it, so the call's own error (naming the deadline) is what surfaces."""
         if not self.alive:
             coro.close()
             raise RuntimeError(f"engine is not running: {self.error or 'stopped'}")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout=self._timeout * 2)
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout=deadline + 30)
 
 
 def _text(tokenizer: Any, req: Request) -> str:

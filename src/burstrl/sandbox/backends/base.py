@@ -351,20 +351,6 @@ def _remove_subordinate(path: Path) -> None:
         raise PermissionError(f"cannot remove {path}: {err}")
 
 
-def kill_group(proc: subprocess.Popen[bytes]) -> None:
-    """SIGKILL the runtime's process group and reap it; the pid namespace takes the rest."""
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, 9)
-        except ProcessLookupError:
-            pass
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
 class SandboxNotGone(RuntimeError):
     """A sandbox's close could not end every process of it: `pids` (host pids) are still there.
     Everything else of the sandbox is removed; what is left is for an operator to look at."""

@@ -164,3 +164,17 @@ def log_tail(log: Path, n: int = 2000) -> str:
     except OSError:
         return "no log"
     return f"log tail: {text}" if text else "empty log"
+
+
+def kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL the runtime's process group and reap it; the pid namespace takes the rest."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, 9)
+        except ProcessLookupError:
+            pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

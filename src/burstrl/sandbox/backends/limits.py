@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from burstrl.sandbox.backends.base import SandboxSpec
+
+class _Spec(Protocol):
+    """What the limits read of a `base.SandboxSpec` (not imported: base depends on this module's users)."""
+
+    pids_limit: int
 
 
 @dataclass(frozen=True)
@@ -91,7 +94,7 @@ def userns_limits() -> tuple[UsernsLimit, ...]:
     return tuple(out)
 
 
-def sandbox_rlimits(spec: SandboxSpec, pids_by_cgroup: bool) -> tuple[Rlimit, ...]:
+def sandbox_rlimits(spec: _Spec, pids_by_cgroup: bool) -> tuple[Rlimit, ...]:
     """`RLIMITS`, plus RLIMIT_NPROC at the pids limit where no cgroup holds pids; run by an ordinary
     user, each hard limit at most the harness's own (only root may raise one)."""
     table = RLIMITS if pids_by_cgroup else (*RLIMITS, Rlimit("RLIMIT_NPROC", spec.pids_limit,

@@ -58,7 +58,6 @@ from burstrl.sandbox.backends.base import (
     SandboxSpec,
     SandboxState,
     daemon_argv,
-    kill_group,
     make_run_dir,
     process_start_time,
     remove_tree,
@@ -69,7 +68,7 @@ from burstrl.sandbox.backends.base import (
 )
 from burstrl.sandbox.backends.cgroups import CgroupSet
 from burstrl.sandbox.backends.ids import NOBODY, IdLease, id_block, sandbox_ids
-from burstrl.sandbox.backends.launch import wait_ready
+from burstrl.sandbox.backends.launch import kill_group, wait_ready
 from burstrl.sandbox.backends.limits import sandbox_rlimits
 from burstrl.sandbox.backends.workdir import disk_report, prepare_root, release_work
 

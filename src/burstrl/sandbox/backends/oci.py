@@ -67,7 +67,6 @@ from burstrl.sandbox.backends.base import (
     SandboxSpec,
     SandboxState,
     daemon_argv,
-    kill_group,
     make_run_dir,
     process_start_time,
     remove_tree,
@@ -89,7 +88,7 @@ from burstrl.sandbox.backends.cgroups import (
     v1_memory_dir,
 )
 from burstrl.sandbox.backends.ids import IdLease, id_block, sandbox_ids
-from burstrl.sandbox.backends.launch import spawn, wait_ready
+from burstrl.sandbox.backends.launch import kill_group, spawn, wait_ready
 from burstrl.sandbox.backends.limits import sandbox_rlimits
 from burstrl.sandbox.backends.namespace import (
     HOST_SECRETS,

@@ -41,9 +41,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from burstrl.sandbox.backends.base import kill_group
 from burstrl.sandbox.backends.ids import IdLease, subordinate
-from burstrl.sandbox.backends.launch import spawn
+from burstrl.sandbox.backends.launch import kill_group, spawn
 from burstrl.sandbox.backends.limits import userns_limits
 
 MAP_TIMEOUT_S = 10.0
