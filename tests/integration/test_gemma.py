@@ -61,6 +61,14 @@ def make_reference(gemma_model: Path, out: Path):
     return model, dirs
 
 
+def load_versions(server: Server, dirs: dict[str, Path]) -> None:
+    """Load each version (`make_reference`'s directories) on the replica through its admin API."""
+    for version, path in dirs.items():
+        r = HTTP.post(server.url + "/v1/load_lora_adapter", headers=server.admin(), timeout=600,
+                      json={"lora_name": version, "lora_path": str(path)})
+        assert r.status_code == 200, r.text
+
+
 def captured_vs_reference(model, calls: list[dict]) -> float:
     """Max |captured - fp32 HF forward| logprob over `calls` (the adapter active in `model`)."""
     worst = 0.0
@@ -113,10 +121,7 @@ def test_two_lora_versions_at_once_with_prefix_sharing_capture_exact_logprobs(se
     import concurrent.futures
 
     model, dirs = reference
-    for version, path in dirs.items():
-        r = HTTP.post(server.url + "/v1/load_lora_adapter", headers=server.admin(), timeout=600,
-                      json={"lora_name": version, "lora_path": str(path)})
-        assert r.status_code == 200, r.text
+    load_versions(server, dirs)
     prompt = "def fibonacci(n):\n    " + "".join(f"# step {i}: add the two previous numbers\n    " for i in range(6))
     runs = [("v1-a", "policy-v1", prompt), ("v2-a", "policy-v2", prompt)]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:

@@ -28,7 +28,7 @@ from burstrl.protocol.process import start_replica
 from tests.http_client import HTTP
 
 from .conftest import ADMIN_TOKEN, Server, stop_server
-from .test_gemma import captured_vs_reference, complete, make_reference
+from .test_gemma import captured_vs_reference, complete, load_versions, make_reference
 
 pytestmark = pytest.mark.slow
 FP32_TOL = 2.5e-4  # max |captured - fp32 HF| logprob (the own engine: < 1e-4 on the same prompts)
@@ -99,10 +99,7 @@ def _tempered_reference(model, call: dict, temperature: float, top_p: float) -> 
 
 def test_two_versions_at_once_exact_and_never_sharing_kv(server: Server, reference) -> None:
     model, dirs = reference
-    for version, path in dirs.items():
-        r = HTTP.post(server.url + "/v1/load_lora_adapter", headers=server.admin(), timeout=600,
-                      json={"lora_name": version, "lora_path": str(path)})
-        assert r.status_code == 200, r.text
+    load_versions(server, dirs)
     prompt = "def fibonacci(n):\n    " + "".join(f"# step {i}: add the two previous numbers\n    " for i in range(12))
     complete(server, prompt, session="v1-a", model="policy-v1", max_tokens=8, temperature=1.0, seed=3)
     runs = [("v2-a", "policy-v2", prompt), ("v1-b", "policy-v1", prompt + "return")]

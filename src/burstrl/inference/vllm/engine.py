@@ -142,8 +142,7 @@ class VllmEngine:
             if self.cfg.vllm.start_probe:
                 self._prove_model(adapter)
         except BaseException:
-            self.release_adapter(adapter)
-            versions.remove(adapter, self.versions_dir)
+            self.release_adapter(adapter)  # unloads it from vLLM and deletes its files
             raise
         return 0.0
 

@@ -18,7 +18,7 @@ from burstrl.protocol.blocks import BLOCK_TOKENS, cache_scope, prefix_block_hash
 
 def loads_body(f: VllmFigures, sessions: SessionTable, in_flight: int) -> dict:
     capacity = max(f.capacity_tokens, 1)
-    waiting = max(f.waiting, in_flight - f.running)  # sent but not yet in vLLM's figures
+    waiting = _waiting(f, in_flight)
     rows = [{"session_id": s.id, "version": s.version, "tokens": len(s.prompt_ids) + len(s.completion_ids),
              "context_tokens": len(s.prompt_ids) + len(s.completion_ids), "busy": s.busy}
             for s in sessions.snapshot()]
@@ -62,7 +62,7 @@ def metric_rows(f: VllmFigures, c: EngineCounters, in_flight: int) -> list[Metri
     return [
         ("vllm:num_requests_running", "gauge", "Requests running in vLLM.", f.running),
         ("vllm:num_requests_waiting", "gauge", "Requests waiting in vLLM or on their way to it.",
-         max(f.waiting, in_flight - f.running)),
+         _waiting(f, in_flight)),
         ("vllm:kv_cache_usage_perc", "gauge", "vLLM's KV cache usage (0-1).", f.usage),
         ("vllm:prefix_cache_queries_total", "counter", "Prompt tokens looked up in vLLM's cache.", f.prefix_queries),
         ("vllm:prefix_cache_hits_total", "counter", "Prompt tokens served from vLLM's cache.", f.prefix_hits),
@@ -71,3 +71,8 @@ def metric_rows(f: VllmFigures, c: EngineCounters, in_flight: int) -> list[Metri
         ("vllm:generation_tokens_total", "counter", "Tokens vLLM sampled for this replica.", c.generation_tokens),
         ("burstrl:failed_requests_total", "counter", "Calls failed alone (the engine served on).", c.failed_requests),
     ]
+
+
+def _waiting(f: VllmFigures, in_flight: int) -> int:
+    """Waiting calls: vLLM's figure, or more when calls were sent since its last scrape."""
+    return max(f.waiting, in_flight - f.running)
