@@ -12,11 +12,18 @@ Gemma 3 270M (the base model, `make gemma`), one-function Python problems (`envs
 5. where a step's time goes: the trainer's wait (sampling + grading) and compute per step, from the
    run's metrics.
 
+Engine and dtype: `--engine vllm` serves the RL run's replica and both evals' replicas on vLLM
+(`--engine.backend vllm --engine.vllm.kv_cache_gib 2`; `make vllm` first), `--dtype bfloat16` loads
+the model in bf16 for all three (`--model.dtype` of the run, `--model_dtype` of `burstrl eval`), so
+the lift is measured on the engine and precision the policy was trained with. Both are in the result.
+
 The before-eval runs beside RL by default (`--before-alongside`: the results do not depend on timing,
-sampling seeds are fixed). Wall time, steps, groups and load are in the output.
+sampling seeds are fixed); with `--engine vllm` it runs first, since each vLLM replica binds the cores
+it may use and two on the same cores slow each other down many times over. Wall time, steps, groups and load are in the output.
 
     .venv/bin/python benchmarks/functions.py --model ~/.cache/burstrl/gemma-3-270m
     .venv/bin/python benchmarks/functions.py --model DIR --quick    # 8 tasks x 4, 2 steps: a smoke run
+    .venv/bin/python benchmarks/functions.py --model DIR --engine vllm --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -70,22 +77,33 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20, help="RL steps [20; quick 2]")
     p.add_argument("--groups", type=int, default=4, help="groups per step [4; quick 2]")
     p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--before-alongside", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--before-alongside", action=argparse.BooleanOptionalAction, default=None,
+                   help="run the before-eval beside RL [yes; no with --engine vllm: each vLLM binds its cores]")
     p.add_argument("--work-dir", default="", help="keep everything here (default: a temp dir)")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--engine", choices=("burstrl", "vllm"), default="burstrl",
+                   help="engine of every replica (RL run and both evals) [burstrl]")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="model dtype of every replica and of the trainer [float32]")
     args = p.parse_args()
+    if args.before_alongside is None:
+        args.before_alongside = args.engine != "vllm"
     if args.quick:
         args.tasks, args.attempts, args.steps, args.groups = 8, 4, 2, 2
     model = str(Path(args.model).expanduser())
     result: dict = {"benchmark": "functions", "model": model, "tasks": args.tasks, "attempts": args.attempts,
                     "steps": args.steps, "groups_per_step": args.groups, "temperature": args.temperature,
+                    "engine": args.engine, "dtype": args.dtype, "before_alongside": args.before_alongside,
                     "load_at_start": os.getloadavg()[0], "cores": os.cpu_count()}
     with tempfile.TemporaryDirectory(prefix="bench-functions-") as tmp:
         root = Path(args.work_dir).absolute() if args.work_dir else Path(tmp)
         root.mkdir(parents=True, exist_ok=True)
+        engine_args = ["--engine.backend", args.engine]
+        engine_args += ["--engine.vllm.kv_cache_gib", "2"] if args.engine == "vllm" else []
         evals = ["--model", model, "--env", "functions", "--n", str(args.tasks), "--split", "test", "--attempts",
                  str(args.attempts), "--temperature", str(args.temperature), "--max-tokens", "48",
-                 "--env-option", f"n_tasks={max(300, args.tasks)}", "--env-option", "max_sandboxes=4"]
+                 "--env-option", f"n_tasks={max(300, args.tasks)}", "--env-option", "max_sandboxes=4",
+                 *engine_args, "--model_dtype", args.dtype]
         t0 = time.monotonic()
         with ThreadPoolExecutor(max_workers=2, thread_name_prefix="bench") as ex:
             before = ex.submit(burstrl, "eval", *evals, "--out", str(root / "before"))
@@ -93,7 +111,8 @@ def main() -> None:
                 before.result()
             ex.submit(burstrl, "run", str(REPO / "examples" / "functions-gemma.toml"), "--run_dir", str(root / "run"),
                       "--model.path", model, "--trainer.steps", str(args.steps), "--trainer.batch_groups",
-                      str(args.groups), "--orchestrator.temperature", str(args.temperature)).result()
+                      str(args.groups), "--orchestrator.temperature", str(args.temperature), *engine_args,
+                      "--model.dtype", args.dtype).result()
             before.result()
         result["before_and_rl_wall_s"] = round(time.monotonic() - t0, 1)
         result["before"] = summary(root / "before")

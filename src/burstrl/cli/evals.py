@@ -116,7 +116,7 @@ def _evaluate(cfg) -> None:
     spec = EvalSpec(model=model, tasks=tasks, attempts=cfg.attempts, adapters=adapters, temperature=cfg.temperature,
                     seed=cfg.seed, env=cfg.env, options=env_options, n=cfg.n, split=cfg.split,
                     difficulty=cfg.difficulty, task_seed=cfg.task_seed, max_tokens=cfg.max_tokens,
-                    concurrency=cfg.max_sandboxes, out=Path(cfg.out))
+                    concurrency=cfg.max_sandboxes, out=Path(cfg.out), engine=cfg.engine, dtype=cfg.model_dtype)
     try:
         load_eval_tasks(spec)  # bad task arguments fail here, before a replica starts
     except ValueError as exc:

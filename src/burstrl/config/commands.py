@@ -7,12 +7,14 @@ printed config. Paths are strings, as in the role configs: TOML has no path type
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field
 
 from burstrl.config.loading import Section
-from burstrl.config.roles import OrchestratorSection, SweEnvConfig
+from burstrl.config.roles import EngineConfig, OrchestratorSection, SweEnvConfig
+
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]  # as ModelConfig.dtype of `burstrl serve`
 
 
 class SftConfig(Section):
@@ -59,12 +61,22 @@ class EvalConfig(Section):
                               description="The swe environment's options, as orchestrator.swe of a run (e.g. "
                               "reward = \"f2p\"); suspicious defaults to \"flag\" here: an evaluation records "
                               "the static scan's findings and scores as usual.")
+    engine: EngineConfig = Field(
+        default_factory=EngineConfig,
+        description="The eval replica's engine, as engine of `burstrl serve`/`run`: --engine.backend vllm "
+        "(--engine.vllm.kv_cache_gib 2 ...) evaluates on vLLM, as a run on vLLM samples. num_threads defaults "
+        "to 1 here (the own engine's torch threads; a vLLM replica is not given it).")
+    model_dtype: Dtype = Field("auto", description="The replica's model.dtype: auto = float32 on CPU, bfloat16 on "
+                               "GPU; bfloat16 evaluates a run trained with --model.dtype bfloat16 as it sampled.")
     options: dict[str, Any] = Field(default_factory=dict, description="Options of an environment named "
                                     "package.module:Class, validated by its own model as orchestrator.env.NAME of "
                                     "a run is (--env-option KEY=VALUE sets them).")
 
     def model_post_init(self, _: Any) -> None:
-        """max_sandboxes and max_turns are the eval's own knobs: they set the swe section's, once."""
+        """max_sandboxes and max_turns are the eval's own knobs: they set the swe section's, once. The
+        engine's num_threads is 1 unless set (a partial --engine.* section must not bring back serve's 0)."""
+        if "num_threads" not in self.engine.model_fields_set:
+            self.engine = self.engine.model_copy(update={"num_threads": 1})
         mine = {"max_sandboxes": self.max_sandboxes, "max_turns": self.max_turns}
         for key, value in mine.items():
             if key in self.swe.model_fields_set and getattr(self.swe, key) != value:

@@ -34,13 +34,22 @@ from typing import Any
 
 import httpx
 
-from burstrl.config import OrchestratorSection, SweEnvConfig
+from burstrl.config import EngineConfig, OrchestratorSection, SweEnvConfig
+from burstrl.config.run import VLLM_REPLICA_EXTRA_S
 from burstrl.envs import get_env
 from burstrl.envs.base import Environment, InfraError, Task, close_env
 
 log = logging.getLogger("burstrl.eval")
 INFRA_RETRIES = 2
 TEST_FIELDS = ("f2p", "strict")  # parts an environment graded by tests reports (records carry them as fields)
+OWN_START_TIMEOUT_S = 300.0  # the own engine loads and proves the model in seconds to a minute
+VLLM_START_TIMEOUT_S = 900.0  # vLLM alone takes ~50-90 s (minutes on a loaded CPU), then the start probe
+
+
+def eval_engine() -> EngineConfig:
+    """The eval replica's engine by default: the own engine on one torch thread (attempts run
+    concurrently in the replica's batch, so more threads buy little and would fight an RL run beside)."""
+    return EngineConfig(num_threads=1)
 
 
 @dataclass
@@ -61,6 +70,8 @@ class EvalSpec:
     concurrency: int = 4  # attempts running at once (swe: also bounded by its max_sandboxes)
     out: Path = Path("eval")
     admin_token: str = field(default_factory=lambda: uuid.uuid4().hex)  # the eval replica's, to release sessions
+    engine: EngineConfig = field(default_factory=eval_engine)  # the replica's `engine` section (backend, vllm)
+    dtype: str = "auto"  # the replica's model.dtype (auto = float32 on CPU, bfloat16 on GPU)
 
     @property
     def swe(self) -> SweEnvConfig:
@@ -146,6 +157,37 @@ async def evaluate_version(url: str, version: str, tasks: list[Task], spec: Eval
     return list(records)
 
 
+def _changed(section: dict[str, Any], default: dict[str, Any], prefix: str) -> list[str]:
+    """`--prefix.key=VALUE` for each leaf of `section` that differs from `default` (values as JSON, so a
+    string that looks like a number stays a string)."""
+    args = []
+    for key, value in section.items():
+        if isinstance(value, dict) and isinstance(default.get(key), dict):
+            args += _changed(value, default[key], f"{prefix}.{key}")
+        elif value != default.get(key):
+            args.append(f"--{prefix}.{key}={json.dumps(value)}")
+    return args
+
+
+def replica_args(spec: EvalSpec) -> list[str]:
+    """The eval replica's serve overrides for its engine and dtype: what differs from `burstrl serve`'s
+    defaults. engine.num_threads is the own engine's torch threads; vLLM does not read it, so a vllm
+    replica does not get it (its cores are engine.vllm.cpu_cores)."""
+    engine = spec.engine.model_dump(mode="json")
+    if spec.engine.backend == "vllm":
+        engine.pop("num_threads")
+    args = _changed(engine, EngineConfig().model_dump(mode="json"), "engine")
+    return args + ([f"--model.dtype={spec.dtype}"] if spec.dtype != "auto" else [])
+
+
+def replica_start_timeout(spec: EvalSpec) -> float:
+    """How long the eval replica may take to say ready: vLLM's start (and its own deadline) is far
+    longer than the own engine's."""
+    if spec.engine.backend == "vllm":
+        return max(VLLM_START_TIMEOUT_S, spec.engine.vllm.start_timeout_s + VLLM_REPLICA_EXTRA_S)
+    return OWN_START_TIMEOUT_S
+
+
 def run_eval(spec: EvalSpec, versions: list[str] | None = None) -> dict[str, list[dict[str, Any]]]:
     """Start a replica serving the base and `spec.adapters`, evaluate each version; records by version."""
     from burstrl.protocol.process import start_replica
@@ -153,8 +195,8 @@ def run_eval(spec: EvalSpec, versions: list[str] | None = None) -> dict[str, lis
     spec.out.mkdir(parents=True, exist_ok=True)
     tasks = load_eval_tasks(spec)
     adapters = json.dumps({name: str(path) for name, path in spec.adapters.items()})
-    replica = start_replica(spec.model, spec.out / "replica", "--adapters", adapters, "--engine.num_threads", "1",
-                            "--server.admin_token", spec.admin_token, timeout=300)
+    replica = start_replica(spec.model, spec.out / "replica", "--adapters", adapters, *replica_args(spec),
+                            "--server.admin_token", spec.admin_token, timeout=replica_start_timeout(spec))
     try:
         out = {}
         for version in versions or ["base", *spec.adapters]:
