@@ -108,7 +108,8 @@ def test_metrics_parse_sums_engines_and_reads_the_cache_size() -> None:
         "garbage line", 'vllm:num_preemptions_total{engine="0"} nope'])
     f = parse(text)
     assert (f.running, f.waiting, f.usage, f.capacity_tokens) == (3, 4, 0.25, 55356)
-    assert (f.prefix_queries, f.prefix_hits, f.preemptions) == (100.0, 40.0, 0.0)
+    assert (f.prefix_queries, f.prefix_hits, f.preemptions, f.block_size) == (100.0, 40.0, 0.0, 128)
+    assert parse("").block_size == 16  # vLLM's default until its cache config is read
 
 
 def test_the_server_command_and_environment(tmp_path) -> None:

@@ -35,6 +35,7 @@ from burstrl.inference.vllm import probe, versions, wire
 from burstrl.inference.vllm.loads import loads_body, metric_rows, prefix_summary
 from burstrl.inference.vllm.metrics import VllmFigures, parse
 from burstrl.inference.vllm.process import VllmProcess, VllmStartError
+from burstrl.inference.vllm.refills import RefillTracker
 
 log = logging.getLogger(__name__)
 logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per call to vLLM otherwise (scrapes twice a second)
@@ -52,6 +53,7 @@ class VllmEngine:
         self.versions_dir = state_dir / "vllm-versions"
         self.counters = EngineCounters()
         self.figures = VllmFigures()
+        self.refills = RefillTracker(cfg.thrash_window_s)
         self.error: str | None = None
         self.probe_error: float | None = None  # the start probe's max |dlogp|
         self.on_release: Callable[[], None] | None = None
@@ -130,7 +132,9 @@ class VllmEngine:
             self._loop.call_soon_threadsafe(self._cancel, request_id)
 
     def drop_session(self, session_id: str) -> None:
-        """Nothing to free: vLLM's prefix cache is keyed by content, not by session."""
+        """Nothing to free in vLLM: its prefix cache is keyed by content, not by session."""
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self.refills.forget, session_id)
 
     # ---- versions ----
     def prove_adapter(self, adapter: LoraAdapter) -> float:
@@ -155,13 +159,13 @@ class VllmEngine:
 
     # ---- load reporting (any thread; snapshots) ----
     def loads(self) -> dict:
-        return loads_body(self.figures, self.sessions, len(self._tasks))
+        return loads_body(self.figures, self.sessions, len(self._tasks), self.refills)
 
     def prefix_summary(self, max_blocks: int = 16384) -> dict:
         return prefix_summary(self.sessions, max_blocks)
 
     def metric_rows(self) -> list[MetricRow]:
-        return metric_rows(self.figures, self.counters, len(self._tasks))
+        return metric_rows(self.figures, self.counters, len(self._tasks), self.refills)
 
     # ---- the loop's thread ----
     def _run(self, ready: threading.Event) -> None:
@@ -236,6 +240,7 @@ class VllmEngine:
             self.counters.failed_requests += 1
             report_done(req, "error", self.sessions, self.counters, self.cfg.capture)
             return
+        self.refills.observe(req, self.figures.block_size)  # before the session takes this call
         if req.completion_ids:
             settle_session(req, _text(self.tokenizer, req))
         report_done(req, req.finish_reason or "abort", self.sessions, self.counters, self.cfg.capture)
@@ -255,7 +260,10 @@ class VllmEngine:
                 log.warning("vLLM /metrics: %s", exc)
             if time.monotonic() >= next_expiry:
                 next_expiry = time.monotonic() + 1.0
-                if self.sessions.expire() and self.on_release is not None:
+                expired = self.sessions.expire()
+                for session in expired:
+                    self.refills.forget(session.id)
+                if expired and self.on_release is not None:
                     self.on_release()
             await asyncio.sleep(self.cfg.vllm.metrics_interval_s)
 

@@ -26,12 +26,13 @@ class VllmFigures:
     prompt_tokens: float = 0.0
     generation_tokens: float = 0.0
     preemptions: float = 0.0
+    block_size: int = 16  # tokens per KV block (vLLM's default until its cache config is read)
 
 
 def parse(text: str) -> VllmFigures:
     """The figures from Prometheus text (unknown or malformed lines are skipped)."""
     sums: dict[str, float] = {}
-    capacity = 0
+    capacity, block_size = 0, 0
     for line in text.splitlines():
         m = _LINE.match(line)
         if m is None or line.startswith("#"):
@@ -42,8 +43,10 @@ def parse(text: str) -> VllmFigures:
         except ValueError:
             continue
         if name == "vllm:cache_config_info":
-            tokens = dict(_LABEL.findall(labels)).get("kv_cache_size_tokens", "")
+            info = dict(_LABEL.findall(labels))
+            tokens, block = info.get("kv_cache_size_tokens", ""), info.get("block_size", "")
             capacity += int(tokens) if tokens.isdigit() else 0
+            block_size = max(block_size, int(block) if block.isdigit() else 0)
             continue
         sums[name] = sums.get(name, 0.0) + number
     usage = sums.get("vllm:kv_cache_usage_perc", 0.0)
@@ -54,4 +57,4 @@ def parse(text: str) -> VllmFigures:
         prefix_hits=sums.get("vllm:prefix_cache_hits_total", 0.0),
         prompt_tokens=sums.get("vllm:prompt_tokens_total", 0.0),
         generation_tokens=sums.get("vllm:generation_tokens_total", 0.0),
-        preemptions=sums.get("vllm:num_preemptions_total", 0.0))
+        preemptions=sums.get("vllm:num_preemptions_total", 0.0), block_size=block_size or 16)
