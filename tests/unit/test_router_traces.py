@@ -7,6 +7,7 @@ import asyncio
 import json
 
 import httpx
+import pytest
 
 from burstrl.router.registry import Registry, RouteError
 from burstrl.router.traces import forward_trace
@@ -73,3 +74,23 @@ def test_a_refused_release_at_the_home_leaves_every_part_in_place() -> None:
                                        ("DELETE", old): httpx.Response(404, json={})}, seen)
     assert released.status_code == 200 and json.loads(released.content)["replicas"] == [old, new]
     assert seen == [("DELETE", new), ("DELETE", old)] and "s" not in reg.homes
+
+
+def test_a_sample_of_an_n_call_continues_where_its_group_lives() -> None:
+    """`<sid>/i` (sample i of a call with n > 1, a session of its own on the replica) goes where
+    `<sid>` was placed, pinned to its version; a plain `/`-named session is placed as any other."""
+    reg = Registry(policy="kv", k=2, seed=0)
+    for url in ("http://a:1", "http://b:1", "http://c:1"):
+        reg.add(url)
+        reg.apply_scrape(url, {"max_total_num_tokens": 10_000, "versions": ["base", "policy-v1"], "sessions": []},
+                         {"data": [{"id": "base"}, {"id": "policy-v1"}]})
+    home = reg.place("g", reg.resolve("g", "policy-v1")).id
+    for i in range(8):
+        assert reg.resolve(f"g/{i}", None) == "policy-v1"  # `latest` is the group's pinned version
+        assert reg.place(f"g/{i}", "policy-v1").id == home
+        assert reg.trace_homes(f"g/{i}") == [home]
+    with pytest.raises(RouteError) as err:
+        reg.resolve("g/3", "base")
+    assert err.value.status == 409
+    placed = {reg.place(f"other/x{i}", "base").id for i in range(12)}  # not a sample: placed by the policy
+    assert len(placed) > 1

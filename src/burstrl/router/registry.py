@@ -270,6 +270,8 @@ class Registry:
         some pools have would crowd new sessions onto those pools. Naming a version other than the
         pinned one is a 409, as on a replica, rather than a silent switch of weights mid-rollout.
         """
+        if session_id and session_id not in self.homes:
+            self._adopt_sample(session_id)
         pinned = self.pinned.get(session_id) if session_id else None
         if version is None or version in ("", LATEST):
             if pinned is not None:
@@ -298,6 +300,8 @@ class Registry:
         nobody serves is 404 (bad input, not an outage). A call without a session is placed by the
         policy too (`prefix_hashes` are its prompt's blocks), and not remembered.
         """
+        if session_id and session_id not in self.homes:
+            self._adopt_sample(session_id)
         kind = self.kinds.get(session_id, kind) if session_id else kind  # a session keeps its first kind
         session = NewSession(id=session_id or "", kind=self.sizes.admit(kind), version=version,
                              expected_tokens=expected_tokens, prefix_hashes=prefix_hashes, block_tokens=block_tokens)
@@ -320,6 +324,18 @@ class Registry:
         if not session_id:
             return self._choose(session)
         return self._assign(session)
+
+    def _adopt_sample(self, session_id: str) -> None:
+        """Sample i of a call with `n` > 1 (`<sid>/i`) lives where `<sid>` does: that replica holds its
+        capture and the KV of its prompt and completion, so its next call continues there."""
+        parent, _, index = session_id.rpartition("/")
+        if not index.isdigit() or parent not in self.homes:
+            return
+        self.homes[session_id] = self.homes[parent]
+        if parent in self.pinned:
+            self.pinned[session_id] = self.pinned[parent]
+        if parent in self.kinds:
+            self.kinds[session_id] = self.kinds[parent]
 
     def _move(self, session: NewSession, home: ReplicaView, overflow: bool) -> ReplicaView:
         """Move a session off its home (that evicted it while overflowing: `rehome`; nearly full:
