@@ -21,8 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from burstrl.config.vllm import VllmSection
-from burstrl.inference.vllm.process import VllmStartError, vllm_python
+from tests.vllm_env import require_vllm
 
 from .conftest import REPO, audit, burstrl_cmd, events, finish, read_jsonl, wait_until
 
@@ -33,12 +32,7 @@ VLLM_PID = re.compile(r"vLLM starting \(pid (\d+), log ")
 
 @pytest.fixture
 def vllm_env() -> str:
-    try:
-        return vllm_python(VllmSection())
-    except VllmStartError:
-        if os.environ.get("BURSTRL_REQUIRE_VLLM"):  # CI (.ci/run) made it: missing is a failure there
-            pytest.fail("BURSTRL_REQUIRE_VLLM is set but vLLM's environment is missing (make vllm)")
-        pytest.skip("vLLM's environment is missing: run `make vllm`")
+    return require_vllm()
 
 
 def test_the_whole_loop_on_vllm_survives_its_engine_dying_mid_run(tmp_path: Path, gemma_model: Path,

@@ -22,10 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from burstrl.config.vllm import VllmSection
-from burstrl.inference.vllm.process import VllmStartError, vllm_python
 from burstrl.protocol.process import start_replica
 from tests.http_client import HTTP
+from tests.vllm_env import require_vllm
 
 from .conftest import ADMIN_TOKEN, Server, stop_server
 from .test_gemma import captured_vs_reference, complete, load_versions, make_reference
@@ -34,19 +33,9 @@ pytestmark = pytest.mark.slow
 FP32_TOL = 2.5e-4  # max |captured - fp32 HF| logprob (the own engine: < 1e-4 on the same prompts)
 
 
-def _vllm_env() -> str | None:
-    try:
-        return vllm_python(VllmSection())
-    except VllmStartError:
-        return None
-
-
 @pytest.fixture(scope="module")
 def server(gemma_model: Path, tmp_path_factory: pytest.TempPathFactory):
-    if _vllm_env() is None:
-        if os.environ.get("BURSTRL_REQUIRE_VLLM"):  # CI (.ci/run) made it: missing is a failure there
-            pytest.fail("BURSTRL_REQUIRE_VLLM is set but vLLM's environment is missing (make vllm)")
-        pytest.skip("vLLM's environment is missing: run `make vllm`")
+    require_vllm()
     work = tmp_path_factory.mktemp("vllm-replica")
     rep = start_replica(gemma_model, work, "--server.admin_token", ADMIN_TOKEN, "--server.state_dir",
                         str(work / "state"), "--engine.backend", "vllm", "--engine.max_model_len", "2048",
