@@ -114,6 +114,12 @@ class HttpServerSection(Section):
         "", description="Also accepted for reads of traces and per-session loads (the router's scrapes); "
         "empty = $BURSTRL_CLUSTER_TOKEN."
     )
+    tenant_key: str = Field(
+        "", description="Secret of a fleet shared by several runs: set, every generation call needs a tenant "
+        "token (`<tenant>.<hex HMAC-SHA256(key, tenant)>`) or the admin token, and each tenant's sessions, "
+        "traces, adapter versions and prefix cache are its own (protocol/tenants.py); empty = one run owns "
+        "the replica (no tenants)."
+    )
     ssl_certfile: str = Field("", description="TLS certificate (PEM); with ssl_keyfile enables HTTPS.")
     ssl_keyfile: str = Field("", description="TLS private key (PEM).")
     max_body_bytes: int = Field(8 << 20, ge=1024, description="Largest JSON request body.")

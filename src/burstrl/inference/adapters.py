@@ -37,10 +37,12 @@ import torch
 
 from burstrl.inference.lora import AdapterError, LoraAdapter, Shapes, load_adapter, load_adapter_bytes, module_shapes
 from burstrl.protocol.adapters import ADAPTER_FILES, MAX_SHARDS, Manifest, UploadError, shard_root
+from burstrl.protocol.tenants import local, scoped_pattern
 
 MAX_STAGED_BYTES = 8 << 30  # all uploads in flight together; a push is a few hundred MB
 MAX_FREE_BYTES = 1 << 30  # receive buffers kept for the next push
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # used with fullmatch: no "..", no "\n"
+SCOPED_NAME = scoped_pattern(NAME)  # a stored name: a client's, or `<tenant>~<name>` (inference.tenancy)
 
 
 class AdapterRegistry:
@@ -100,7 +102,7 @@ class AdapterRegistry:
             return self.retiring[name]
 
     def load(self, name: str, path: str | Path) -> LoraAdapter:
-        if not NAME.fullmatch(name) or name == "base":
+        if not _valid_name(name):
             raise AdapterError(f"adapter name must match {NAME.pattern} and not be 'base'")
         adapter = load_adapter(name, path, self.num_layers, self.dtype, self.device, self.shapes)
         return self._admit(adapter, AdapterError)
@@ -187,7 +189,7 @@ class AdapterRegistry:
     def put_manifest(self, name: str, data: Any) -> Manifest:
         _check_name(name)
         manifest = Manifest.parse(data)
-        if manifest.name != name:
+        if manifest.name not in (name, local(name)):  # a tenant's manifest names the version as it knows it
             raise UploadError(f"manifest names {manifest.name!r}, not {name!r}")
         self.sweep_uploads()
         with self._lock:
@@ -295,8 +297,12 @@ class _Upload:
     touched: float = 0.0
 
 
+def _valid_name(name: str) -> bool:
+    return SCOPED_NAME.fullmatch(name) is not None and local(name) != "base"
+
+
 def _check_name(name: str) -> None:
-    if not NAME.fullmatch(name) or name == "base":
+    if not _valid_name(name):
         raise UploadError(f"adapter name must match {NAME.pattern} and not be 'base'")
 
 

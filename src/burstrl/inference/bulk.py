@@ -10,7 +10,9 @@ Python objects, no JSON, no event loop.
 The protocol is the same HTTP/1.1 request as the main server's shard route (keep-alive, so a
 sender reuses one connection): `PUT /v1/adapters/{name}/shards/{i}?of={n}` with the admin bearer
 token, `Content-Length` and optionally `X-Shard-SHA256`; answers are JSON, errors in OpenAI's shape.
-Senders find the port with `GET /v1/adapters/bulk` on the main server. With TLS configured the
+Senders find the port with `GET /v1/adapters/bulk` on the main server. With tenancy
+(`server.tenant_key`) a tenant's token is accepted too, and its shards are staged under its own
+namespace (`<tenant>~<name>`, `protocol.tenants`), as on the main server. With TLS configured the
 listener serves TLS with the same certificate. Everything else (the manifest, the commit) stays on
 the main server.
 
@@ -58,6 +60,7 @@ from urllib.parse import parse_qs, urlsplit
 from burstrl.inference.adapters import AdapterRegistry
 from burstrl.protocol.adapters import UploadError
 from burstrl.protocol.http import bearer_matches
+from burstrl.protocol.tenants import scoped, tenant_of
 
 CHUNK = 1 << 20
 SHARD_PATH = re.compile(r"/v1/adapters/([^/]+)/shards/([0-9]{1,6})")
@@ -82,8 +85,9 @@ class BulkReceiver:
                  max_shard_bytes: int = 2 << 30, ssl_context: ssl.SSLContext | None = None,
                  max_connections: int = 32, idle_timeout_s: float = 60.0,
                  on_refused: Callable[[], None] | None = None, header_timeout_s: float = 10.0,
-                 max_pending: int = 256) -> None:
+                 max_pending: int = 256, tenant_key: str = "") -> None:
         self.registry, self.token, self.max_shard_bytes = registry, token, max_shard_bytes
+        self.tenant_key = tenant_key  # set: tenants' tokens are accepted, for their own namespace
         self.idle_timeout_s = idle_timeout_s
         self.on_refused = on_refused or (lambda: None)
         self.counters = BulkCounters()
@@ -249,7 +253,7 @@ class _BulkShardHandler(BaseHTTPRequestHandler):
     def do_PUT(self) -> None:  # noqa: N802 - the stdlib's naming
         owner = self.server.owner
         try:
-            name, index, of, size = self._check(owner)
+            name, shown, index, of, size = self._check(owner)
         except _BulkRefusal as exc:
             self._refuse(exc)
             return
@@ -259,11 +263,11 @@ class _BulkShardHandler(BaseHTTPRequestHandler):
             return
         try:
             self._continue()
-            self._take(owner, name, index, of, size)
+            self._take(owner, name, shown, index, of, size)
         finally:
             self.server.slots.release()
 
-    def _take(self, owner: BulkReceiver, name: str, index: int, of: int, size: int) -> None:
+    def _take(self, owner: BulkReceiver, name: str, shown: str, index: int, of: int, size: int) -> None:
         """Read the checked shard's body and stage it; answer (or drop the connection if it broke)."""
         data = owner.registry.take_buffer(size)
         digest = self._read_body(data)
@@ -278,11 +282,11 @@ class _BulkShardHandler(BaseHTTPRequestHandler):
         except UploadError as exc:
             owner.registry.give_back(data)
             owner.refused()
-            self._answer(400, {"error": {"message": str(exc), "type": "invalid_request_error",
+            self._answer(400, {"error": {"message": str(exc).replace(name, shown), "type": "invalid_request_error",
                                          "param": None, "code": 400}})
             return
         owner.counters.shards += 1
-        self._answer(200, {"name": name, "shard": index, "of": of, "bytes": size})
+        self._answer(200, {"name": shown, "shard": index, "of": of, "bytes": size})
 
     def do_GET(self) -> None:  # noqa: N802
         """Any other method: 401 without the token (it comes first), else 405."""
@@ -302,10 +306,15 @@ class _BulkShardHandler(BaseHTTPRequestHandler):
         self._answer(exc.status, {"error": {"message": exc.message, "type": exc.kind, "param": None,
                                             "code": exc.status}})
 
-    def _authenticate(self, owner: BulkReceiver) -> None:
-        """The token, before anything else is looked at: a `_BulkRefusal` (401) without it."""
-        if not bearer_matches(self.headers, owner.token):
+    def _authenticate(self, owner: BulkReceiver) -> str | None:
+        """The token, before anything else is looked at: a `_BulkRefusal` (401) without it. Returns
+        the tenant whose token it is, None for the admin token."""
+        if bearer_matches(self.headers, owner.token):
+            return None
+        tenant = tenant_of(self.headers, owner.tenant_key)
+        if tenant is None:
             raise _BulkRefusal(401, "bulk listener: missing or wrong bearer token", "authentication_error")
+        return tenant
 
     def _continue(self) -> None:
         """The `100 Continue` a sender asked for, once its request is accepted (`handle_expect_100`)."""
@@ -313,9 +322,9 @@ class _BulkShardHandler(BaseHTTPRequestHandler):
             self.send_response_only(100)
             self.end_headers()
 
-    def _check(self, owner: BulkReceiver) -> tuple[str, int, int, int]:
-        """The shard's name, index, count and size, or a `_BulkRefusal`; no body byte read yet."""
-        self._authenticate(owner)
+    def _check(self, owner: BulkReceiver) -> tuple[str, str, int, int, int]:
+        """The shard's stored and shown name, index, count and size, or a `_BulkRefusal`; no body byte read yet."""
+        tenant = self._authenticate(owner)
         url = urlsplit(self.path)
         m = SHARD_PATH.fullmatch(url.path)
         of = parse_qs(url.query).get("of", [""])[0]
@@ -329,12 +338,13 @@ class _BulkShardHandler(BaseHTTPRequestHandler):
         size = int(length)
         if size > owner.max_shard_bytes:
             raise _BulkRefusal(413, f"shard of {size} bytes exceeds {owner.max_shard_bytes}")
-        name, index = m.group(1), int(m.group(2))
+        shown, index = m.group(1), int(m.group(2))
+        name = scoped(tenant, shown)
         try:
             owner.registry.check_shard(name, index, int(of), size)
         except UploadError as exc:
-            raise _BulkRefusal(400, str(exc)) from None
-        return name, index, int(of), size
+            raise _BulkRefusal(400, str(exc).replace(name, shown)) from None
+        return name, shown, index, int(of), size
 
     def _read_body(self, data: bytearray) -> str | None:
         """Read the body into `data` (its exact size), hashing chunk by chunk: its sha256, None if it ended early."""

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from burstrl.inference.tools import assistant_message
+from burstrl.protocol.tenants import local
 
 # A token id is an int on the wire, never a string, a bool or a float that pydantic's lax mode would
 # turn into one (`["5", true, 7.0]` was accepted as [5, 1, 7]): what the client sent is what is sampled.
@@ -220,8 +221,9 @@ def usage(req: Request) -> dict[str, Any]:
 
 
 def meta(req: Request) -> dict[str, Any]:
-    session = None if req.session.ephemeral else req.session.id
-    return {"weight_version": req.version, "session_id": session, "cached_tokens": req.cached_tokens}
+    """burstrl's `meta_info`, in the client's names (a tenant's session and version without its prefix)."""
+    session = None if req.session.ephemeral else local(req.session.id)
+    return {"weight_version": local(req.version), "session_id": session, "cached_tokens": req.cached_tokens}
 
 
 def chat_message(req: Request) -> tuple[dict[str, Any], str | None]:

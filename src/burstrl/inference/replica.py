@@ -120,7 +120,8 @@ def build_replica(cfg: ServeConfig) -> InferenceReplica:
             replica.bulk = BulkReceiver(registry, replica.admin_token, cfg.server.host, cfg.server.bulk_port,
                                         cfg.server.max_shard_bytes,
                                         tls_context(cfg.server.ssl_certfile, cfg.server.ssl_keyfile),
-                                        on_refused=replica.counters.refused_upload)
+                                        on_refused=replica.counters.refused_upload,
+                                        tenant_key=cfg.server.tenant_key)
     except BaseException:
         replica.close()
         raise

@@ -15,6 +15,10 @@ rendered or tokenized, and all of that runs on the replica's request workers
 Traces hold prompts and completions: reading them, and the per-session part of `/v1/loads`,
 needs the admin token or the cluster token (the router's scrapes).
 
+With `server.tenant_key` set the replica is shared by tenants: each route first asks
+`inference.tenancy` who is calling, and every name in the request goes through that caller into
+its tenant's namespace (sessions, versions, `cache_salt`, traces), so tenants never reach each other.
+
 The routes are FastAPI `APIRouter`s (generation, traces and loads here, adapters in `admin_routes`)
 that find the replica on `request.app.state.replica`; `build_app` puts it there and adds the error
 handlers, and `run_replica` runs the whole process.
@@ -36,7 +40,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException
 
 from burstrl.config import ServeConfig
-from burstrl.inference import admin_routes
+from burstrl.inference import admin_routes, tenancy
 from burstrl.inference import generate_api as gen
 from burstrl.inference import openai_api as api
 from burstrl.inference.api_common import (
@@ -47,9 +51,7 @@ from burstrl.inference.api_common import (
     parse,
     read_limited,
     replica_of,
-    require_admin,
     require_engine,
-    require_reader,
 )
 from burstrl.inference.chat import ChatError, normalize_messages
 from burstrl.inference.engine import Request as EngineRequest
@@ -61,6 +63,7 @@ from burstrl.inference.streaming import stream_response
 from burstrl.inference.tools import ToolError, ToolSpec, tool_spec
 from burstrl.protocol.http import error_body, models_list, session_id_from
 from burstrl.protocol.process import bind_socket, print_ready, socket_url
+from burstrl.protocol.tenants import local
 
 log = logging.getLogger(__name__)
 
@@ -117,8 +120,10 @@ async def health(request: Request) -> JSONResponse:
 async def models(request: Request) -> dict[str, Any]:
     rep = replica_of(request)
     require_engine(rep)
-    names = [rep.cfg.served_model_name, *rep.registry.names()]
-    body = models_list(names, rep.cfg.model.path, rep.cfg.served_model_name, rep.registry.paths(), rep.max_model_len)
+    caller = tenancy.viewing(rep, request)
+    names = [rep.cfg.served_model_name, *caller.visible(rep.registry.names())]
+    roots = {caller.shown(n): path for n, path in rep.registry.paths().items() if caller.sees(n)}
+    body = models_list(names, rep.cfg.model.path, rep.cfg.served_model_name, roots, rep.max_model_len)
     body["engine_path"] = rep.engine.path  # "fast", "generic" (own engine) or "vllm"
     return body
 
@@ -126,24 +131,26 @@ async def models(request: Request) -> dict[str, Any]:
 @router.post("/v1/chat/completions")
 async def chat(request: Request) -> Response:
     rep = replica_of(request)
+    caller = tenancy.generating(rep, request)
     if rep.chat is None:
         raise ApiError(400, "this model has no chat template; use /v1/completions")
     raw = await read_limited(request, rep.cfg.server.max_body_bytes)
     body, messages, tools = await rep.workers.run(_prepare_chat, rep, raw)
     top = (body.top_logprobs or 0) if body.logprobs else 0
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    return await _generate(rep, request, body, "chat", messages=messages, tools=tools, top_logprobs=top,
+    return await _generate(rep, request, caller, body, "chat", messages=messages, tools=tools, top_logprobs=top,
                            max_tokens=max_tokens, want_logprobs=bool(body.logprobs))
 
 
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
     rep = replica_of(request)
+    caller = tenancy.generating(rep, request)
     raw = await read_limited(request, rep.cfg.server.max_body_bytes)
     body, prompt = await rep.workers.run(_prepare_completion, rep, raw)
     top = body.logprobs or 0
     max_tokens = body.max_tokens if body.max_tokens is not None else api.COMPLETIONS_DEFAULT_MAX_TOKENS
-    return await _generate(rep, request, body, "text", prompt_ids=prompt, top_logprobs=top,
+    return await _generate(rep, request, caller, body, "text", prompt_ids=prompt, top_logprobs=top,
                            max_tokens=max_tokens, want_logprobs=body.logprobs is not None)
 
 
@@ -151,10 +158,11 @@ async def completions(request: Request) -> Response:
 async def generate(request: Request) -> Response:
     """vLLM's token-in endpoint (verifiers' train client): a completions call run by `_generate` (`generate_api`)."""
     rep = replica_of(request)
+    caller = tenancy.generating(rep, request)
     raw = await read_limited(request, rep.cfg.server.max_body_bytes)
     body, prompt = await rep.workers.run(_prepare_generate, rep, raw)
     top = body.logprobs or 0
-    return await _generate(rep, request, body, "generate", prompt_ids=prompt, top_logprobs=top,
+    return await _generate(rep, request, caller, body, "generate", prompt_ids=prompt, top_logprobs=top,
                            max_tokens=body.max_tokens, want_logprobs=body.logprobs is not None)
 
 
@@ -162,24 +170,24 @@ async def generate(request: Request) -> Response:
 async def get_trace(session_id: str, request: Request, full: bool = False) -> dict[str, Any]:
     """The session's records: deltas (`inference.capture`), or with `?full=true` whole prompts."""
     rep = replica_of(request)
-    require_reader(rep, request)
-    session = rep.sessions.get(session_id)
+    session = rep.sessions.get(tenancy.reading_traces(rep, request).name(session_id))
     if session is None:
         raise ApiError(404, f"unknown session {session_id!r}", "not_found_error")
     calls = await rep.workers.run(session.capture.calls_json, full)
-    return {"session_id": session.id, "version": session.version, "busy": session.busy,
+    return {"session_id": session_id, "version": session.version, "busy": session.busy,
             "calls": calls, **session.capture.summary()}
 
 
 @router.delete("/v1/traces/{session_id:path}")
 async def delete_trace(session_id: str, request: Request) -> dict[str, Any]:
     rep = replica_of(request)
-    require_admin(rep, request)
+    caller = tenancy.owning(rep, request)
+    key = caller.name(session_id)
     try:
-        session = rep.sessions.release(session_id)
+        session = rep.sessions.release(key)
     except SessionError as exc:
-        raise ApiError(exc.status, str(exc)) from None
-    rep.engine.drop_session(session_id)
+        raise ApiError(exc.status, caller.say(str(exc))) from None
+    rep.engine.drop_session(key)
     rep.collect_retired()
     return {"session_id": session_id, "released": True, "calls": len(session.calls)}
 
@@ -193,8 +201,9 @@ async def loads(request: Request) -> dict[str, Any]:
         out.pop("sessions")
     else:  # which prefixes are cached, for the router's index (keys only, no tokens)
         out["prefix_blocks"] = rep.engine.prefix_summary()
-    out["versions"] = [rep.cfg.served_model_name, *rep.registry.names()]
-    out["retiring_versions"] = list(rep.registry.retiring)
+    caller = tenancy.viewing(rep, request)
+    out["versions"] = [rep.cfg.served_model_name, *caller.visible(rep.registry.names())]
+    out["retiring_versions"] = caller.visible(list(rep.registry.retiring))
     return out
 
 
@@ -245,14 +254,15 @@ def _completion_prompt(rep: InferenceReplica, body: Any) -> list[int]:
     return ids
 
 
-async def _generate(rep: InferenceReplica, request: Request, body: Any, kind: str, *, top_logprobs: int,
-                    max_tokens: int | None, want_logprobs: bool, messages: list | None = None,
+async def _generate(rep: InferenceReplica, request: Request, caller: tenancy.Caller, body: Any, kind: str, *,
+                    top_logprobs: int, max_tokens: int | None, want_logprobs: bool, messages: list | None = None,
                     tools: ToolSpec | None = None, prompt_ids: list[int] | None = None) -> Response:
     n = _samples(body)
-    sid = session_id_from(body.session_id, request.headers)
+    client_sid = session_id_from(body.session_id, request.headers)
+    sid = caller.session(client_sid)  # the session's key: in the caller's namespace
     rid = api.new_id("chatcmpl" if kind == "chat" else "cmpl")
     if n == 1:
-        req, events = await _start(rep, body, sid, rid, None, messages, tools, prompt_ids, max_tokens, top_logprobs)
+        req, events = await _start(rep, caller, body, sid, rid, None, messages, tools, prompt_ids, max_tokens, top_logprobs)
         if body.stream:
             return StreamingResponse(stream_response(rep, req, events, body, kind, want_logprobs),
                                      media_type="text/event-stream")
@@ -261,14 +271,14 @@ async def _generate(rep: InferenceReplica, request: Request, body: Any, kind: st
     started = []
     try:
         for i in range(n):
-            started.append(await _start(rep, body, sid and f"{sid}/{i}", f"{rid}-{i}", i, messages, tools,
+            started.append(await _start(rep, caller, body, sid and f"{sid}/{i}", f"{rid}-{i}", i, messages, tools,
                                         prompt_ids, max_tokens, top_logprobs))
         answers = [await _answer(rep, request, body, kind, req, events, want_logprobs) for req, events in started]
     except BaseException:
         for req, _ in started:
             rep.engine.abort(req.id)
         raise
-    return JSONResponse(_merge(answers, rid, sid))
+    return JSONResponse(_merge(answers, rid, client_sid))
 
 
 MAX_SAMPLES = 64  # `n` per request
@@ -283,16 +293,17 @@ def _samples(body: Any) -> int:
     return n
 
 
-async def _start(rep: InferenceReplica, body: Any, sid: str | None, rid: str, sample: int | None,
+async def _start(rep: InferenceReplica, caller: tenancy.Caller, body: Any, sid: str | None, rid: str, sample: int | None,
                  messages: list | None, tools: ToolSpec | None, prompt_ids: list[int] | None,
                  max_tokens: int | None, top_logprobs: int) -> tuple[EngineRequest, asyncio.Queue[str]]:
     """Begin one call's session and hand the call to the engine; its events queue says when it is done."""
     existing = rep.sessions.get(sid) if sid else None
-    adapter = _resolve_adapter(rep, body.model, existing is not None)
+    version = caller.version(body.model, rep.cfg.served_model_name)
+    adapter = _resolve_adapter(rep, caller, body.model, version, existing is not None)
     try:
-        session = rep.sessions.begin(sid, body.model, rid)
+        session = rep.sessions.begin(sid, version, rid)
     except SessionError as exc:
-        raise ApiError(exc.status, str(exc)) from None
+        raise ApiError(exc.status, caller.say(str(exc))) from None
     loop = asyncio.get_running_loop()
     events: asyncio.Queue[str] = asyncio.Queue()
     try:  # until the engine owns the request, every way out must free the session
@@ -303,8 +314,8 @@ async def _start(rep: InferenceReplica, body: Any, sid: str | None, rid: str, sa
         if sample is not None and params.seed is not None:
             params.seed += sample
         req = EngineRequest(
-            id=rid, session=session, prompt_ids=prompt_ids, params=params, version=body.model,
-            adapter=adapter, messages=messages, tools=tools, cache_salt=body.cache_salt,
+            id=rid, session=session, prompt_ids=prompt_ids, params=params, version=version,
+            adapter=adapter, messages=messages, tools=tools, cache_salt=caller.salt(body.cache_salt),
             on_done=lambda _: _notify(loop, events, "done"),
             on_token=(lambda _: _notify(loop, events, "token")) if body.stream else None,
         )
@@ -356,7 +367,7 @@ def _check_extends(rep: InferenceReplica, session: Any, prompt_ids: list[int]) -
         return
     head = session.history()
     if prompt_ids[:len(head)] != head:
-        raise ApiError(409, f"session {session.id!r}: this prompt does not extend the session's previous "
+        raise ApiError(409, f"session {local(session.id)!r}: this prompt does not extend the session's previous "
                             "call (edited history or another client); start a new session")
 
 
@@ -366,16 +377,18 @@ def _notify(loop: asyncio.AbstractEventLoop, events: asyncio.Queue[str], event: 
         loop.call_soon_threadsafe(events.put_nowait, event)
 
 
-def _resolve_adapter(rep: InferenceReplica, model: str, existing_session: bool) -> Any:
-    if model == rep.cfg.served_model_name:
+def _resolve_adapter(rep: InferenceReplica, caller: tenancy.Caller, model: str, version: str,
+                     existing_session: bool) -> Any:
+    """The adapter of registry name `version` (the request's `model` in the caller's namespace)."""
+    if version == rep.cfg.served_model_name:
         return None
     try:
         if existing_session:
-            return rep.registry.for_session(model)
-        return rep.registry.for_new_session(model)
+            return rep.registry.for_session(version)
+        return rep.registry.for_new_session(version)
     except KeyError:
-        raise ApiError(404, f"model {model!r} not found; served: "
-                            f"{[rep.cfg.served_model_name, *rep.registry.names()]}", "not_found_error") from None
+        served = [rep.cfg.served_model_name, *caller.visible(rep.registry.names())]
+        raise ApiError(404, f"model {model!r} not found; served: {served}", "not_found_error") from None
 
 
 def _params(rep: InferenceReplica, body: Any, prompt_ids: list[int], max_tokens: int | None, top_logprobs: int) -> Any:

@@ -20,7 +20,7 @@ from typing import Any
 
 from burstrl.inference.capture import REPLICA_CAP, SESSION_CAP, CallRecord, CaptureLimits, SessionCapture
 from burstrl.inference.tools import ToolSpec
-from burstrl.protocol.http import SESSION_ID
+from burstrl.protocol.tenants import SCOPED_SESSION_ID
 
 
 class SessionError(Exception):
@@ -79,7 +79,7 @@ class SessionTable:
         """Start a call: create or look up the session, check its version, mark it busy."""
         if session_id is None:
             return ReplicaSession(id=f"ephemeral-{request_id}", version=version, ephemeral=True, busy=True)
-        if not SESSION_ID.fullmatch(session_id):
+        if not SCOPED_SESSION_ID.fullmatch(session_id):  # a client's id, or `<tenant>~<id>` (server.py)
             raise SessionError(400, "session_id must be 1-128 characters of [A-Za-z0-9._:@/-]")
         with self._lock:
             session = self._sessions.get(session_id)
