@@ -10,7 +10,7 @@ import importlib
 
 from burstrl.cli.app import app, main
 
-for _module in ("roles", "evals", "images", "tasks", "sandbox"):  # registers their commands, in help order
+for _module in ("roles", "evals", "images", "tasks", "sandbox", "fleet"):  # registers their commands, in help order
     importlib.import_module(f"burstrl.cli.{_module}")
 
 __all__ = ["app", "main"]
