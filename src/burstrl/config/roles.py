@@ -271,6 +271,11 @@ class RouteConfig(Section):
         "", description="Bearer token replicas register with; empty = $BURSTRL_CLUSTER_TOKEN, else "
         "generated and printed to stderr."
     )
+    tenant_key: str = Field(
+        "", description="The fleet's tenant key (the replicas' `server.tenant_key`): set, generation calls, "
+        "/v1/assign, traces and /v1/models need a tenant token (traces and models also take the cluster "
+        "token), and each tenant's sessions and versions are its own (router/tenancy.py); empty = no tenants."
+    )
     policy: Literal["kv", "headroom", "random", "round_robin", "weighted_random", "smooth_wrr", "least_sessions",
                     "least_requests", "cache_aware"] = Field(
         "kv", description="Placement policy for new sessions (router/catalog.py; benchmarks in docs/benchmarks.md)."

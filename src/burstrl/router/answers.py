@@ -17,7 +17,7 @@ import json
 import math
 from typing import Any
 
-from burstrl.protocol.http import SESSION_ID
+from burstrl.protocol.tenants import SCOPED_SESSION_ID
 from burstrl.router.loads import MAX_SUMMARY_BLOCKS
 
 MAX_TOKENS = 1 << 53  # a token count beyond this is not a KV size (and float math on it loses integers)
@@ -84,8 +84,9 @@ def _sessions(value: Any) -> list[dict[str, Any]]:
     for i, s in enumerate(_list(value, "sessions", MAX_LISTED_SESSIONS)):
         s = _object(s, f"sessions[{i}]")
         sid = s.get("session_id")
-        if not isinstance(sid, str) or not SESSION_ID.fullmatch(sid):
-            raise BadAnswer(f"sessions[{i}].session_id must be 1-128 characters of [A-Za-z0-9._:@/-]")
+        if not isinstance(sid, str) or not SCOPED_SESSION_ID.fullmatch(sid):  # a tenant's: `<tenant>~<sid>`
+            raise BadAnswer(f"sessions[{i}].session_id must be 1-128 characters of [A-Za-z0-9._:@/-], "
+                            "optionally in a tenant's namespace (`<tenant>~`)")
         busy = s.get("busy", False)
         if not isinstance(busy, bool):
             raise BadAnswer(f"sessions[{i}].busy must be a boolean")

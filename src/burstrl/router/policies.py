@@ -15,7 +15,7 @@ import bisect
 import random
 import statistics
 from collections import defaultdict, deque
-from collections.abc import Container
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -90,19 +90,21 @@ def record_assignment(replica: ReplicaView, session: NewSession) -> None:
     replica.assigned += 1
 
 
-def newest_routable_version(replicas: list[ReplicaView], pools: tuple[str, ...] | None = None) -> str | None:
+def newest_routable_version(replicas: list[ReplicaView], pools: tuple[str, ...] | None = None,
+                            among: Callable[[str], bool] | None = None) -> str | None:
     """Newest version that at least one healthy replica of each pool serves (None if none does).
 
     Why every pool: new sessions must be placeable anywhere, and a version only on the reserved
     pool would pile the new sessions there while on-demand replicas are still loading it.
-    `pools` defaults to the pools that have a healthy replica.
+    `pools` defaults to the pools that have a healthy replica; `among` keeps only the versions it
+    accepts (a tenant's own and `base`: `router.tenancy`).
     """
     healthy = [r for r in replicas if r.healthy]
     wanted = pools if pools is not None else tuple(sorted({r.pool for r in healthy}))
     if not wanted:
         return None
     per_pool = [set().union(*[r.versions for r in healthy if r.pool == pool]) for pool in wanted]
-    common = set.intersection(*per_pool)
+    common = {v for v in set.intersection(*per_pool) if among is None or among(v)}
     return max(common, key=version_key) if common else None
 
 

@@ -262,13 +262,15 @@ class Registry:
         """Every version some healthy replica serves."""
         return set().union(*[r.versions for r in self.replicas.values() if r.healthy])
 
-    def resolve(self, session_id: str | None, version: str | None) -> str:
+    def resolve(self, session_id: str | None, version: str | None,
+                among: Callable[[str], bool] | None = None) -> str:
         """The concrete version a call runs on.
 
         `latest` (or no version) means the session's pinned version when the session is known,
         else the newest version at least one healthy replica of every pool serves: a version only
         some pools have would crowd new sessions onto those pools. Naming a version other than the
         pinned one is a 409, as on a replica, rather than a silent switch of weights mid-rollout.
+        `among` limits `latest` to the versions it accepts (a tenant's: `router.tenancy`).
         """
         if session_id and session_id not in self.homes:
             self._adopt_sample(session_id)
@@ -276,7 +278,7 @@ class Registry:
         if version is None or version in ("", LATEST):
             if pinned is not None:
                 return pinned
-            newest = newest_routable_version(list(self.replicas.values()), self.version_pools)
+            newest = newest_routable_version(list(self.replicas.values()), self.version_pools, among)
             if newest is None:
                 raise RouteError(503, "no version is served by a healthy replica of every pool", "server_error")
             return newest

@@ -40,7 +40,6 @@ from burstrl.config import RouteConfig
 from burstrl.deadline import CallFailed
 from burstrl.protocol.blocks import BLOCK_TOKENS, cache_scope, prefix_block_hashes
 from burstrl.protocol.http import (
-    SESSION_HEADERS,
     SESSION_ID,
     BodyTooLarge,
     bearer_matches,
@@ -54,6 +53,7 @@ from burstrl.router.metrics import prometheus_text
 from burstrl.router.registry import LATEST, Registry, RouteError, validate_url
 from burstrl.router.relay import drop, forward
 from burstrl.router.scrape import Scraper
+from burstrl.router.tenancy import FLEET, Caller, check_served, generating, reading, resolve
 from burstrl.router.traces import forward_trace
 
 log = logging.getLogger(__name__)
@@ -143,13 +143,15 @@ def prompt_ids(body: dict[str, Any]) -> list[int]:
     return ids
 
 
-def prompt_blocks(body: dict[str, Any], version: str) -> tuple[int, ...]:
+def prompt_blocks(body: dict[str, Any], version: str, caller: Caller = FLEET) -> tuple[int, ...]:
     """Prefix block keys of a token-in prompt, as the replicas summarise their caches (protocol.blocks).
 
     Text and chat prompts give none: the router holds no tokenizer, so their placement is by load.
+    `version` is as stored and the salt is the caller's as the engine sees it (a tenant's is scoped).
     """
     salt = body.get("cache_salt")
-    return tuple(prefix_block_hashes(prompt_ids(body), cache_scope(version, salt if isinstance(salt, str) else None)))
+    scope = cache_scope(version, caller.salt(salt if isinstance(salt, str) else None))
+    return tuple(prefix_block_hashes(prompt_ids(body), scope))
 
 
 class Router:
@@ -171,6 +173,16 @@ class Router:
     def require_token(self, request: Request) -> None:
         if not bearer_matches(request.headers, self.token):
             raise RouteError(401, "missing or wrong cluster bearer token", "authentication_error")
+
+    def generating(self, request: Request) -> Caller:
+        """The caller of a generation route or `/v1/assign` (`tenancy.generating`), kept for its errors."""
+        request.state.caller = generating(self.cfg.tenant_key, request.headers)
+        return request.state.caller
+
+    def reading(self, request: Request) -> Caller:
+        """The caller of a trace route or `/v1/models` (`tenancy.reading`), kept for its errors."""
+        request.state.caller = reading(self.cfg.tenant_key, self.token, request.headers)
+        return request.state.caller
 
 
 def build_app(router: Router, on_ready: Callable[[], None] | None = None) -> FastAPI:
@@ -203,8 +215,9 @@ def build_app(router: Router, on_ready: Callable[[], None] | None = None) -> Fas
     reg = router.registry
 
     @app.exception_handler(RouteError)
-    async def _route_error(_: Request, exc: RouteError) -> JSONResponse:
-        return error_response(router, exc.status, exc.message, exc.kind)
+    async def _route_error(request: Request, exc: RouteError) -> JSONResponse:
+        caller: Caller = getattr(request.state, "caller", FLEET)  # a tenant's errors say its own names
+        return error_response(router, exc.status, caller.say(exc.message), exc.kind)
 
     @app.exception_handler(HTTPException)
     async def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
@@ -226,8 +239,8 @@ def build_app(router: Router, on_ready: Callable[[], None] | None = None) -> Fas
         return {"status": "ok", "replicas": len(reg.replicas)}
 
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return models_list(sorted(reg.models()), "burstrl-router")
+    async def models(request: Request) -> dict[str, Any]:
+        return models_list(router.reading(request).visible(reg.models()), "burstrl-router")
 
     @app.post("/v1/replicas")
     async def register(request: Request) -> JSONResponse:
@@ -280,6 +293,7 @@ def build_app(router: Router, on_ready: Callable[[], None] | None = None) -> Fas
 
     @app.post("/v1/assign")
     async def assign(request: Request) -> dict[str, Any]:
+        caller = router.generating(request)
         body = await _read_json(request, router.cfg.max_body_bytes)
         sid, version = body.get("session_id"), body.get("version", LATEST)
         if not isinstance(sid, str) or not SESSION_ID.fullmatch(sid) or not isinstance(version, str) or not version:
@@ -289,10 +303,12 @@ def build_app(router: Router, on_ready: Callable[[], None] | None = None) -> Fas
         if not isinstance(expected, int) or not 0 <= expected <= MAX_TOKENS_HINT:
             raise RouteError(400, f"expected_tokens must be an integer in [0, {MAX_TOKENS_HINT}]")
         kind = task_kind_of(body, request.headers)
+        key = caller.session(sid)
         async with router.lock:
-            resolved = reg.resolve(sid, version)
-            view = reg.place(sid, resolved, expected, kind)
-        return {"url": view.id, "session_id": sid, "version": resolved}
+            resolved = resolve(reg, caller, key, version)
+            check_served(reg, caller, key, resolved, version)
+            view = reg.place(key, resolved, expected, kind)
+        return {"url": view.id, "session_id": sid, "version": caller.shown(resolved)}
 
     @app.get("/v1/stats")
     async def stats() -> dict[str, Any]:
@@ -304,13 +320,15 @@ def build_app(router: Router, on_ready: Callable[[], None] | None = None) -> Fas
 
     @app.get("/v1/traces/{session_id:path}")
     async def get_trace(session_id: str, request: Request, full: bool = False) -> Response:
+        key = router.reading(request).session(session_id)
         return await forward_trace(router.registry, router.lock, router.http(), "GET", session_id,
-                                   _auth_of(request), router.cfg.request_timeout_s, full)
+                                   _auth_of(request), router.cfg.request_timeout_s, full, key=key)
 
     @app.delete("/v1/traces/{session_id:path}")
     async def delete_trace(session_id: str, request: Request) -> Response:
+        key = router.reading(request).session(session_id)
         return await forward_trace(router.registry, router.lock, router.http(), "DELETE", session_id,
-                                   _auth_of(request), router.cfg.request_timeout_s)
+                                   _auth_of(request), router.cfg.request_timeout_s, key=key)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -329,25 +347,30 @@ def build_app(router: Router, on_ready: Callable[[], None] | None = None) -> Fas
 
 
 async def proxy(router: Router, request: Request, path: str) -> Response:
-    """Forward one generation call to its session's replica; retried once only if it never got there."""
+    """Forward one generation call to its session's replica; retried once only if it never got there.
+
+    With tenants the session and version are the caller's (`tenancy`), and the call goes upstream with
+    the caller's own bearer and names, so the replica maps them into the same namespace.
+    """
     reg = router.registry
     reg.counters.requests += 1
+    caller = router.generating(request)
     raw = await _read_body(request, router.cfg.max_body_bytes)
     body = parse_json(raw)
     if not isinstance(body.get("model"), str):
         raise RouteError(400, "request body must be a JSON object with a string `model`")
     sid, kind = session_id_of(body, request.headers), task_kind_of(body, request.headers)
-    headers = {"content-type": "application/json"}
-    headers.update({name: request.headers[name] for name in SESSION_HEADERS if name in request.headers})
+    key, headers = caller.session(sid), caller.upstream(request.headers)
     for _ in range(2):
         async with router.lock:
-            version = reg.resolve(sid, body["model"])
-            placing = sid is None or sid not in reg.homes or reg.may_move(sid)  # its prompt's cached blocks count
-            blocks = prompt_blocks(body, version) if placing else ()
-            url = reg.place(sid, version, first_call_tokens(body), kind, blocks, BLOCK_TOKENS).id
+            version = resolve(reg, caller, key, body["model"])
+            check_served(reg, caller, key, version, body["model"])
+            placing = key is None or key not in reg.homes or reg.may_move(key)  # its prompt's cached blocks count
+            blocks = prompt_blocks(body, version, caller) if placing else ()
+            url = reg.place(key, version, first_call_tokens(body), kind, blocks, BLOCK_TOKENS).id
             reg.call_started(url)
-        if version != body["model"]:  # `latest`: the replica must see the concrete version
-            body["model"] = version
+        if caller.shown(version) != body["model"]:  # `latest`: the replica must see the concrete version
+            body["model"] = caller.shown(version)
             raw = json.dumps(body).encode()
         try:
             response = await _counted_forward(router, url, path, raw, headers, bool(body.get("stream")))
@@ -357,7 +380,7 @@ async def proxy(router: Router, request: Request, path: str) -> Response:
                 await drop(router, url)
                 continue
             raise await _call_failed(router, url, exc) from None
-        response.headers[VERSION_HEADER] = version
+        response.headers[VERSION_HEADER] = caller.shown(version)
         return response
     raise RouteError(503, "replicas refused the connection twice in a row; try again", "server_error")
 

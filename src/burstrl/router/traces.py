@@ -23,8 +23,11 @@ from burstrl.router.registry import Registry, RouteError
 
 async def forward_trace(registry: Registry, lock: asyncio.Lock, client: httpx.AsyncClient, method: str,
                         session_id: str, request_headers: dict[str, str], deadline: float,
-                        full: bool = False) -> Response:
+                        full: bool = False, key: str | None = None) -> Response:
     """Forward GET/DELETE of a session's trace to its replicas (each checks the token itself).
+
+    `session_id` is the name the caller and its replicas know; `key` the registry's (a tenant's
+    `<tenant>~<sid>`, `router.tenancy`; default `session_id`).
 
     `lock` is the router's: the registry is read and changed under it, never across I/O. Each replica's
     answer comes whole within `deadline` seconds (`burstrl.deadline.afetch`) or the call fails: a replica
@@ -37,8 +40,9 @@ async def forward_trace(registry: Registry, lock: asyncio.Lock, client: httpx.As
     and counted. `full` asks each replica for whole prompts instead of deltas (`inference.capture`);
     either way each part's first record has no prefix, so the parts concatenate.
     """
+    key = session_id if key is None else key
     async with lock:
-        urls = registry.trace_homes(session_id)
+        urls = registry.trace_homes(key)
 
     async def request(url: str) -> Reply:
         try:
@@ -66,7 +70,7 @@ async def forward_trace(registry: Registry, lock: asyncio.Lock, client: httpx.As
             except RouteError:
                 registry.counters.trace_release_failures += 1
         async with lock:
-            registry.forget(session_id)
+            registry.forget(key)
         return _answer(data)
     answers = [await request(url) for url in urls]
     if answers[-1].status != 200:
