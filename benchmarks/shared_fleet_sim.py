@@ -35,7 +35,7 @@ Assumptions (the simulator's, stated beside the figures in docs/benchmarks.md):
   does not gate routing), LoRA adapter swaps or adapter memory, preemptions, replica loss,
   sandboxes (a tool call is a timed gap), failed or retried rollouts, trainer contention.
 
-    nice -n 19 .venv/bin/python benchmarks/shared_fleet_sim.py                 # equal, unequal, flood: ~5 min
+    nice -n 19 .venv/bin/python benchmarks/shared_fleet_sim.py                 # equal, unequal, flood: ~10 min on 2 busy cores
     nice -n 19 .venv/bin/python benchmarks/shared_fleet_sim.py --cases sync
     nice -n 19 .venv/bin/python benchmarks/shared_fleet_sim.py --quick         # smoke test (32 replicas, 600 s)
 """
