@@ -32,7 +32,7 @@ tasks_app = typer.Typer(help="Make and check SWE task files (JSONL, SWE-bench fi
 app.add_typer(tasks_app, name="tasks")
 sandbox_app = typer.Typer(help="Sandbox cluster: placement policies and their simulator.", no_args_is_help=True)
 app.add_typer(sandbox_app, name="sandbox")
-fleet_app = typer.Typer(help="A fleet shared by several runs (tenants): their tokens.", no_args_is_help=True)
+fleet_app = typer.Typer(help="A fleet shared by several runs (tenants): up, status, tokens.", no_args_is_help=True)
 app.add_typer(fleet_app, name="fleet")
 
 OVERRIDES_HELP = (

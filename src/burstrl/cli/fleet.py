@@ -1,6 +1,7 @@
-"""`burstrl fleet ...`: a fleet shared by several runs (tenants). Today: minting a tenant's token.
+"""`burstrl fleet ...`: a fleet shared by several runs (tenants): start it, see it, mint tenants' tokens.
 
-Why a command for it: a tenant token is `<tenant>.<HMAC(key, tenant)>` (`protocol.tenants`), which
+`burstrl fleet up` runs the fleet's supervisor (launcher/shared_fleet.py) in the foreground until
+SIGTERM/SIGINT; `burstrl fleet status` reads it (launcher/fleet_status.py). Why a command for tokens: a tenant token is `<tenant>.<HMAC(key, tenant)>` (`protocol.tenants`), which
 any holder of the fleet's tenant key can compute; the person running the fleet gives each run
 its token without ever handing out the key itself.
 """
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import typer
 
-from burstrl.cli.app import fail, fleet_app
+from burstrl.cli.app import CONFIG_COMMAND, command_config, fail, fleet_app
 
 
 @fleet_app.command("token")
@@ -34,3 +35,59 @@ def token(
         typer.echo(tenant_token(key, tenant))
     except TenantError as exc:
         fail(str(exc))
+
+
+@fleet_app.command("up", **CONFIG_COMMAND)
+def up(
+    ctx: typer.Context,
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the resolved config and exit."),
+) -> None:
+    """Start a shared fleet (router + replicas with a tenant key) in --run_dir and serve until SIGTERM/SIGINT.
+
+    The config is a run config: its model, engine, router and fleet sections apply (no CONFIG = the
+    bundled quickstart's). Runs join with burstrl run --fleet.url URL --fleet.token TOKEN."""
+    from burstrl.cli.app import print_run_config
+    from burstrl.config import RunConfig
+    from burstrl.launcher.preflight import QUICKSTART, PreflightError, check, quickstart_model
+
+    cfg = command_config(RunConfig, ctx, [], default_files=[str(QUICKSTART)])
+    if cfg.fleet.url:
+        fail("fleet.url is a run's setting (the fleet to join), not a fleet's")
+    if not cfg.model.path:
+        typer.echo("model.path is empty: using the warm-started tiny model (made and cached on first use)", err=True)
+        cfg.model.path = str(quickstart_model())
+    if dry_run:
+        return print_run_config(cfg)
+    try:
+        check(cfg)
+    except PreflightError as exc:
+        fail(str(exc))
+    import logging
+
+    from burstrl.launcher.run import LaunchError
+    from burstrl.launcher.shared_fleet import SharedFleet
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        code = SharedFleet(cfg).run()
+    except LaunchError as exc:
+        fail(str(exc))
+    raise typer.Exit(code)
+
+
+@fleet_app.command("status")
+def status(
+    run_dir: Path = typer.Option(..., "--run_dir", help="The fleet's directory (burstrl fleet up --run_dir)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of text."),
+) -> None:
+    """A live fleet's replicas (URL, pool, health, load) and each tenant's versions and live sessions."""
+    import json
+
+    from burstrl.launcher.fleet_status import fleet_status, format_status
+    from burstrl.launcher.run import LaunchError
+
+    try:
+        answer = fleet_status(run_dir)
+    except (LaunchError, OSError) as exc:
+        fail(str(exc))
+    typer.echo(json.dumps(answer, indent=1) if as_json else format_status(answer))

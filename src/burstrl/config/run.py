@@ -27,6 +27,7 @@ from burstrl.config.roles import (
     TrainerSection,
     WeightsConfig,
 )
+from burstrl.protocol.tenants import TENANT_NAME
 
 VLLM_REPLICA_EXTRA_S = 120.0  # a vLLM replica's start beyond vLLM's own: imports, tokenizer, the newest version
 
@@ -46,6 +47,12 @@ class FleetConfig(Section):
         "autoscale.max_on_demand when autoscaling).")
     zygote: bool = Field(True, description="Fork replicas from a process that has torch and the model code "
                          "imported (a replacement then only loads weights): one per run (local), one per node (ray).")
+    url: str = Field("", description="A shared fleet's router (`burstrl fleet up` prints it): set, the run starts "
+                     "no router and no replicas (the pool counts are ignored), only its trainer and orchestrator, "
+                     "as the tenant that fleet.token names; empty = the run brings its own fleet.")
+    token: str = Field("", description="The run's tenant token on the fleet at fleet.url (`burstrl fleet token "
+                       "NAME --key-file FLEET_DIR/tenant.key`); its NAME is the run's namespace there. Not saved "
+                       "in the run's run_config.toml.")
 
 
 class AutoscaleConfig(Section):
@@ -112,7 +119,9 @@ class RunConfig(Section):
 
     def model_post_init(self, _: Any) -> None:
         """Checks across sections, and the orchestrator's group bounds sized by the trainer's batch."""
-        if self.fleet.reserved + self.fleet.on_demand < 1:
+        if self.fleet.url or self.fleet.token:
+            check_shared_fleet(self)
+        elif self.fleet.reserved + self.fleet.on_demand < 1:
             raise ValueError("fleet: at least one replica is needed (fleet.reserved + fleet.on_demand >= 1)")
         a = self.autoscale
         if a.min_on_demand > a.max_on_demand:
@@ -124,6 +133,10 @@ class RunConfig(Section):
     # ---- what each role receives: the launcher writes these, `burstrl run --dry-run` prints them ----
     def abs_run_dir(self) -> Path:
         return Path(self.run_dir).absolute()
+
+    def tenant(self) -> str:
+        """The run's tenant name on a shared fleet (its token's `<tenant>.` part); empty without one."""
+        return self.fleet.token.partition(".")[0] if self.fleet.url else ""
 
     def volume(self) -> str:
         """Where versions are published and late-joining replicas load the newest from."""
@@ -197,3 +210,26 @@ class RunConfig(Section):
         known once it listens)."""
         return {"router": self.router_config(), "serve": self.serve_config(), "train": self.train_config(),
                 "orchestrate": self.orchestrate_config(router_url)}
+
+
+def check_shared_fleet(cfg: RunConfig) -> None:
+    """`fleet.url` and `fleet.token` come together, the token names a tenant, and what only a run's
+    own fleet can do (chaos, the autoscaler: they act on replicas the run owns) is off."""
+    f = cfg.fleet
+    if f.url and not f.token:
+        raise ValueError("fleet.url is set but fleet.token is empty: a run on a shared fleet needs its tenant "
+                         "token (burstrl fleet token NAME --key-file FLEET_DIR/tenant.key)")
+    if f.token and not f.url:
+        raise ValueError("fleet.token is set but fleet.url is empty: name the shared fleet's router (FLEET_DIR/"
+                         "fleet.json), or drop the token to run with a fleet of the run's own")
+    if not f.url.startswith(("http://", "https://")):
+        raise ValueError(f"fleet.url must start with http:// or https://, got {f.url!r}")
+    name, dot, mac = f.token.partition(".")
+    if not dot or not mac or not TENANT_NAME.fullmatch(name):
+        raise ValueError("fleet.token is not a tenant token (<tenant>.<hex>, as burstrl fleet token prints it)")
+    if cfg.chaos.kill_fraction > 0:
+        raise ValueError("chaos.kill_fraction: a run on a shared fleet (fleet.url) kills no replicas: they are "
+                         "the fleet's")
+    if cfg.autoscale.enabled:
+        raise ValueError("autoscale.enabled: a run on a shared fleet (fleet.url) does not size it; the fleet "
+                         "(burstrl fleet up) does")

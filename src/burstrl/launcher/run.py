@@ -159,11 +159,17 @@ class Launcher:
         return str(path)
 
     def start_roles(self) -> None:
+        self.start_fleet(self.cfg.router_config(), self.cfg.serve_config())
+        self.start_trainer()
+        self.wait_for_first_replica()
+        self.start_orchestrator(self.router.url)
+
+    def start_fleet(self, router: Section, serve: Any) -> None:
+        """The router, then the first replicas' starts (they finish in the fleet's threads)."""
         c = self.cfg
-        self.router = self._start("router", ["route", "serve", self.role_config("router", c.router_config())],
+        self.router = self._start("router", ["route", "serve", self.role_config("router", router)],
                                   ready=True, placement=Placement(listen=("host", "port"), restartable=True,
                                                                   on_driver=True))
-        serve = c.serve_config()
         vllm = c.engine.backend == "vllm"
         options = FleetOptions(serve_args=["serve", self.role_config("serve", serve)], router=self.router.url,
                                cluster_token=self.cluster_token, admin_token=self.admin_token, run_dir=self.run_dir,
@@ -174,19 +180,22 @@ class Launcher:
         for pool, n in (("reserved", c.fleet.reserved), ("on_demand", c.fleet.on_demand)):
             for _ in range(n):
                 self.fleet.start(pool)
-        train = c.train_config()
+
+    def start_trainer(self) -> None:
+        train = self.cfg.train_config()
         try:
             self.trainer = self.provider.start_trainer(Path(self.role_config("train", train)),
                                                        train.trainer.world_size, self.resume, append=self.resume)
         except RuntimeError as exc:
             raise LaunchError(f"the trainer failed to start: {exc}") from None
-        self.wait_for_first_replica()
-        orch = c.orchestrate_config(self.router.url)
+
+    def start_orchestrator(self, router_url: str) -> None:
+        orch = self.cfg.orchestrate_config(router_url)
         self.start_sandbox_nodes(orch)
         self.orchestrator = self._start("orchestrator", ["orchestrate", self.role_config("orchestrate", orch)],
                                         ready=False, placement=Placement(on_driver=True))
-        control.write_launcher_info(self.run_dir, self.router.url)
-        self.display = Display(self.run_dir, c.trainer.steps, live=self.live)
+        control.write_launcher_info(self.run_dir, router_url)
+        self.display = Display(self.run_dir, self.cfg.trainer.steps, live=self.live)
 
     def start_sandbox_nodes(self, orch: Any) -> None:
         """With a provider that has sandbox nodes (Ray: `sandbox_node`), the SWE env places its sandboxes there."""
@@ -468,4 +477,8 @@ def run_launcher(cfg: RunConfig, resume: bool = False) -> int:
     """`burstrl run`: preflight, then the launcher; returns the exit status."""
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    if cfg.fleet.url:  # a shared fleet's tenant: only the trainer and the orchestrator are the run's
+        from burstrl.launcher.tenant_run import TenantLauncher
+
+        return TenantLauncher(cfg, resume).run()
     return Launcher(cfg, resume).run()

@@ -174,6 +174,8 @@ class _SessionTransport(httpx.AsyncBaseTransport):
             body = None
         headers = {k: v for k, v in request.headers.items() if k.lower() not in ("content-length", SESSION_HEADER.lower())}
         headers[SESSION_HEADER] = s.session_id
+        if "authorization" in s.http.headers:  # a tenant's token (a shared fleet), not the SDK's placeholder key
+            headers["authorization"] = s.http.headers["authorization"]
         if not isinstance(body, dict):  # not JSON: the replica answers 400; nothing to pin
             return httpx.Request(request.method, request.url, headers=headers, content=request.content)
         body.update(model=s.model, session_id=s.session_id, seed=s.seed + s.calls)  # as `chat` seeds its calls

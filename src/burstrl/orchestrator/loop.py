@@ -89,7 +89,7 @@ class Orchestrator:
             log.info("%d attempts left running by an earlier orchestrator marked abandoned", abandoned)
         timeout = httpx.Timeout(self.o.request_timeout_s, connect=5.0)
         limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
-        async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
+        async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=tenant_headers()) as http:
             stats = asyncio.create_task(self.stats_loop())
             try:
                 while not await self.finished():
@@ -224,6 +224,14 @@ class Orchestrator:
         with open(self.run_dir / "orchestrator.jsonl", "a") as f:
             f.write(json.dumps(line) + "\n")
         write_text(self.state_path, json.dumps({"curriculum": self.curriculum.state()}))
+
+
+def tenant_headers() -> dict[str, str]:
+    """With $BURSTRL_TENANT_TOKEN (a run on a shared fleet), every call to the router carries it: the
+    fleet's router and replicas take generation calls only from a tenant, and map the run's session
+    ids and versions into its namespace (`router/tenancy.py`)."""
+    token = os.environ.get("BURSTRL_TENANT_TOKEN", "")
+    return {"Authorization": f"Bearer {token}"} if token else {}
 
 
 def run_orchestrator(cfg: OrchestrateConfig) -> None:

@@ -49,6 +49,7 @@ from burstrl.protocol.http import (
     session_id_from,
 )
 from burstrl.protocol.process import bind_socket, print_ready, socket_url
+from burstrl.router.fleet_routes import add_fleet_routes
 from burstrl.router.metrics import prometheus_text
 from burstrl.router.registry import LATEST, Registry, RouteError, validate_url
 from burstrl.router.relay import drop, forward
@@ -233,6 +234,8 @@ def build_app(router: Router, on_ready: Callable[[], None] | None = None) -> Fas
     async def _bug(_: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error in the router")
         return error_response(router, 500, f"internal router error: {type(exc).__name__}", "server_error")
+
+    add_fleet_routes(app, router)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:

@@ -1,0 +1,154 @@
+"""`burstrl fleet up`: a long-lived router and replicas that several runs (tenants) share.
+
+Why a `Launcher` without a trainer: everything a run's launcher does for its fleet (start the router
+and the replicas from the run config's `fleet`/`engine`/`model` sections, replace dead replicas,
+apply `burstrl scale FLEET_DIR`, drain, sample fleet.jsonl, stop every process group on
+SIGTERM/SIGINT) is what a shared fleet needs, so it is reused as it is; what differs is that the
+fleet has no store and no end: it serves until it is stopped. Its router and replicas run with a
+tenant key (`router.tenant_key`, `server.tenant_key`), kept in FLEET_DIR/tenant.key (mode 600;
+kept across restarts, so tokens stay valid), from which `burstrl fleet token` mints each run's
+token. FLEET_DIR/fleet.json says where the router is and where the key and the admin token are.
+
+The autoscaler is not applied here: its signals (the trainer's wait, the store's buffer) are one
+run's, and a fleet-wide signal from all tenants' demand is not built yet; `autoscale.enabled` is
+refused. Nor are tenants' weights and quotas (issue 51).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from burstrl.atomic import write_text
+from burstrl.config import RunConfig, dump_toml
+from burstrl.deadline import sync_client
+from burstrl.launcher import control
+from burstrl.launcher.run import Launcher, LaunchError, _cause, _get_json, _tail
+
+KEY_FILE = "tenant.key"
+ADMIN_FILE = "admin.token"
+INFO_FILE = "fleet.json"
+
+
+def write_secret(path: Path, value: str) -> None:
+    """A secret file only its owner may read (created with mode 600, never world-readable for a moment)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(value + "\n")
+    os.chmod(path, 0o600)
+
+
+def tenant_key(fleet_dir: Path) -> str:
+    """The fleet's tenant key: FLEET_DIR/tenant.key's, else a new one written there."""
+    path = fleet_dir / KEY_FILE
+    if path.exists():
+        key = path.read_text().strip()
+        if key:
+            return key
+    key = secrets.token_hex(32)
+    write_secret(path, key)
+    return key
+
+
+def fleet_info(fleet_dir: Path) -> dict[str, Any]:
+    """FLEET_DIR/fleet.json of a fleet that is up; LaunchError if there is none."""
+    path = fleet_dir / INFO_FILE
+    if not path.exists():
+        raise LaunchError(f"{fleet_dir}: no fleet is up there (no {INFO_FILE}; start one with burstrl fleet up)")
+    return json.loads(path.read_text())
+
+
+class SharedFleet(Launcher):
+    def __init__(self, cfg: RunConfig, live: bool | None = False) -> None:
+        if cfg.autoscale.enabled:
+            raise LaunchError("autoscale.enabled: a shared fleet does not autoscale yet (its signal would be all "
+                              "tenants' demand); size it with burstrl scale FLEET_DIR --replicas N")
+        super().__init__(cfg, resume=False, live=live)
+        self.key = ""
+
+    def prepare(self) -> bool:
+        """The fleet directory, its tenant key and admin token; a live fleet there is refused."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "logs").mkdir(exist_ok=True)
+        try:
+            control.live_launcher(self.run_dir)
+        except control.ControlError:
+            pass
+        else:
+            raise LaunchError(f"{self.run_dir}: a fleet is already up there (launcher.json); stop it first")
+        self.key = tenant_key(self.run_dir)
+        write_secret(self.run_dir / ADMIN_FILE, self.admin_token)
+        Path(self.cfg.volume()).mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "fleet_config.toml").write_text(dump_toml(self.cfg))
+        self.event("fleet_started")
+        return False
+
+    def start_roles(self) -> None:
+        """The router and the replicas with the tenant key (their role files, which hold it, mode 600)."""
+        router = self.cfg.router_config().model_copy(update={"tenant_key": self.key})
+        serve = self.cfg.serve_config()
+        serve.server = serve.server.model_copy(update={"tenant_key": self.key})
+        (self.run_dir / "roles").mkdir(mode=0o700, exist_ok=True)
+        os.chmod(self.run_dir / "roles", 0o700)
+        self.start_fleet(router, serve)
+        self.wait_for_first_replica()
+        control.write_launcher_info(self.run_dir, self.router.url)  # `burstrl scale FLEET_DIR` finds it
+        info = {"router": self.router.url, "key_file": str(self.run_dir / KEY_FILE),
+                "admin_token_file": str(self.run_dir / ADMIN_FILE), "pid": os.getpid(), "started": time.time()}
+        write_text(self.run_dir / INFO_FILE, json.dumps(info))
+        print(f"fleet ready at {self.router.url} ({len(self.fleet.up())} replicas up); tenant tokens: burstrl fleet "
+              f"token NAME --key-file {self.run_dir / KEY_FILE}", flush=True)
+
+    def supervise(self) -> None:
+        """Until SIGTERM/SIGINT (`Stopped`) or a router that cannot be kept up (`LaunchError`)."""
+        while not self.check_roles():
+            self.replace_dead()
+            self.apply_scale_request()
+            self.fleet.finish_drains()
+            self.sample()
+            time.sleep(0.5)
+
+    def check_roles(self) -> bool:
+        """Never done; a router that exited (and was not restarted in place) ends the fleet."""
+        if self.router.poll() is not None:
+            raise LaunchError(f"the router exited with status {self.router.returncode}{_cause(self.router)}; log: "
+                              f"{self.router.log}\n{_tail(self.router.log)}")
+        if self.router.restarts > self.router_restarts:
+            self.router_restarts = self.router.restarts
+            self.event("router_restarted", detail=f"restart {self.router.restarts} at {self.router.url}")
+            self.fleet.reregister()
+        return False
+
+    def sample(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self.last_sample < 1.0:
+            return
+        self.last_sample = now
+        if self.http is None:
+            self.http = sync_client(timeout=2.0)
+        self.router_stats = _get_json(self.http, f"{self.router.url}/v1/stats") or self.router_stats
+        totals = self.router_stats.get("totals", {})
+        sample = {"t": time.time(), "kind": "sample", "replicas": self.fleet.alive(),
+                  "routable": totals.get("replicas", 0), "cache_hit_rate": totals.get("cache_hit_rate", 0.0),
+                  "sessions": totals.get("sessions", 0), "spot_losses": self.fleet.spot_losses}
+        with open(self.run_dir / "fleet.jsonl", "a") as f:
+            f.write(json.dumps(sample) + "\n")
+
+    def teardown(self, outcome: str, detail: str) -> None:
+        """Stop every replica and the router; the key stays (tokens minted from it stay valid)."""
+        (self.run_dir / INFO_FILE).unlink(missing_ok=True)
+        if self.fleet is not None:
+            self.fleet.close()
+        if self.router is not None:
+            self.router.stop(timeout=5.0)
+        self.provider.close()
+        if self.http is not None:
+            self.http.close()
+        control.clear_launcher_info(self.run_dir)
+        self.event(outcome.replace("run_", "fleet_"), detail=detail)
+        print(f"fleet stopped ({outcome.replace('run_', '')})", file=sys.stderr, flush=True)

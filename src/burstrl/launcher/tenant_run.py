@@ -1,0 +1,133 @@
+"""`burstrl run --fleet.url URL --fleet.token TOKEN`: a run on a shared fleet brings only its trainer and orchestrator.
+
+Why a launcher of its own (a `Launcher` without a fleet): the router and the replicas belong to
+`burstrl fleet up` (`shared_fleet.py`), which outlives every run; what stays the run's is what
+makes it a run: its store, checkpoints, resume, report, its trainer and orchestrator (and their
+sandboxes). Both roles get the tenant token where a run with its own fleet gives them the replicas'
+admin token (`BURSTRL_ADMIN_TOKEN`: the trainer's pushes, the orchestrator's traces), and the
+orchestrator sends it with every call (`BURSTRL_TENANT_TOKEN`), so everything the run names lands
+in its namespace on the fleet (`policy-v3` of tenant `run-a` is `run-a~policy-v3` there).
+
+The trainer pushes each version to the replicas listed in RUN_DIR/replicas.txt, as in any run; here
+the launcher keeps that list current by asking the fleet (`GET /v1/fleet/replicas`) every few
+seconds. When the run ends, however it ends short of SIGKILL, the launcher unloads the run's
+versions from every fleet replica with its token (best effort, counted in fleet.jsonl); its sessions
+were released by the orchestrator, and any left expire on the replicas' session TTL.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from burstrl.atomic import write_text
+from burstrl.config import RunConfig, dump_toml
+from burstrl.deadline import CallFailed, fetch, sync_client
+from burstrl.launcher.run import Launcher, LaunchError
+
+REPLICA_POLL_S = 2.0  # how often the run asks the fleet which replicas its trainer pushes to
+
+
+class TenantLauncher(Launcher):
+    def __init__(self, cfg: RunConfig, resume: bool = False, live: bool | None = None) -> None:
+        # No zygote: it forks replicas, and this run starts none.
+        own = cfg.model_copy(update={"fleet": cfg.fleet.model_copy(update={"zygote": False})})
+        super().__init__(own, resume, live)
+        self.url, self.token, self.tenant = cfg.fleet.url.rstrip("/"), cfg.fleet.token, cfg.tenant()
+        self.admin_token = self.token
+        self.env.update({"BURSTRL_ADMIN_TOKEN": self.token, "BURSTRL_TENANT_TOKEN": self.token})
+        self.replicas_file = self.run_dir / "replicas.txt"
+        self.fleet_replicas: list[str] = []
+        self.last_replica_poll = 0.0
+        self.replica_poll_errors = 0
+
+    def prepare(self) -> bool:
+        """As any run's, but the saved config holds no token (a resume passes it again)."""
+        done = super().prepare()
+        if not done:
+            fleet = self.cfg.fleet.model_copy(update={"token": ""})
+            (self.run_dir / "run_config.toml").write_text(dump_toml(self.cfg.model_copy(update={"fleet": fleet})))
+        return done
+
+    def start_roles(self) -> None:
+        self.http = sync_client(timeout=5.0)
+        if not self.poll_replicas(force=True):
+            raise LaunchError(f"the fleet at {self.url} lists no replica for tenant {self.tenant} "
+                              f"(GET /v1/fleet/replicas): is `burstrl fleet up` running, and is the token its?")
+        self.event("fleet_joined", detail=f"{self.url} as tenant {self.tenant}: {len(self.fleet_replicas)} replicas")
+        self.start_trainer()
+        self.start_orchestrator(self.url)
+
+    def supervise(self) -> None:
+        while not self.check_roles():
+            self.poll_replicas()
+            self.poll_sandbox_nodes()
+            self.sample()
+            time.sleep(0.5)
+        self.sample(force=True)
+
+    def after_restarts(self) -> None:
+        """The router is the fleet's; only trainer relaunches are the run's to log."""
+        if self.trainer.restarts > self.trainer_restarts:
+            self.trainer_restarts = self.trainer.restarts
+            self.event("trainer_relaunched", detail=f"relaunch {self.trainer.restarts} from the last checkpoint "
+                       f"({self.trainer.cause or 'a rank died'})")
+
+    # ---- the fleet's replicas ----
+    def poll_replicas(self, force: bool = False) -> bool:
+        """Rewrite replicas.txt when the fleet's list changed; False if the fleet did not answer a list."""
+        if not force and time.monotonic() - self.last_replica_poll < REPLICA_POLL_S:
+            return True
+        self.last_replica_poll = time.monotonic()
+        try:
+            urls = fetch(self.http, "GET", f"{self.url}/v1/fleet/replicas", deadline=5.0,
+                         headers={"Authorization": f"Bearer {self.token}"}).check().json()["replicas"]
+        except (CallFailed, ValueError, KeyError, TypeError) as exc:  # the fleet's router restarting: poll again
+            self.replica_poll_errors += 1
+            if force:
+                raise LaunchError(f"the fleet at {self.url} did not list its replicas: {exc}") from None
+            return False
+        if urls != self.fleet_replicas:
+            write_text(self.replicas_file, "".join(u + "\n" for u in urls))
+            if self.fleet_replicas:
+                self.event("fleet_replicas", detail=f"{len(self.fleet_replicas)} -> {len(urls)} replicas")
+            self.fleet_replicas = list(urls)
+        return bool(urls)
+
+    def sample(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self.last_sample < 1.0:
+            return
+        self.last_sample = now
+        sample = {"t": time.time(), "kind": "sample", "step": self.store.last_step(),
+                  "buffered": self.store.buffered_count(), "replicas": {"shared": len(self.fleet_replicas)},
+                  "routable": len(self.fleet_replicas), "cache_hit_rate": 0.0, "sessions": 0, "spot_losses": 0}
+        self._append(sample)
+        self.display.update(self.snapshot(sample))
+
+    def _append(self, row: dict[str, Any]) -> None:
+        with open(self.run_dir / "fleet.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    # ---- the end ----
+    def teardown(self, outcome: str, detail: str) -> None:
+        """Stop the run's roles, release its versions on the fleet, then report (`Launcher.teardown`)."""
+        for role in (self.orchestrator, self.trainer):
+            if role is not None:
+                role.stop(timeout=15.0)
+        if self.http is not None:
+            self.release_versions()
+        super().teardown(outcome, detail)
+
+    def release_versions(self) -> None:
+        """Unload every `policy-vN` of this tenant from every fleet replica (with its token, so only its own)."""
+        from burstrl.weights.gc import unload_old
+        from burstrl.weights.push import read_targets
+
+        self.poll_replicas()
+        targets = read_targets(self.fleet_replicas, "", self.token)
+        report = unload_old(targets, set(), retries=1)
+        names = sorted({n for states in report.unloaded.values() for n in states})
+        self.event("versions_released", detail=f"{len(names)} versions on {len(report.ok)} of {len(targets)} "
+                   f"replicas ({', '.join(names) or 'none'}); failed: {len(report.failed)}")
