@@ -1,0 +1,118 @@
+"""Two runs training at once on one shared fleet (`burstrl fleet up` + `burstrl run --fleet.url`), issue 51.
+
+The fleet (router + 2 replicas with a tenant key) outlives both runs; each run brings only its
+trainer and orchestrator, as tenant run-a or run-b. Checks read the runs' own records (store ledger,
+metrics.jsonl, fleet.jsonl) and the replicas' adapter lists as the fleet's admin token sees them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import tomllib
+
+from .conftest import alive, audit, burstrl_cmd, events, finish, read_jsonl, start_run, wait_until
+
+pytestmark = pytest.mark.slow
+
+
+def start_fleet(fleet_dir: Path, model: Path) -> subprocess.Popen:
+    fleet_dir.mkdir(parents=True)
+    out = open(fleet_dir.parent / "fleet.out", "w")
+    cmd = burstrl_cmd("fleet", "up", "--run_dir", str(fleet_dir), "--model.path", str(model), "--fleet.reserved",
+                      "1", "--fleet.on_demand", "1", "--engine.num_threads", "1", "--fleet.start_timeout_s", "120")
+    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def token(fleet_dir: Path, tenant: str) -> str:
+    r = subprocess.run(burstrl_cmd("fleet", "token", tenant, "--key-file", str(fleet_dir / "tenant.key")),
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip()
+
+
+def stored_versions(router: str, admin: str) -> set[str]:
+    """Every adapter name on every replica, as stored (`<tenant>~<name>`)."""
+    names: set[str] = set()
+    for r in httpx.get(f"{router}/v1/replicas", timeout=5).json()["replicas"]:
+        models = httpx.get(f"{r['url']}/v1/models", headers={"Authorization": f"Bearer {admin}"}, timeout=5)
+        names |= {m["id"] for m in models.json()["data"]}
+    return names
+
+
+def fleet_pids(fleet_dir: Path) -> list[int]:
+    """Processes whose command line names the fleet's directory (its replicas, router, zygote)."""
+    out = subprocess.run(["pgrep", "-f", str(fleet_dir)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def test_two_runs_train_at_once_on_one_fleet_and_release_it(tmp_path: Path, warm_model: Path) -> None:
+    fleet_dir = tmp_path / "fleet"
+    fleet = start_fleet(fleet_dir, warm_model)
+    try:
+        info = wait_until(lambda: (fleet_dir / "fleet.json").exists() and json.loads(
+            (fleet_dir / "fleet.json").read_text()), 240, "the fleet's ready file", fleet, fleet_dir)
+        router, admin = info["router"], (fleet_dir / "admin.token").read_text().strip()
+        assert os.stat(fleet_dir / "tenant.key").st_mode & 0o077 == 0
+        runs = {name: tmp_path / name for name in ("run-a", "run-b")}
+        procs = {name: start_run(d, warm_model, "--fleet.url", router, "--fleet.token", token(fleet_dir, name),
+                                 "--trainer.steps", "2") for name, d in runs.items()}
+        seen: set[str] = set()
+        done = threading.Event()
+
+        def watch() -> None:  # the replicas' adapters while the runs train
+            while not done.is_set():
+                try:
+                    seen.update(stored_versions(router, admin))
+                except (httpx.HTTPError, ValueError, KeyError):
+                    pass
+                time.sleep(0.3)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        try:
+            for name, proc in procs.items():
+                finish(proc, runs[name], timeout=300)
+        finally:
+            done.set()
+            watcher.join(timeout=10)
+        for name, run_dir in runs.items():
+            print(name, "attempts:", audit(run_dir, steps=2))
+            pushed = [m for m in read_jsonl(run_dir / "metrics.jsonl") if m.get("push_ok")]
+            assert pushed and all(not m["push_failed"] for m in pushed), f"{name} pushed to the fleet's replicas"
+            released = events(run_dir, "versions_released")
+            assert released and "policy-v1" in released[-1]["detail"], released
+            assert "failed: 0" in released[-1]["detail"], released
+            saved = tomllib.loads((run_dir / "run_config.toml").read_text())["fleet"]
+            assert saved["url"] == router and saved["token"] == "", "the run's saved config holds no token"
+        assert {"run-a~policy-v1", "run-b~policy-v1"} <= seen, f"each tenant's own versions: {sorted(seen)}"
+        # both runs ended: their versions are gone from every replica, the fleet serves on
+        left = stored_versions(router, admin)
+        assert not [n for n in left if "~" in n], f"versions left after both runs ended: {sorted(left)}"
+        assert httpx.get(f"{router}/health", timeout=5).json()["replicas"] == 2
+        chat = httpx.post(f"{router}/v1/chat/completions", timeout=60,
+                          headers={"Authorization": f"Bearer {token(fleet_dir, 'run-c')}"},
+                          json={"model": "latest", "messages": [{"role": "user", "content": "a"}], "max_tokens": 2})
+        assert chat.status_code == 200, chat.text
+        status = subprocess.run(burstrl_cmd("fleet", "status", "--run_dir", str(fleet_dir), "--json"),
+                                capture_output=True, text=True, timeout=60)
+        assert status.returncode == 0, status.stderr
+        answer = json.loads(status.stdout)
+        assert answer["router_up"] and len(answer["replicas"]) == 2 and all(r["healthy"] for r in answer["replicas"])
+        pids = fleet_pids(fleet_dir)
+        assert pids, "the fleet's processes are found by its directory"
+    finally:
+        if fleet.poll() is None:
+            os.killpg(fleet.pid, signal.SIGTERM)
+        code = fleet.wait(timeout=120)
+    assert code == 130, (tmp_path / "fleet.out").read_text()[-3000:]
+    wait_until(lambda: not any(alive(p) for p in pids), 30, "every process of the fleet to exit")
+    assert not (fleet_dir / "fleet.json").exists()
