@@ -1,7 +1,8 @@
 """Two runs training at once on one shared fleet (`burstrl fleet up` + `burstrl run --fleet.url`), issue 51.
 
 The fleet (router + 2 replicas with a tenant key) outlives both runs; each run brings only its
-trainer and orchestrator, as tenant run-a or run-b. Checks read the runs' own records (store ledger,
+trainer and orchestrator, as tenant run-a or run-b. A third run, killed with -9, cannot release
+its versions: the fleet does after `fleet.tenant_idle_s`. Checks read the runs' own records (store ledger,
 metrics.jsonl, fleet.jsonl) and the replicas' adapter lists as the fleet's admin token sees them.
 """
 
@@ -28,7 +29,8 @@ def start_fleet(fleet_dir: Path, model: Path) -> subprocess.Popen:
     fleet_dir.mkdir(parents=True)
     out = open(fleet_dir.parent / "fleet.out", "w")
     cmd = burstrl_cmd("fleet", "up", "--run_dir", str(fleet_dir), "--model.path", str(model), "--fleet.reserved",
-                      "1", "--fleet.on_demand", "1", "--engine.num_threads", "1", "--fleet.start_timeout_s", "120")
+                      "1", "--fleet.on_demand", "1", "--engine.num_threads", "1", "--fleet.start_timeout_s", "120",
+                      "--fleet.tenant_idle_s", "8")
     return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -107,6 +109,18 @@ def test_two_runs_train_at_once_on_one_fleet_and_release_it(tmp_path: Path, warm
         assert status.returncode == 0, status.stderr
         answer = json.loads(status.stdout)
         assert answer["router_up"] and len(answer["replicas"]) == 2 and all(r["healthy"] for r in answer["replicas"])
+        # a run killed with -9 cannot release its versions: the fleet does, once it has been quiet for 8 s
+        killed = tmp_path / "run-k"
+        proc = start_run(killed, warm_model, "--fleet.url", router, "--fleet.token", token(fleet_dir, "run-k"),
+                         "--trainer.steps", "1000")
+        wait_until(lambda: "run-k~policy-v1" in stored_versions(router, admin), 240, "run-k's first version", proc,
+                   killed)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        wait_until(lambda: not [n for n in stored_versions(router, admin) if n.startswith("run-k~")], 90,
+                   "the fleet to release run-k's versions")
+        assert [e for e in events(fleet_dir, "tenant_released") if e["detail"].startswith("run-k:")]
+        assert not [e for e in events(fleet_dir, "tenant_released") if e["detail"].startswith(("run-a", "run-b"))]
         pids = fleet_pids(fleet_dir)
         assert pids, "the fleet's processes are found by its directory"
     finally:

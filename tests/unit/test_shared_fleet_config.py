@@ -110,3 +110,7 @@ def test_fleet_replicas_route_answers_tenants_and_the_cluster_only() -> None:
             assert r.status_code == 200 and r.json() == {"replicas": ["http://o:1", "http://r:1"]}, r.text
         for headers in ({}, {"Authorization": f"Bearer {tenant_token('other-key', 'run-a')}"}):
             assert client.get("/v1/fleet/replicas", headers=headers).status_code == 401
+        # when each tenant last asked: the cluster token's to read (the fleet releases quiet tenants)
+        assert client.get("/v1/fleet/tenants", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 401
+        asked = client.get("/v1/fleet/tenants", headers={"Authorization": "Bearer cluster"}).json()["tenants"]
+        assert list(asked) == ["run-a"] and 0 <= asked["run-a"] < 60

@@ -47,6 +47,10 @@ class FleetConfig(Section):
         "autoscale.max_on_demand when autoscaling).")
     zygote: bool = Field(True, description="Fork replicas from a process that has torch and the model code "
                          "imported (a replacement then only loads weights): one per run (local), one per node (ray).")
+    tenant_idle_s: float = Field(
+        60.0, ge=0, description="`burstrl fleet up`: unload the versions of a tenant whose run's launcher has not "
+        "asked the fleet for its replicas (every 2 s while it runs) for this long: a run killed with -9 cannot "
+        "release them itself; 0 = never.")
     url: str = Field("", description="A shared fleet's router (`burstrl fleet up` prints it): set, the run starts "
                      "no router and no replicas (the pool counts are ignored), only its trainer and orchestrator, "
                      "as the tenant that fleet.token names; empty = the run brings its own fleet.")

@@ -9,6 +9,9 @@ tenant key (`router.tenant_key`, `server.tenant_key`), kept in FLEET_DIR/tenant.
 kept across restarts, so tokens stay valid), from which `burstrl fleet token` mints each run's
 token. FLEET_DIR/fleet.json says where the router is and where the key and the admin token are.
 
+A tenant whose run was killed with -9 (so nothing of it released its versions) is released by the
+fleet after `fleet.tenant_idle_s` without a call from its launcher (`idle_tenants.py`).
+
 The autoscaler is not applied here: its signals (the trainer's wait, the store's buffer) are one
 run's, and a fleet-wide signal from all tenants' demand is not built yet; `autoscale.enabled` is
 refused. Nor are tenants' weights and quotas (issue 51).
@@ -28,6 +31,7 @@ from burstrl.atomic import write_text
 from burstrl.config import RunConfig, dump_toml
 from burstrl.deadline import sync_client
 from burstrl.launcher import control
+from burstrl.launcher.idle_tenants import IdleTenants
 from burstrl.launcher.run import Launcher, LaunchError, _cause, _get_json, _tail
 
 KEY_FILE = "tenant.key"
@@ -70,6 +74,7 @@ class SharedFleet(Launcher):
                               "tenants' demand); size it with burstrl scale FLEET_DIR --replicas N")
         super().__init__(cfg, resume=False, live=live)
         self.key = ""
+        self.idle: IdleTenants | None = None
 
     def prepare(self) -> bool:
         """The fleet directory, its tenant key and admin token; a live fleet there is refused."""
@@ -101,6 +106,9 @@ class SharedFleet(Launcher):
         info = {"router": self.router.url, "key_file": str(self.run_dir / KEY_FILE),
                 "admin_token_file": str(self.run_dir / ADMIN_FILE), "pid": os.getpid(), "started": time.time()}
         write_text(self.run_dir / INFO_FILE, json.dumps(info))
+        self.http = sync_client(timeout=2.0)
+        self.idle = IdleTenants(self.http, self.router.url, self.cluster_token, self.admin_token,
+                                self.cfg.fleet.tenant_idle_s, self.event)
         print(f"fleet ready at {self.router.url} ({len(self.fleet.up())} replicas up); tenant tokens: burstrl fleet "
               f"token NAME --key-file {self.run_dir / KEY_FILE}", flush=True)
 
@@ -110,6 +118,7 @@ class SharedFleet(Launcher):
             self.replace_dead()
             self.apply_scale_request()
             self.fleet.finish_drains()
+            self.idle.check([r.url for r in self.fleet.up()])
             self.sample()
             time.sleep(0.5)
 
@@ -129,8 +138,6 @@ class SharedFleet(Launcher):
         if not force and now - self.last_sample < 1.0:
             return
         self.last_sample = now
-        if self.http is None:
-            self.http = sync_client(timeout=2.0)
         self.router_stats = _get_json(self.http, f"{self.router.url}/v1/stats") or self.router_stats
         totals = self.router_stats.get("totals", {})
         sample = {"t": time.time(), "kind": "sample", "replicas": self.fleet.alive(),

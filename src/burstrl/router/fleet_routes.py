@@ -6,10 +6,17 @@ which replicas are up. `GET /v1/fleet/replicas` answers a tenant token (or the c
 anyone on a router without tenants) with the URLs of the healthy replicas that take new sessions,
 which the run's launcher writes to the replicas file its trainer re-reads before each push (as the
 launcher of a run with its own fleet does). Nothing in the answer names any tenant's versions.
+
+Why the router notes when each tenant last asked: a live run's launcher asks every few seconds, so
+a tenant that stopped asking has lost its launcher (killed with -9: nothing of the run is left to
+release its versions). `GET /v1/fleet/tenants` (the cluster token) tells the fleet's supervisor
+how long ago each tenant asked, and the supervisor unloads the versions of one that has been quiet
+for `fleet.tenant_idle_s` (`launcher/idle_tenants.py`).
 """
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
@@ -19,8 +26,18 @@ if TYPE_CHECKING:
 
 
 def add_fleet_routes(app: FastAPI, router: Router) -> None:
+    asked: dict[str, float] = {}  # tenant -> when (monotonic) it last asked for the replicas
+
     @app.get("/v1/fleet/replicas")
     async def fleet_replicas(request: Request) -> dict[str, Any]:
-        router.reading(request)  # a tenant, the cluster token, or anyone without tenancy; 401 else
+        caller = router.reading(request)  # a tenant, the cluster token, or anyone without tenancy; 401 else
+        if caller.tenant is not None:
+            asked[caller.tenant] = time.monotonic()
         views = router.registry.replicas.values()
         return {"replicas": sorted(v.id for v in views if v.healthy and not v.draining)}
+
+    @app.get("/v1/fleet/tenants")
+    async def fleet_tenants(request: Request) -> dict[str, Any]:
+        router.require_token(request)
+        now = time.monotonic()
+        return {"tenants": {t: round(now - at, 3) for t, at in sorted(asked.items())}}

@@ -1,0 +1,84 @@
+"""A shared fleet unloads the versions of a tenant whose run is gone without releasing them.
+
+Why: a run's launcher unloads its versions from every replica when the run ends (`tenant_run.py`),
+but a launcher killed with -9 cannot (its trainer and orchestrator die with it: PR_SET_PDEATHSIG),
+and its adapters would hold replica memory until the fleet stops. A live launcher asks the router
+for the fleet's replicas every 2 s with its tenant token, and the router notes when each tenant
+last asked (`router/fleet_routes.py`); a tenant that still has versions on the replicas and has not
+asked for `fleet.tenant_idle_s` is released here with the replicas' admin token. A tenant the router
+has not heard from since it (re)started gets the same grace from when the supervisor first saw its
+versions. Its sessions are not touched: they expire on the replicas' session TTL.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+import httpx
+
+from burstrl.deadline import CallFailed, fetch
+from burstrl.protocol.tenants import owner
+
+log = logging.getLogger("burstrl.fleet")
+POLL_S = 5.0  # how often the supervisor looks for idle tenants
+MAX_BYTES = 16 << 20
+
+
+class IdleTenants:
+    def __init__(self, http: httpx.Client, router: str, cluster_token: str, admin_token: str, idle_s: float,
+                 event: Callable[..., None]) -> None:
+        self.http, self.router, self.idle_s, self.event = http, router, idle_s, event
+        self.cluster = {"Authorization": f"Bearer {cluster_token}"}
+        self.admin = {"Authorization": f"Bearer {admin_token}"}
+        self.noticed: dict[str, float] = {}  # tenant -> when (monotonic) its versions were first seen here
+        self.last_poll = 0.0
+        self.released = 0  # tenants released so far
+
+    def check(self, replicas: list[str]) -> None:
+        """Every POLL_S: release each tenant with versions on `replicas` that has been quiet too long."""
+        if self.idle_s <= 0 or time.monotonic() - self.last_poll < POLL_S:
+            return
+        self.last_poll = now = time.monotonic()
+        try:
+            asked = fetch(self.http, "GET", f"{self.router}/v1/fleet/tenants", deadline=5.0,
+                          headers=self.cluster).check().json()["tenants"]
+        except (CallFailed, ValueError, KeyError) as exc:  # the router restarting: the next poll retries
+            log.warning("could not read the tenants' last calls: %s", exc)
+            return
+        versions = self.versions(replicas)
+        for tenant in {owner(n) for names in versions.values() for n in names} - {None}:
+            self.noticed.setdefault(tenant, now)
+            quiet = asked.get(tenant, now - self.noticed[tenant])
+            if quiet > self.idle_s:
+                self.release(tenant, versions, quiet)
+
+    def versions(self, replicas: list[str]) -> dict[str, list[str]]:
+        """Each replica's adapter names as stored (`<tenant>~<name>`); a replica that does not answer has none."""
+        out = {}
+        for url in replicas:
+            try:
+                models = fetch(self.http, "GET", f"{url}/v1/models", deadline=5.0, max_bytes=MAX_BYTES,
+                               headers=self.admin).check().json()
+                out[url] = [m["id"] for m in models["data"] if owner(m["id"])]
+            except (CallFailed, ValueError, KeyError, TypeError) as exc:
+                log.warning("%s did not list its versions: %s", url, exc)
+        return out
+
+    def release(self, tenant: str, versions: dict[str, list[str]], quiet: float) -> None:
+        """Unload every version of `tenant` on every replica (retiring where sessions still use one)."""
+        done, failed = 0, 0
+        for url, names in versions.items():
+            for name in (n for n in names if owner(n) == tenant):
+                try:
+                    fetch(self.http, "POST", f"{url}/v1/unload_lora_adapter", deadline=10.0, headers=self.admin,
+                          json={"lora_name": name}).check()
+                    done += 1
+                except CallFailed as exc:  # the next poll tries again
+                    failed += 1
+                    log.warning("unloading %s from %s failed: %s", name, url, exc)
+        self.noticed.pop(tenant, None)
+        self.released += 1
+        self.event("tenant_released", detail=f"{tenant}: no call from its run for {quiet:.0f} s "
+                   f"(fleet.tenant_idle_s {self.idle_s:g}); {done} versions unloaded, {failed} failed")
