@@ -81,8 +81,7 @@ class Launcher:
         self.run_dir = Path(cfg.run_dir).absolute()
         self.admin_token = secrets.token_urlsafe(24)
         self.cluster_token = secrets.token_urlsafe(24)
-        self.env = {"BURSTRL_ADMIN_TOKEN": self.admin_token, "BURSTRL_CLUSTER_TOKEN": self.cluster_token,
-                    "PYTHONUNBUFFERED": "1"}
+        self.env = {**self.role_env(), "PYTHONUNBUFFERED": "1"}
         self.provider = make_provider(cfg, self.run_dir, self.env)
         self.router: RoleHandle | None = None
         self.trainer: RoleHandle | None = None
@@ -105,6 +104,10 @@ class Launcher:
         self.node_poll_errors = 0  # sandbox-node polls that failed (each retried at the next poll)
         self.router_stats: dict[str, Any] = {}
         self.http: httpx.Client | None = None  # the 1 Hz router poll: one client (one TLS context) per run
+
+    def role_env(self) -> dict[str, str]:
+        """The secrets every role gets in its environment (never argv: `ps` shows that)."""
+        return {"BURSTRL_ADMIN_TOKEN": self.admin_token, "BURSTRL_CLUSTER_TOKEN": self.cluster_token}
 
     # ---- the run ----
     def run(self) -> int:

@@ -33,14 +33,18 @@ class TenantLauncher(Launcher):
     def __init__(self, cfg: RunConfig, resume: bool = False, live: bool | None = None) -> None:
         # No zygote: it forks replicas, and this run starts none.
         own = cfg.model_copy(update={"fleet": cfg.fleet.model_copy(update={"zygote": False})})
-        super().__init__(own, resume, live)
         self.url, self.token, self.tenant = cfg.fleet.url.rstrip("/"), cfg.fleet.token, cfg.tenant()
+        super().__init__(own, resume, live)
         self.admin_token = self.token
-        self.env.update({"BURSTRL_ADMIN_TOKEN": self.token, "BURSTRL_TENANT_TOKEN": self.token})
         self.replicas_file = self.run_dir / "replicas.txt"
         self.fleet_replicas: list[str] = []
         self.last_replica_poll = 0.0
         self.replica_poll_errors = 0
+
+    def role_env(self) -> dict[str, str]:
+        """The tenant token where a run with its own fleet gives the replicas' admin token, and as the
+        orchestrator's bearer for every call (no token of the fleet's: the run has none)."""
+        return {"BURSTRL_ADMIN_TOKEN": self.token, "BURSTRL_TENANT_TOKEN": self.token}
 
     def prepare(self) -> bool:
         """As any run's, but the saved config holds no token (a resume passes it again)."""
