@@ -171,10 +171,13 @@ def run_command(
         check(cfg)
     except PreflightError as exc:
         fail(str(exc))
-    from burstrl.launcher.run import LaunchError, run_launcher
+    from burstrl.launcher.run import Launcher, LaunchError, run_launcher
 
+    launcher = Launcher
+    if cfg.fleet.url:  # a shared fleet's tenant: only the trainer and the orchestrator are the run's
+        from burstrl.launcher.tenant_run import TenantLauncher as launcher
     try:
-        code = run_launcher(cfg, resume)
+        code = run_launcher(cfg, resume, launcher)
     except LaunchError as exc:
         fail(str(exc))
     raise typer.Exit(code)

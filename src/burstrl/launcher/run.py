@@ -476,12 +476,8 @@ def _tail(path: Path, chars: int = 2000) -> str:
         return ""
 
 
-def run_launcher(cfg: RunConfig, resume: bool = False) -> int:
-    """`burstrl run`: preflight, then the launcher; returns the exit status."""
+def run_launcher(cfg: RunConfig, resume: bool = False, launcher: type[Launcher] = Launcher) -> int:
+    """`burstrl run`: the launcher (`launcher`: on a shared fleet, `tenant_run.TenantLauncher`); its exit status."""
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    if cfg.fleet.url:  # a shared fleet's tenant: only the trainer and the orchestrator are the run's
-        from burstrl.launcher.tenant_run import TenantLauncher
-
-        return TenantLauncher(cfg, resume).run()
-    return Launcher(cfg, resume).run()
+    return launcher(cfg, resume).run()

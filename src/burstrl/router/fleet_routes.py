@@ -17,15 +17,25 @@ for `fleet.tenant_idle_s` (`launcher/idle_tenants.py`).
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 
-if TYPE_CHECKING:
-    from burstrl.router.server import Router
+from burstrl.router.registry import Registry
+from burstrl.router.tenancy import Caller
 
 
-def add_fleet_routes(app: FastAPI, router: Router) -> None:
+class RouterParts(Protocol):
+    """What these routes use of `server.Router` (named here, not imported: server imports this module)."""
+
+    registry: Registry
+
+    def reading(self, request: Request) -> Caller: ...
+
+    def require_token(self, request: Request) -> None: ...
+
+
+def add_fleet_routes(app: FastAPI, router: RouterParts) -> None:
     asked: dict[str, float] = {}  # tenant -> when (monotonic) it last asked for the replicas
 
     @app.get("/v1/fleet/replicas")
