@@ -65,13 +65,30 @@ def test_the_cli_refuses_a_fleet_url_without_a_token_before_starting_anything(tm
     assert not run_dir.exists()
 
 
-def test_the_saved_run_config_holds_no_token(tmp_path: Path) -> None:
+def test_a_fleet_that_does_not_answer_is_refused_before_the_run_directory_is_made(tmp_path: Path) -> None:
+    from burstrl.launcher.run import LaunchError
     from burstrl.launcher.tenant_run import TenantLauncher
 
+    cfg = RunConfig.model_validate({"run_dir": str(tmp_path / "run"),
+                                    "fleet": {"url": "http://127.0.0.1:1", "token": TOKEN}})
+    launcher = TenantLauncher(cfg)
+    try:
+        with pytest.raises(LaunchError, match="did not list its replicas for tenant run-a"):
+            launcher.prepare()
+    finally:
+        launcher.provider.close()
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_saved_run_config_holds_no_token(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from burstrl.launcher.tenant_run import TenantLauncher
+
+    monkeypatch.setattr(TenantLauncher, "ask_fleet", lambda self: ["http://r:1"])
     cfg = RunConfig.model_validate({"run_dir": str(tmp_path / "run"), "fleet": {"url": "http://h:1", "token": TOKEN}})
     launcher = TenantLauncher(cfg)
     try:
         assert not launcher.prepare()
+        assert (launcher.run_dir / "replicas.txt").read_text() == "http://r:1\n"
         assert launcher.provider.zygote is None, "a tenant starts no replicas: no zygote to fork them"
         assert launcher.env["BURSTRL_TENANT_TOKEN"] == TOKEN == launcher.env["BURSTRL_ADMIN_TOKEN"]
         saved = (launcher.run_dir / "run_config.toml").read_text()

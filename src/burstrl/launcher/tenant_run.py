@@ -47,18 +47,24 @@ class TenantLauncher(Launcher):
         return {"BURSTRL_ADMIN_TOKEN": self.token, "BURSTRL_TENANT_TOKEN": self.token}
 
     def prepare(self) -> bool:
-        """As any run's, but the saved config holds no token (a resume passes it again)."""
+        """The fleet must answer before the run directory is made; the saved config holds no token
+        (a resume passes it again)."""
+        self.http = sync_client(timeout=5.0)
+        try:
+            urls = self.ask_fleet()
+        except (CallFailed, ValueError, KeyError, TypeError) as exc:
+            raise LaunchError(f"the fleet at {self.url} did not list its replicas for tenant {self.tenant}: {exc}; "
+                              "is `burstrl fleet up` running there, and is the token minted from its key?") from None
+        if not urls:
+            raise LaunchError(f"the fleet at {self.url} has no replica up (GET /v1/fleet/replicas)")
         done = super().prepare()
         if not done:
             fleet = self.cfg.fleet.model_copy(update={"token": ""})
             (self.run_dir / "run_config.toml").write_text(dump_toml(self.cfg.model_copy(update={"fleet": fleet})))
+            self.write_replicas(urls)
         return done
 
     def start_roles(self) -> None:
-        self.http = sync_client(timeout=5.0)
-        if not self.poll_replicas(force=True):
-            raise LaunchError(f"the fleet at {self.url} lists no replica for tenant {self.tenant} "
-                              f"(GET /v1/fleet/replicas): is `burstrl fleet up` running, and is the token its?")
         self.event("fleet_joined", detail=f"{self.url} as tenant {self.tenant}: {len(self.fleet_replicas)} replicas")
         self.start_trainer()
         self.start_orchestrator(self.url)
@@ -79,25 +85,29 @@ class TenantLauncher(Launcher):
                        f"({self.trainer.cause or 'a rank died'})")
 
     # ---- the fleet's replicas ----
-    def poll_replicas(self, force: bool = False) -> bool:
-        """Rewrite replicas.txt when the fleet's list changed; False if the fleet did not answer a list."""
-        if not force and time.monotonic() - self.last_replica_poll < REPLICA_POLL_S:
-            return True
+    def ask_fleet(self) -> list[str]:
+        """The fleet's replicas that take new sessions (`GET /v1/fleet/replicas` with the tenant token)."""
+        return fetch(self.http, "GET", f"{self.url}/v1/fleet/replicas", deadline=5.0,
+                     headers={"Authorization": f"Bearer {self.token}"}).check().json()["replicas"]
+
+    def poll_replicas(self) -> None:
+        """Every REPLICA_POLL_S: rewrite replicas.txt when the fleet's list changed."""
+        if time.monotonic() - self.last_replica_poll < REPLICA_POLL_S:
+            return
         self.last_replica_poll = time.monotonic()
         try:
-            urls = fetch(self.http, "GET", f"{self.url}/v1/fleet/replicas", deadline=5.0,
-                         headers={"Authorization": f"Bearer {self.token}"}).check().json()["replicas"]
-        except (CallFailed, ValueError, KeyError, TypeError) as exc:  # the fleet's router restarting: poll again
+            urls = self.ask_fleet()
+        except (CallFailed, ValueError, KeyError, TypeError):  # the fleet's router restarting: poll again
             self.replica_poll_errors += 1
-            if force:
-                raise LaunchError(f"the fleet at {self.url} did not list its replicas: {exc}") from None
-            return False
+            return
         if urls != self.fleet_replicas:
-            write_text(self.replicas_file, "".join(u + "\n" for u in urls))
-            if self.fleet_replicas:
-                self.event("fleet_replicas", detail=f"{len(self.fleet_replicas)} -> {len(urls)} replicas")
-            self.fleet_replicas = list(urls)
-        return bool(urls)
+            self.event("fleet_replicas", detail=f"{len(self.fleet_replicas)} -> {len(urls)} replicas")
+            self.write_replicas(urls)
+
+    def write_replicas(self, urls: list[str]) -> None:
+        """The list the trainer re-reads before each push (atomic: it may read at any moment)."""
+        write_text(self.replicas_file, "".join(u + "\n" for u in urls))
+        self.fleet_replicas = list(urls)
 
     def sample(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -129,7 +139,10 @@ class TenantLauncher(Launcher):
         from burstrl.weights.gc import unload_old
         from burstrl.weights.push import read_targets
 
-        self.poll_replicas()
+        try:
+            self.write_replicas(self.ask_fleet())
+        except (CallFailed, ValueError, KeyError, TypeError):  # the last list it had, then
+            pass
         targets = read_targets(self.fleet_replicas, "", self.token)
         report = unload_old(targets, set(), retries=1)
         names = sorted({n for states in report.unloaded.values() for n in states})
