@@ -110,13 +110,14 @@ class TenantLauncher(Launcher):
         self.fleet_replicas = list(urls)
 
     def sample(self, force: bool = False) -> None:
+        """The run's figures; the fleet's (its cache hit rate, all tenants' sessions) are not the run's: None."""
         now = time.monotonic()
         if not force and now - self.last_sample < 1.0:
             return
         self.last_sample = now
         sample = {"t": time.time(), "kind": "sample", "step": self.store.last_step(),
                   "buffered": self.store.buffered_count(), "replicas": {"shared": len(self.fleet_replicas)},
-                  "routable": len(self.fleet_replicas), "cache_hit_rate": 0.0, "sessions": 0, "spot_losses": 0}
+                  "routable": len(self.fleet_replicas), "cache_hit_rate": None, "sessions": None, "spot_losses": None}
         self._append(sample)
         self.display.update(self.snapshot(sample))
 
