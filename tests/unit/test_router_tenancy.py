@@ -31,7 +31,7 @@ def fleet(reserved: tuple[str, ...] = STORED, on_demand: tuple[str, ...] = STORE
     return reg
 
 
-def caller(token: str) -> tenancy.Caller:
+def caller(token: str) -> tenancy.RouteCaller:
     return tenancy.generating(KEY, auth(token))
 
 

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 from fastapi import FastAPI, Request
 
 from burstrl.router.registry import Registry
-from burstrl.router.tenancy import Caller
+from burstrl.router.tenancy import RouteCaller
 
 
 class RouterParts(Protocol):
@@ -30,7 +30,7 @@ class RouterParts(Protocol):
 
     registry: Registry
 
-    def reading(self, request: Request) -> Caller: ...
+    def reading(self, request: Request) -> RouteCaller: ...
 
     def require_token(self, request: Request) -> None: ...
 

@@ -54,7 +54,7 @@ from burstrl.router.metrics import prometheus_text
 from burstrl.router.registry import LATEST, Registry, RouteError, validate_url
 from burstrl.router.relay import drop, forward
 from burstrl.router.scrape import Scraper
-from burstrl.router.tenancy import FLEET, Caller, check_served, generating, reading, resolve
+from burstrl.router.tenancy import FLEET, RouteCaller, check_served, generating, reading, resolve
 from burstrl.router.traces import forward_trace
 
 log = logging.getLogger(__name__)
@@ -144,7 +144,7 @@ def prompt_ids(body: dict[str, Any]) -> list[int]:
     return ids
 
 
-def prompt_blocks(body: dict[str, Any], version: str, caller: Caller = FLEET) -> tuple[int, ...]:
+def prompt_blocks(body: dict[str, Any], version: str, caller: RouteCaller = FLEET) -> tuple[int, ...]:
     """Prefix block keys of a token-in prompt, as the replicas summarise their caches (protocol.blocks).
 
     Text and chat prompts give none: the router holds no tokenizer, so their placement is by load.
@@ -175,12 +175,12 @@ class Router:
         if not bearer_matches(request.headers, self.token):
             raise RouteError(401, "missing or wrong cluster bearer token", "authentication_error")
 
-    def generating(self, request: Request) -> Caller:
+    def generating(self, request: Request) -> RouteCaller:
         """The caller of a generation route or `/v1/assign` (`tenancy.generating`), kept for its errors."""
         request.state.caller = generating(self.cfg.tenant_key, request.headers)
         return request.state.caller
 
-    def reading(self, request: Request) -> Caller:
+    def reading(self, request: Request) -> RouteCaller:
         """The caller of a trace route or `/v1/models` (`tenancy.reading`), kept for its errors."""
         request.state.caller = reading(self.cfg.tenant_key, self.token, request.headers)
         return request.state.caller
@@ -217,7 +217,7 @@ def build_app(router: Router, on_ready: Callable[[], None] | None = None) -> Fas
 
     @app.exception_handler(RouteError)
     async def _route_error(request: Request, exc: RouteError) -> JSONResponse:
-        caller: Caller = getattr(request.state, "caller", FLEET)  # a tenant's errors say its own names
+        caller: RouteCaller = getattr(request.state, "caller", FLEET)  # a tenant's errors say its own names
         return error_response(router, exc.status, caller.say(exc.message), exc.kind)
 
     @app.exception_handler(HTTPException)

@@ -2,7 +2,7 @@
 
 Why at the entry of each route, as on a replica (`inference/tenancy.py`): with `router.tenant_key`
 set, several runs (tenants) share the router and its replicas. Every generation route, `/v1/assign`,
-the trace routes and `/v1/models` first turn the request's bearer token into a `Caller`; every name
+the trace routes and `/v1/models` first turn the request's bearer token into a `RouteCaller`; every name
 the router keeps or looks up goes through it into the tenant's namespace (`protocol.tenants`), so
 the registry (`registry.py`, which knows nothing of tenants) holds sessions as `<tenant>~<sid>`:
 tenant B reusing tenant A's session id is a new session of B's, never A's home or pin.
@@ -32,7 +32,7 @@ REFUSED = "this router is shared by tenants: send `Authorization: Bearer <tenant
 
 
 @dataclass(frozen=True)
-class Caller:
+class RouteCaller:
     """Whose request this is: `tenant` (None = the fleet, every name as stored) and its bearer header."""
 
     tenant: str | None = None
@@ -77,15 +77,15 @@ class Caller:
         return out
 
 
-FLEET = Caller()
+FLEET = RouteCaller()
 
 
-def _tenant(tenant_key: str, headers: Mapping[str, str]) -> Caller | None:
+def _tenant(tenant_key: str, headers: Mapping[str, str]) -> RouteCaller | None:
     tenant = tenant_of(headers, tenant_key)
-    return None if tenant is None else Caller(tenant, headers["authorization"])
+    return None if tenant is None else RouteCaller(tenant, headers["authorization"])
 
 
-def generating(tenant_key: str, headers: Mapping[str, str]) -> Caller:
+def generating(tenant_key: str, headers: Mapping[str, str]) -> RouteCaller:
     """A generation call or `/v1/assign`: anyone without tenancy; with it, a tenant token (401 else,
     the router's cluster token included: it places no sessions of its own)."""
     if not tenant_key:
@@ -96,7 +96,7 @@ def generating(tenant_key: str, headers: Mapping[str, str]) -> Caller:
     return caller
 
 
-def reading(tenant_key: str, cluster_token: str, headers: Mapping[str, str]) -> Caller:
+def reading(tenant_key: str, cluster_token: str, headers: Mapping[str, str]) -> RouteCaller:
     """Traces and `/v1/models`: anyone without tenancy (each replica checks a trace's token itself);
     with it, the router's cluster token (every name as stored) or a tenant token (its own); 401 else."""
     if not tenant_key or bearer_matches(headers, cluster_token):
@@ -107,7 +107,7 @@ def reading(tenant_key: str, cluster_token: str, headers: Mapping[str, str]) -> 
     return caller
 
 
-def resolve(reg: Registry, caller: Caller, key: str | None, model: str) -> str:
+def resolve(reg: Registry, caller: RouteCaller, key: str | None, model: str) -> str:
     """The stored version a call of session `key` runs on (`Registry.resolve` in the caller's namespace).
 
     A tenant's `latest` is the newest of its own versions (else `base`) that every pool serves, the
@@ -116,7 +116,7 @@ def resolve(reg: Registry, caller: Caller, key: str | None, model: str) -> str:
     return reg.resolve(key, caller.version(model), among=None if caller.tenant is None else caller.sees)
 
 
-def check_served(reg: Registry, caller: Caller, key: str | None, version: str, model: str) -> None:
+def check_served(reg: Registry, caller: RouteCaller, key: str | None, version: str, model: str) -> None:
     """A new session (or a call without one) on a version nobody serves: the 404 `Registry.place` gives,
     listing only what the caller may use. A known session keeps the registry's answer (re-homed, or 503)."""
     if caller.tenant is None or (key is not None and key in reg.homes):

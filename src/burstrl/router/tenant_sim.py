@@ -126,7 +126,7 @@ def pick_fair(queues: list[deque], admitted: list[int], weights: list[float]) ->
     return min(waiting, key=lambda i: (admitted[i] / weights[i], queues[i][0].arrival_s, i))
 
 
-class Group:
+class AdmissionGroup:
     """Replicas that serve a set of tenants, with the router's admission queues for them."""
 
     def __init__(self, replicas: list[SimReplica], tenants: list[int], per_replica: int) -> None:
@@ -163,11 +163,11 @@ class TenantSimulator(RouterSimulator):
         self.tenants = [TenantState(spec) for spec in cfg.tenants]
         self.weights = [spec.weight for spec in cfg.tenants]
         if mode == "shared":
-            self.groups = [Group(self.replicas, list(range(len(self.tenants))), cfg.sessions_per_replica)]
+            self.groups = [AdmissionGroup(self.replicas, list(range(len(self.tenants))), cfg.sessions_per_replica)]
         else:
             self.groups, start = [], 0
             for i, n in enumerate(dedicated_split(cfg.replicas, self.weights)):
-                self.groups.append(Group(self.replicas[start:start + n], [i], cfg.sessions_per_replica))
+                self.groups.append(AdmissionGroup(self.replicas[start:start + n], [i], cfg.sessions_per_replica))
                 start += n
         self.group_of = {i: g for g in self.groups for i in g.tenants}
         self.queues: list[deque[TraceSession]] = [deque() for _ in self.tenants]
@@ -232,7 +232,7 @@ class TenantSimulator(RouterSimulator):
             self.queues[i].append(s)
         self.admit(t, self.group_of[i])
 
-    def admit(self, t: float, g: Group) -> None:
+    def admit(self, t: float, g: AdmissionGroup) -> None:
         """Fill the group's free places in weighted-fair order across its waiting tenants."""
         queues = [self.queues[i] for i in g.tenants]
         admitted = [self.tenants[i].admitted for i in g.tenants]
@@ -247,7 +247,7 @@ class TenantSimulator(RouterSimulator):
             g.admitted += 1
             self.arrive(t, s)
 
-    def in_group(self, s: TraceSession) -> Group:
+    def in_group(self, s: TraceSession) -> AdmissionGroup:
         return self.group_of[self.session_owner[s.id][0]]
 
     def arrive(self, t: float, s: TraceSession) -> None:
