@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from burstrl.config import RunConfig, load_config
+from burstrl.config import RunConfig, ServeConfig, load_config
 from burstrl.protocol.cores import CoreSlices, NoFreeCores, claim_cores, release, slice_size
 from burstrl.providers import Placement
 from burstrl.providers.local import LocalProvider
@@ -121,6 +121,17 @@ def test_the_local_provider_gives_each_replica_its_own_cores_on_its_command_line
     assert started[-1][-1] == "0"
     provider.start("router", ["route"], wait_ready=True, placement=Placement())
     assert started[-1] == ["route"], "a role without the hint gets no cores"
+    for args in started[:2]:  # what the replica's config makes of them (a one-core list reads as a number)
+        serve = load_config(ServeConfig, [], ["--model.path", "/m", "--engine.backend", "vllm", *args[2:]])
+        assert serve.engine.vllm.cpu_cores == args[-1]
+
+
+def test_a_core_list_is_checked_and_a_single_core_given_as_a_number_is_its_list() -> None:
+    assert load_config(ServeConfig, [], ["--model.path", "/m", "--engine.vllm.cpu_cores", "3"]).engine.vllm.cpu_cores == "3"
+    assert load_config(ServeConfig, [], ["--model.path", "/m", "--engine.vllm.cpu_cores", "0-1,4"]).engine.vllm.cpu_cores == "0-1,4"
+    for bad in ("all", "-1", "0-", "0,,1"):
+        with pytest.raises(ValueError, match="cpu_cores"):
+            load_config(ServeConfig, [], ["--model.path", "/m", "--engine.vllm.cpu_cores", bad])
 
 
 def test_a_ray_replica_claims_cores_of_its_own_on_its_node(tmp_path: Path, monkeypatch) -> None:

@@ -8,9 +8,13 @@ and talks to vLLM on loopback through its token-in endpoint (`inference/vllm/`).
 
 from __future__ import annotations
 
-from pydantic import Field
+import re
+
+from pydantic import Field, field_validator
 
 from burstrl.config.loading import Section
+
+CORE_LIST = re.compile(r"\d+(-\d+)?(,\d+(-\d+)?)*")  # VLLM_CPU_OMP_THREADS_BIND's syntax
 
 
 class VllmSection(Section):
@@ -27,6 +31,7 @@ class VllmSection(Section):
         "", description="Cores vLLM's OpenMP threads bind to, as a list (\"0-1\"); empty = the cores this "
         "process may use. Replicas on one host need disjoint lists."
     )
+
     max_loras: int = Field(4, ge=1, description="Adapter versions vLLM keeps loaded at once.")
     max_lora_rank: int = Field(16, ge=1, description="Largest LoRA rank vLLM accepts.")
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs per replica (vLLM's tensor parallelism).")
@@ -44,3 +49,14 @@ class VllmSection(Section):
     )
     metrics_interval_s: float = Field(0.5, gt=0, description="How often vLLM's /metrics is read for /v1/loads.")
     extra_args: list[str] = Field(default_factory=list, description="More arguments for vLLM's api_server.")
+
+    @field_validator("cpu_cores", mode="before")
+    @classmethod
+    def _core_list(cls, value: object) -> object:
+        """A single core comes from a command line as a number (`--engine.vllm.cpu_cores 1`, and the
+        launcher's slice of one core on a 2-core host): it is the list of that core."""
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            value = str(value)
+        if isinstance(value, str) and value and not CORE_LIST.fullmatch(value):
+            raise ValueError(f"{value!r} is not a core list such as \"0-3\" or \"0,2,5\"")
+        return value
