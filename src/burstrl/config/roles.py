@@ -262,6 +262,15 @@ class TrainConfig(Section):
     weights: WeightsConfig = Field(default_factory=WeightsConfig)
 
 
+class TenantLimits(Section):
+    """One tenant's share of a shared router (`router.tenants`): admission of its new sessions (router/shares.py)."""
+
+    weight: float = Field(1.0, gt=0, description="Its share of the session places under contention, in "
+                          "proportion to the other waiting tenants' weights.")
+    max_sessions: int = Field(0, ge=0, description="Its live plus waiting sessions at most; a new session "
+                              "beyond gets a 429. 0 = no cap.")
+
+
 class RouteConfig(Section):
     """`burstrl route serve`: the session router in front of the replicas."""
 
@@ -320,6 +329,17 @@ class RouteConfig(Section):
     )
     replicas: list[str] = Field(
         default_factory=list, description="Replica URLs registered at start (pool reserved, weight 1)."
+    )
+    tenants: dict[str, TenantLimits] = Field(
+        default_factory=dict, description="Weights and quotas of new sessions by tenant name (the fleet's "
+        "own sessions, without tenancy, are tenant ''); a tenant not listed has weight 1 and no cap."
+    )
+    max_sessions_per_replica: int = Field(
+        0, ge=0, description="Session places per healthy replica: at fleet-wide places in use, a new session "
+        "waits for one, given by weighted fair share among tenants (router/shares.py); 0 = no admission control."
+    )
+    admission_timeout_s: float = Field(
+        300.0, gt=0, description="Longest wait of a new session for a place; past it a 503."
     )
 
 

@@ -84,6 +84,11 @@ class RouterCounters:
     scrape_errors: int = 0  # exceptions in the scrape loops (logged; the loops go on)
     replicas_readded: int = 0  # `--replicas` replicas registered again when they answered after a drop
     answers_refused: int = 0  # relayed answers over `max_answer_bytes` or with an event over `max_event_bytes`
+    admitted: int = 0  # new sessions given a place by admission control (router/shares.py; 0 while it is off)
+    admission_waits: int = 0  # of those and the rest: new sessions that had to queue for a place
+    admission_quota_refusals: int = 0  # 429s: a tenant at its `max_sessions`
+    admission_timeouts: int = 0  # 503s: no place within `admission_timeout_s`
+    admission_abandoned: int = 0  # waiters whose client hung up (or was cancelled) before a place
 
 
 class Registry:

@@ -54,6 +54,7 @@ from burstrl.router.metrics import prometheus_text
 from burstrl.router.registry import LATEST, Registry, RouteError, validate_url
 from burstrl.router.relay import drop, forward
 from burstrl.router.scrape import Scraper
+from burstrl.router.shares import Shares
 from burstrl.router.tenancy import FLEET, RouteCaller, check_served, generating, reading, resolve
 from burstrl.router.traces import forward_trace
 
@@ -166,6 +167,7 @@ class Router:
         self.client: httpx.AsyncClient | None = None
         self.lock = asyncio.Lock()  # serialises placement against scrapes; held briefly, never across I/O
         self.scraper = Scraper(cfg, self.registry, self.lock, self.http, token, static=cfg.replicas)
+        self.shares = Shares(cfg, self.registry)  # admission of new sessions: fair shares, quotas (off by default)
 
     def http(self) -> httpx.AsyncClient:
         assert self.client is not None, "router client used outside the app lifespan"
@@ -307,7 +309,7 @@ def build_app(router: Router, on_ready: Callable[[], None] | None = None) -> Fas
             raise RouteError(400, f"expected_tokens must be an integer in [0, {MAX_TOKENS_HINT}]")
         kind = task_kind_of(body, request.headers)
         key = caller.session(sid)
-        async with router.lock:
+        async with router.shares.admission(caller.tenant, key, request.is_disconnected), router.lock:
             resolved = resolve(reg, caller, key, version)
             check_served(reg, caller, key, resolved, version)
             view = reg.place(key, resolved, expected, kind)
@@ -315,7 +317,7 @@ def build_app(router: Router, on_ready: Callable[[], None] | None = None) -> Fas
 
     @app.get("/v1/stats")
     async def stats() -> dict[str, Any]:
-        return reg.stats()
+        return {**reg.stats(), "admission": router.shares.stats()}
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
@@ -364,27 +366,28 @@ async def proxy(router: Router, request: Request, path: str) -> Response:
         raise RouteError(400, "request body must be a JSON object with a string `model`")
     sid, kind = session_id_of(body, request.headers), task_kind_of(body, request.headers)
     key, headers = caller.session(sid), caller.upstream(request.headers)
-    for _ in range(2):
-        async with router.lock:
-            version = resolve(reg, caller, key, body["model"])
-            check_served(reg, caller, key, version, body["model"])
-            placing = key is None or key not in reg.homes or reg.may_move(key)  # its prompt's cached blocks count
-            blocks = prompt_blocks(body, version, caller) if placing else ()
-            url = reg.place(key, version, first_call_tokens(body), kind, blocks, BLOCK_TOKENS).id
-            reg.call_started(url)
-        if caller.shown(version) != body["model"]:  # `latest`: the replica must see the concrete version
-            body["model"] = caller.shown(version)
-            raw = json.dumps(body).encode()
-        try:
-            response = await _counted_forward(router, url, path, raw, headers, bool(body.get("stream")))
-        except CallFailed as exc:
-            if exc.never_sent:
-                log.warning("replica %s refused a call (%s); re-homing session %s", url, exc.reason, sid)
-                await drop(router, url)
-                continue
-            raise await _call_failed(router, url, exc) from None
-        response.headers[VERSION_HEADER] = caller.shown(version)
-        return response
+    async with router.shares.admission(caller.tenant, key, request.is_disconnected):  # new sessions only
+        for _ in range(2):
+            async with router.lock:
+                version = resolve(reg, caller, key, body["model"])
+                check_served(reg, caller, key, version, body["model"])
+                placing = key is None or key not in reg.homes or reg.may_move(key)  # its prompt's cached blocks count
+                blocks = prompt_blocks(body, version, caller) if placing else ()
+                url = reg.place(key, version, first_call_tokens(body), kind, blocks, BLOCK_TOKENS).id
+                reg.call_started(url)
+            if caller.shown(version) != body["model"]:  # `latest`: the replica must see the concrete version
+                body["model"] = caller.shown(version)
+                raw = json.dumps(body).encode()
+            try:
+                response = await _counted_forward(router, url, path, raw, headers, bool(body.get("stream")))
+            except CallFailed as exc:
+                if exc.never_sent:
+                    log.warning("replica %s refused a call (%s); re-homing session %s", url, exc.reason, sid)
+                    await drop(router, url)
+                    continue
+                raise await _call_failed(router, url, exc) from None
+            response.headers[VERSION_HEADER] = caller.shown(version)
+            return response
     raise RouteError(503, "replicas refused the connection twice in a row; try again", "server_error")
 
 

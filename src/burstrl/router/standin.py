@@ -96,6 +96,11 @@ class StandInReplica:
             if isinstance(body.get("session_id"), str):
                 self.sessions.add(body["session_id"])
             return self.call or sane_completion(bool(body.get("stream")))
+        if method == "DELETE" and path.startswith("/v1/traces/"):  # a session's release, as a replica's
+            sid = path[len("/v1/traces/"):]
+            self.sessions.discard(sid)
+            self.counts["releases"] += 1
+            return Answer(body=json.dumps({"session_id": sid, "released": True}).encode())
         return Answer(status=404, body=b'{"error": {"message": "not found", "code": 404}}')
 
     def close(self) -> None:
@@ -131,6 +136,9 @@ def _handler(standin: StandInReplica) -> type[BaseHTTPRequestHandler]:
 
         def do_GET(self) -> None:
             self.serve("GET", {})
+
+        def do_DELETE(self) -> None:
+            self.serve("DELETE", {})
 
         def do_POST(self) -> None:
             raw = self.rfile.read(int(self.headers.get("content-length", 0) or 0))
