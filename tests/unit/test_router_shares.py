@@ -216,3 +216,26 @@ def test_config_refuses_unknown_keys_and_bad_values() -> None:
             RouteConfig(**bad)
     cfg = RouteConfig(tenants={"run-a": {"weight": 2}})
     assert cfg.tenants["run-a"].weight == 2 and cfg.tenants["run-a"].max_sessions == 0
+
+
+def test_pick_is_the_simulators_rule() -> None:
+    """The router's pick and `tenant_sim.pick_fair` choose the same tenant on random queues."""
+    import random
+    from collections import Counter, deque
+    from types import SimpleNamespace
+
+    from burstrl.router.shares import Waiter, pick_tenant
+    from burstrl.router.tenant_sim import pick_fair
+
+    rng = random.Random(0)
+    names = ["a", "b", "c"]
+    for _ in range(500):
+        weights = [rng.choice([0.5, 1.0, 2.0, 3.0]) for _ in names]
+        admitted = [rng.randrange(6) for _ in names]
+        heads = [rng.random() if rng.random() < 0.7 else None for _ in names]
+        sim = [deque([SimpleNamespace(arrival_s=h)]) if h is not None else deque() for h in heads]
+        mine = {n: deque([Waiter(f"{n}~x", n, h)]) for n, h in zip(names, heads, strict=True) if h is not None}
+        expected = pick_fair(sim, admitted, weights)
+        by_name = dict(zip(names, weights, strict=True))
+        got = pick_tenant(mine, Counter(dict(zip(names, admitted, strict=True))), by_name.__getitem__)
+        assert got == (None if expected is None else names[expected])

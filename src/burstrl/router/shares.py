@@ -142,8 +142,9 @@ class Shares:
         cap = self.cap(tenant)
         if cap and live[tenant] + len(self.queues.get(tenant, ())) >= cap:
             counters.admission_quota_refusals += 1
+            name = tenant or '""'
             raise RouteError(429, f"tenant quota reached: {cap} sessions live or waiting "
-                             f"(router.tenants.{tenant or FLEET_TENANT!r}.max_sessions = {cap}); "
+                             f"(router.tenants.{name}.max_sessions = {cap}); "
                              "end a session or try again later", "rate_limit_error")
         if not self.waiting() and sum(live.values()) < self.places():
             self._grant(key, tenant)
