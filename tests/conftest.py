@@ -227,11 +227,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     estimated: dict[str, float] = {}
     for item in items:
-        estimated[item.location[0]] = estimated.get(item.location[0], 0.0) + _estimate(item)
+        estimated[_file(item)] = estimated.get(_file(item), 0.0) + _estimate(item)
     cost: dict[str, float] = {}
     for path, guess in estimated.items():
         cost[_unit(path)] = cost.get(_unit(path), 0.0) + _DURATIONS.get(path, guess)
-    items.sort(key=lambda item: -cost[_unit(item.location[0])])  # stable: a unit's tests keep their order
+    items.sort(key=lambda item: -cost[_unit(_file(item))])  # stable: a unit's tests keep their order
+
+
+def _file(item: pytest.Item) -> str:
+    """The test file an item was collected from: its nodeid's, not `location` (where the function is
+    defined: a test imported into another module, as test_vllm_bf16.py runs the fuzz suites, would be
+    sorted apart from its module's others, and the module's fixtures torn down and built again)."""
+    return item.nodeid.split("::", 1)[0]
 
 
 # Under xdist, the controller's record of which worker ran each test and when (report.start/stop),
