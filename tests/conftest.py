@@ -178,11 +178,9 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 _DURATIONS = json.loads((Path(__file__).with_name("durations.json")).read_text())
 # Files that each start multi-node Ray clusters (several processes per node) run one after another,
 # on one worker: with every Ray file and the other e2e runs at once, 2 cores reached load 24.
-# Likewise the two modules that each keep a vLLM server up: both bind vLLM's OpenMP threads to every
-# core, and two such servers spin against each other (at 0071302 they ran apart: 221 s and 273 s;
-# at 295bad6 they overlapped: 435 s and 556 s).
-_SERIAL_UNITS = {"ray-nodes": ("tests/e2e/test_ray_spot.py", "tests/e2e/test_ray_sandbox.py"),
-                 "vllm-servers": ("tests/integration/test_vllm_replica.py", "tests/integration/test_vllm_bf16.py")}
+_SERIAL_UNITS = {"ray-nodes": ("tests/e2e/test_ray_spot.py", "tests/e2e/test_ray_sandbox.py")}
+# (The two vLLM server modules were one serial unit at 1dcba82: the suite took 25:01 against 22:29
+# with them apart, since ~500 s of vLLM then sat on one worker's critical path.)
 
 
 def _unit(path: str) -> str:
