@@ -17,11 +17,12 @@ import os
 import re
 import signal
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.vllm_env import require_vllm
+from tests.vllm_env import require_vllm, vllm_slot
 
 from .conftest import REPO, audit, burstrl_cmd, events, finish, read_jsonl, wait_until
 
@@ -31,8 +32,10 @@ VLLM_PID = re.compile(r"vLLM starting \(pid (\d+), log ")
 
 
 @pytest.fixture
-def vllm_env() -> str:
-    return require_vllm()
+def vllm_env() -> Iterator[str]:
+    python = require_vllm()
+    with vllm_slot():  # the run's vLLM replicas: one vLLM test at a time on this machine
+        yield python
 
 
 def test_the_whole_loop_on_vllm_survives_its_engine_dying_mid_run(tmp_path: Path, gemma_model: Path,

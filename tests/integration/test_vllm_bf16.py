@@ -47,7 +47,7 @@ from tests.fuzz.test_replica_regressions import (  # noqa: F401 - as above
     test_zero_completion_tokens_is_a_400_and_null_max_tokens_is_the_default,
 )
 from tests.http_client import HTTP
-from tests.vllm_env import require_vllm
+from tests.vllm_env import require_vllm, vllm_slot
 
 from .conftest import ADMIN_TOKEN, Server, stop_server
 from .test_gemma import complete, load_versions, make_reference
@@ -83,14 +83,15 @@ def server(gemma_model: Path, reference, tmp_path_factory: pytest.TempPathFactor
     require_vllm()
     work = tmp_path_factory.mktemp("vllm-bf16")
     model = with_chat_template(gemma_model, work / "gemma-chat")
-    rep = start_replica(model, work, "--server.admin_token", ADMIN_TOKEN, "--server.state_dir",
-                        str(work / "state"), "--server.cluster_token", CLUSTER_TOKEN, "--engine.backend", "vllm",
-                        "--model.dtype", "bfloat16", "--engine.max_model_len", "2048",
-                        "--engine.vllm.kv_cache_gib", "1", timeout=900)
-    srv = Server(url=rep.url, replica=rep)
-    load_versions(srv, {"policy-v1": reference[1]["policy-v1"]})  # the fuzz suite's `policy-v1`
-    yield srv
-    stop_server(srv)
+    with vllm_slot():
+        rep = start_replica(model, work, "--server.admin_token", ADMIN_TOKEN, "--server.state_dir",
+                            str(work / "state"), "--server.cluster_token", CLUSTER_TOKEN, "--engine.backend", "vllm",
+                            "--model.dtype", "bfloat16", "--engine.max_model_len", "2048",
+                            "--engine.vllm.kv_cache_gib", "1", timeout=900)
+        srv = Server(url=rep.url, replica=rep)
+        load_versions(srv, {"policy-v1": reference[1]["policy-v1"]})  # the fuzz suite's `policy-v1`
+        yield srv
+        stop_server(srv)
 
 
 def test_bf16_on_vllm_captures_within_the_bound_of_an_fp32_forward(server: Server, reference) -> None:

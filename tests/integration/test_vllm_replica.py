@@ -24,7 +24,7 @@ import torch
 
 from burstrl.protocol.process import start_replica
 from tests.http_client import HTTP
-from tests.vllm_env import require_vllm
+from tests.vllm_env import require_vllm, vllm_slot
 
 from .conftest import ADMIN_TOKEN, Server, stop_server
 from .test_gemma import captured_vs_reference, complete, load_versions, make_reference
@@ -37,12 +37,13 @@ FP32_TOL = 2.5e-4  # max |captured - fp32 HF| logprob (the own engine: < 1e-4 on
 def server(gemma_model: Path, tmp_path_factory: pytest.TempPathFactory):
     require_vllm()
     work = tmp_path_factory.mktemp("vllm-replica")
-    rep = start_replica(gemma_model, work, "--server.admin_token", ADMIN_TOKEN, "--server.state_dir",
-                        str(work / "state"), "--engine.backend", "vllm", "--engine.max_model_len", "2048",
-                        "--engine.vllm.kv_cache_gib", "1", "--server.dead_engine_exit_s", "2", timeout=900)
-    srv = Server(url=rep.url, replica=rep)
-    yield srv
-    stop_server(srv)
+    with vllm_slot():
+        rep = start_replica(gemma_model, work, "--server.admin_token", ADMIN_TOKEN, "--server.state_dir",
+                            str(work / "state"), "--engine.backend", "vllm", "--engine.max_model_len", "2048",
+                            "--engine.vllm.kv_cache_gib", "1", "--server.dead_engine_exit_s", "2", timeout=900)
+        srv = Server(url=rep.url, replica=rep)
+        yield srv
+        stop_server(srv)
 
 
 @pytest.fixture(scope="module")

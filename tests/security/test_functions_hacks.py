@@ -108,7 +108,9 @@ class Scripted:
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory):
-    e = FunctionsEnv(FunctionsOptions(n_tasks=5, backend="namespace", max_sandboxes=4, grade_timeout_s=6),
+    # 12 s: each of a task's ~10 cases gets 1/22 of it; at 6 s (0.27 s a case) a case importing
+    # unittest.mock in its forked child ran out of time on the loaded CI machine (mock_any: timeout)
+    e = FunctionsEnv(FunctionsOptions(n_tasks=5, backend="namespace", max_sandboxes=4, grade_timeout_s=12),
                      tmp_path_factory.mktemp("run"))
     yield e
     e.close()
