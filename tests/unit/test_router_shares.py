@@ -4,6 +4,7 @@ that give up, the deadline, and nothing at all when it is not configured."""
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Any
 
 import pytest
@@ -218,6 +219,23 @@ def test_config_refuses_unknown_keys_and_bad_values() -> None:
     assert cfg.tenants["run-a"].weight == 2 and cfg.tenants["run-a"].max_sessions == 0
 
 
+def test_config_refuses_a_tenant_name_no_token_can_carry() -> None:
+    """A key of `router.tenants` that is no tenant name would silently apply to nobody: refused at load,
+    the key named. `''` (the fleet's own sessions, without tenancy) stays allowed."""
+    from pydantic import ValidationError
+
+    from burstrl.config import RunConfig
+    from burstrl.config.loading import ConfigError, load_config
+
+    for bad in ("Run-A", "run-a~x", "-run", "a" * 33, "run a", "run_a", "ä"):
+        with pytest.raises(ValidationError, match=rf"key {re.escape(repr(bad))} of router\.tenants is not a tenant"):
+            RouteConfig(tenants={bad: {"weight": 2}})
+    with pytest.raises(ConfigError, match=r"router\.tenants.*key 'Run-A' of router\.tenants is not a tenant name"):
+        load_config(RunConfig, [], ["--router.tenants.Run-A.weight", "2"])
+    cfg = RouteConfig(tenants={"run-a": {}, "0" * 32: {}, "": {"max_sessions": 4}})
+    assert set(cfg.tenants) == {"run-a", "0" * 32, ""}
+
+
 def test_pick_is_the_simulators_rule() -> None:
     """The router's pick and `tenant_sim.pick_fair` choose the same tenant on random queues."""
     import random
@@ -239,3 +257,70 @@ def test_pick_is_the_simulators_rule() -> None:
         by_name = dict(zip(names, weights, strict=True))
         got = pick_tenant(mine, Counter(dict(zip(names, admitted, strict=True))), by_name.__getitem__)
         assert got == (None if expected is None else names[expected])
+
+
+def test_a_dead_replica_releases_its_sessions_places_at_once() -> None:
+    """Sessions homed on a replica that is removed (deregistered, or dropped on a failed call or a
+    503 scrape) or leaves rotation (unanswered scrapes, a rejected answer) hold no place from then
+    on; before, they counted until pruning forgot them, holding their tenant below its share."""
+    for death in ("remove", "mark_dead", "scrape_503", "unanswered", "reject"):
+        reg, shares = fleet(replicas=3, per_replica=2)
+        dead, other, _ = reg.replicas
+        mine = fill(reg, "a", 2)  # both on the first replica
+        reg.homes["b~s0"] = other
+        assert shares.live() == {"a": 2, "b": 1}
+        if death == "remove":
+            reg.remove(dead)
+        elif death == "mark_dead":
+            reg.mark_dead(dead)
+        elif death == "scrape_503":
+            reg.scrape_failed(dead, 503)
+        elif death == "unanswered":
+            for _ in range(reg.health_failures):
+                reg.scrape_failed(dead)
+        else:
+            reg.reject(dead, "loads: not JSON")
+        assert all(key in reg.homes for key in mine), death  # still remembered: a next call re-homes them
+        assert shares.live() == {"b": 1}, death
+        assert shares.stats()["live"] == 1 and shares.stats()["places"] == 4, death
+
+
+def test_a_tenant_at_quota_on_a_dead_replica_may_start_sessions_again() -> None:
+    reg, shares = fleet(replicas=2, per_replica=0, tenants={"a": {"max_sessions": 2}})
+    dead, alive = reg.replicas
+    fill(reg, "a", 2)
+
+    async def main() -> None:
+        with pytest.raises(RouteError) as refused:
+            async with shares.admission("a", "a~new", never_gone):
+                pass
+        assert refused.value.status == 429  # control: the quota holds while its sessions are live
+        reg.remove(dead)
+        async with shares.admission("a", "a~new", never_gone):
+            reg.homes["a~new"] = alive
+
+    asyncio.run(asyncio.wait_for(main(), 1))
+    assert reg.counters.admission_quota_refusals == 1 and shares.live() == {"a": 1}
+
+
+def test_a_waiter_gets_the_places_a_dead_replicas_sessions_held() -> None:
+    """Every place is held, one replica's by tenant a; it dies: b's waiting session is admitted on the
+    next poll, not after the sessions' grace (30 min), though the fleet has one replica's places fewer."""
+    reg, shares = fleet(replicas=2, per_replica=2)
+    dead, alive = reg.replicas
+    fill(reg, "a", 2)
+    for i in range(2):
+        reg.homes[f"b~s{i}"] = alive
+    order: list[str] = []
+
+    async def main() -> None:
+        waiting = asyncio.create_task(open_session(shares, reg, "c", "s0", order))
+        await asyncio.sleep(0.05)
+        assert shares.waiting() == 1 and not order
+        reg.scrape_failed(dead, 503)  # the replica's engine died: dropped
+        assert shares.places() == 2 and shares.live() == {"b": 2}
+        reg.forget("b~s1")  # one of the live replica's sessions ends: that place is free now
+        await asyncio.wait_for(waiting, 1)
+
+    asyncio.run(asyncio.wait_for(main(), 2))
+    assert order == ["c:s0"]

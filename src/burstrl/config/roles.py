@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from burstrl.config.loading import Section
 from burstrl.config.vllm import VllmSection
+from burstrl.protocol.tenants import TENANT_NAME
 
 
 class ModelConfig(Section):
@@ -341,6 +342,16 @@ class RouteConfig(Section):
     admission_timeout_s: float = Field(
         300.0, gt=0, description="Longest wait of a new session for a place; past it a 503."
     )
+
+    @field_validator("tenants")
+    @classmethod
+    def _tenant_names(cls, tenants: dict[str, TenantLimits]) -> dict[str, TenantLimits]:
+        """A key that no token can name would silently never apply: refused, named, at load."""
+        for name in tenants:
+            if name and not TENANT_NAME.fullmatch(name):
+                raise ValueError(f"key {name!r} of router.tenants is not a tenant name: 1-32 characters of "
+                                 "[a-z0-9-], starting with a letter or digit ('' is the fleet's own sessions)")
+        return tenants
 
 
 class CurriculumConfig(Section):

@@ -14,7 +14,8 @@ A quota (`router.tenants.<name>.max_sessions`) caps a tenant's live plus waiting
 it a new session gets a 429 at once, so a flood cannot fill the queues either.
 
 What counts: live sessions are the registry's homes in the tenant's namespace (`<tenant>~<sid>`;
-without tenancy every session is tenant ''), plus sessions admitted and not yet placed. A call of
+without tenancy every session is tenant '') on a healthy replica, plus sessions admitted and not
+yet placed: a replica that dies or leaves rotation releases its sessions' places at once. A call of
 a session the router already placed (or a sample `<sid>/i` of one) always goes through; a call
 without a session id is neither counted nor queued (the router remembers nothing of it, so it
 holds no place). Everything here runs on the event loop, between awaits: no lock is needed.
@@ -92,11 +93,16 @@ class Shares:
         return self.per_replica * healthy
 
     def live(self) -> Counter[str]:
-        """Live sessions per tenant: homes in its namespace plus admitted ones not yet homed."""
-        homes = self.registry.homes
-        counts = Counter(owner(key) or FLEET_TENANT for key in homes)
+        """Live sessions per tenant: homes in its namespace on a healthy replica, plus admitted ones
+        not yet homed. A session whose replica died (removed: its home is `URL#dropped`) or left
+        rotation (unhealthy) holds no place from then on, not until pruning forgets it: it runs
+        nowhere, its replica's places left the count with it, and its tenant must not be held below
+        its share (or its quota) by it. If it calls again it is re-homed and counted where it lands."""
+        homes, replicas = self.registry.homes, self.registry.replicas
+        up = {url for url, view in replicas.items() if view.healthy}
+        counts = Counter(owner(key) or FLEET_TENANT for key, url in homes.items() if url in up)
         for key, tenant in self.pending.items():
-            if key not in homes:
+            if homes.get(key) not in up:
                 counts[tenant] += 1
         return counts
 
