@@ -12,7 +12,7 @@ from pathlib import Path
 
 import typer
 
-from burstrl.cli.app import CONFIG_COMMAND, command_config, fail, fleet_app
+from burstrl.cli.app import CONFIG_COMMAND, fail, fleet_app
 
 
 @fleet_app.command("token")
@@ -46,22 +46,9 @@ def up(
 
     The config is a run config: its model, engine, router and fleet sections apply (no CONFIG = the
     bundled quickstart's). Runs join with burstrl run --fleet.url URL --fleet.token TOKEN."""
-    from burstrl.cli.app import print_run_config
-    from burstrl.config import RunConfig
-    from burstrl.launcher.preflight import QUICKSTART, PreflightError, check, quickstart_model
+    from burstrl.cli.roles import run_config
 
-    cfg = command_config(RunConfig, ctx, [], default_files=[str(QUICKSTART)])
-    if cfg.fleet.url:
-        fail("fleet.url is a run's setting (the fleet to join), not a fleet's")
-    if not cfg.model.path:
-        typer.echo("model.path is empty: using the warm-started tiny model (made and cached on first use)", err=True)
-        cfg.model.path = str(quickstart_model())
-    if dry_run:
-        return print_run_config(cfg)
-    try:
-        check(cfg)
-    except PreflightError as exc:
-        fail(str(exc))
+    cfg = run_config(ctx, dry_run, fleet=True)
     import logging
 
     from burstrl.launcher.run import LaunchError

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
@@ -17,6 +18,9 @@ from burstrl.cli.app import (
     print_run_config,
     route_app,
 )
+
+if TYPE_CHECKING:
+    from burstrl.config import RunConfig
 
 
 @route_app.command("sim", **keys_help("RouterSimConfig in burstrl/router/sim.py"))
@@ -142,13 +146,11 @@ def train(
     raise typer.Exit(code)
 
 
-@app.command("run", **CONFIG_COMMAND)
-def run_command(
-    ctx: typer.Context,
-    resume: bool = typer.Option(False, "--resume", help="Continue the run in run_dir from its last committed step."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Print the resolved config and exit."),
-) -> None:
-    """Run RL end to end (router, replicas, trainer, orchestrator); no CONFIG = the bundled quickstart."""
+def run_config(ctx: typer.Context, dry_run: bool, fleet: bool = False) -> RunConfig:
+    """The checked run config of `burstrl run` or (`fleet`) `burstrl fleet up`: CONFIG files (none = the
+    bundled quickstart's) then overrides; an empty model.path set to the warm-started tiny model (a run's
+    SWE env: the SWE warm start; a fleet: always the plain one); with --dry-run printed and exit 0; a
+    preflight error exits 2."""
     from burstrl.config import RunConfig
     from burstrl.launcher.preflight import (
         QUICKSTART,
@@ -160,17 +162,34 @@ def run_command(
     )
 
     cfg = command_config(RunConfig, ctx, [], default_files=[str(QUICKSTART)])
+    if fleet and cfg.fleet.url:
+        fail("fleet.url is a run's setting (the fleet to join), not a fleet's")
     if not cfg.model.path:
         typer.echo("model.path is empty: using the warm-started tiny model (made and cached on first use)", err=True)
         swe, forgetful = "swe" in cfg.orchestrator.envs, cfg.model.warm_start == "forgetful"
-        cfg.model.path = str(quickstart_model_dir(swe, forgetful) if dry_run else
-                             quickstart_swe_model(forgetful) if swe else quickstart_model())
+        if fleet:  # the replicas' model, made even for --dry-run
+            cfg.model.path = str(quickstart_model())
+        else:
+            cfg.model.path = str(quickstart_model_dir(swe, forgetful) if dry_run else
+                                 quickstart_swe_model(forgetful) if swe else quickstart_model())
     if dry_run:
-        return print_run_config(cfg)
+        print_run_config(cfg)
+        raise typer.Exit()
     try:
         check(cfg)
     except PreflightError as exc:
         fail(str(exc))
+    return cfg
+
+
+@app.command("run", **CONFIG_COMMAND)
+def run_command(
+    ctx: typer.Context,
+    resume: bool = typer.Option(False, "--resume", help="Continue the run in run_dir from its last committed step."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the resolved config and exit."),
+) -> None:
+    """Run RL end to end (router, replicas, trainer, orchestrator); no CONFIG = the bundled quickstart."""
+    cfg = run_config(ctx, dry_run)
     from burstrl.launcher.run import Launcher, LaunchError, run_launcher
 
     launcher = Launcher

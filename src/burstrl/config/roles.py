@@ -105,6 +105,13 @@ class EngineConfig(Section):
         return self
 
 
+def tenant_key_field(needs: str, owned: str) -> Any:
+    """`tenant_key` of a replica's `server` and of the router: one fleet's key, so one definition."""
+    return Field("", description="Secret of a fleet shared by several runs (the router's and its replicas' are the "
+                 f"same): set, {needs} a tenant token (`<tenant>.<hex HMAC-SHA256(key, tenant)>`, from `burstrl "
+                 f"fleet token`), and each tenant's {owned} are its own; empty = no tenants (one run owns it).")
+
+
 class HttpServerSection(Section):
     host: str = Field("127.0.0.1", description="Bind address.")
     port: int = Field(8000, ge=0, le=65535, description="Bind port; 0 = any free port.")
@@ -115,12 +122,8 @@ class HttpServerSection(Section):
         "", description="Also accepted for reads of traces and per-session loads (the router's scrapes); "
         "empty = $BURSTRL_CLUSTER_TOKEN."
     )
-    tenant_key: str = Field(
-        "", description="Secret of a fleet shared by several runs: set, every generation call needs a tenant "
-        "token (`<tenant>.<hex HMAC-SHA256(key, tenant)>`) or the admin token, and each tenant's sessions, "
-        "traces, adapter versions and prefix cache are its own (protocol/tenants.py); empty = one run owns "
-        "the replica (no tenants)."
-    )
+    tenant_key: str = tenant_key_field("every generation call needs the admin token or",
+                                       "sessions, traces, adapter versions and prefix cache (protocol/tenants.py)")
     ssl_certfile: str = Field("", description="TLS certificate (PEM); with ssl_keyfile enables HTTPS.")
     ssl_keyfile: str = Field("", description="TLS private key (PEM).")
     max_body_bytes: int = Field(8 << 20, ge=1024, description="Largest JSON request body.")
@@ -281,11 +284,8 @@ class RouteConfig(Section):
         "", description="Bearer token replicas register with; empty = $BURSTRL_CLUSTER_TOKEN, else "
         "generated and printed to stderr."
     )
-    tenant_key: str = Field(
-        "", description="The fleet's tenant key (the replicas' `server.tenant_key`): set, generation calls, "
-        "/v1/assign, traces and /v1/models need a tenant token (traces and models also take the cluster "
-        "token), and each tenant's sessions and versions are its own (router/tenancy.py); empty = no tenants."
-    )
+    tenant_key: str = tenant_key_field("generation calls, /v1/assign, traces and /v1/models (the last two: or the "
+                                       "cluster token) need", "sessions and versions (router/tenancy.py)")
     policy: Literal["kv", "headroom", "random", "round_robin", "weighted_random", "smooth_wrr", "least_sessions",
                     "least_requests", "cache_aware"] = Field(
         "kv", description="Placement policy for new sessions (router/catalog.py; benchmarks in docs/benchmarks.md)."

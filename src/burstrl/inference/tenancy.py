@@ -16,6 +16,7 @@ With `tenant_key` empty every function here answers exactly as the replica did b
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -90,25 +91,29 @@ def generating(rep: InferenceReplica, request: Request) -> Caller:
     return caller
 
 
+def _fleet_or_tenant(rep: InferenceReplica, request: Request,
+                     require: Callable[[InferenceReplica, Request], None]) -> Caller:
+    """The fleet if the request passes `require` (a fleet token check), else the tenant of its tenant
+    token; neither: `require`'s 401."""
+    try:
+        require(rep, request)
+    except ApiError:
+        caller = _tenant(rep, request)
+        if caller is None:
+            raise
+        return caller
+    return FLEET
+
+
 def reading_traces(rep: InferenceReplica, request: Request) -> Caller:
     """Reading a trace: the admin or cluster token (every session), or a tenant token (its own)."""
-    if is_reader(rep, request):
-        return FLEET
-    caller = _tenant(rep, request)
-    if caller is None:
-        require_reader(rep, request)  # its 401
-    return caller  # type: ignore[return-value]  # require_reader raised otherwise
+    return _fleet_or_tenant(rep, request, require_reader)
 
 
 def owning(rep: InferenceReplica, request: Request) -> Caller:
     """Releasing a session or pushing, loading and unloading versions: the admin token (any name),
     or a tenant token (its own namespace); 401 else."""
-    if bearer_matches(request.headers, rep.admin_token):
-        return FLEET
-    caller = _tenant(rep, request)
-    if caller is None:
-        require_admin(rep, request)  # its 401
-    return caller  # type: ignore[return-value]  # require_admin raised otherwise
+    return _fleet_or_tenant(rep, request, require_admin)
 
 
 def viewing(rep: InferenceReplica, request: Request) -> Caller:

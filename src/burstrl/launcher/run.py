@@ -426,6 +426,15 @@ class Launcher:
         for role in (self.orchestrator, self.trainer):
             if role is not None:
                 role.stop(timeout=15.0)
+        self.stop_children()
+        if self.store is not None:
+            self.event(outcome, detail=detail)
+            self.store.close()
+            self.write_report()
+
+    def stop_children(self) -> None:
+        """Stop every replica, the router and the provider, close the HTTP client and the display, and
+        take launcher.json away: how both a run (`teardown`) and a shared fleet (`SharedFleet.teardown`) end."""
         if self.fleet is not None:
             self.fleet.close()
         if self.router is not None:
@@ -436,10 +445,6 @@ class Launcher:
         if self.display is not None:
             self.display.close()
         control.clear_launcher_info(self.run_dir)
-        if self.store is not None:
-            self.event(outcome, detail=detail)
-            self.store.close()
-            self.write_report()
 
     def write_report(self) -> None:
         from burstrl.eval.report import write_report

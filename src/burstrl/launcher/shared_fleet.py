@@ -149,13 +149,6 @@ class SharedFleet(Launcher):
     def teardown(self, outcome: str, detail: str) -> None:
         """Stop every replica and the router; the key stays (tokens minted from it stay valid)."""
         (self.run_dir / INFO_FILE).unlink(missing_ok=True)
-        if self.fleet is not None:
-            self.fleet.close()
-        if self.router is not None:
-            self.router.stop(timeout=5.0)
-        self.provider.close()
-        if self.http is not None:
-            self.http.close()
-        control.clear_launcher_info(self.run_dir)
+        self.stop_children()
         self.event(outcome.replace("run_", "fleet_"), detail=detail)
         print(f"fleet stopped ({outcome.replace('run_', '')})", file=sys.stderr, flush=True)
