@@ -12,9 +12,10 @@ token. FLEET_DIR/fleet.json says where the router is and where the key and the a
 A tenant whose run was killed with -9 (so nothing of it released its versions) is released by the
 fleet after `fleet.tenant_idle_s` without a call from its launcher (`idle_tenants.py`).
 
-The autoscaler is not applied here: its signals (the trainer's wait, the store's buffer) are one
-run's, and a fleet-wide signal from all tenants' demand is not built yet; `autoscale.enabled` is
-refused. Nor are tenants' weights and quotas (issue 51).
+The run's autoscaler is not applied here: its signals (the trainer's wait, the store's buffer) are one
+run's. With `autoscale.enabled` the fleet's own (`fleet_autoscale.py`) sizes the on-demand pool from
+all tenants' demand as the router's admission sees it (sessions waiting for a place, places in use),
+so it needs `router.max_sessions_per_replica` > 0 (issue 51).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from burstrl.atomic import write_text
 from burstrl.config import RunConfig, dump_toml
 from burstrl.deadline import sync_client
 from burstrl.launcher import control
+from burstrl.launcher.fleet_autoscale import FleetAutoscaler
 from burstrl.launcher.idle_tenants import IdleTenants
 from burstrl.launcher.run import Launcher, LaunchError, _cause, _get_json, _tail
 
@@ -69,9 +71,7 @@ def fleet_info(fleet_dir: Path) -> dict[str, Any]:
 
 class SharedFleet(Launcher):
     def __init__(self, cfg: RunConfig, live: bool | None = False) -> None:
-        if cfg.autoscale.enabled:
-            raise LaunchError("autoscale.enabled: a shared fleet does not autoscale yet (its signal would be all "
-                              "tenants' demand); size it with burstrl scale FLEET_DIR --replicas N")
+        self.autoscaler = FleetAutoscaler(cfg)  # before the provider starts: refuses a config it cannot serve
         super().__init__(cfg, resume=False, live=live)
         self.key = ""
         self.idle: IdleTenants | None = None
@@ -117,6 +117,7 @@ class SharedFleet(Launcher):
         while not self.check_roles():
             self.replace_dead()
             self.apply_scale_request()
+            self.autoscaler.check(self)
             self.fleet.finish_drains()
             self.idle.check([r.url for r in self.fleet.up()])
             self.sample()
