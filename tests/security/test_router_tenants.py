@@ -227,3 +227,46 @@ def test_pins_and_assignments_are_per_tenant(fleet: Fleet, policy_v1: str) -> No
     done = complete(fleet, A, [5, 6, 7], sid)
     assert done.headers[VERSION_HEADER] == policy_v1
     assert trace(fleet, A, sid).json()["replica"] == mine.json()["url"]
+
+
+OPEN_READS = ("/v1/replicas", "/v1/stats", "/metrics")
+
+
+def read(fleet: Fleet, path: str, token: str | None) -> httpx.Response:
+    r = HTTP.get(fleet.url(path), headers=auth(token), timeout=30)
+    assert r.status_code == 200, (path, token, r.text)  # open routes: a launcher's sample, fleet status, Prometheus
+    return r
+
+
+def test_open_read_routes_show_a_tenants_versions_to_that_tenant_only(fleet: Fleet, policy_v1: str) -> None:
+    """`/v1/replicas`, `/v1/stats` and `/metrics` need no token, and listed every version as stored
+    (`run-a~policy-v1`) to anyone: B, a forged token or nobody must not learn A's names from them."""
+    sid = "open-read-a"
+    complete(fleet, A, [5, 6, 7], sid, model=policy_v1)  # a live session on A's version: per-version stats
+    deadline = time.monotonic() + 30
+    while f"run-a~{policy_v1}" not in read(fleet, "/v1/stats", CLUSTER).json()["versions"]["live_sessions"]:
+        assert time.monotonic() < deadline, "the router never scraped A's live session"
+        time.sleep(0.2)
+    for token in (*FORGED, B, ADMIN_TOKEN):
+        for path in OPEN_READS:
+            text = read(fleet, path, token).text
+            assert "run-a" not in text and policy_v1 not in text, (path, token, text[:2000])
+        replicas = read(fleet, "/v1/replicas", token).json()["replicas"]
+        assert len(replicas) == 2 and all(r["versions"] == ["base"] and r["healthy"] for r in replicas), replicas
+        stats = read(fleet, "/v1/stats", token).json()
+        assert stats["versions"]["latest"] == "base" and set(stats["versions"]["live_sessions"]) <= {"base"}
+        assert stats["totals"]["sessions"] >= 1 and len(stats["replicas"]) == 2  # counts stay: they name nobody
+    # controls: A sees its own version as it knows it, and its own latest; the cluster token every name as stored
+    for path in OPEN_READS:
+        text = read(fleet, path, A).text
+        assert policy_v1 in text and "run-a~" not in text, (path, text[:2000])
+    assert all(r["versions"] == ["base", policy_v1] for r in read(fleet, "/v1/replicas", A).json()["replicas"])
+    mine = read(fleet, "/v1/stats", A).json()["versions"]
+    assert mine["latest"] == policy_v1 and mine["live_sessions"][policy_v1] >= 1, mine
+    assert f'version="{policy_v1}"' in read(fleet, "/metrics", A).text
+    everything = read(fleet, "/v1/stats", CLUSTER).json()
+    assert everything["versions"]["latest"] == f"run-a~{policy_v1}"
+    assert all(f"run-a~{policy_v1}" in r["versions"] for r in everything["replicas"])
+    assert f"run-a~{policy_v1}" in read(fleet, "/v1/replicas", CLUSTER).text
+    assert f'version="run-a~{policy_v1}"' in read(fleet, "/metrics", CLUSTER).text
+    assert trace(fleet, A, sid, "DELETE").status_code == 200

@@ -57,6 +57,7 @@ from burstrl.router.scrape import Scraper
 from burstrl.router.shares import Shares
 from burstrl.router.tenancy import FLEET, RouteCaller, check_served, generating, reading, resolve
 from burstrl.router.traces import forward_trace
+from burstrl.router.visibility import Viewer, replicas_answer, stats_answer, viewer
 
 log = logging.getLogger(__name__)
 
@@ -182,6 +183,10 @@ class Router:
         request.state.caller = generating(self.cfg.tenant_key, request.headers)
         return request.state.caller
 
+    def viewer(self, request: Request) -> Viewer:
+        """The reader of `/v1/replicas`, `/v1/stats` or `/metrics`: which versions it is shown (`visibility`)."""
+        return viewer(self.cfg.tenant_key, self.token, request.headers)
+
     def reading(self, request: Request) -> RouteCaller:
         """The caller of a trace route or `/v1/models` (`tenancy.reading`), kept for its errors."""
         request.state.caller = reading(self.cfg.tenant_key, self.token, request.headers)
@@ -290,11 +295,8 @@ def build_app(router: Router, on_ready: Callable[[], None] | None = None) -> Fas
         return {"url": url.rstrip("/"), "removed": True}
 
     @app.get("/v1/replicas")
-    async def list_replicas() -> dict[str, Any]:
-        return {"replicas": [{"url": v.id, "pool": v.pool, "weight": v.weight, "healthy": v.healthy,
-                              "draining": v.draining, "bad_reason": v.bad_reason,
-                              "capacity_tokens": v.capacity_tokens, "versions": sorted(v.versions)}
-                             for v in reg.replicas.values()]}
+    async def list_replicas(request: Request) -> dict[str, Any]:
+        return replicas_answer(reg, router.viewer(request))  # versions: only the caller's (visibility.py)
 
     @app.post("/v1/assign")
     async def assign(request: Request) -> dict[str, Any]:
@@ -316,12 +318,13 @@ def build_app(router: Router, on_ready: Callable[[], None] | None = None) -> Fas
         return {"url": view.id, "session_id": sid, "version": caller.shown(resolved)}
 
     @app.get("/v1/stats")
-    async def stats() -> dict[str, Any]:
-        return {**reg.stats(), "admission": router.shares.stats()}
+    async def stats(request: Request) -> dict[str, Any]:
+        return {**stats_answer(reg, router.viewer(request)), "admission": router.shares.stats()}
 
     @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(prometheus_text(reg.stats()), media_type="text/plain; version=0.0.4")
+    async def metrics(request: Request) -> PlainTextResponse:
+        text = prometheus_text(stats_answer(reg, router.viewer(request)))
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/traces/{session_id:path}")
     async def get_trace(session_id: str, request: Request, full: bool = False) -> Response:

@@ -15,7 +15,9 @@ is the newest version every pool serves among its own and `base` (`versions`).
 
 Who is who, with tenancy on: a tenant token acts in its namespace; the router's cluster token (its
 admin) keeps its replica routes and reads traces and `/v1/models` by the stored names; anyone
-else gets a 401. With `tenant_key` empty every function here answers exactly as the router did.
+else gets a 401. The open reads (`/v1/replicas`, `/v1/stats`, `/metrics`) refuse nobody but name
+only the versions the caller may see (`visibility.py`). With `tenant_key` empty every function
+here answers exactly as the router did.
 """
 
 from __future__ import annotations
