@@ -2,7 +2,9 @@
 
 The fleet (router + 2 replicas with a tenant key) outlives both runs; each run brings only its
 trainer and orchestrator, as tenant run-a or run-b. A third run, killed with -9, cannot release
-its versions: the fleet does after `fleet.tenant_idle_s`. Checks read the runs' own records (store ledger,
+its versions: the fleet does after `fleet.tenant_idle_s`. Before it is killed, with its trainer
+paused (no push of its own can come), `burstrl scale` adds a replica: the run's launcher pushes its
+newest version there (the catch-up push, `launcher/catch_up.py`). Checks read the runs' own records (store ledger,
 metrics.jsonl, fleet.jsonl) and the replicas' adapter lists as the fleet's admin token sees them.
 """
 
@@ -50,6 +52,49 @@ def stored_versions(router: str, admin: str) -> set[str]:
     return names
 
 
+def tenant_models(url: str, tok: str) -> list[str]:
+    """The versions a replica serves as the tenant sees them."""
+    r = httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {tok}"}, timeout=5)
+    return [m["id"] for m in r.json()["data"]] if r.status_code == 200 else []
+
+
+def newest_version(run_dir: Path) -> int:
+    return max(int(p.name.removeprefix("policy-v")) for p in (run_dir / "adapters").glob("policy-v*"))
+
+
+def catch_up_on_a_new_replica(fleet_dir: Path, router: str, run_dir: Path, tok: str, proc: subprocess.Popen) -> None:
+    """Issue 51: a replica added while the run's trainer is paused serves the run's newest version
+    within seconds (pushed by the run's launcher); without the catch-up it would wait for the next push."""
+    trainer = [int(p) for p in subprocess.run(["pgrep", "-f", str(run_dir / "roles" / "train.toml")],
+                                              capture_output=True, text=True).stdout.split()]
+    assert trainer, "the run's trainer is found by its config's path"
+    for pid in trainer:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        def listed() -> set[str]:
+            r = httpx.get(f"{router}/v1/fleet/replicas", headers={"Authorization": f"Bearer {tok}"}, timeout=5)
+            return set(r.json()["replicas"])
+
+        before, newest = listed(), newest_version(run_dir)
+        scaled = subprocess.run(burstrl_cmd("scale", str(fleet_dir), "--replicas", "3"), capture_output=True,
+                                text=True, timeout=120)
+        assert scaled.returncode == 0, scaled.stdout + scaled.stderr
+        new = wait_until(lambda: listed() - before, 180, "the added replica to be listed", proc, run_dir)
+        joined, (url,) = time.monotonic(), new
+        wait_until(lambda: f"policy-v{newest}" in tenant_models(url, tok), 30,
+                   f"the added replica to serve policy-v{newest}", proc, run_dir)
+        print(f"added replica serves policy-v{newest} {time.monotonic() - joined:.2f} s after it was listed")
+        assert newest_version(run_dir) == newest, "the trainer was paused: no push of its own reached it"
+        # logged by the launcher's loop once the push's thread is done (within a second)
+        wait_until(lambda: [e for e in events(run_dir, "catch_up_push")
+                            if e["detail"].startswith(f"policy-v{newest} to {url} in ")], 10, "the catch-up's event")
+        pushed = events(run_dir, "catch_up_push")
+        assert all(url in e["detail"] for e in pushed), f"only the new replica was caught up: {pushed}"
+    finally:
+        for pid in trainer:
+            os.kill(pid, signal.SIGCONT)
+
+
 def fleet_pids(fleet_dir: Path) -> list[int]:
     """Processes whose command line names the fleet's directory (its replicas, router, zygote)."""
     out = subprocess.run(["pgrep", "-f", str(fleet_dir)], capture_output=True, text=True).stdout
@@ -90,6 +135,7 @@ def test_two_runs_train_at_once_on_one_fleet_and_release_it(tmp_path: Path, warm
             print(name, "attempts:", audit(run_dir, steps=2))
             pushed = [m for m in read_jsonl(run_dir / "metrics.jsonl") if m.get("push_ok")]
             assert pushed and all(not m["push_failed"] for m in pushed), f"{name} pushed to the fleet's replicas"
+            assert not events(run_dir, "catch_up_push"), "no replica joined late: the trainer's pushes did it all"
             released = events(run_dir, "versions_released")
             assert released and "policy-v1" in released[-1]["detail"], released
             assert "failed: 0" in released[-1]["detail"], released
@@ -111,10 +157,11 @@ def test_two_runs_train_at_once_on_one_fleet_and_release_it(tmp_path: Path, warm
         assert answer["router_up"] and len(answer["replicas"]) == 2 and all(r["healthy"] for r in answer["replicas"])
         # a run killed with -9 cannot release its versions: the fleet does, once it has been quiet for 8 s
         killed = tmp_path / "run-k"
-        proc = start_run(killed, warm_model, "--fleet.url", router, "--fleet.token", token(fleet_dir, "run-k"),
-                         "--trainer.steps", "1000")
+        tok_k = token(fleet_dir, "run-k")
+        proc = start_run(killed, warm_model, "--fleet.url", router, "--fleet.token", tok_k, "--trainer.steps", "1000")
         wait_until(lambda: "run-k~policy-v1" in stored_versions(router, admin), 240, "run-k's first version", proc,
                    killed)
+        catch_up_on_a_new_replica(fleet_dir, router, killed, tok_k, proc)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
         wait_until(lambda: not [n for n in stored_versions(router, admin) if n.startswith("run-k~")], 90,

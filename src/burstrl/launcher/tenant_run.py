@@ -10,20 +10,25 @@ in its namespace on the fleet (`policy-v3` of tenant `run-a` is `run-a~policy-v3
 
 The trainer pushes each version to the replicas listed in RUN_DIR/replicas.txt, as in any run; here
 the launcher keeps that list current by asking the fleet (`GET /v1/fleet/replicas`) every few
-seconds. When the run ends, however it ends short of SIGKILL, the launcher unloads the run's
-versions from every fleet replica with its token (best effort, counted in fleet.jsonl); its sessions
-were released by the orchestrator, and any left expire on the replicas' session TTL.
+seconds, and pushes the run's newest version to a replica that joins the fleet late (a replacement,
+a scale-up: it cannot read the run's volume as a late joiner of a run's own fleet does) at once,
+not at the trainer's next push (`catch_up.py`). When the run ends, however it ends short of
+SIGKILL, the launcher unloads the run's versions from every fleet replica with its token (best
+effort, counted in fleet.jsonl); its sessions were released by the orchestrator, and any left
+expire on the replicas' session TTL.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 from burstrl.atomic import write_text
 from burstrl.config import RunConfig, dump_toml
 from burstrl.deadline import CallFailed, fetch, sync_client
+from burstrl.launcher.catch_up import CatchUp
 from burstrl.launcher.run import Launcher, LaunchError
 
 REPLICA_POLL_S = 2.0  # how often the run asks the fleet which replicas its trainer pushes to
@@ -40,6 +45,7 @@ class TenantLauncher(Launcher):
         self.fleet_replicas: list[str] = []
         self.last_replica_poll = 0.0
         self.replica_poll_errors = 0
+        self.catch_up: CatchUp | None = None
 
     def role_env(self) -> dict[str, str]:
         """The tenant token where a run with its own fleet gives the replicas' admin token, and as the
@@ -62,7 +68,18 @@ class TenantLauncher(Launcher):
             fleet = self.cfg.fleet.model_copy(update={"token": ""})
             (self.run_dir / "run_config.toml").write_text(dump_toml(self.cfg.model_copy(update={"fleet": fleet})))
             self.write_replicas(urls)
+            self.catch_up = self.make_catch_up()
         return done
+
+    def make_catch_up(self) -> CatchUp:
+        """Pushes as the trainer's: its volume, ranks, serving dtype and TLS settings, the tenant token."""
+        from burstrl.trainer.publish import serving_dtype
+
+        train = self.cfg.train_config()
+        w = train.weights
+        return CatchUp(Path(w.volume), self.token, w.ca_file or w.verify_tls,
+                       lambda name, detail: self.event(name, detail=detail), senders=train.trainer.world_size,
+                       dtype=serving_dtype(train), retries=1)
 
     def start_roles(self) -> None:
         self.event("fleet_joined", detail=f"{self.url} as tenant {self.tenant}: {len(self.fleet_replicas)} replicas")
@@ -72,6 +89,8 @@ class TenantLauncher(Launcher):
     def supervise(self) -> None:
         while not self.check_roles():
             self.poll_replicas()
+            if self.catch_up is not None:  # after the replicas file is written (see catch_up.py)
+                self.catch_up.poll(self.fleet_replicas)
             self.poll_sandbox_nodes()
             self.sample()
             time.sleep(0.5)
@@ -117,7 +136,8 @@ class TenantLauncher(Launcher):
         self.last_sample = now
         sample = {"t": time.time(), "kind": "sample", "step": self.store.last_step(),
                   "buffered": self.store.buffered_count(), "replicas": {"shared": len(self.fleet_replicas)},
-                  "routable": len(self.fleet_replicas), "cache_hit_rate": None, "sessions": None, "spot_losses": None}
+                  "routable": len(self.fleet_replicas), "cache_hit_rate": None, "sessions": None, "spot_losses": None,
+                  **(self.catch_up.counts() if self.catch_up is not None else {})}
         self._append(sample)
         self.display.update(self.snapshot(sample))
 
@@ -131,6 +151,8 @@ class TenantLauncher(Launcher):
         for role in (self.orchestrator, self.trainer):
             if role is not None:
                 role.stop(timeout=15.0)
+        if self.catch_up is not None:  # a push in flight must not land after the release
+            self.catch_up.close()
         if self.http is not None:
             self.release_versions()
         super().teardown(outcome, detail)

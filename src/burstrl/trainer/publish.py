@@ -16,12 +16,14 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from burstrl.config import TrainConfig
 from burstrl.protocol.adapters import Packer
 from burstrl.protocol.versions import version_name
-from burstrl.trainer.dist import Dist
+
+if TYPE_CHECKING:  # no torch for what needs none (`serving_dtype`: the tenant launcher's catch-up push)
+    from burstrl.trainer.dist import Dist
 
 
 class NonFiniteAdapter(ValueError):
