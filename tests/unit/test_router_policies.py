@@ -158,6 +158,17 @@ def test_newest_routable_version_needs_every_pool():
     assert newest_routable_version(views, pools=("reserved", "spot")) is None
 
 
+def test_a_replica_whose_versions_are_not_read_yet_holds_no_version_back():
+    """The first replica of a new pool (an on-demand pool scaled 0 -> 1) registers healthy before its
+    first scrape: until then it serves nothing known, and must not make `latest` unresolvable."""
+    views = [replica("r", pool="reserved", versions=("base", "policy-v3")),
+             replica("o", pool="on_demand", versions=())]
+    assert newest_routable_version(views) == "policy-v3"
+    views[1].versions = {"base"}  # read: it serves only base so far, and the pools' common newest is base
+    assert newest_routable_version(views) == "base"
+    assert newest_routable_version([replica("x", versions=())]) is None
+
+
 def test_random_and_round_robin():
     views = [replica("a"), replica("b"), replica("c")]
     rr = RoundRobinPolicy()

@@ -97,9 +97,11 @@ def newest_routable_version(replicas: list[ReplicaView], pools: tuple[str, ...] 
     Why every pool: new sessions must be placeable anywhere, and a version only on the reserved
     pool would pile the new sessions there while on-demand replicas are still loading it.
     `pools` defaults to the pools that have a healthy replica; `among` keeps only the versions it
-    accepts (a tenant's own and `base`: `router.tenancy`).
+    accepts (a tenant's own and `base`: `router.tenancy`). A replica whose versions are not read yet
+    (just registered: every replica serves at least `base` once read) does not count: the first
+    replica of a new pool would otherwise make every version unroutable until its first scrape.
     """
-    healthy = [r for r in replicas if r.healthy]
+    healthy = [r for r in replicas if r.healthy and r.versions]
     wanted = pools if pools is not None else tuple(sorted({r.pool for r in healthy}))
     if not wanted:
         return None
