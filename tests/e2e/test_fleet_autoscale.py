@@ -30,11 +30,7 @@ def start_autoscaled_fleet(fleet_dir: Path, model: Path) -> subprocess.Popen:
     cmd = burstrl_cmd("fleet", "up", "--run_dir", str(fleet_dir), "--model.path", str(model), "--fleet.reserved",
                       "1", "--fleet.on_demand", "0", "--engine.num_threads", "1", "--fleet.start_timeout_s", "120",
                       "--router.max_sessions_per_replica", "1", "--autoscale.enabled", "true",
-                      "--autoscale.max_on_demand", "1", "--autoscale.interval_s", "2",
-                      # `latest` from the reserved pool alone: a replica of a new pool registers before the
-                      # router has scraped its versions, and until then no version is served by "every pool"
-                      # (a 503 for the session admitted at that moment; the router's, reported in issue 51)
-                      "--router.version_pools", '["reserved"]')
+                      "--autoscale.max_on_demand", "1", "--autoscale.interval_s", "2")
     return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
