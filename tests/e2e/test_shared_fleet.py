@@ -104,6 +104,7 @@ def fleet_pids(fleet_dir: Path) -> list[int]:
 def test_two_runs_train_at_once_on_one_fleet_and_release_it(tmp_path: Path, warm_model: Path) -> None:
     fleet_dir = tmp_path / "fleet"
     fleet = start_fleet(fleet_dir, warm_model)
+    runs_started: list[subprocess.Popen] = []
     try:
         info = wait_until(lambda: (fleet_dir / "fleet.json").exists() and json.loads(
             (fleet_dir / "fleet.json").read_text()), 240, "the fleet's ready file", fleet, fleet_dir)
@@ -112,6 +113,7 @@ def test_two_runs_train_at_once_on_one_fleet_and_release_it(tmp_path: Path, warm
         runs = {name: tmp_path / name for name in ("run-a", "run-b")}
         procs = {name: start_run(d, warm_model, "--fleet.url", router, "--fleet.token", token(fleet_dir, name),
                                  "--trainer.steps", "2") for name, d in runs.items()}
+        runs_started.extend(procs.values())
         seen: set[str] = set()
         done = threading.Event()
 
@@ -159,6 +161,7 @@ def test_two_runs_train_at_once_on_one_fleet_and_release_it(tmp_path: Path, warm
         killed = tmp_path / "run-k"
         tok_k = token(fleet_dir, "run-k")
         proc = start_run(killed, warm_model, "--fleet.url", router, "--fleet.token", tok_k, "--trainer.steps", "1000")
+        runs_started.append(proc)
         wait_until(lambda: "run-k~policy-v1" in stored_versions(router, admin), 240, "run-k's first version", proc,
                    killed)
         catch_up_on_a_new_replica(fleet_dir, router, killed, tok_k, proc)
@@ -171,6 +174,10 @@ def test_two_runs_train_at_once_on_one_fleet_and_release_it(tmp_path: Path, warm
         pids = fleet_pids(fleet_dir)
         assert pids, "the fleet's processes are found by its directory"
     finally:
+        for run in runs_started:  # a failed check must not leave a run (run-k trains 1000 steps) behind
+            if run.poll() is None:
+                os.killpg(run.pid, signal.SIGKILL)
+                run.wait(timeout=30)
         if fleet.poll() is None:
             os.killpg(fleet.pid, signal.SIGTERM)
         code = fleet.wait(timeout=120)
