@@ -178,9 +178,12 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 _DURATIONS = json.loads((Path(__file__).with_name("durations.json")).read_text())
 # Files that each start multi-node Ray clusters (several processes per node) run one after another,
 # on one worker: with every Ray file and the other e2e runs at once, 2 cores reached load 24.
-_SERIAL_UNITS = {"ray-nodes": ("tests/e2e/test_ray_spot.py", "tests/e2e/test_ray_sandbox.py")}
-# (The two vLLM server modules were one serial unit at 1dcba82: the suite took 25:01 against 22:29
-# with them apart, since ~500 s of vLLM then sat on one worker's critical path.)
+# The three files that run vLLM servers, likewise: one vLLM at a time (tests/vllm_env.py's
+# `vllm_slot`: three at once took the machine to Ray's memory monitor in CI), and as one unit the
+# waiting happens on one worker (apart, at 88ecd30, two workers sat in the lock for 3.6 and 7.4 min).
+_SERIAL_UNITS = {"ray-nodes": ("tests/e2e/test_ray_spot.py", "tests/e2e/test_ray_sandbox.py"),
+                 "vllm-servers": ("tests/integration/test_vllm_bf16.py", "tests/integration/test_vllm_replica.py",
+                                  "tests/e2e/test_vllm_loop.py")}
 
 
 def _unit(path: str) -> str:
