@@ -129,3 +129,71 @@ def _drain(router: RoleProcess, calls: dict[Future[httpx.Response], tuple[str, s
                 release(router, token, sid)
                 released.add(sid)
         time.sleep(0.05)
+
+
+# --- KV-token quotas (router.tenants.<name>.max_kv_tokens) ----------------------------------------
+
+KV_CAP = 100_000  # run-a's KV quota: 3 long sessions (30 003 projected tokens each) and one short one
+LONG = {"model": "latest", "prompt": [5, 6, 7], "max_tokens": 30_000}  # token-in: projected 3 + 30 000 tokens
+
+
+@pytest.fixture(scope="module")
+def kv_router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RoleProcess]:
+    """No session places (nothing waits), only run-a's KV quota; run-b is uncapped."""
+    replicas = [StandInReplica(capacity_tokens=1_000_000), StandInReplica(capacity_tokens=1_000_000)]
+    proc = None
+    try:
+        proc = process.start_router(
+            tmp_path_factory.mktemp("router-kv-quota"), "--cluster_token", CLUSTER, "--tenant_key", KEY,
+            "--replicas", json.dumps([r.url for r in replicas]), "--scrape_s", "0.2",
+            "--tenants", json.dumps({"run-a": {"max_kv_tokens": KV_CAP}}))
+        yield proc
+    finally:
+        if proc is not None:
+            proc.stop()
+        for r in replicas:
+            r.close()
+
+
+def open_long(router: RoleProcess, token: str, sid: str) -> httpx.Response:
+    return HTTP.post(router.url + "/v1/completions", json={**LONG, "session_id": sid},
+                     headers={"authorization": f"Bearer {token}"}, timeout=60)
+
+
+def kv_refusals(router: RoleProcess) -> int:
+    text = HTTP.get(router.url + "/metrics", timeout=10).text
+    return int(next(line.split()[1] for line in text.splitlines()
+                    if line.startswith("burstrl_router_admission_kv_quota_refusals_total ")))
+
+
+def test_flood_of_long_sessions_is_refused_past_the_kv_quota(kv_router: RoleProcess) -> None:
+    """run-a floods long sessions at once: 3 fit its KV quota and every other one is a 429 naming
+    max_kv_tokens (concurrent calls cannot race past it), while run-b is admitted throughout. Known
+    sessions keep calling; a released long session frees room for another."""
+    with ThreadPoolExecutor(16) as pool:
+        flood = list(pool.map(lambda i: open_long(kv_router, A, f"a-long-{i}"), range(12)))
+        theirs = list(pool.map(lambda i: open_long(kv_router, B, f"b-long-{i}"), range(8)))  # honest control
+    admitted = [i for i, r in enumerate(flood) if r.status_code == 200]
+    assert len(admitted) == 3, [r.status_code for r in flood]
+    for r in flood:
+        if r.status_code != 200:
+            assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error", r.text
+            assert "router.tenants.run-a.max_kv_tokens = 100000" in r.json()["error"]["message"], r.text
+    assert [r.status_code for r in theirs] == [200] * 8
+    assert kv_refusals(kv_router) == 9
+
+    chat = {"model": "latest", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    short = [HTTP.post(kv_router.url + "/v1/chat/completions", json={**chat, "session_id": f"a-short-{i}"},
+                       headers={"authorization": f"Bearer {A}"}, timeout=60) for i in range(2)]
+    assert [r.status_code for r in short] == [200, 429], "a short session (8192 projected) fits what is left"
+    assign = HTTP.post(kv_router.url + "/v1/assign", json={"session_id": "a-hinted", "expected_tokens": 200_000},
+                       headers={"authorization": f"Bearer {A}"}, timeout=30)
+    assert assign.status_code == 429 and "max_kv_tokens" in assign.text, assign.text
+    again = open_long(kv_router, A, f"a-long-{admitted[0]}")  # a known session's call always passes
+    assert again.status_code == 200, again.text
+
+    release(kv_router, A, f"a-long-{admitted[0]}")
+    assert open_long(kv_router, A, "a-long-after").status_code == 200
+    assert open_long(kv_router, A, "a-long-over").status_code == 429
+    assert open_long(kv_router, B, "b-long-after").status_code == 200
+    assert kv_refusals(kv_router) == 12

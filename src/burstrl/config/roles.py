@@ -273,6 +273,14 @@ class TenantLimits(Section):
                           "proportion to the other waiting tenants' weights.")
     max_sessions: int = Field(0, ge=0, description="Its live plus waiting sessions at most; a new session "
                               "beyond gets a 429. 0 = no cap.")
+    max_kv_tokens: int = Field(0, ge=0, description="KV tokens its live plus waiting sessions are projected to "
+                               "hold at their final sizes (the size model placement uses), at most; a new "
+                               "session that would take it past gets a 429. 0 (or null) = no cap.")
+
+    @field_validator("max_kv_tokens", mode="before")
+    @classmethod
+    def _no_kv_cap(cls, value: Any) -> Any:
+        return 0 if value is None else value
 
 
 class RouteConfig(Section):

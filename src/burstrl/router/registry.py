@@ -87,6 +87,7 @@ class RouterCounters:
     admitted: int = 0  # new sessions given a place by admission control (router/shares.py; 0 while it is off)
     admission_waits: int = 0  # of those and the rest: new sessions that had to queue for a place
     admission_quota_refusals: int = 0  # 429s: a tenant at its `max_sessions`
+    admission_kv_quota_refusals: int = 0  # 429s: a new session projected past its tenant's `max_kv_tokens`
     admission_timeouts: int = 0  # 503s: no place within `admission_timeout_s`
     admission_abandoned: int = 0  # waiters whose client hung up (or was cancelled) before a place
 

@@ -311,7 +311,7 @@ def build_app(router: Router, on_ready: Callable[[], None] | None = None) -> Fas
             raise RouteError(400, f"expected_tokens must be an integer in [0, {MAX_TOKENS_HINT}]")
         kind = task_kind_of(body, request.headers)
         key = caller.session(sid)
-        async with router.shares.admission(caller.tenant, key, request.is_disconnected), router.lock:
+        async with router.shares.admission(caller.tenant, key, request.is_disconnected, kind, expected), router.lock:
             resolved = resolve(reg, caller, key, version)
             check_served(reg, caller, key, resolved, version)
             view = reg.place(key, resolved, expected, kind)
@@ -369,14 +369,15 @@ async def proxy(router: Router, request: Request, path: str) -> Response:
         raise RouteError(400, "request body must be a JSON object with a string `model`")
     sid, kind = session_id_of(body, request.headers), task_kind_of(body, request.headers)
     key, headers = caller.session(sid), caller.upstream(request.headers)
-    async with router.shares.admission(caller.tenant, key, request.is_disconnected):  # new sessions only
+    hint = first_call_tokens(body)
+    async with router.shares.admission(caller.tenant, key, request.is_disconnected, kind, hint):  # new sessions only
         for _ in range(2):
             async with router.lock:
                 version = resolve(reg, caller, key, body["model"])
                 check_served(reg, caller, key, version, body["model"])
                 placing = key is None or key not in reg.homes or reg.may_move(key)  # its prompt's cached blocks count
                 blocks = prompt_blocks(body, version, caller) if placing else ()
-                url = reg.place(key, version, first_call_tokens(body), kind, blocks, BLOCK_TOKENS).id
+                url = reg.place(key, version, hint, kind, blocks, BLOCK_TOKENS).id
                 reg.call_started(url)
             if caller.shown(version) != body["model"]:  # `latest`: the replica must see the concrete version
                 body["model"] = caller.shown(version)

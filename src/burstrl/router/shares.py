@@ -11,7 +11,12 @@ reserved: a tenant alone takes every place (idle share goes to whoever has work)
 below its share is admitted before one above it however many that one has waiting.
 
 A quota (`router.tenants.<name>.max_sessions`) caps a tenant's live plus waiting sessions: beyond
-it a new session gets a 429 at once, so a flood cannot fill the queues either.
+it a new session gets a 429 at once, so a flood cannot fill the queues either. A KV quota
+(`router.tenants.<name>.max_kv_tokens`) caps the KV tokens its live plus waiting sessions are
+projected to hold at their final sizes, the figure placement uses (router/kv_quota.py says why final
+and not current sizes): a new session whose projection would take its tenant past it gets a 429 at
+once. Both are checked when a session starts; a live session growing past its projection is not cut
+off (its calls pass), but its tenant starts no new one until the total is back under the cap.
 
 What counts: live sessions are the registry's homes in the tenant's namespace (`<tenant>~<sid>`;
 without tenancy every session is tenant '') on a healthy replica, plus sessions admitted and not
@@ -34,6 +39,7 @@ from dataclasses import dataclass, field
 
 from burstrl.config import RouteConfig
 from burstrl.protocol.tenants import owner
+from burstrl.router.kv_quota import homed_kv, new_session_kv, refusal_message
 from burstrl.router.registry import Registry, RouteError
 
 POLL_S = 0.05  # how often a waiter looks for a freed place and for its client having hung up
@@ -47,6 +53,7 @@ class Waiter:
     key: str
     tenant: str
     arrival_s: float
+    kv: float = 0.0  # its projected final size (tokens), held against its tenant's KV quota while it waits
     granted: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -70,12 +77,13 @@ class Shares:
         self.registry, self.clock, self.poll_s = registry, clock, poll_s
         self.queues: dict[str, deque[Waiter]] = {}
         self.pending: dict[str, str] = {}  # admitted, not yet homed (its placement runs): key -> tenant
+        self.pending_kv: dict[str, float] = {}  # of those: key -> projected final size at admission
         self._last_dispatch = -math.inf
 
     @property
     def enabled(self) -> bool:
         """Whether admission control is configured at all (places, or any tenant's quota)."""
-        return self.per_replica > 0 or any(t.max_sessions for t in self.limits.values())
+        return self.per_replica > 0 or any(t.max_sessions or t.max_kv_tokens for t in self.limits.values())
 
     def weight(self, tenant: str) -> float:
         limits = self.limits.get(tenant)
@@ -84,6 +92,19 @@ class Shares:
     def cap(self, tenant: str) -> int:
         limits = self.limits.get(tenant)
         return limits.max_sessions if limits is not None else 0
+
+    def kv_cap(self, tenant: str) -> int:
+        limits = self.limits.get(tenant)
+        return limits.max_kv_tokens if limits is not None else 0
+
+    def kv_held(self, tenant: str) -> float:
+        """Projected final KV tokens of `tenant`'s sessions: homed on a healthy replica (`kv_quota.homed_kv`),
+        admitted and not yet homed there, and waiting for a place; those on a dead replica weigh nothing."""
+        up = {url for url, view in self.registry.replicas.items() if view.healthy}
+        total, homed = homed_kv(self.registry, tenant, up)
+        total += sum(self.pending_kv.get(key, 0.0) for key, who in self.pending.items()
+                     if who == tenant and key not in homed)
+        return total + sum(w.kv for w in self.queues.get(tenant, ()))
 
     def places(self) -> float:
         """Session places of the fleet now: per-replica places x healthy, undrained replicas (inf: no cap)."""
@@ -124,25 +145,32 @@ class Shares:
         return index.isdigit() and parent in self.registry.homes
 
     @asynccontextmanager
-    async def admission(self, tenant: str | None, key: str | None,
-                        gone: Callable[[], Awaitable[bool]]) -> AsyncIterator[None]:
+    async def admission(self, tenant: str | None, key: str | None, gone: Callable[[], Awaitable[bool]],
+                        kind: str = "default", expected_tokens: int = 0) -> AsyncIterator[None]:
         """Around a call's placement: waits for (or refuses) a place if `key` is a new session.
 
-        The place is held as pending until the body ends; by then the session is homed (and counted
-        there) or its placement failed (and the place is free again).
+        `kind` and `expected_tokens` are what placement sizes the session by (its task kind, and the
+        `/v1/assign` hint or the first call's token-in prompt plus max_tokens): the KV quota weighs
+        it by the same projection. The place is held as pending until the body ends; by then the
+        session is homed (and counted there) or its placement failed (and the place is free again).
         """
         if not self.enabled or key is None or self._known(key):
             yield
             return
-        await self.admit(key, tenant or FLEET_TENANT, gone)
+        await self.admit(key, tenant or FLEET_TENANT, gone, kind, expected_tokens)
         try:
             yield
         finally:
-            self.pending.pop(key, None)
+            self._release(key)
             self.dispatch(force=True)
 
-    async def admit(self, key: str, tenant: str, gone: Callable[[], Awaitable[bool]]) -> None:
-        """Give `key` a place now, or queue it until the fair pick gives it one; 429 over quota, 503 late."""
+    def _release(self, key: str) -> None:
+        self.pending.pop(key, None)
+        self.pending_kv.pop(key, None)
+
+    async def admit(self, key: str, tenant: str, gone: Callable[[], Awaitable[bool]],
+                    kind: str = "default", expected_tokens: int = 0) -> None:
+        """Give `key` a place now, or queue it until the fair pick gives it one; 429 over a quota, 503 late."""
         counters = self.registry.counters
         live = self.live()
         cap = self.cap(tenant)
@@ -152,10 +180,16 @@ class Shares:
             raise RouteError(429, f"tenant quota reached: {cap} sessions live or waiting "
                              f"(router.tenants.{name}.max_sessions = {cap}); "
                              "end a session or try again later", "rate_limit_error")
+        kv, kv_cap = 0.0, self.kv_cap(tenant)
+        if kv_cap:
+            kv, held = new_session_kv(self.registry, kind, expected_tokens), self.kv_held(tenant)
+            if held + kv > kv_cap:
+                counters.admission_kv_quota_refusals += 1
+                raise RouteError(429, refusal_message(tenant, kv_cap, held, kv), "rate_limit_error")
         if not self.waiting() and sum(live.values()) < self.places():
-            self._grant(key, tenant)
+            self._grant(key, tenant, kv)
             return
-        waiter = Waiter(key, tenant, self.clock())
+        waiter = Waiter(key, tenant, self.clock(), kv)
         self.queues.setdefault(tenant, deque()).append(waiter)
         counters.admission_waits += 1
         try:
@@ -197,11 +231,13 @@ class Shares:
             if not queue:
                 del self.queues[waiter.tenant]
         elif waiter.granted.is_set():
-            self.pending.pop(waiter.key, None)
+            self._release(waiter.key)
         self.dispatch(force=True)
 
-    def _grant(self, key: str, tenant: str) -> None:
+    def _grant(self, key: str, tenant: str, kv: float = 0.0) -> None:
         self.pending[key] = tenant
+        if kv:
+            self.pending_kv[key] = kv
         self.registry.counters.admitted += 1
 
     def dispatch(self, force: bool = False) -> None:
@@ -220,7 +256,7 @@ class Shares:
             waiter = self.queues[tenant].popleft()
             if not self.queues[tenant]:
                 del self.queues[tenant]
-            self._grant(waiter.key, tenant)
+            self._grant(waiter.key, tenant, waiter.kv)
             waiter.granted.set()
             live[tenant] += 1
             free -= 1
