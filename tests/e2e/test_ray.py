@@ -68,6 +68,14 @@ def served(url: str) -> set[str]:
         return set()
 
 
+def served_replicas(router: str) -> int:
+    """The replicas a router routes to (0 while it does not answer: a restart)."""
+    try:
+        return HTTP.get(f"{router}/health", timeout=5).json().get("replicas", 0)
+    except (httpx.HTTPError, ValueError):
+        return 0
+
+
 def newest_version(run_dir: Path) -> int:
     from burstrl.weights.volume import latest
 
@@ -274,3 +282,77 @@ def test_replicas_fork_from_their_nodes_zygote_and_die_with_their_actor(tmp_path
                "close() to stop the zygote and every replica")
     with pytest.raises(ray.exceptions.RayActorError):  # and the spare actor
         ray.get(spare.node.remote(), timeout=60)
+
+
+def test_a_shared_fleet_on_ray_serves_a_tenant_run_replaces_a_replica_and_stops_every_actor(
+        tmp_path: Path, warm_model: Path, ray_address: str) -> None:
+    """Issue 51 on Ray: `burstrl fleet up --provider ray` runs its router, replicas (forked from the
+    node's zygote) and spare actors on the cluster; a tenant run (its trainer an actor too, its
+    orchestrator beside its driver) trains 2 steps on it and releases its versions; a killed replica
+    is replaced from the spare; SIGTERM ends the fleet with every one of its actors and processes."""
+    from ray._private import state  # the GCS's tables: this cluster runs no dashboard for ray.util.state
+
+    from burstrl.protocol.tenants import tenant_token
+
+    fleet_dir = tmp_path / "fleet"
+    fleet_dir.mkdir()
+    out = open(tmp_path / "fleet.out", "w")  # output(fleet_dir) shows it
+    fleet = subprocess.Popen(burstrl_cmd("fleet", "up", "--run_dir", str(fleet_dir), "--model.path", str(warm_model),
+                                         "--provider", "ray", "--ray.address", ray_address, "--fleet.reserved", "1",
+                                         "--fleet.on_demand", "1", "--engine.num_threads", "1",
+                                         "--fleet.start_timeout_s", "120"),
+                             stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    tenant: subprocess.Popen | None = None
+    try:
+        info = wait_until(lambda: (fleet_dir / "fleet.json").exists() and json.loads(
+            (fleet_dir / "fleet.json").read_text()), 180, "the fleet's ready file", fleet, fleet_dir)
+        router = info["router"]
+        wait_until(lambda: served_replicas(router) == 2, 120, "both replicas routable", fleet, fleet_dir)
+
+        run_dir = tmp_path / "run-a"
+        tok = tenant_token((fleet_dir / "tenant.key").read_text().strip(), "run-a")
+        tenant = start_ray_run(run_dir, warm_model, ray_address, "--fleet.url", router, "--fleet.token", tok,
+                               "--trainer.steps", "2")
+        finish(tenant, run_dir, timeout=300)
+        audit(run_dir, 2)
+        pushed = [m for m in read_jsonl(run_dir / "metrics.jsonl") if m.get("push_ok")]
+        assert pushed and all(not m["push_failed"] for m in pushed), "the trainer pushed to the fleet's replicas"
+        released = events(run_dir, "versions_released")
+        assert released and "on 2 of 2 replicas" in released[-1]["detail"] and "failed: 0" in released[-1]["detail"]
+        assert fleet.poll() is None, "the fleet outlives its tenant"
+
+        # a replica's process dies: the fleet replaces it (forked, in the spare actor)
+        zygote = pgrep(str(fleet_dir / "logs" / "zygote"))
+        replicas = [p for p in zygote if parent(p) in zygote]  # forks keep the zygote's argv
+        assert len(replicas) == 2, zygote
+        os.kill(replicas[0], signal.SIGKILL)
+        wait_until(lambda: [e for e in events(fleet_dir, "replica_started") if "(replaces " in e["detail"]], 120,
+                   "the dead replica's replacement", fleet, fleet_dir)
+        wait_until(lambda: served_replicas(router) == 2, 60, "2 replicas routable again", fleet, fleet_dir)
+
+        # the router's process dies: Ray restarts its actor at the same address, the fleet re-registers
+        [router_pid] = pgrep(str(fleet_dir / "roles" / "router.toml"))
+        os.kill(router_pid, signal.SIGKILL)
+        wait_until(lambda: events(fleet_dir, "router_restarted"), 120, "the router's restart", fleet, fleet_dir)
+        wait_until(lambda: served_replicas(router) == 2, 60, "2 replicas routable after the restart", fleet,
+                   fleet_dir)
+
+        # the fleet's actors: those of the Ray job whose driver is the fleet's process
+        [job] = [j["JobID"] for j in state.jobs() if j["DriverPid"] == fleet.pid]
+        actors = {a["ActorID"]: a for a in state.actors().values() if a["JobID"] == job and a["State"] == "ALIVE"}
+        kinds = sorted(a["ActorClassName"] for a in actors.values())
+        assert kinds.count("ZygoteActor") == 1 and kinds.count("RoleActor") >= 3, kinds  # router, 2 replicas
+        processes = pgrep(str(fleet_dir)) + [a["Pid"] for a in actors.values()]
+    finally:
+        if tenant is not None and tenant.poll() is None:  # a failed check must not leave the run behind
+            os.killpg(tenant.pid, signal.SIGKILL)
+            tenant.wait(timeout=30)
+        if fleet.poll() is None:
+            os.killpg(fleet.pid, signal.SIGTERM)
+        code = fleet.wait(timeout=120)
+    assert code == 130, output(fleet_dir)
+    assert "fleet stopped" in output(fleet_dir)
+    wait_until(lambda: not any(alive(p) for p in processes), 60, "every actor's worker and process to exit")
+    wait_until(lambda: all(state.actors(actor_id=i)["State"] == "DEAD" for i in actors), 60,
+               "every actor of the fleet to be dead in Ray")
+    assert not (fleet_dir / "fleet.json").exists() and not pgrep(str(fleet_dir))

@@ -68,6 +68,14 @@ def connect(cfg: RayConfig, namespace: str) -> bool:
         return False
     if cfg.auth_token_file:
         os.environ["RAY_AUTH_TOKEN_PATH"] = cfg.auth_token_file
+    if "RAY_AUTH_MODE" not in os.environ and (cfg.auth_token_file or os.environ.get("RAY_AUTH_TOKEN")
+                                               or os.environ.get("RAY_AUTH_TOKEN_PATH")):
+        # A token given: token mode. Ray 2.60's driver sends one only in that mode (read at import; this
+        # sets it and re-reads it, for this process and its children): a token alone met "Authentication
+        # token is missing or incorrect ... RAY_AUTH_MODE is currently 'disabled'" from a token-auth cluster.
+        from ray._private.authentication.authentication_token_setup import _enable_token_auth
+
+        _enable_token_auth()
     address = cfg.address or os.environ.get("RAY_ADDRESS") or None
     extra: dict[str, Any] = {} if address else {"include_dashboard": False}
     ray.init(address=address, namespace=namespace, log_to_driver=False, **extra)
