@@ -71,6 +71,11 @@ def sandbox_node(
     sample_s: float = typer.Option(1.0, "--sample-s", help="Seconds between usage samples."),
     sweep_glob: str | None = typer.Option(None, "--sweep-glob", help="Other agents' state dirs (a glob): "
                                           "those whose agent is gone are swept at start (sandboxes, mounts, dirs)."),
+    tenant_key_file: str | None = typer.Option(None, "--tenant-key-file", help="The fleet's tenant key (a mode-600 "
+                                               "file): tenant tokens act for their tenant, on its sandboxes only."),
+    tenant_max_sandboxes: int | None = typer.Option(None, "--tenant-max-sandboxes", help="Live sandboxes per tenant "
+                                                    "(beyond: 429)."),
+    tenant_caps: str | None = typer.Option(None, "--tenant-caps", help="Per-tenant caps over the default: a=2,b=8."),
 ) -> None:
     """Run the agent of one sandbox node: create/close sandboxes, report usage and cached layers (HTTP)."""
     import os
@@ -90,9 +95,18 @@ def sandbox_node(
     cache = LayerCache(cache_root, max_bytes=int(cache_gb * 1e9))
     alloc = node_allocatable(cpus, memory_mb << 20 if memory_mb else None)
     state = state_dir or Path("/tmp") / f"burstrl-node-{os.getuid()}"
+    from burstrl.sandbox.node_tenants import NodeTenancy, parse_caps, read_tenant_key
+
+    try:
+        tenancy = NodeTenancy(read_tenant_key(tenant_key_file) if tenant_key_file else "", tenant_max_sandboxes,
+                              parse_caps(tenant_caps))
+    except (ValueError, OSError) as exc:
+        fail(str(exc))
+    if (tenant_max_sandboxes is not None or tenant_caps) and not tenancy.key:
+        fail("--tenant-max-sandboxes and --tenant-caps need --tenant-key-file")
     try:
         agent = NodeAgent(name or socket.gethostname(), backend, state, cache, host, alloc, max_sandboxes, sample_s,
-                          sweep_glob)
+                          sweep_glob, tenancy)
     except ValueError as exc:  # a state dir it refuses, an unknown backend: named, not a traceback
         fail(str(exc))
     serve(agent, host, port, token)

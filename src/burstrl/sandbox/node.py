@@ -4,7 +4,8 @@ It creates and closes the node's sandboxes with its backend (through a `SandboxP
 node's layer cache, and reports what it holds in the shape placement reads (`node_client.node_state`
 turns the report into a `placement.NodeState`). HTTP, bearer token (`--token-file` or env
 BURSTRL_NODE_TOKEN): `GET /v1/node`, `POST /v1/sandboxes`, `DELETE /v1/sandboxes/{id}`; `GET /healthz`
-needs no token.
+needs no token. With the fleet's tenant key (`--tenant-key-file`) a tenant token acts for its tenant:
+only its own sandboxes, under a cap per tenant (`node_tenants.py`).
 
 Why each sandbox gets a TCP port of its own on the node: a rollout's commands must not pass through
 a central process, and a sandbox daemon listens on a unix socket only the node can reach. The agent
@@ -38,11 +39,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from burstrl.protocol.http import bearer_matches, error_body
+from burstrl.protocol.http import error_body
 from burstrl.protocol.process import OWNER_FILE, pid_alive, print_ready, write_owner
 from burstrl.sandbox.backends import make_backend
 from burstrl.sandbox.backends.base import Sandbox, SandboxSpec, read_owner
 from burstrl.sandbox.forward import Forwarder
+from burstrl.sandbox.node_tenants import NodeTenancy, tenant_view
 from burstrl.sandbox.nodeusage import Allocatable, ProcTable, Reading, meminfo, read_sandbox
 from burstrl.sandbox.placement import Usage
 from burstrl.sandbox.pool import SandboxPool, sweep_stale
@@ -111,6 +113,7 @@ class Held:
     mem: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))  # bytes
     last: Reading | None = None
     last_t: float = 0.0
+    tenant: str | None = None  # its owner on a fleet's node (`node_tenants.py`); None: the node token's
 
 
 def usage_of(samples: deque[float]) -> dict[str, float]:
@@ -123,7 +126,8 @@ class NodeAgent:
 
     def __init__(self, name: str, backend: str, state_dir: Path, layer_cache: Any, host: str,
                  allocatable: Allocatable, max_sandboxes: int | None = None, sample_s: float = 1.0,
-                 sweep_glob: str | None = None) -> None:
+                 sweep_glob: str | None = None, tenancy: NodeTenancy | None = None) -> None:
+        self.tenancy = tenancy or NodeTenancy()
         self.name, self.host, self.allocatable, self.sample_s = name, host, allocatable, sample_s
         self.state_dir = Path(state_dir)
         check_private_dir(self.state_dir)
@@ -135,9 +139,9 @@ class NodeAgent:
         self.pool = SandboxPool(make_backend(backend, state_dir=self.state_dir, layer_cache=layer_cache),
                                 max_concurrent=max_sandboxes)
         self.held: dict[str, Held] = {}
-        self._starting: list[SandboxSpec] = []  # admitted, not yet running: they count against allocatable
+        self._starting: list[tuple[SandboxSpec, str | None]] = []  # admitted, not yet running (and whose)
         self.counts = {"created": 0, "closed": 0, "create_failures": 0, "refused": 0, "evictions": 0,
-                       "oom_kills_closed": 0, "sample_errors": 0, "server_errors": 0}
+                       "oom_kills_closed": 0, "sample_errors": 0, "server_errors": 0, "tenant_refused": 0}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._sampler = threading.Thread(target=self._sample_loop, name="node-sampler", daemon=True)
@@ -145,26 +149,33 @@ class NodeAgent:
 
     # -- sandboxes
 
-    def create(self, spec: SandboxSpec) -> dict[str, Any]:
-        """Start a sandbox if its requests fit in what is left of allocatable; return its address."""
+    def create(self, spec: SandboxSpec, tenant: str | None = None) -> dict[str, Any]:
+        """Start a sandbox (owned by `tenant`) if its requests fit in what is left of allocatable and
+        the tenant is under its cap; return its address."""
         with self._lock:
-            specs = [h.spec for h in self.held.values()] + self._starting + [spec]
+            live = sum(h.tenant == tenant for h in self.held.values()) + sum(t == tenant for _, t in self._starting)
+            why = self.tenancy.over_cap(tenant, live, self.name)
+            if why:
+                self.counts["tenant_refused"] += 1
+                raise BadRequest(429, why)
+            specs = [h.spec for h in self.held.values()] + [s for s, _ in self._starting] + [spec]
             req_cpu = sum(s.cpu_request for s in specs)
             req_mem = sum(s.memory_request_mb for s in specs)
             if req_cpu > self.allocatable.cpu + 1e-9 or req_mem << 20 > self.allocatable.mem:
                 self.counts["refused"] += 1
                 raise BadRequest(409, f"requests would pass allocatable ({req_cpu:g} of {self.allocatable.cpu:g} "
                                       f"vCPU, {req_mem} of {self.allocatable.mem >> 20} MiB)")
-            self._starting.append(spec)
+            self._starting.append((spec, tenant))
         try:
             sandbox = self._start(spec)
         finally:
             with self._lock:
-                self._starting.remove(spec)
+                self._starting.remove((spec, tenant))
         owner = read_owner(sandbox.path) or {}
         client = sandbox.client
         forward = Forwarder(self.host, client.socket_path, client.expected_pid, client.expected_uid)
-        held = Held(sandbox, spec, forward, [str(d) for d in owner.get("cgroups") or []], owner.get("pid"))
+        held = Held(sandbox, spec, forward, [str(d) for d in owner.get("cgroups") or []], owner.get("pid"),
+                    tenant=tenant)
         with self._lock:
             self.held[sandbox.id] = held
             self.counts["created"] += 1
@@ -194,9 +205,14 @@ class NodeAgent:
                            "pids": held.sandbox.limits.pids, "disk": held.sandbox.limits.disk,
                            "oom": held.sandbox.limits.oom, "uid": held.sandbox.limits.uid}}
 
-    def delete(self, sid: str) -> None:
+    def delete(self, sid: str, tenant: str | None = None) -> None:
+        """Close sandbox `sid`; for a tenant only its own (another's is a 404, as an unknown id is)."""
         with self._lock:
-            held = self.held.pop(sid, None)
+            held = self.held.get(sid)
+            if held is not None and (tenant is None or held.tenant == tenant):
+                del self.held[sid]
+            else:
+                held = None
         if held is None:
             raise BadRequest(404, f"no sandbox {sid!r} on node {self.name}")
         self._close(held)
@@ -245,8 +261,9 @@ class NodeAgent:
             h.mem.append(float(r.mem_bytes))
             h.last, h.last_t = r, now
 
-    def report(self) -> dict[str, Any]:
-        """The node as placement sees it (see `node_client.node_state`), plus counters and sources."""
+    def report(self, tenant: str | None = None) -> dict[str, Any]:
+        """The node as placement sees it (see `node_client.node_state`), plus counters and sources;
+        for a tenant, its own sandboxes and the others as one aggregate (`node_tenants.tenant_view`)."""
         with self._lock:
             held = list(self.held.values())
             counts = dict(self.counts)
@@ -254,7 +271,7 @@ class NodeAgent:
         for h in held:
             s = h.spec
             sandboxes.append({
-                **self.address(h), "token": None, "created": h.created,
+                **self.address(h), "token": None, "created": h.created, "tenant": h.tenant,
                 "requests": {"cpu": s.cpu_request, "mem": s.memory_request_mb << 20, "pids": s.pids_limit},
                 "limits_requested": {"cpu": s.cpu_limit, "mem": s.memory_limit_mb << 20, "pids": s.pids_limit},
                 "usage": {"cpu": usage_of(h.cpu), "mem": usage_of(h.mem),
@@ -265,7 +282,7 @@ class NodeAgent:
         oom_live = sum(x["usage"]["oom_kills"] for x in sandboxes)
         layers = self.layer_cache.layers() if self.layer_cache is not None else {}
         a = self.allocatable
-        return {
+        return tenant_view({
             "name": self.name, "backend": self.pool.backend.name, "time": time.time(),
             "allocatable": {"cpu": a.cpu, "mem": a.mem, "pids": a.pids},
             "mem_available": meminfo().get("MemAvailable", 0),
@@ -280,7 +297,7 @@ class NodeAgent:
             "swept_at_start": self.swept,
             "swept_agent_dirs": self.swept_dirs,
             "swept_agent_errors": self.sweep_errors,
-        }
+        }, tenant)
 
 
 class _NodeHandler(BaseHTTPRequestHandler):
@@ -332,16 +349,17 @@ class _NodeHandler(BaseHTTPRequestHandler):
         path = self.path.split("?", 1)[0]
         if path == "/healthz" and method == "GET":
             return {"status": "ok", "name": agent.name, "sandboxes": len(agent.held)}
-        if not bearer_matches({k.lower(): v for k, v in self.headers.items()}, self.server.token):
+        ok, tenant = agent.tenancy.caller({k.lower(): v for k, v in self.headers.items()}, self.server.token)
+        if not ok:
             if method == "POST":
                 self.close_connection = True  # the unread body must not be taken for the next request
             raise BadRequest(401, "missing or wrong bearer token")
         if path == "/v1/node" and method == "GET":
-            return agent.report()
+            return agent.report(tenant)
         if path == "/v1/sandboxes" and method == "POST":
-            return agent.create(parse_spec(self._body()))
+            return agent.create(parse_spec(self._body()), tenant)
         if path.startswith("/v1/sandboxes/") and method == "DELETE":
-            agent.delete(path.removeprefix("/v1/sandboxes/"))
+            agent.delete(path.removeprefix("/v1/sandboxes/"), tenant)
             return {"deleted": path.removeprefix("/v1/sandboxes/")}
         if path in ("/healthz", "/v1/node", "/v1/sandboxes") or path.startswith("/v1/sandboxes/"):
             raise BadRequest(405, f"{method} not allowed on {path}")

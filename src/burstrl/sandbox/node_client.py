@@ -104,5 +104,10 @@ def node_state(report: dict[str, Any]) -> NodeState:
     sandboxes = [PlacedSandbox(name=s["id"], requests=_res(s["requests"]), limits=_res(s["limits_requested"]),
                                cpu=_usage(s["usage"]["cpu"]), mem=_usage(s["usage"]["mem"]))
                  for s in report["sandboxes"]]
+    others = report.get("others")  # a tenant's report: the other tenants' sandboxes as one aggregate
+    if others and others.get("count"):
+        sandboxes.append(PlacedSandbox(name="(other tenants)", requests=_res(others["requests"]),
+                                       limits=_res(others["limits_requested"]), cpu=_usage(others["usage"]["cpu"]),
+                                       mem=_usage(others["usage"]["mem"])))
     return NodeState(name=report["name"], allocatable=_res(report["allocatable"]), sandboxes=sandboxes,
                      layers={k: int(v) for k, v in report["layers"].items()})
