@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import threading
 import time
@@ -112,7 +113,7 @@ def test_two_runs_train_at_once_on_one_fleet_and_release_it(tmp_path: Path, warm
         assert os.stat(fleet_dir / "tenant.key").st_mode & 0o077 == 0
         runs = {name: tmp_path / name for name in ("run-a", "run-b")}
         procs = {name: start_run(d, warm_model, "--fleet.url", router, "--fleet.token", token(fleet_dir, name),
-                                 "--trainer.steps", "2") for name, d in runs.items()}
+                                 "--trainer.steps", "4") for name, d in runs.items()}
         runs_started.extend(procs.values())
         seen: set[str] = set()
         done = threading.Event()
@@ -134,7 +135,11 @@ def test_two_runs_train_at_once_on_one_fleet_and_release_it(tmp_path: Path, warm
             done.set()
             watcher.join(timeout=10)
         for name, run_dir in runs.items():
-            print(name, "attempts:", audit(run_dir, steps=2))
+            print(name, "attempts:", audit(run_dir, steps=4))
+            # rollouts sampled by the tenant's own versions were stored (a trace naming them as
+            # stored, `run-a~policy-v1`, once made every such attempt re-run: the run never got past them)
+            with sqlite3.connect(run_dir / "store.sqlite") as db:
+                assert db.execute("SELECT MAX(version) FROM rollouts").fetchone()[0] >= 1, f"{name}: base only"
             pushed = [m for m in read_jsonl(run_dir / "metrics.jsonl") if m.get("push_ok")]
             assert pushed and all(not m["push_failed"] for m in pushed), f"{name} pushed to the fleet's replicas"
             assert not events(run_dir, "catch_up_push"), "no replica joined late: the trainer's pushes did it all"

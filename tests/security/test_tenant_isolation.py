@@ -176,8 +176,15 @@ def test_a_tenants_versions_are_its_own(server: Server, adapters: dict[str, Path
     assert models(server, A) == ["base", name]
     assert models(server, B) == ["base"] and models(server, None) == ["base"]
     assert f"run-a~{name}" in models(server, ADMIN_TOKEN)
-    ours = complete(server, A, [5, 6, 7], model=name)
+    ours = complete(server, A, [5, 6, 7], sid="a-own-version", model=name)
     assert ours["model"] == name and ours["meta_info"]["weight_version"] == name
+    # its trace names the version as A does (the orchestrator checks each call's version against the
+    # one it pinned: stored names there re-ran every attempt of a run past its first version)
+    for full in (False, True):
+        got = HTTP.get(server.url + "/v1/traces/a-own-version", params={"full": full}, headers=auth(A), timeout=30)
+        assert got.json()["version"] == name and {c["version"] for c in got.json()["calls"]} == {name}, got.text
+    fleet_view = trace(server, ADMIN_TOKEN, "run-a~a-own-version").json()
+    assert {c["version"] for c in fleet_view["calls"]} == {f"run-a~{name}"}
     # B can neither use, unload, load over nor upload into A's version
     for model in (name, f"run-a~{name}"):
         r = post(server, B, {**COMPLETION, "model": model})

@@ -170,11 +170,14 @@ async def generate(request: Request) -> Response:
 async def get_trace(session_id: str, request: Request, full: bool = False) -> dict[str, Any]:
     """The session's records: deltas (`inference.capture`), or with `?full=true` whole prompts."""
     rep = replica_of(request)
-    session = rep.sessions.get(tenancy.reading_traces(rep, request).name(session_id))
+    caller = tenancy.reading_traces(rep, request)
+    session = rep.sessions.get(caller.name(session_id))
     if session is None:
         raise ApiError(404, f"unknown session {session_id!r}", "not_found_error")
     calls = await rep.workers.run(session.capture.calls_json, full)
-    return {"session_id": session_id, "version": session.version, "busy": session.busy,
+    for call in calls:  # a tenant's trace names its versions as it does (`policy-v3`, not `run-a~policy-v3`)
+        call["version"] = caller.shown(call["version"])
+    return {"session_id": session_id, "version": caller.shown(session.version), "busy": session.busy,
             "calls": calls, **session.capture.summary()}
 
 
