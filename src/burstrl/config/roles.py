@@ -294,6 +294,9 @@ class RouteConfig(Section):
     )
     tenant_key: str = tenant_key_field("generation calls, /v1/assign, traces and /v1/models (the last two: or the "
                                        "cluster token) need", "sessions and versions (router/tenancy.py)")
+    sandbox_nodes: list[dict[str, str]] = Field(
+        [], description="The shared fleet's sandbox node agents ({name, url}), as GET /v1/fleet/sandbox-nodes lists "
+        "them to tenants; `burstrl fleet up` sets it.")
     policy: Literal["kv", "headroom", "random", "round_robin", "weighted_random", "smooth_wrr", "least_sessions",
                     "least_requests", "cache_aware"] = Field(
         "kv", description="Placement policy for new sessions (router/catalog.py; benchmarks in docs/benchmarks.md)."

@@ -51,6 +51,13 @@ class FleetConfig(Section):
         60.0, ge=0, description="`burstrl fleet up`: unload the versions of a tenant whose run's launcher has not "
         "asked the fleet for its replicas (every 2 s while it runs) for this long: a run killed with -9 cannot "
         "release them itself; 0 = never.")
+    sandbox_nodes: int = Field(
+        0, ge=0, description="`burstrl fleet up` (local provider): sandbox node agents the fleet runs with its tenant "
+        "key; a tenant run with the swe env places its sandboxes there with its tenant token, each tenant seeing "
+        "only its own (sandbox/node_tenants.py); 0 = runs keep their own sandboxes.")
+    sandbox_tenant_max: int = Field(
+        0, ge=0, description="Live sandboxes one tenant may hold on each of the fleet's sandbox nodes (beyond: a "
+        "429 at once); 0 = no cap.")
     url: str = Field("", description="A shared fleet's router (`burstrl fleet up` prints it): set, the run starts "
                      "no router and no replicas (the pool counts are ignored), only its trainer and orchestrator, "
                      "as the tenant that fleet.token names; empty = the run brings its own fleet.")

@@ -16,6 +16,9 @@ The run's autoscaler is not applied here: its signals (the trainer's wait, the s
 run's. With `autoscale.enabled` the fleet's own (`fleet_autoscale.py`) sizes the on-demand pool from
 all tenants' demand as the router's admission sees it (sessions waiting for a place, places in use),
 so it needs `router.max_sessions_per_replica` > 0 (issue 51).
+
+With `fleet.sandbox_nodes` N the fleet also runs N sandbox node agents (`sandbox_nodes.py`) with its
+tenant key, listed in fleet.json and to tenants by the router (`GET /v1/fleet/sandbox-nodes`).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from burstrl.launcher import control
 from burstrl.launcher.fleet_autoscale import FleetAutoscaler
 from burstrl.launcher.idle_tenants import IdleTenants
 from burstrl.launcher.run import Launcher, LaunchError, _cause, _get_json, _tail
+from burstrl.launcher.sandbox_nodes import FleetSandboxNodes
 
 KEY_FILE = "tenant.key"
 ADMIN_FILE = "admin.token"
@@ -75,6 +79,7 @@ class SharedFleet(Launcher):
         super().__init__(cfg, resume=False, live=live)
         self.key = ""
         self.idle: IdleTenants | None = None
+        self.sandbox_nodes: FleetSandboxNodes | None = None
 
     def prepare(self) -> bool:
         """The fleet directory, its tenant key and admin token; a live fleet there is refused."""
@@ -95,7 +100,15 @@ class SharedFleet(Launcher):
 
     def start_roles(self) -> None:
         """The router and the replicas with the tenant key (their role files, which hold it, mode 600)."""
-        router = self.cfg.router_config().model_copy(update={"tenant_key": self.key})
+        nodes: list[dict[str, str]] = []
+        if self.cfg.fleet.sandbox_nodes:
+            self.sandbox_nodes = FleetSandboxNodes(self.cfg, self.run_dir, KEY_FILE)
+            try:
+                nodes = self.sandbox_nodes.start()
+            except RuntimeError as exc:
+                raise LaunchError(str(exc)) from None
+            self.event("sandbox_nodes", detail=", ".join(f"{n['name']} {n['url']}" for n in nodes))
+        router = self.cfg.router_config().model_copy(update={"tenant_key": self.key, "sandbox_nodes": nodes})
         serve = self.cfg.serve_config()
         serve.server = serve.server.model_copy(update={"tenant_key": self.key})
         (self.run_dir / "roles").mkdir(mode=0o700, exist_ok=True)
@@ -104,7 +117,9 @@ class SharedFleet(Launcher):
         self.wait_for_first_replica()
         control.write_launcher_info(self.run_dir, self.router.url)  # `burstrl scale FLEET_DIR` finds it
         info = {"router": self.router.url, "key_file": str(self.run_dir / KEY_FILE),
-                "admin_token_file": str(self.run_dir / ADMIN_FILE), "pid": os.getpid(), "started": time.time()}
+                "admin_token_file": str(self.run_dir / ADMIN_FILE), "pid": os.getpid(), "started": time.time(),
+                "sandbox_nodes": nodes,
+                "sandbox_node_token_file": str(self.sandbox_nodes.token_file) if self.sandbox_nodes else None}
         write_text(self.run_dir / INFO_FILE, json.dumps(info))
         self.http = sync_client(timeout=2.0)
         self.idle = IdleTenants(self.http, self.router.url, self.cluster_token, self.admin_token,
@@ -151,5 +166,7 @@ class SharedFleet(Launcher):
         """Stop every replica and the router; the key stays (tokens minted from it stay valid)."""
         (self.run_dir / INFO_FILE).unlink(missing_ok=True)
         self.stop_children()
+        if self.sandbox_nodes is not None:
+            self.sandbox_nodes.stop()
         self.event(outcome.replace("run_", "fleet_"), detail=detail)
         print(f"fleet stopped ({outcome.replace('run_', '')})", file=sys.stderr, flush=True)

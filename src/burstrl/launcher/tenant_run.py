@@ -16,6 +16,10 @@ not at the trainer's next push (`catch_up.py`). When the run ends, however it en
 SIGKILL, the launcher unloads the run's versions from every fleet replica with its token (best
 effort, counted in fleet.jsonl); its sessions were released by the orchestrator, and any left
 expire on the replicas' session TTL.
+
+Sandboxes: where the fleet runs sandbox nodes (`fleet.sandbox_nodes`, `GET /v1/fleet/sandbox-nodes`),
+the run's SWE env places its sandboxes there: its nodes file (RUN_DIR/sandbox_nodes.json, mode 600)
+holds the tenant token, under which a node shows the run its own sandboxes only; else they stay local.
 """
 
 from __future__ import annotations
@@ -32,6 +36,22 @@ from burstrl.launcher.catch_up import CatchUp
 from burstrl.launcher.run import Launcher, LaunchError
 
 REPLICA_POLL_S = 2.0  # how often the run asks the fleet which replicas its trainer pushes to
+NODES_FILE = "sandbox_nodes.json"
+
+
+def write_fleet_sandbox_nodes(http: Any, url: str, token: str, run_dir: Path) -> Path | None:
+    """The fleet's sandbox nodes as a nodes file (`sandbox/cluster.load_nodes`) with the tenant
+    token as each node's bearer, or None where the fleet runs none."""
+    nodes = fetch(http, "GET", f"{url.rstrip('/')}/v1/fleet/sandbox-nodes", deadline=5.0,
+                  headers={"Authorization": f"Bearer {token}"}).check().json()["nodes"]
+    if not nodes:
+        return None
+    from burstrl.launcher.shared_fleet import write_secret
+
+    path = run_dir / NODES_FILE
+    write_secret(path, json.dumps([{"url": str(n["url"]), "token": token, "name": str(n.get("name", ""))}
+                                   for n in nodes]))
+    return path
 
 
 class TenantLauncher(Launcher):
@@ -95,6 +115,18 @@ class TenantLauncher(Launcher):
             self.sample()
             time.sleep(0.5)
         self.sample(force=True)
+
+    def start_sandbox_nodes(self, orch: Any) -> None:
+        """The SWE env's sandboxes on the fleet's sandbox nodes, with the tenant token (if it runs any)."""
+        if "swe" not in self.cfg.orchestrator.envs or orch.orchestrator.swe.nodes_file:
+            return
+        try:
+            path = write_fleet_sandbox_nodes(self.http, self.url, self.token, self.run_dir)
+        except (CallFailed, ValueError, KeyError, TypeError) as exc:
+            raise LaunchError(f"the fleet at {self.url} did not list its sandbox nodes: {exc}") from None
+        if path is not None:
+            orch.orchestrator.swe.nodes_file = str(path)
+            self.event("sandbox_nodes", detail=f"the fleet's, as tenant {self.tenant}: {path}")
 
     def after_restarts(self) -> None:
         """The router is the fleet's; only trainer relaunches are the run's to log."""

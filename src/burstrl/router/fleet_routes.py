@@ -12,6 +12,9 @@ a tenant that stopped asking has lost its launcher (killed with -9: nothing of t
 release its versions). `GET /v1/fleet/tenants` (the cluster token) tells the fleet's supervisor
 how long ago each tenant asked, and the supervisor unloads the versions of one that has been quiet
 for `fleet.tenant_idle_s` (`launcher/idle_tenants.py`).
+
+`GET /v1/fleet/sandbox-nodes` (a tenant token) lists the fleet's sandbox node agents
+(`fleet.sandbox_nodes`), where a tenant run's SWE env creates its sandboxes with its own token.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ class RouterParts(Protocol):
     """What these routes use of `server.Router` (named here, not imported: server imports this module)."""
 
     registry: Registry
+    cfg: Any  # RouteConfig: its `sandbox_nodes`
 
     def reading(self, request: Request) -> RouteCaller: ...
 
@@ -45,6 +49,12 @@ def add_fleet_routes(app: FastAPI, router: RouterParts) -> None:
             asked[caller.tenant] = time.monotonic()
         views = router.registry.replicas.values()
         return {"replicas": sorted(v.id for v in views if v.healthy and not v.draining)}
+
+    @app.get("/v1/fleet/sandbox-nodes")
+    async def fleet_sandbox_nodes(request: Request) -> dict[str, Any]:
+        """The fleet's sandbox node agents ({name, url}); a tenant's token acts there for it alone."""
+        router.reading(request)
+        return {"nodes": [{"name": n.get("name", ""), "url": n["url"]} for n in router.cfg.sandbox_nodes]}
 
     @app.get("/v1/fleet/tenants")
     async def fleet_tenants(request: Request) -> dict[str, Any]:
