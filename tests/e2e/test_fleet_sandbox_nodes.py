@@ -31,6 +31,20 @@ from .conftest import alive, burstrl_cmd, wait_until
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap not installed")]
 
 
+def agent_pid(url: str) -> int:
+    """The pid of the process listening on `url`'s port (ss), i.e. the node agent."""
+    port = url.rsplit(":", 1)[1]
+    out = subprocess.run(["ss", "-Hltnp", f"sport = :{port}"], capture_output=True, text=True, timeout=10).stdout
+    return int(out.split("pid=", 1)[1].split(",", 1)[0])
+
+
+def restarted(url: str, token: str) -> bool:
+    try:
+        return NodeClient(url, token, timeout=3).report()["counts"]["created"] == 0
+    except NodeError:
+        return False
+
+
 def test_fleet_sandbox_nodes_serve_tenants_apart(tmp_path: Path, tiny_model_dir: Path) -> None:
     fleet_dir = tmp_path / "fleet"
     fleet_dir.mkdir()
@@ -102,6 +116,13 @@ def test_fleet_sandbox_nodes_serve_tenants_apart(tmp_path: Path, tiny_model_dir:
         assert a.report()["sandboxes"] == []
         whole = NodeClient(node["url"], node_token).report()  # the fleet's own token sees the node
         assert whole["counts"]["tenant_refused"] == 1
+
+        # an agent that dies is started again at the same URL (the list tenants read stays true)
+        os.kill(agent_pid(node["url"]), signal.SIGKILL)
+        wait_until(lambda: restarted(node["url"], node_token), 60, "the sandbox node restarted", proc)
+        again = a.create(cpu_limit=1, memory_limit_mb=256, start_timeout_s=60)
+        assert [s["id"] for s in a.report()["sandboxes"]] == [again.id]
+        a.delete(again.id)
     finally:
         if pool is not None:
             pool.close()

@@ -7,7 +7,10 @@ it already has; its sandboxes are its own there, and `fleet.sandbox_tenant_max` 
 tenant may hold per node. The node's own token (FLEET_DIR/sandbox-node.token, mode 600) stays
 the fleet's: no tenant is ever given it.
 
-Local provider only: the agents run on the fleet's host, as its children (they die with it).
+Local provider only: the agents run on the fleet's host, as its children (they die with it). One
+that exits is started again at the same URL (the list the router gives tenants stays true) and
+state dir (the new agent sweeps what the dead one left); its sandboxes died with it, as a dead
+node's do in any run (the tenant's `ClusterPool` retries such an attempt).
 """
 
 from __future__ import annotations
@@ -16,12 +19,14 @@ import os
 import secrets
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 from burstrl.protocol.process import RoleProcess, start_role
 
 TOKEN_FILE = "sandbox-node.token"
+RETRY_S = 10.0  # between tries to restart an agent whose restart failed
 
 
 class FleetSandboxNodes:
@@ -31,6 +36,8 @@ class FleetSandboxNodes:
         self.token_file = self.fleet_dir / TOKEN_FILE
         self.procs: list[RoleProcess] = []
         self.state_dirs: list[Path] = []
+        self.restarts = 0
+        self.next_try: dict[int, float] = {}  # node -> when a failed restart may be tried again
 
     def start(self) -> list[dict[str, str]]:
         """Start the agents; their {name, url}. RuntimeError naming the one that did not start."""
@@ -41,26 +48,45 @@ class FleetSandboxNodes:
         write_secret(self.token_file, secrets.token_hex(32))
         nodes = []
         for i in range(self.cfg.fleet.sandbox_nodes):
-            name = f"fleet-sandbox-{i}"
-            state = Path(tempfile.mkdtemp(prefix="bfsn", dir="/tmp"))  # short: sandbox socket paths <= 107 bytes
-            self.state_dirs.append(state)
-            args = ["sandbox", "node", "--name", name, "--backend", self.cfg.orchestrator.swe.backend,
-                    "--state-dir", str(state), "--token-file", str(self.token_file),
-                    "--tenant-key-file", str(self.key_file)]
-            if self.cfg.fleet.sandbox_tenant_max:
-                args += ["--tenant-max-sandboxes", str(self.cfg.fleet.sandbox_tenant_max)]
+            self.state_dirs.append(Path(tempfile.mkdtemp(prefix="bfsn", dir="/tmp")))  # short: socket paths <= 107 B
             try:
-                proc = start_role(args, self.fleet_dir / "logs", f"{name}.log", timeout=60.0, die_with_parent=True)
+                proc = self._start(i, port=0)
             except RuntimeError as exc:
                 self.stop()
-                raise RuntimeError(f"the fleet's sandbox node {name} failed to start: {exc}") from None
+                raise RuntimeError(f"the fleet's sandbox node {i} failed to start: {exc}") from None
             self.procs.append(proc)
-            nodes.append({"name": name, "url": proc.url})
+            nodes.append({"name": self.name(i), "url": proc.url})
         return nodes
 
-    def dead(self) -> list[str]:
-        """Logs of agents that exited."""
-        return [str(p.log) for p in self.procs if p.poll() is not None]
+    @staticmethod
+    def name(i: int) -> str:
+        return f"fleet-sandbox-{i}"
+
+    def _start(self, i: int, port: int) -> RoleProcess:
+        args = ["sandbox", "node", "--name", self.name(i), "--backend", self.cfg.orchestrator.swe.backend,
+                "--port", str(port), "--state-dir", str(self.state_dirs[i]), "--token-file", str(self.token_file),
+                "--tenant-key-file", str(self.key_file)]
+        if self.cfg.fleet.sandbox_tenant_max:
+            args += ["--tenant-max-sandboxes", str(self.cfg.fleet.sandbox_tenant_max)]
+        return start_role(args, self.fleet_dir / "logs", f"{self.name(i)}.log", timeout=60.0, append=port != 0,
+                          die_with_parent=True)
+
+    def replace_dead(self) -> list[str]:
+        """Start again, at its URL, each agent that exited; what happened to each, for the fleet's events."""
+        done = []
+        for i, proc in enumerate(self.procs):
+            if proc.poll() is None or time.monotonic() < self.next_try.get(i, 0.0):
+                continue
+            port = int(proc.url.rsplit(":", 1)[1])
+            try:
+                self.procs[i] = self._start(i, port)
+            except RuntimeError as exc:  # e.g. its port taken meanwhile: tried again in a while
+                self.next_try[i] = time.monotonic() + RETRY_S
+                done.append(f"{self.name(i)} exited ({proc.returncode}); restart failed: {str(exc)[:300]}")
+                continue
+            self.restarts += 1
+            done.append(f"{self.name(i)} exited ({proc.returncode}); restarted at {self.procs[i].url}")
+        return done
 
     def stop(self) -> None:
         """SIGTERM each agent (it closes the sandboxes it owns), then remove their state dirs."""

@@ -135,6 +135,8 @@ class SharedFleet(Launcher):
             self.autoscaler.check(self)
             self.fleet.finish_drains()
             self.idle.check([r.url for r in self.fleet.up()])
+            for change in self.sandbox_nodes.replace_dead() if self.sandbox_nodes else []:
+                self.event("sandbox_nodes", detail=change)
             self.sample()
             time.sleep(0.5)
 
