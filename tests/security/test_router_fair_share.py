@@ -9,10 +9,12 @@ are real and not reserved, so the flood test cannot pass because nothing was adm
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -31,21 +33,27 @@ PLACES = 4  # 2 per replica x 2 replicas
 TENANTS = {"run-a": {"max_sessions": 10}, "run-b": {"weight": 3}}
 
 
-@pytest.fixture(scope="module")
-def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RoleProcess]:
-    replicas = [StandInReplica(), StandInReplica()]
+@contextlib.contextmanager
+def tenant_router(work: Path, replicas: list[StandInReplica], *args: str) -> Iterator[RoleProcess]:
+    """A router with the tenant key in front of `replicas` (stand-ins), stopped with them."""
     proc = None
     try:
-        proc = process.start_router(
-            tmp_path_factory.mktemp("router-fair-share"), "--cluster_token", CLUSTER, "--tenant_key", KEY,
-            "--replicas", json.dumps([r.url for r in replicas]), "--scrape_s", "0.2",
-            "--max_sessions_per_replica", "2", "--tenants", json.dumps(TENANTS), "--admission_timeout_s", "90")
+        proc = process.start_router(work, "--cluster_token", CLUSTER, "--tenant_key", KEY, "--replicas",
+                                    json.dumps([r.url for r in replicas]), "--scrape_s", "0.2", *args)
         yield proc
     finally:
         if proc is not None:
             proc.stop()
         for r in replicas:
             r.close()
+
+
+@pytest.fixture(scope="module")
+def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RoleProcess]:
+    with tenant_router(tmp_path_factory.mktemp("router-fair-share"), [StandInReplica(), StandInReplica()],
+                       "--max_sessions_per_replica", "2", "--tenants", json.dumps(TENANTS),
+                       "--admission_timeout_s", "90") as proc:
+        yield proc
 
 
 def open_session(router: RoleProcess, token: str, sid: str) -> httpx.Response:
@@ -141,18 +149,9 @@ LONG = {"model": "latest", "prompt": [5, 6, 7], "max_tokens": 30_000}  # token-i
 def kv_router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RoleProcess]:
     """No session places (nothing waits), only run-a's KV quota; run-b is uncapped."""
     replicas = [StandInReplica(capacity_tokens=1_000_000), StandInReplica(capacity_tokens=1_000_000)]
-    proc = None
-    try:
-        proc = process.start_router(
-            tmp_path_factory.mktemp("router-kv-quota"), "--cluster_token", CLUSTER, "--tenant_key", KEY,
-            "--replicas", json.dumps([r.url for r in replicas]), "--scrape_s", "0.2",
-            "--tenants", json.dumps({"run-a": {"max_kv_tokens": KV_CAP}}))
+    with tenant_router(tmp_path_factory.mktemp("router-kv-quota"), replicas,
+                       "--tenants", json.dumps({"run-a": {"max_kv_tokens": KV_CAP}})) as proc:
         yield proc
-    finally:
-        if proc is not None:
-            proc.stop()
-        for r in replicas:
-            r.close()
 
 
 def open_long(router: RoleProcess, token: str, sid: str) -> httpx.Response:

@@ -14,6 +14,7 @@ from burstrl.router.kv_quota import homed_kv
 from burstrl.router.policies import NewSession, projected_headroom, record_assignment
 from burstrl.router.registry import Registry, RouteError
 from burstrl.router.shares import Shares
+from tests.router_deaths import DEATHS, end_replica
 
 PRIOR = 8192  # SizeModel's prior: a new session of an unseen kind is projected at this size
 
@@ -76,24 +77,14 @@ def test_released_session_frees_its_tokens() -> None:
     assert reg.counters.admission_kv_quota_refusals == 1
 
 
-@pytest.mark.parametrize("death", ["remove", "mark_dead", "scrape_503", "unanswered", "reject"])
+@pytest.mark.parametrize("death", DEATHS)
 def test_dead_replicas_sessions_free_their_tokens(death: str) -> None:
     reg, shares = fleet(a=2 * PRIOR)
     dead, _ = reg.replicas
     home(reg, "a~s0", 0, tokens=500)
     home(reg, "a~s1", 0)
     assert refused(shares, "a", "a~new").status == 429  # control: the cap holds while they are live
-    if death == "remove":
-        reg.remove(dead)
-    elif death == "mark_dead":
-        reg.mark_dead(dead)
-    elif death == "scrape_503":
-        reg.scrape_failed(dead, 503)
-    elif death == "unanswered":
-        for _ in range(reg.health_failures):
-            reg.scrape_failed(dead)
-    else:
-        reg.reject(dead, "loads: not JSON")
+    end_replica(reg, dead, death)
     assert "a~s0" in reg.homes and shares.kv_held("a") == 0
     asyncio.run(admit(shares, "a", "a~new"))
     assert "a~new" in reg.homes and reg.counters.admission_kv_quota_refusals == 1

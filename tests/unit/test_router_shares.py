@@ -12,6 +12,7 @@ import pytest
 from burstrl.config import RouteConfig
 from burstrl.router.registry import Registry, RouteError
 from burstrl.router.shares import Shares
+from tests.router_deaths import DEATHS, end_replica
 
 
 async def never_gone() -> bool:
@@ -263,23 +264,13 @@ def test_a_dead_replica_releases_its_sessions_places_at_once() -> None:
     """Sessions homed on a replica that is removed (deregistered, or dropped on a failed call or a
     503 scrape) or leaves rotation (unanswered scrapes, a rejected answer) hold no place from then
     on; before, they counted until pruning forgot them, holding their tenant below its share."""
-    for death in ("remove", "mark_dead", "scrape_503", "unanswered", "reject"):
+    for death in DEATHS:
         reg, shares = fleet(replicas=3, per_replica=2)
         dead, other, _ = reg.replicas
         mine = fill(reg, "a", 2)  # both on the first replica
         reg.homes["b~s0"] = other
         assert shares.live() == {"a": 2, "b": 1}
-        if death == "remove":
-            reg.remove(dead)
-        elif death == "mark_dead":
-            reg.mark_dead(dead)
-        elif death == "scrape_503":
-            reg.scrape_failed(dead, 503)
-        elif death == "unanswered":
-            for _ in range(reg.health_failures):
-                reg.scrape_failed(dead)
-        else:
-            reg.reject(dead, "loads: not JSON")
+        end_replica(reg, dead, death)
         assert all(key in reg.homes for key in mine), death  # still remembered: a next call re-homes them
         assert shares.live() == {"b": 1}, death
         assert shares.stats()["live"] == 1 and shares.stats()["places"] == 4, death
