@@ -168,13 +168,20 @@ def dedicated_side(root: Path, model: Path, replicas: int, steps: int) -> dict:
     return window_figures(dirs)
 
 
+def tenant_runs(root: Path, fleet_dir: Path, router: str, model: Path,
+                steps: int) -> tuple[dict[str, Path], dict[str, subprocess.Popen]]:
+    """The three runs started at once on the fleet, each as its own tenant: (run dirs, processes)."""
+    dirs = {name: root / name for name in TENANTS}
+    procs = {name: launch(run_cmd(d, model, steps, "--fleet.url", router, "--fleet.token", token(fleet_dir, name)),
+                          root / f"{name}.out") for name, d in dirs.items()}
+    return dirs, procs
+
+
 def shared_side(root: Path, model: Path, replicas: int, steps: int) -> dict:
     fleet_dir = root / "fleet"
     fleet, info = start_fleet(fleet_dir, model, replicas)
     try:
-        dirs = {name: root / name for name in TENANTS}
-        procs = {name: launch(run_cmd(d, model, steps, "--fleet.url", info["router"], "--fleet.token",
-                                      token(fleet_dir, name)), root / f"{name}.out") for name, d in dirs.items()}
+        dirs, procs = tenant_runs(root, fleet_dir, info["router"], model, steps)
         finish_all(procs, timeout=3600)
     finally:
         stop(fleet)
@@ -213,9 +220,7 @@ def loss_side(root: Path, model: Path, steps: int, replicas: int = 5, kill: int 
     fleet_dir = root / "fleet"
     fleet, info = start_fleet(fleet_dir, model, replicas)
     try:
-        dirs = {name: root / name for name in TENANTS}
-        procs = {name: launch(run_cmd(d, model, steps, "--fleet.url", info["router"], "--fleet.token",
-                                      token(fleet_dir, name)), root / f"{name}.out") for name, d in dirs.items()}
+        dirs, procs = tenant_runs(root, fleet_dir, info["router"], model, steps)
         wait_for(lambda: all(running_attempts(d) for d in dirs.values()), 1800, "every run mid-step",
                  list(procs.values()))
         urls = replica_urls(info["router"], admin(fleet_dir))[:kill]
