@@ -10,7 +10,8 @@ kept across restarts, so tokens stay valid), from which `burstrl fleet token` mi
 token. FLEET_DIR/fleet.json says where the router is and where the key and the admin token are.
 
 A tenant whose run was killed with -9 (so nothing of it released its versions) is released by the
-fleet after `fleet.tenant_idle_s` without a call from its launcher (`idle_tenants.py`).
+fleet after `fleet.tenant_idle_s` without a call from its launcher (`idle_tenants.py`), its sandboxes
+on the fleet's sandbox nodes deleted with it.
 
 The run's autoscaler is not applied here: its signals (the trainer's wait, the store's buffer) are one
 run's. With `autoscale.enabled` the fleet's own (`fleet_autoscale.py`) sizes the on-demand pool from
@@ -123,7 +124,8 @@ class SharedFleet(Launcher):
         write_text(self.run_dir / INFO_FILE, json.dumps(info))
         self.http = sync_client(timeout=2.0)
         self.idle = IdleTenants(self.http, self.router.url, self.cluster_token, self.admin_token,
-                                self.cfg.fleet.tenant_idle_s, self.event)
+                                self.cfg.fleet.tenant_idle_s, self.event, nodes=[n["url"] for n in nodes],
+                                node_token=self.sandbox_nodes.token_file.read_text().strip() if self.sandbox_nodes else "")
         print(f"fleet ready at {self.router.url} ({len(self.fleet.up())} replicas up); tenant tokens: burstrl fleet "
               f"token NAME --key-file {self.run_dir / KEY_FILE}", flush=True)
 
