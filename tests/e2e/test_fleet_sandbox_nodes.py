@@ -3,7 +3,9 @@ agent with the fleet's tenant key, lists it in fleet.json and to tenants (`GET /
 a tenant run's nodes file (`tenant_run.write_fleet_sandbox_nodes`, what its SWE env reads) holds its
 tenant token, never the node's; through it the tenant's `ClusterPool` places sandboxes on the node,
 which another tenant cannot see, and past `fleet.sandbox_tenant_max` a tenant is refused while the
-other still creates. Stopping the fleet stops the agent and its sandboxes.
+other still creates. A tenant whose launcher goes quiet (killed with -9; here one that never calls)
+loses its sandboxes to the fleet after `fleet.tenant_idle_s`, while the sandbox of a tenant whose
+launcher still asks for the replicas stays. Stopping the fleet stops the agent and its sandboxes.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import os
 import shutil
 import signal
 import subprocess
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -27,6 +30,7 @@ from burstrl.sandbox.cluster import ClusterPool, load_nodes
 from burstrl.sandbox.node_client import NodeClient, NodeError
 
 from .conftest import alive, burstrl_cmd, wait_until
+from .conftest import events as fleet_events
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap not installed")]
 
@@ -45,6 +49,22 @@ def restarted(url: str, token: str) -> bool:
         return False
 
 
+def launchers_asking(router: str, tokens: list[str], stop: threading.Event) -> threading.Thread:
+    """What live runs' launchers do: ask the fleet for its replicas every second (the fleet then
+    knows they are there and releases nothing of theirs)."""
+    def ask() -> None:
+        while not stop.wait(1.0):
+            for tok in tokens:
+                try:
+                    httpx.get(f"{router}/v1/fleet/replicas", headers={"Authorization": f"Bearer {tok}"}, timeout=3)
+                except httpx.HTTPError:
+                    pass
+
+    thread = threading.Thread(target=ask, daemon=True)
+    thread.start()
+    return thread
+
+
 def test_fleet_sandbox_nodes_serve_tenants_apart(tmp_path: Path, tiny_model_dir: Path) -> None:
     fleet_dir = tmp_path / "fleet"
     fleet_dir.mkdir()
@@ -52,9 +72,10 @@ def test_fleet_sandbox_nodes_serve_tenants_apart(tmp_path: Path, tiny_model_dir:
     proc = subprocess.Popen(burstrl_cmd("fleet", "up", "--run_dir", str(fleet_dir), "--model.path", str(tiny_model_dir),
                                         "--fleet.reserved", "1", "--fleet.on_demand", "0", "--engine.num_threads", "1",
                                         "--fleet.start_timeout_s", "120", "--fleet.sandbox_nodes", "1",
-                                        "--fleet.sandbox_tenant_max", "1", "--orchestrator.swe.backend", "namespace"),
+                                        "--fleet.sandbox_tenant_max", "1", "--orchestrator.swe.backend", "namespace",
+                                        "--fleet.tenant_idle_s", "4"),
                             stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    pool = None
+    pool, stop = None, threading.Event()
     try:
         info = wait_until(lambda: (fleet_dir / "fleet.json").exists() and json.loads((fleet_dir / "fleet.json").read_text()),
                           150, "the fleet up", proc)
@@ -64,6 +85,7 @@ def test_fleet_sandbox_nodes_serve_tenants_apart(tmp_path: Path, tiny_model_dir:
         node_token = node_token_file.read_text().strip()
         key = (fleet_dir / "tenant.key").read_text().strip()
         tok_a, tok_b = tenant_token(key, "run-a"), tenant_token(key, "run-b")
+        launchers_asking(info["router"], [tok_a, tok_b], stop)  # run-a and run-b are live runs
 
         listed = httpx.get(f"{info['router']}/v1/fleet/sandbox-nodes", headers={"Authorization": f"Bearer {tok_a}"},
                            timeout=5)
@@ -122,8 +144,25 @@ def test_fleet_sandbox_nodes_serve_tenants_apart(tmp_path: Path, tiny_model_dir:
         wait_until(lambda: restarted(node["url"], node_token), 60, "the sandbox node restarted", proc)
         again = a.create(cpu_limit=1, memory_limit_mb=256, start_timeout_s=60)
         assert [s["id"] for s in a.report()["sandboxes"]] == [again.id]
-        a.delete(again.id)
+
+        # run-k's launcher goes quiet (a -9; here it never calls): the fleet deletes its sandbox after
+        # fleet.tenant_idle_s, with the node's token; run-a's, whose launcher asks, stays
+        k = NodeClient(node["url"], tenant_token(key, "run-k"))
+        lost = k.create(cpu_limit=1, memory_limit_mb=256, start_timeout_s=60)
+        assert [s["id"] for s in k.report()["sandboxes"]] == [lost.id]
+        [released] = wait_until(lambda: [e for e in fleet_events(fleet_dir, "tenant_released")
+                                         if e["detail"].startswith("run-k:")], 30, "the fleet to release run-k", proc)
+        assert k.report()["sandboxes"] == []
+        assert "1 sandboxes deleted, 0 failed" in released["detail"]
+        assert not [e for e in fleet_events(fleet_dir, "tenant_released") if e["detail"].startswith(("run-a", "run-b"))]
+        assert [s["id"] for s in a.report()["sandboxes"]] == [again.id]
+        assert again.id in [s["id"] for s in NodeClient(node["url"], node_token).report()["sandboxes"]]
+        k.delete(k.create(cpu_limit=1, memory_limit_mb=256, start_timeout_s=60).id)  # run-k resumed: under its cap
+        # run-a ends: its launcher deletes what its orchestrator left there (its token, its own only)
+        TenantLauncher.release_sandboxes(launcher)  # type: ignore[arg-type]
+        assert a.report()["sandboxes"] == [] and events[-1] == "sandboxes_released"
     finally:
+        stop.set()
         if pool is not None:
             pool.close()
         os.killpg(proc.pid, signal.SIGTERM)

@@ -20,6 +20,8 @@ expire on the replicas' session TTL.
 Sandboxes: where the fleet runs sandbox nodes (`fleet.sandbox_nodes`, `GET /v1/fleet/sandbox-nodes`),
 the run's SWE env places its sandboxes there: its nodes file (RUN_DIR/sandbox_nodes.json, mode 600)
 holds the tenant token, under which a node shows the run its own sandboxes only; else they stay local.
+Its orchestrator deletes them when it stops; any it left (stopped past its grace) the launcher
+deletes at the end with the tenant token, and after a -9 the fleet does (`idle_tenants.py`).
 """
 
 from __future__ import annotations
@@ -187,6 +189,7 @@ class TenantLauncher(Launcher):
             self.catch_up.close()
         if self.http is not None:
             self.release_versions()
+        self.release_sandboxes()
         super().teardown(outcome, detail)
 
     def release_versions(self) -> None:
@@ -203,3 +206,29 @@ class TenantLauncher(Launcher):
         names = sorted({n for states in report.unloaded.values() for n in states})
         self.event("versions_released", detail=f"{len(names)} versions on {len(report.ok)} of {len(targets)} "
                    f"replicas ({', '.join(names) or 'none'}); failed: {len(report.failed)}")
+
+    def release_sandboxes(self) -> None:
+        """Delete any sandbox of this tenant left on the fleet's sandbox nodes (its token: only its own)."""
+        from burstrl.sandbox.cluster import load_nodes
+        from burstrl.sandbox.node_client import NodeClient, NodeError
+
+        try:  # the file `start_sandbox_nodes` wrote: only its nodes, with this tenant's token
+            refs = [r for r in load_nodes(self.run_dir / NODES_FILE, allow_empty=True) if r.token == self.token]
+        except (OSError, ValueError, KeyError, TypeError):
+            return
+        done, failed = 0, 0
+        for ref in refs:
+            client = NodeClient(ref.url, self.token, timeout=15.0)
+            try:
+                ids = [s["id"] for s in client.report()["sandboxes"]]
+            except (NodeError, OSError, ValueError, KeyError, TypeError):
+                failed += 1
+                continue
+            for sid in ids:
+                try:
+                    client.delete(sid)
+                    done += 1
+                except (NodeError, OSError):
+                    failed += 1
+        if done or failed:
+            self.event("sandboxes_released", detail=f"{done} left on the fleet's sandbox nodes deleted; failed: {failed}")
