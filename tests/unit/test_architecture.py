@@ -24,7 +24,7 @@ FOUNDATIONS = {"burstrl", "atomic", "config", "deadline", "protocol"}
 ALLOWED: dict[str, set[str]] = {
     "cli": {"envs", "eval", "inference", "launcher", "model", "orchestrator", "router", "sandbox", "store",
             "trainer"},
-    "launcher": {"envs", "eval", "model", "orchestrator", "providers", "store", "trainer", "weights"},
+    "launcher": {"envs", "eval", "model", "orchestrator", "providers", "sandbox", "store", "trainer", "weights"},
     "eval": {"envs", "orchestrator"},
     "orchestrator": {"envs", "store"},
     "envs": {"model", "sandbox", "trainer"},  # model, trainer: the warm starts load the base and call the SFT

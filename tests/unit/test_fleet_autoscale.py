@@ -21,8 +21,8 @@ from burstrl.launcher.fleet_autoscale import (
     Decision,
     Demand,
     FleetAutoscaler,
-    History,
     Pool,
+    SignalHistory,
     decide,
     demand_of,
     signal_of,
@@ -46,7 +46,7 @@ class Sim:
     on_demand: int = 0
     start_s: float = 0.0
     now: float = 0.0
-    history: History = field(default_factory=History)
+    history: SignalHistory = field(default_factory=SignalHistory)
     decisions: list[tuple[float, Decision]] = field(default_factory=list)
     ready_at: list[float] = field(default_factory=list)  # when each starting replica registers
 
@@ -218,7 +218,7 @@ def test_a_replica_lost_without_replacement_is_made_up_by_on_demand() -> None:
 def test_a_replica_lost_and_replaced_adds_nothing() -> None:
     """Two reserved replicas full; one dies and the launcher's replacement starts for 15 s: its places
     are on their way, so the re-homed sessions are no excess."""
-    a, h = cfg(), History()
+    a, h = cfg(), SignalHistory()
     for t in range(40):
         lost = 5 <= t < 20
         d = Demand(places=P if lost else 2 * P, live=4, waiting=0)
@@ -229,7 +229,7 @@ def test_a_replica_lost_and_replaced_adds_nothing() -> None:
 def test_a_pool_changed_from_outside_restarts_the_cool_down() -> None:
     """`burstrl scale` (or an on-demand replica lost): the pool seen differs from the last one."""
     a = cfg()
-    h = History()
+    h = SignalHistory()
     d = Demand(places=4, live=0, waiting=0)
     for t in range(4):
         decision, h = decide(d, Pool(2, 0), P, a, h, float(t))
@@ -252,7 +252,7 @@ def test_the_cool_down_after_a_decision() -> None:
 
 @pytest.mark.parametrize("have, lo, hi, target", [(0, 2, 4, 2), (5, 0, 3, 3), (2, 1, 3, 2)])
 def test_the_pool_is_brought_within_bounds_at_once(have: int, lo: int, hi: int, target: int) -> None:
-    decision, _ = decide(Demand(4, 4, 0), Pool(have, 0), P, cfg(min_on_demand=lo, max_on_demand=hi), History(), 0.0)
+    decision, _ = decide(Demand(4, 4, 0), Pool(have, 0), P, cfg(min_on_demand=lo, max_on_demand=hi), SignalHistory(), 0.0)
     assert decision.target == target
     if target != have:
         assert f"{lo}..{hi}" in decision.reason

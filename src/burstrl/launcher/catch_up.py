@@ -41,7 +41,7 @@ PUSH_TIMEOUT_S = 60.0
 
 
 @dataclass
-class Outcome:
+class PushOutcome:
     """One URL's catch-up: the version sent (None: the volume has none yet), and how it went."""
 
     url: str
@@ -71,7 +71,7 @@ class CatchUp:
         self.failures = 0  # pushes that failed (each try)
         self.given_up = 0
         self.thread: threading.Thread | None = None
-        self.finished: list[Outcome] = []
+        self.finished: list[PushOutcome] = []
 
     def poll(self, urls: list[str]) -> None:
         """Note the fleet's list; start pushing to its new URLs unless a batch is still running."""
@@ -104,7 +104,7 @@ class CatchUp:
     def counts(self) -> dict[str, int]:
         return {"catch_up_pushes": self.pushes, "catch_up_failures": self.failures}
 
-    def take(self, outcomes: list[Outcome]) -> None:
+    def take(self, outcomes: list[PushOutcome]) -> None:
         """Count and log a finished batch; a URL that failed stays pending until MAX_TRIES."""
         for out in outcomes:
             if out.url not in self.pending:  # left the list meanwhile
@@ -130,15 +130,15 @@ class CatchUp:
             self.finished = self.push_newest(urls)
         except Exception as exc:  # noqa: BLE001 - a catch-up is best effort: a broken volume read is a failure
             reason = f"{type(exc).__name__}: {exc}"
-            self.finished = [Outcome(url, None, ok=False, reason=reason) for url in urls]
+            self.finished = [PushOutcome(url, None, ok=False, reason=reason) for url in urls]
 
-    def push_newest(self, urls: list[str]) -> list[Outcome]:
+    def push_newest(self, urls: list[str]) -> list[PushOutcome]:
         from burstrl.weights.push import push, read_targets
         from burstrl.weights.volume import latest
 
         found = latest(self.volume)
         if found is None:  # no version yet: the trainer's first push reaches every listed URL
-            return [Outcome(url, None, ok=True) for url in urls]
+            return [PushOutcome(url, None, ok=True) for url in urls]
         version, path = found
         files = None
         if self.dtype != "float32":
@@ -149,5 +149,5 @@ class CatchUp:
         report = push(path, version_name(version), read_targets(urls, "", self.token, self.verify),
                       senders=self.senders, retries=self.retries, timeout_s=PUSH_TIMEOUT_S, files=files)
         seconds = time.monotonic() - start
-        return [Outcome(url, version, ok=url not in report.failed, already=url in report.already, seconds=seconds,
+        return [PushOutcome(url, version, ok=url not in report.failed, already=url in report.already, seconds=seconds,
                         reason=report.failed.get(url, "")) for url in urls]

@@ -78,3 +78,11 @@ def take_scale_request(run_dir: Path) -> dict[str, Any] | None:
 
 def answer_scale(run_dir: Path, request: dict[str, Any], answer: dict[str, Any]) -> None:
     _write(run_dir / "control" / "scale.ack.json", {"id": request.get("id"), **answer})
+
+
+def write_secret(path: Path, value: str) -> None:
+    """A secret file only its owner may read (created with mode 600, never world-readable for a moment)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(value + "\n")
+    os.chmod(path, 0o600)

@@ -39,13 +39,10 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from burstrl.config import AutoscaleConfig, RunConfig
-from burstrl.launcher.run import LaunchError, _get_json
-
-if TYPE_CHECKING:
-    from burstrl.launcher.shared_fleet import SharedFleet
+from burstrl.launcher.run import Launcher, LaunchError, _get_json
 
 MARGIN = 0.25  # share of the remaining places left free after a removal (the hysteresis between the two signals)
 OBSERVE_S = 1.0  # how often the router's figures are read (the streaks are only as fine as this)
@@ -70,7 +67,7 @@ class Pool:
 
 
 @dataclass(frozen=True)
-class History:
+class SignalHistory:
     """What `decide` remembers between snapshots."""
 
     signal: str = STEADY  # the signal of the current streak
@@ -115,8 +112,8 @@ def signal_of(d: Demand, per_replica: int, starting: int) -> tuple[str, str]:
     return STEADY, figures
 
 
-def decide(d: Demand | None, pool: Pool, per_replica: int, cfg: AutoscaleConfig, h: History,
-           now: float) -> tuple[Decision, History]:
+def decide(d: Demand | None, pool: Pool, per_replica: int, cfg: AutoscaleConfig, h: SignalHistory,
+           now: float) -> tuple[Decision, SignalHistory]:
     """The on-demand pool's target for this snapshot, and the history for the next (module docstring)."""
     have, lo, hi = pool.on_demand, cfg.min_on_demand, cfg.max_on_demand
     if h.on_demand >= 0 and have != h.on_demand:  # changed from outside since the last call: the cool-down restarts
@@ -149,7 +146,7 @@ def decide(d: Demand | None, pool: Pool, per_replica: int, cfg: AutoscaleConfig,
     return Decision(target, why), _changed(h, target, now)
 
 
-def _changed(h: History, target: int, now: float) -> History:
+def _changed(h: SignalHistory, target: int, now: float) -> SignalHistory:
     """The history after the pool was set to `target`: a new streak, and the cool-down from now."""
     return replace(h, signal=STEADY, since=now, changed=now, on_demand=target, reported=False)
 
@@ -166,10 +163,10 @@ class FleetAutoscaler:
                               "fleet autoscaler sizes the on-demand pool from the sessions waiting for a place and "
                               "the places in use, and without per-replica places nothing waits (e.g. "
                               "--router.max_sessions_per_replica 16)")
-        self.history = History()
+        self.history = SignalHistory()
         self.last_observed = -math.inf
 
-    def check(self, fleet: SharedFleet) -> None:
+    def check(self, fleet: Launcher) -> None:
         """One tick of the fleet's supervising loop: a decision at most once per OBSERVE_S."""
         now = self.clock()
         if not self.cfg.enabled or now - self.last_observed < OBSERVE_S:

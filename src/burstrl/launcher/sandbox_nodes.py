@@ -41,7 +41,7 @@ class FleetSandboxNodes:
 
     def start(self) -> list[dict[str, str]]:
         """Start the agents; their {name, url}. RuntimeError naming the one that did not start."""
-        from burstrl.launcher.shared_fleet import write_secret
+        from burstrl.launcher.control import write_secret
 
         if self.cfg.provider != "local":
             raise RuntimeError("fleet.sandbox_nodes: only the local provider runs the fleet's sandbox nodes so far")

@@ -36,6 +36,7 @@ from burstrl.atomic import write_text
 from burstrl.config import RunConfig, dump_toml
 from burstrl.deadline import sync_client
 from burstrl.launcher import control
+from burstrl.launcher.control import write_secret
 from burstrl.launcher.fleet_autoscale import FleetAutoscaler
 from burstrl.launcher.idle_tenants import IdleTenants
 from burstrl.launcher.run import Launcher, LaunchError, _cause, _get_json, _tail
@@ -44,14 +45,6 @@ from burstrl.launcher.sandbox_nodes import FleetSandboxNodes
 KEY_FILE = "tenant.key"
 ADMIN_FILE = "admin.token"
 INFO_FILE = "fleet.json"
-
-
-def write_secret(path: Path, value: str) -> None:
-    """A secret file only its owner may read (created with mode 600, never world-readable for a moment)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(value + "\n")
-    os.chmod(path, 0o600)
 
 
 def tenant_key(fleet_dir: Path) -> str:

@@ -48,7 +48,7 @@ def write_fleet_sandbox_nodes(http: Any, url: str, token: str, run_dir: Path) ->
                   headers={"Authorization": f"Bearer {token}"}).check().json()["nodes"]
     if not nodes:
         return None
-    from burstrl.launcher.shared_fleet import write_secret
+    from burstrl.launcher.control import write_secret
 
     path = run_dir / NODES_FILE
     write_secret(path, json.dumps([{"url": str(n["url"]), "token": token, "name": str(n.get("name", ""))}
