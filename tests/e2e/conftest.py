@@ -56,6 +56,16 @@ def start_run(run_dir: Path, model: Path, *args: str) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def start_fleet(fleet_dir: Path, model: Path, *args: str) -> subprocess.Popen:
+    """`burstrl fleet up` in FLEET_DIR at test size (one engine thread, 120 s to start a replica) plus
+    `args`, its output to FLEET_DIR/../fleet.out."""
+    fleet_dir.mkdir(parents=True)
+    out = open(fleet_dir.parent / "fleet.out", "w")  # noqa: SIM115 - the child holds it
+    cmd = burstrl_cmd("fleet", "up", "--run_dir", str(fleet_dir), "--model.path", str(model),
+                      "--engine.num_threads", "1", "--fleet.start_timeout_s", "120", *args)
+    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
 def start_ray_run(run_dir: Path, model: Path, address: str, *args: str) -> subprocess.Popen:
     """`start_run` with every role but the orchestrator in a Ray actor on the cluster at `address`."""
     return start_run(run_dir, model, "--provider", "ray", "--ray.address", address, *args)

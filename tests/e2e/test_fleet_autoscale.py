@@ -18,20 +18,16 @@ from pathlib import Path
 import httpx
 import pytest
 
-from .conftest import burstrl_cmd, events, wait_until
+from .conftest import events, start_fleet, wait_until
 from .test_shared_fleet import token
 
 pytestmark = pytest.mark.slow
 
 
 def start_autoscaled_fleet(fleet_dir: Path, model: Path) -> subprocess.Popen:
-    fleet_dir.mkdir(parents=True)
-    out = open(fleet_dir.parent / "fleet.out", "w")
-    cmd = burstrl_cmd("fleet", "up", "--run_dir", str(fleet_dir), "--model.path", str(model), "--fleet.reserved",
-                      "1", "--fleet.on_demand", "0", "--engine.num_threads", "1", "--fleet.start_timeout_s", "120",
-                      "--router.max_sessions_per_replica", "1", "--autoscale.enabled", "true",
-                      "--autoscale.max_on_demand", "1", "--autoscale.interval_s", "2")
-    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    return start_fleet(fleet_dir, model, "--fleet.reserved", "1", "--fleet.on_demand", "0",
+                       "--router.max_sessions_per_replica", "1", "--autoscale.enabled", "true",
+                       "--autoscale.max_on_demand", "1", "--autoscale.interval_s", "2")
 
 
 def chat(router: str, bearer: str, sid: str) -> httpx.Response:

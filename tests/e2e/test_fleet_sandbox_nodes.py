@@ -29,7 +29,7 @@ from burstrl.sandbox.backends.base import SandboxSpec
 from burstrl.sandbox.cluster import ClusterPool, load_nodes
 from burstrl.sandbox.node_client import NodeClient, NodeError
 
-from .conftest import alive, burstrl_cmd, wait_until
+from .conftest import alive, start_fleet, wait_until
 from .conftest import events as fleet_events
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap not installed")]
@@ -67,14 +67,9 @@ def launchers_asking(router: str, tokens: list[str], stop: threading.Event) -> t
 
 def test_fleet_sandbox_nodes_serve_tenants_apart(tmp_path: Path, tiny_model_dir: Path) -> None:
     fleet_dir = tmp_path / "fleet"
-    fleet_dir.mkdir()
-    out = open(tmp_path / "fleet.out", "w")
-    proc = subprocess.Popen(burstrl_cmd("fleet", "up", "--run_dir", str(fleet_dir), "--model.path", str(tiny_model_dir),
-                                        "--fleet.reserved", "1", "--fleet.on_demand", "0", "--engine.num_threads", "1",
-                                        "--fleet.start_timeout_s", "120", "--fleet.sandbox_nodes", "1",
-                                        "--fleet.sandbox_tenant_max", "1", "--orchestrator.swe.backend", "namespace",
-                                        "--fleet.tenant_idle_s", "4"),
-                            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = start_fleet(fleet_dir, tiny_model_dir, "--fleet.reserved", "1", "--fleet.on_demand", "0",
+                       "--fleet.sandbox_nodes", "1", "--fleet.sandbox_tenant_max", "1",
+                       "--orchestrator.swe.backend", "namespace", "--fleet.tenant_idle_s", "4")
     pool, stop = None, threading.Event()
     try:
         info = wait_until(lambda: (fleet_dir / "fleet.json").exists() and json.loads((fleet_dir / "fleet.json").read_text()),
@@ -167,7 +162,6 @@ def test_fleet_sandbox_nodes_serve_tenants_apart(tmp_path: Path, tiny_model_dir:
             pool.close()
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=60)
-        out.close()
     with pytest.raises(NodeError):  # the agent went with the fleet
         NodeClient(node["url"], node_token, timeout=3).health()
     assert not alive(proc.pid)

@@ -34,6 +34,7 @@ from .conftest import (
     output,
     read_jsonl,
     scale,
+    start_fleet,
     start_ray_run,
     wait_until,
 )
@@ -295,13 +296,8 @@ def test_a_shared_fleet_on_ray_serves_a_tenant_run_replaces_a_replica_and_stops_
     from burstrl.protocol.tenants import tenant_token
 
     fleet_dir = tmp_path / "fleet"
-    fleet_dir.mkdir()
-    out = open(tmp_path / "fleet.out", "w")  # output(fleet_dir) shows it
-    fleet = subprocess.Popen(burstrl_cmd("fleet", "up", "--run_dir", str(fleet_dir), "--model.path", str(warm_model),
-                                         "--provider", "ray", "--ray.address", ray_address, "--fleet.reserved", "1",
-                                         "--fleet.on_demand", "1", "--engine.num_threads", "1",
-                                         "--fleet.start_timeout_s", "120"),
-                             stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    fleet = start_fleet(fleet_dir, warm_model, "--provider", "ray", "--ray.address", ray_address,
+                        "--fleet.reserved", "1", "--fleet.on_demand", "1")  # output(fleet_dir) shows fleet.out
     tenant: subprocess.Popen | None = None
     try:
         info = wait_until(lambda: (fleet_dir / "fleet.json").exists() and json.loads(

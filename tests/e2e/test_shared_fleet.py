@@ -23,18 +23,9 @@ import httpx
 import pytest
 import tomllib
 
-from .conftest import alive, audit, burstrl_cmd, events, finish, read_jsonl, start_run, wait_until
+from .conftest import alive, audit, burstrl_cmd, events, finish, read_jsonl, start_fleet, start_run, wait_until
 
 pytestmark = pytest.mark.slow
-
-
-def start_fleet(fleet_dir: Path, model: Path) -> subprocess.Popen:
-    fleet_dir.mkdir(parents=True)
-    out = open(fleet_dir.parent / "fleet.out", "w")
-    cmd = burstrl_cmd("fleet", "up", "--run_dir", str(fleet_dir), "--model.path", str(model), "--fleet.reserved",
-                      "1", "--fleet.on_demand", "1", "--engine.num_threads", "1", "--fleet.start_timeout_s", "120",
-                      "--fleet.tenant_idle_s", "8")
-    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def token(fleet_dir: Path, tenant: str) -> str:
@@ -104,7 +95,8 @@ def fleet_pids(fleet_dir: Path) -> list[int]:
 
 def test_two_runs_train_at_once_on_one_fleet_and_release_it(tmp_path: Path, warm_model: Path) -> None:
     fleet_dir = tmp_path / "fleet"
-    fleet = start_fleet(fleet_dir, warm_model)
+    fleet = start_fleet(fleet_dir, warm_model, "--fleet.reserved", "1", "--fleet.on_demand", "1",
+                        "--fleet.tenant_idle_s", "8")
     runs_started: list[subprocess.Popen] = []
     try:
         info = wait_until(lambda: (fleet_dir / "fleet.json").exists() and json.loads(
