@@ -29,6 +29,15 @@ TOKEN_FILE = "sandbox-node.token"
 RETRY_S = 10.0  # between tries to restart an agent whose restart failed
 
 
+def tenant_flags(cfg: Any, key_file: Path) -> list[str]:
+    """The `burstrl sandbox node` flags that make an agent one of the fleet's: its tenant key and
+    the fleet's per-tenant limits (the same on every provider)."""
+    flags = ["--tenant-key-file", str(key_file)]
+    if cfg.fleet.sandbox_tenant_max:
+        flags += ["--tenant-max-sandboxes", str(cfg.fleet.sandbox_tenant_max)]
+    return flags
+
+
 class FleetSandboxNodes:
     def __init__(self, cfg: Any, fleet_dir: Path, key_file: str) -> None:
         self.cfg, self.fleet_dir = cfg, Path(fleet_dir)
@@ -65,9 +74,7 @@ class FleetSandboxNodes:
     def _start(self, i: int, port: int) -> RoleProcess:
         args = ["sandbox", "node", "--name", self.name(i), "--backend", self.cfg.orchestrator.swe.backend,
                 "--port", str(port), "--state-dir", str(self.state_dirs[i]), "--token-file", str(self.token_file),
-                "--tenant-key-file", str(self.key_file)]
-        if self.cfg.fleet.sandbox_tenant_max:
-            args += ["--tenant-max-sandboxes", str(self.cfg.fleet.sandbox_tenant_max)]
+                *tenant_flags(self.cfg, self.key_file)]
         return start_role(args, self.fleet_dir / "logs", f"{self.name(i)}.log", timeout=60.0, append=port != 0,
                           die_with_parent=True)
 
