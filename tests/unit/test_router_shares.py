@@ -315,3 +315,18 @@ def test_a_waiter_gets_the_places_a_dead_replicas_sessions_held() -> None:
 
     asyncio.run(asyncio.wait_for(main(), 2))
     assert order == ["c:s0"]
+
+
+def test_live_and_kv_held_agree_on_which_replicas_hold_places() -> None:
+    """One rule (`Shares.healthy_urls`) for both figures: a draining replica's sessions still count in
+    each (they run there), a dead one's in neither, for every way a replica is lost."""
+    for death in DEATHS:
+        reg, shares = fleet(replicas=3, per_replica=2, tenants={"a": {"max_kv_tokens": 10**9}})
+        dead, draining, _ = reg.replicas
+        reg.homes["a~s0"], reg.homes["a~s1"] = dead, draining
+        reg.replicas[draining].draining = True
+        held = shares.kv_held("a")
+        assert shares.live() == {"a": 2} and held > 0, death
+        end_replica(reg, dead, death)
+        assert draining in shares.healthy_urls() and dead not in shares.healthy_urls(), death
+        assert shares.live() == {"a": 1} and shares.kv_held("a") == held / 2, death

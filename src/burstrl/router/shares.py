@@ -97,11 +97,15 @@ class Shares:
         limits = self.limits.get(tenant)
         return limits.max_kv_tokens if limits is not None else 0
 
+    def healthy_urls(self) -> set[str]:
+        """The healthy replicas' URLs: the one rule, for `live` and `kv_held` alike, of where a homed
+        session still holds a place (draining ones included: their sessions still run there)."""
+        return {url for url, view in self.registry.replicas.items() if view.healthy}
+
     def kv_held(self, tenant: str) -> float:
         """Projected final KV tokens of `tenant`'s sessions: homed on a healthy replica (`kv_quota.homed_kv`),
         admitted and not yet homed there, and waiting for a place; those on a dead replica weigh nothing."""
-        up = {url for url, view in self.registry.replicas.items() if view.healthy}
-        total, homed = homed_kv(self.registry, tenant, up)
+        total, homed = homed_kv(self.registry, tenant, self.healthy_urls())
         total += sum(self.pending_kv.get(key, 0.0) for key, who in self.pending.items()
                      if who == tenant and key not in homed)
         return total + sum(w.kv for w in self.queues.get(tenant, ()))
@@ -119,8 +123,7 @@ class Shares:
         rotation (unhealthy) holds no place from then on, not until pruning forgets it: it runs
         nowhere, its replica's places left the count with it, and its tenant must not be held below
         its share (or its quota) by it. If it calls again it is re-homed and counted where it lands."""
-        homes, replicas = self.registry.homes, self.registry.replicas
-        up = {url for url, view in replicas.items() if view.healthy}
+        homes, up = self.registry.homes, self.healthy_urls()
         counts = Counter(owner(key) or FLEET_TENANT for key, url in homes.items() if url in up)
         for key, tenant in self.pending.items():
             if homes.get(key) not in up:
