@@ -8,8 +8,13 @@ is counted and tried again a few times, never raised; a URL already caught up is
 
 from __future__ import annotations
 
+import json
+import shutil
 import socket
+import threading
 import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -89,7 +94,8 @@ def test_a_new_replica_gets_the_newest_version_and_a_dead_one_is_counted(server:
     assert catch_up.pushes == 1 and catch_up.failures == MAX_TRIES and catch_up.given_up == 1
     assert [n for n, _ in events].count("catch_up_push") == 1
     assert [n for n, _ in events].count("catch_up_failed") == MAX_TRIES
-    assert catch_up.counts() == {"catch_up_pushes": 1, "catch_up_failures": MAX_TRIES}
+    assert [n for n, _ in events].count("catch_up_given_up") == 1
+    assert catch_up.counts() == {"catch_up_pushes": 1, "catch_up_failures": MAX_TRIES, "catch_up_given_up": 1}
     # a URL still listed is not pushed again; one that left and came back is asked, and already serves it
     settle(catch_up, [server.url])
     settle(catch_up, [])
@@ -104,3 +110,72 @@ def test_an_empty_volume_sends_nothing(server: Server, tmp_path: Path) -> None:
     settle(catch_up, [server.url])
     assert catch_up.pushes == 0 and catch_up.failures == 0 and not events
     catch_up.close()
+
+
+class FleetListing(BaseHTTPRequestHandler):
+    """A shared fleet's router as a tenant launcher asks it: only `GET /v1/fleet/replicas`, with the token."""
+
+    replicas: list[str] = []
+    url = ""  # where the fixture serves it
+
+    def do_GET(self) -> None:  # noqa: N802 - the http.server name
+        ok = self.path == "/v1/fleet/replicas" and self.headers.get("Authorization") == f"Bearer {TOKEN}"
+        body = json.dumps({"replicas": self.replicas} if ok else {"error": {"message": "no"}}).encode()
+        self.send_response(200 if ok else 401)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def fleet_listing() -> Iterator[type[FleetListing]]:
+    """A loopback fleet that lists one replica nothing listens on (each test sets its own list)."""
+    handler = type("Listing", (FleetListing,), {"replicas": [dead_url()]})
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    handler.url = f"http://127.0.0.1:{srv.server_address[1]}"
+    try:
+        yield handler
+    finally:
+        srv.shutdown()
+        thread.join()
+        srv.server_close()
+
+
+def test_a_given_up_catch_up_shows_in_the_runs_fleet_jsonl(fleet_listing: type[FleetListing], volume: Path,
+                                                          tmp_path: Path) -> None:
+    """The tenant launcher's samples carry `catch_up_given_up` and its events a `catch_up_given_up`:
+    a late replica that never got the run's newest version is visible in the run's own record."""
+    from burstrl.config import RunConfig
+    from burstrl.launcher.display import Display
+    from burstrl.launcher.tenant_run import TenantLauncher
+
+    shutil.copytree(volume, tmp_path / "adapters")
+    cfg = RunConfig.model_validate({"run_dir": str(tmp_path / "run"), "weights": {"volume": str(tmp_path / "adapters")},
+                                    "fleet": {"url": fleet_listing.url, "token": TOKEN}})
+    launcher = TenantLauncher(cfg, live=False)
+    try:
+        assert not launcher.prepare()
+        launcher.display = Display(launcher.run_dir, cfg.trainer.steps, live=False)
+        launcher.catch_up.retry_s = 0.05
+        deadline = time.monotonic() + 60.0
+        while not launcher.catch_up.given_up:  # the launcher's loop, less its roles
+            assert time.monotonic() < deadline, launcher.catch_up.pending
+            launcher.catch_up.poll(launcher.fleet_replicas)
+            time.sleep(0.05)
+        launcher.sample(force=True)
+    finally:
+        launcher.catch_up.close()
+        launcher.store.close()
+        launcher.stop_children()
+    rows = [json.loads(line) for line in (launcher.run_dir / "fleet.jsonl").read_text().splitlines()]
+    [sample] = [r for r in rows if r["kind"] == "sample"]
+    assert sample["catch_up_given_up"] == 1 and sample["catch_up_failures"] == MAX_TRIES
+    assert sample["catch_up_pushes"] == 0
+    [given_up] = [r for r in rows if r.get("event") == "catch_up_given_up"]
+    assert fleet_listing.replicas[0] in given_up["detail"], rows

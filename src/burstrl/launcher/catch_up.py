@@ -20,7 +20,9 @@ version published after this look reaches the new URL through the trainer. A URL
 list and comes back is new again.
 
 Faults: a push that fails on a replica is counted and tried again at the next poll, up to MAX_TRIES
-times (then left to the trainer's next push); never raised, so one bad replica never stops the run.
+times (then left to the trainer's next push: a `catch_up_given_up` event, and the run's fleet.jsonl
+samples count it as `catch_up_given_up`, so a replica that never got the newest version shows there,
+not only as a run of `catch_up_failed` tries); never raised, so one bad replica never stops the run.
 The pushes run in one background thread owned by `CatchUp`, joined by `close` (before the run
 releases its versions, so none lands after); the launcher logs results from its own loop.
 """
@@ -69,7 +71,7 @@ class CatchUp:
         self.not_before: dict[str, float] = {}  # URL -> when (monotonic) a failed one is tried again
         self.pushes = 0  # versions sent to a replica that lacked them
         self.failures = 0  # pushes that failed (each try)
-        self.given_up = 0
+        self.given_up = 0  # URLs left to the trainer's next push after MAX_TRIES failed pushes
         self.thread: threading.Thread | None = None
         self.finished: list[PushOutcome] = []
 
@@ -102,7 +104,9 @@ class CatchUp:
         self.pending.clear()
 
     def counts(self) -> dict[str, int]:
-        return {"catch_up_pushes": self.pushes, "catch_up_failures": self.failures}
+        """The figures the launcher adds to each fleet.jsonl sample."""
+        return {"catch_up_pushes": self.pushes, "catch_up_failures": self.failures,
+                "catch_up_given_up": self.given_up}
 
     def take(self, outcomes: list[PushOutcome]) -> None:
         """Count and log a finished batch; a URL that failed stays pending until MAX_TRIES."""
@@ -119,10 +123,12 @@ class CatchUp:
             self.pending[out.url] += 1
             self.not_before[out.url] = time.monotonic() + self.retry_s
             tries = self.pending[out.url]
+            self.log("catch_up_failed", f"{out.url} (try {tries} of {MAX_TRIES}): {out.reason}")
             if tries >= MAX_TRIES:
                 del self.pending[out.url]
                 self.given_up += 1
-            self.log("catch_up_failed", f"{out.url} (try {tries} of {MAX_TRIES}): {out.reason}")
+                self.log("catch_up_given_up", f"{out.url} after {tries} failed pushes: "
+                         "it gets the run's versions from the trainer's next push")
 
     def run(self, urls: list[str]) -> None:
         """The background batch: the newest version to every URL (in parallel), outcomes to `finished`."""
