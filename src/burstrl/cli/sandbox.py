@@ -76,6 +76,10 @@ def sandbox_node(
     tenant_max_sandboxes: int | None = typer.Option(None, "--tenant-max-sandboxes", help="Live sandboxes per tenant "
                                                     "(beyond: 429)."),
     tenant_caps: str | None = typer.Option(None, "--tenant-caps", help="Per-tenant caps over the default: a=2,b=8."),
+    tenant_weights: str | None = typer.Option(None, "--tenant-weights", help="Fair-share weights of the "
+                                              "--max-sandboxes slots among active tenants: a=2,b=1 (unlisted: 1)."),
+    tenant_active_s: float = typer.Option(30.0, "--tenant-active-s", help="A tenant that asked for a sandbox "
+                                          "within this long keeps its fair share."),
 ) -> None:
     """Run the agent of one sandbox node: create/close sandboxes, report usage and cached layers (HTTP)."""
     import os
@@ -95,15 +99,18 @@ def sandbox_node(
     cache = LayerCache(cache_root, max_bytes=int(cache_gb * 1e9))
     alloc = node_allocatable(cpus, memory_mb << 20 if memory_mb else None)
     state = state_dir or Path("/tmp") / f"burstrl-node-{os.getuid()}"
+    from burstrl.sandbox.node_shares import parse_weights
     from burstrl.sandbox.node_tenants import NodeTenancy, parse_caps, read_tenant_key
 
     try:
         tenancy = NodeTenancy(read_tenant_key(tenant_key_file) if tenant_key_file else "", tenant_max_sandboxes,
-                              parse_caps(tenant_caps))
+                              parse_caps(tenant_caps), parse_weights(tenant_weights), tenant_active_s)
     except (ValueError, OSError) as exc:
         fail(str(exc))
-    if (tenant_max_sandboxes is not None or tenant_caps) and not tenancy.key:
-        fail("--tenant-max-sandboxes and --tenant-caps need --tenant-key-file")
+    if (tenant_max_sandboxes is not None or tenant_caps or tenant_weights) and not tenancy.key:
+        fail("--tenant-max-sandboxes, --tenant-caps and --tenant-weights need --tenant-key-file")
+    if tenant_active_s <= 0:
+        fail("--tenant-active-s must be positive")
     try:
         agent = NodeAgent(name or socket.gethostname(), backend, state, cache, host, alloc, max_sandboxes, sample_s,
                           sweep_glob, tenancy)

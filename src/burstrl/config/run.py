@@ -58,6 +58,10 @@ class FleetConfig(Section):
     sandbox_tenant_max: int = Field(
         0, ge=0, description="Live sandboxes one tenant may hold on each of the fleet's sandbox nodes (beyond: a "
         "429 at once); 0 = no cap.")
+    sandbox_node_slots: int = Field(
+        0, ge=0, description="Sandboxes each of the fleet's sandbox nodes runs at once (its --max-sandboxes): the "
+        "slots its active tenants share by weight (router.tenants.<name>.weight, sandbox/node_shares.py); 0 = no "
+        "bound, and then no shares (only sandbox_tenant_max).")
     url: str = Field("", description="A shared fleet's router (`burstrl fleet up` prints it): set, the run starts "
                      "no router and no replicas (the pool counts are ignored), only its trainer and orchestrator, "
                      "as the tenant that fleet.token names; empty = the run brings its own fleet.")

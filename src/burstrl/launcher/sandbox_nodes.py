@@ -3,9 +3,10 @@ runs with the fleet's tenant key, so every tenant's SWE sandboxes go to nodes th
 
 Why the tenant key and not a token per run: the agent checks a tenant token itself
 (`sandbox/node_tenants.py`), so a run that starts later needs nothing from the fleet but the token
-it already has; its sandboxes are its own there, and `fleet.sandbox_tenant_max` caps how many one
-tenant may hold per node. The node's own token (FLEET_DIR/sandbox-node.token, mode 600) stays
-the fleet's: no tenant is ever given it.
+it already has; its sandboxes are its own there, `fleet.sandbox_tenant_max` caps how many one
+tenant may hold per node, and with `fleet.sandbox_node_slots` the tenants there share a node's
+slots by their `router.tenants.<name>.weight` (`sandbox/node_shares.py`). The node's own token
+(FLEET_DIR/sandbox-node.token, mode 600) stays the fleet's: no tenant is ever given it.
 
 Local provider only: the agents run on the fleet's host, as its children (they die with it). One
 that exits is started again at the same URL (the list the router gives tenants stays true) and
@@ -30,11 +31,18 @@ RETRY_S = 10.0  # between tries to restart an agent whose restart failed
 
 
 def tenant_flags(cfg: Any, key_file: Path) -> list[str]:
-    """The `burstrl sandbox node` flags that make an agent one of the fleet's: its tenant key and
-    the fleet's per-tenant limits (the same on every provider)."""
+    """The `burstrl sandbox node` flags that make an agent one of the fleet's: its tenant key, the
+    fleet's per-tenant limits, its slots and the tenants' fair-share weights (the same on every
+    provider). Why the router's weights: one weight per tenant for the whole fleet, so a run's share
+    of sandboxes is its share of generation; the fleet's own sessions ('') are no node tenant."""
     flags = ["--tenant-key-file", str(key_file)]
     if cfg.fleet.sandbox_tenant_max:
         flags += ["--tenant-max-sandboxes", str(cfg.fleet.sandbox_tenant_max)]
+    if cfg.fleet.sandbox_node_slots:
+        flags += ["--max-sandboxes", str(cfg.fleet.sandbox_node_slots)]
+    weights = {name: t.weight for name, t in cfg.router.tenants.items() if name and t.weight != 1}
+    if weights:
+        flags += ["--tenant-weights", ",".join(f"{name}={w:g}" for name, w in sorted(weights.items()))]
     return flags
 
 

@@ -5,7 +5,8 @@ node's layer cache, and reports what it holds in the shape placement reads (`nod
 turns the report into a `placement.NodeState`). HTTP, bearer token (`--token-file` or env
 BURSTRL_NODE_TOKEN): `GET /v1/node`, `POST /v1/sandboxes`, `DELETE /v1/sandboxes/{id}`; `GET /healthz`
 needs no token. With the fleet's tenant key (`--tenant-key-file`) a tenant token acts for its tenant:
-only its own sandboxes, under a cap per tenant (`node_tenants.py`).
+only its own sandboxes, under a cap per tenant (`node_tenants.py`) and a weighted fair share of the
+node's slots (`node_shares.py`).
 
 Why each sandbox gets a TCP port of its own on the node: a rollout's commands must not pass through
 a central process, and a sandbox daemon listens on a unix socket only the node can reach. The agent
@@ -33,7 +34,7 @@ import signal
 import stat
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -44,6 +45,7 @@ from burstrl.protocol.process import OWNER_FILE, pid_alive, print_ready, write_o
 from burstrl.sandbox.backends import make_backend
 from burstrl.sandbox.backends.base import Sandbox, SandboxSpec, read_owner
 from burstrl.sandbox.forward import Forwarder
+from burstrl.sandbox.node_shares import FairShares
 from burstrl.sandbox.node_tenants import NodeTenancy, tenant_view
 from burstrl.sandbox.nodeusage import Allocatable, ProcTable, Reading, meminfo, read_sandbox
 from burstrl.sandbox.placement import Usage
@@ -139,9 +141,11 @@ class NodeAgent:
         self.pool = SandboxPool(make_backend(backend, state_dir=self.state_dir, layer_cache=layer_cache),
                                 max_concurrent=max_sandboxes)
         self.held: dict[str, Held] = {}
+        self.shares = FairShares(self.tenancy, max_sandboxes)
         self._starting: list[tuple[SandboxSpec, str | None]] = []  # admitted, not yet running (and whose)
         self.counts = {"created": 0, "closed": 0, "create_failures": 0, "refused": 0, "evictions": 0,
-                       "oom_kills_closed": 0, "sample_errors": 0, "server_errors": 0, "tenant_refused": 0}
+                       "oom_kills_closed": 0, "sample_errors": 0, "server_errors": 0, "tenant_refused": 0,
+                       "share_refused": 0}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._sampler = threading.Thread(target=self._sample_loop, name="node-sampler", daemon=True)
@@ -151,13 +155,14 @@ class NodeAgent:
 
     def create(self, spec: SandboxSpec, tenant: str | None = None) -> dict[str, Any]:
         """Start a sandbox (owned by `tenant`) if its requests fit in what is left of allocatable and
-        the tenant is under its cap; return its address."""
+        the tenant is under its cap and its fair share allows it; return its address."""
         with self._lock:
-            live = sum(h.tenant == tenant for h in self.held.values()) + sum(t == tenant for _, t in self._starting)
-            why = self.tenancy.over_cap(tenant, live, self.name)
-            if why:
-                self.counts["tenant_refused"] += 1
-                raise BadRequest(429, why)
+            live = self._live()
+            unfair = self.shares.refusal(tenant, live, self.name)  # records the ask, refused or not
+            why = self.tenancy.over_cap(tenant, live[tenant], self.name)
+            if why or unfair:
+                self.counts["tenant_refused" if why else "share_refused"] += 1
+                raise BadRequest(429, why or unfair or "")
             specs = [h.spec for h in self.held.values()] + [s for s, _ in self._starting] + [spec]
             req_cpu = sum(s.cpu_request for s in specs)
             req_mem = sum(s.memory_request_mb for s in specs)
@@ -180,6 +185,10 @@ class NodeAgent:
             self.held[sandbox.id] = held
             self.counts["created"] += 1
         return self.address(held)
+
+    def _live(self) -> Counter[str | None]:
+        """Running and starting sandboxes per owner (None: the node token's); under the lock."""
+        return Counter([h.tenant for h in self.held.values()] + [t for _, t in self._starting])
 
     def _start(self, spec: SandboxSpec) -> Sandbox:
         try:
@@ -267,6 +276,7 @@ class NodeAgent:
         with self._lock:
             held = list(self.held.values())
             counts = dict(self.counts)
+            shares = self.shares.report(self._live())
         sandboxes = []
         for h in held:
             s = h.spec
@@ -297,6 +307,7 @@ class NodeAgent:
             "swept_at_start": self.swept,
             "swept_agent_dirs": self.swept_dirs,
             "swept_agent_errors": self.sweep_errors,
+            "shares": shares,
         }, tenant)
 
 

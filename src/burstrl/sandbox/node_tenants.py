@@ -15,7 +15,9 @@ the node's totals and cached layer digests.
 
 Why a cap per tenant: the node's slots (`--max-sandboxes`) and allocatable are shared, so one
 tenant could take them all; beyond its cap (`--tenant-max-sandboxes`, or its own in
-`--tenant-caps a=2,b=8`) a create is a 429 at once, counting its sandboxes still starting.
+`--tenant-caps a=2,b=8`) a create is a 429 at once, counting its sandboxes still starting. Caps are
+fixed; the weighted fair shares of the slots among the tenants there now (`--tenant-weights`) are
+`node_shares.py`'s, and a tenant sees only its own share in its report.
 """
 
 from __future__ import annotations
@@ -71,6 +73,8 @@ class NodeTenancy:
     key: str = ""
     max_per_tenant: int | None = None  # live sandboxes (running or starting) per tenant; None: no cap
     caps: Mapping[str, int] = field(default_factory=dict)  # per tenant, over max_per_tenant
+    weights: Mapping[str, float] = field(default_factory=dict)  # fair-share weights (`node_shares.py`); unlisted: 1
+    active_s: float = 30.0  # a tenant that asked within this long keeps its share (`node_shares.py`)
 
     def caller(self, headers: Mapping[str, str], node_token: str) -> tuple[bool, str | None]:
         """(authorized, tenant): (True, None) for the node token, (True, name) for a valid tenant
@@ -110,6 +114,15 @@ def tenant_view(report: dict[str, Any], tenant: str | None) -> dict[str, Any]:
               "requests": {k: sum(s["requests"][k] for s in rest) for k in ("cpu", "mem", "pids")},
               "limits_requested": {k: sum(s["limits_requested"][k] for s in rest) for k in ("cpu", "mem", "pids")},
               "usage": {"cpu": _sum_usage(rest, "cpu"), "mem": _sum_usage(rest, "mem")}}
-    hidden = ("swept_at_start", "swept_agent_dirs", "swept_agent_errors")
+    hidden = ("swept_at_start", "swept_agent_dirs", "swept_agent_errors", "shares")
     return {**{k: v for k, v in report.items() if k not in hidden}, "sandboxes": mine, "others": others,
-            "tenant": tenant}
+            "tenant": tenant, "share": own_share(report.get("shares"), tenant)}
+
+
+def own_share(shares: Mapping[str, Any] | None, tenant: str) -> dict[str, Any] | None:
+    """A tenant's view of the node's fair shares: its own entry and the slot count, never the others'
+    names or weights (`node_shares.FairShares.report`)."""
+    if not shares:
+        return None
+    mine = shares["tenants"].get(tenant, {"held": 0, "weight": None, "share": None, "active": False})
+    return {"slots": shares["slots"], **mine}
