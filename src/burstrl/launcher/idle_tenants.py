@@ -14,36 +14,80 @@ Sandboxes too: a run killed with -9 leaves its sandboxes on the fleet's sandbox 
 and disk and count against the tenant's cap per node, so the same run resumed could be refused. With
 the nodes' own token (which sees every sandbox and its owner) a tenant with sandboxes there is a
 candidate as one with versions is, and its release deletes them; a node that does not answer is
-counted as failed and skipped (the next poll tries again).
+counted as failed and skipped (the next poll tries again). The node calls go through the one client
+of the node API (`sandbox/node_client.NodeClient`, as a tenant run's own release does).
+
+Why the deletes are bounded per poll: they run in the fleet supervisor's loop (`shared_fleet.py`),
+which also replaces dead replicas and applies scale requests, and a node deletes a sandbox
+synchronously (its processes, its files). A poll starts at most MAX_DELETES deletes, and none after
+DELETE_BUDGET_S, each a call of at most NODE_TIMEOUT_S, so one poll holds the loop for at most about
+DELETE_BUDGET_S + NODE_TIMEOUT_S however many sandboxes a tenant left. The rest wait for the next poll
+(POLL_S later), which goes on with the same tenant at once: its release is not final, and no new grace
+starts, until none of its sandboxes is left. No thread: nothing outlives a call of `check`.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import httpx
 
 from burstrl.deadline import CallFailed, fetch
 from burstrl.protocol.tenants import owner
+from burstrl.sandbox.node_client import NodeClient, NodeError
 
 log = logging.getLogger("burstrl.fleet")
 POLL_S = 5.0  # how often the supervisor looks for idle tenants
 MAX_BYTES = 16 << 20
+NODE_TIMEOUT_S = 5.0  # one node call (a report, a delete)
+DELETE_BUDGET_S = 5.0  # a poll starts no sandbox delete after this long
+MAX_DELETES = 16  # sandbox deletes one poll starts at most
+
+
+@dataclass
+class DeleteBudget:
+    """What one poll may still spend on sandbox deletes: calls, and a monotonic time to start none after."""
+
+    calls: int
+    until: float
+
+    @classmethod
+    def fresh(cls, calls: int = MAX_DELETES, seconds: float = DELETE_BUDGET_S) -> DeleteBudget:
+        return cls(calls, time.monotonic() + seconds)
+
+    def take(self) -> bool:
+        """Spend one call if any is left (and there is still time)."""
+        if self.calls <= 0 or time.monotonic() >= self.until:
+            return False
+        self.calls -= 1
+        return True
+
+
+@dataclass
+class Deletes:
+    """A release's sandbox deletes: done, failed, and left for the next poll (the budget ran out)."""
+
+    done: int = 0
+    failed: int = 0
+    left: int = 0
 
 
 class IdleTenants:
     def __init__(self, http: httpx.Client, router: str, cluster_token: str, admin_token: str, idle_s: float,
-                 event: Callable[..., None], nodes: list[str] | None = None, node_token: str = "") -> None:
+                 event: Callable[..., None], nodes: list[str] | None = None, node_token: str = "",
+                 max_deletes: int = MAX_DELETES, delete_budget_s: float = DELETE_BUDGET_S) -> None:
         self.http, self.router, self.idle_s, self.event = http, router, idle_s, event
         self.nodes = list(nodes or [])  # the fleet's sandbox node agents' URLs
-        self.node = {"Authorization": f"Bearer {node_token}"}
+        self.node_token = node_token
+        self.max_deletes, self.delete_budget_s = max_deletes, delete_budget_s
         self.cluster = {"Authorization": f"Bearer {cluster_token}"}
         self.admin = {"Authorization": f"Bearer {admin_token}"}
         self.noticed: dict[str, float] = {}  # tenant -> when (monotonic) its versions were first seen here
         self.last_poll = 0.0
-        self.released = 0  # tenants released so far
+        self.released = 0  # tenants released so far (with none of their sandboxes left)
 
     def check(self, replicas: list[str]) -> None:
         """Every POLL_S: release each tenant with versions on `replicas` that has been quiet too long."""
@@ -59,11 +103,12 @@ class IdleTenants:
         versions, sandboxes = self.versions(replicas), self.sandboxes()
         tenants = {owner(n) for names in versions.values() for n in names} | {
             t for held in sandboxes.values() for t in held.values()}
+        budget = DeleteBudget.fresh(self.max_deletes, self.delete_budget_s)  # shared by this poll's releases
         for tenant in sorted(tenants - {None}):
             self.noticed.setdefault(tenant, now)
             quiet = asked.get(tenant, now - self.noticed[tenant])
             if quiet > self.idle_s:
-                self.release(tenant, versions, quiet, sandboxes)
+                self.release(tenant, versions, quiet, sandboxes, budget)
 
     def versions(self, replicas: list[str]) -> dict[str, list[str]]:
         """Each replica's adapter names as stored (`<tenant>~<name>`); a replica that does not answer has none."""
@@ -77,37 +122,47 @@ class IdleTenants:
                 log.warning("%s did not list its versions: %s", url, exc)
         return out
 
+    def node(self, url: str) -> NodeClient:
+        """The node API's client with the nodes' own token (it sees every sandbox and its owner)."""
+        return NodeClient(url, self.node_token, timeout=NODE_TIMEOUT_S, max_bytes=MAX_BYTES)
+
     def sandboxes(self) -> dict[str, dict[str, str]]:
         """Each sandbox node's tenants' sandboxes ({node url: {id: tenant}}, the node token's full report);
         a node that does not answer has none (this poll)."""
         out: dict[str, dict[str, str]] = {}
         for url in self.nodes:
             try:
-                report = fetch(self.http, "GET", f"{url}/v1/node", deadline=5.0, max_bytes=MAX_BYTES,
-                               headers=self.node).check().json()
-                out[url] = {str(s["id"]): s["tenant"] for s in report["sandboxes"] if s.get("tenant")}
-            except (CallFailed, ValueError, KeyError, TypeError) as exc:
+                out[url] = self.node(url).owners()
+            except NodeError as exc:
                 log.warning("sandbox node %s did not report: %s", url, exc)
         return out
 
-    def delete_sandboxes(self, tenant: str, sandboxes: dict[str, dict[str, str]]) -> tuple[int, int]:
-        """Delete every sandbox of `tenant` on every node (the node token); (deleted, failed)."""
-        done, failed = 0, 0
+    def delete_sandboxes(self, tenant: str, sandboxes: dict[str, dict[str, str]],
+                         budget: DeleteBudget | None = None) -> Deletes:
+        """Delete `tenant`'s sandboxes on every node while `budget` lasts (a fresh one if None).
+        A node that cannot be reached (503: down, or past NODE_TIMEOUT_S) gets no more calls this poll."""
+        budget = budget or DeleteBudget.fresh(self.max_deletes, self.delete_budget_s)
+        out = Deletes()
         for url, held in sandboxes.items():
-            for sid in (s for s, t in held.items() if t == tenant):
+            mine = [s for s, t in held.items() if t == tenant]
+            client = self.node(url)
+            for i, sid in enumerate(mine):
+                if not budget.take():
+                    out.left += len(mine) - i
+                    break
                 try:
-                    fetch(self.http, "DELETE", f"{url}/v1/sandboxes/{sid}", deadline=15.0, timeout=15.0,
-                          headers=self.node).check()
-                    done += 1
-                except CallFailed as exc:  # gone meanwhile (404) or the node down: the next poll sees
-                    failed += 1
+                    client.delete(sid)
+                    out.done += 1
+                except NodeError as exc:  # gone meanwhile (404) or the node down: the next poll sees
+                    out.failed += 1
                     log.warning("deleting sandbox %s of %s on %s failed: %s", sid, tenant, url, exc)
-        return done, failed
+                    if exc.status == 503:
+                        out.left += len(mine) - i - 1
+                        break
+        return out
 
-    def release(self, tenant: str, versions: dict[str, list[str]], quiet: float,
-                sandboxes: dict[str, dict[str, str]] | None = None) -> None:
-        """Unload every version of `tenant` on every replica (retiring where sessions still use one)
-        and delete its sandboxes on the fleet's sandbox nodes."""
+    def unload_versions(self, tenant: str, versions: dict[str, list[str]]) -> tuple[int, int]:
+        """Unload every version of `tenant` on every replica (retiring where sessions still use one); (done, failed)."""
         done, failed = 0, 0
         for url, names in versions.items():
             for name in (n for n in names if owner(n) == tenant):
@@ -118,9 +173,18 @@ class IdleTenants:
                 except CallFailed as exc:  # the next poll tries again
                     failed += 1
                     log.warning("unloading %s from %s failed: %s", name, url, exc)
-        deleted, not_deleted = self.delete_sandboxes(tenant, sandboxes or {})
-        self.noticed.pop(tenant, None)
-        self.released += 1
+        return done, failed
+
+    def release(self, tenant: str, versions: dict[str, list[str]], quiet: float,
+                sandboxes: dict[str, dict[str, str]] | None = None, budget: DeleteBudget | None = None) -> None:
+        """Unload `tenant`'s versions and delete its sandboxes (as far as `budget` goes). With sandboxes
+        left it stays noticed, so the next poll goes on with it without a new grace."""
+        done, failed = self.unload_versions(tenant, versions)
+        deletes = self.delete_sandboxes(tenant, sandboxes or {}, budget)
+        if not deletes.left:
+            self.noticed.pop(tenant, None)
+            self.released += 1
+        left = f"; {deletes.left} left for the next poll" if deletes.left else ""
         self.event("tenant_released", detail=f"{tenant}: no call from its run for {quiet:.0f} s "
                    f"(fleet.tenant_idle_s {self.idle_s:g}); {done} versions unloaded, {failed} failed; "
-                   f"{deleted} sandboxes deleted, {not_deleted} failed")
+                   f"{deletes.done} sandboxes deleted, {deletes.failed} failed{left}")

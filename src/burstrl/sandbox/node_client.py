@@ -49,10 +49,23 @@ class SandboxAddress:
 
 
 class NodeClient:
-    """Blocking calls to one node agent with its bearer token."""
+    """Blocking calls to one node agent with its bearer token.
 
-    def __init__(self, url: str, token: str, timeout: float = 60.0) -> None:
-        self.url, self.token, self.timeout = url.rstrip("/"), token, timeout
+    `max_bytes` caps what one answer may hold (None: no cap) for callers that must not be made to
+    buffer a broken or hostile agent's answer whole: the fleet's supervisor reads every node's report.
+    """
+
+    def __init__(self, url: str, token: str, timeout: float = 60.0, max_bytes: int | None = None) -> None:
+        self.url, self.token, self.timeout, self.max_bytes = url.rstrip("/"), token, timeout, max_bytes
+
+    def _read(self, resp: Any) -> bytes:
+        """The answer's body, at most `max_bytes` (one more byte tells an answer over the cap)."""
+        if self.max_bytes is None:
+            return resp.read()
+        raw = resp.read(self.max_bytes + 1)
+        if len(raw) > self.max_bytes:
+            raise NodeError(502, f"node agent {self.url} answered over {self.max_bytes} bytes")
+        return raw
 
     def _call(self, method: str, path: str, body: Any = None) -> Any:
         data = json.dumps(body).encode() if body is not None else None
@@ -61,9 +74,9 @@ class NodeClient:
                                               "Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                return json.loads(resp.read())
+                return json.loads(self._read(resp))
         except urllib.error.HTTPError as exc:
-            raw = exc.read()
+            raw = exc.read(self.max_bytes) if self.max_bytes is not None else exc.read()
             try:
                 message = json.loads(raw)["error"]["message"]
             except (ValueError, KeyError, TypeError):
@@ -80,6 +93,15 @@ class NodeClient:
 
     def report(self) -> dict[str, Any]:
         return self._call("GET", "/v1/node")
+
+    def owners(self) -> dict[str, str]:
+        """{sandbox id: its tenant} from the report, for the node's own token (a tenant's sees only its
+        own sandboxes, with no owner): how the fleet finds a quiet tenant's sandboxes. Sandboxes of no
+        tenant (made with the node token) are left out; a report without owners is a broken agent's."""
+        try:
+            return {str(s["id"]): str(s["tenant"]) for s in self.report()["sandboxes"] if s.get("tenant")}
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise NodeError(502, f"node agent {self.url} sent a report without its sandboxes: {exc!r}") from None
 
     def create(self, **spec: Any) -> SandboxAddress:
         """Start a sandbox on the node; `spec`: `SandboxSpec` fields (`image` a layout path on the node)."""
