@@ -1,15 +1,18 @@
 """`burstrl run --provider ray` on a local Ray instance: learning, elastic replicas, faults, placement.
 
-One Ray instance serves the module (16 logical CPUs, 4 logical GPUs, no dashboard, a small object
-store, usage stats off); every run is a separate driver in its own namespace (one per run
-directory). The two-node spot-loss test, with its own `ray.cluster_utils.Cluster`, is in
-test_ray_spot.py.
+One Ray instance serves the module (16 logical CPUs, 4 logical GPUs, one `sandbox_node`, no
+dashboard, a small object store, usage stats off); every run is a separate driver in its own
+namespace (one per run directory). Only the shared fleet's test starts sandbox node agents there
+(a run starts them only for the swe env). The two-node spot-loss test, with its own
+`ray.cluster_utils.Cluster`, is in test_ray_spot.py.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -47,8 +50,8 @@ os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
 def ray_address():
     import ray
 
-    ctx = init_local_ray(num_cpus=16, num_gpus=4, include_dashboard=False, object_store_memory=100 * 2**20,
-                   namespace="burstrl-tests", log_to_driver=False)
+    ctx = init_local_ray(num_cpus=16, num_gpus=4, resources={"sandbox_node": 1}, include_dashboard=False,
+                         object_store_memory=100 * 2**20, namespace="burstrl-tests", log_to_driver=False)
     yield ctx.address_info["gcs_address"]
     ray.shutdown()
 
@@ -285,25 +288,76 @@ def test_replicas_fork_from_their_nodes_zygote_and_die_with_their_actor(tmp_path
         ray.get(spare.node.remote(), timeout=60)
 
 
+def listed_nodes(router: str, token: str) -> list[dict]:
+    """The fleet's sandbox nodes as the router lists them to a tenant ([] while it does not answer)."""
+    try:
+        return HTTP.get(f"{router}/v1/fleet/sandbox-nodes", headers={"Authorization": f"Bearer {token}"},
+                        timeout=5).json()["nodes"]
+    except (httpx.HTTPError, ValueError, KeyError):
+        return []
+
+
+def fleet_agents(fleet_dir: Path) -> list[int]:
+    """The fleet's sandbox node agents: the processes whose --tenant-key-file is this fleet's
+    (`SandboxAgents.key_file`: /tmp/burstrl-sbk-UID/FLEET-NODE-NONCE.key)."""
+    fleet = hashlib.sha256(str(fleet_dir.absolute()).encode()).hexdigest()[:12]
+    return pgrep(f"/tmp/burstrl-sbk-{os.getuid()}/{fleet}-")
+
+
+def check_the_fleets_sandbox_node(router: str, fleet_dir: Path) -> dict:
+    """The agent on the cluster's `sandbox_node` node, as a tenant sees it: listed (not its token); a
+    sandbox a tenant makes there is its own (another tenant's token gets a 404); the fleet's node token
+    sees its owner; the tenant key is in neither the agent's argv nor its environment, and the file it
+    read it from (mode 600: tests/unit/test_fleet_sandbox_node_list.py) is gone. Returns the node as listed."""
+    from burstrl.protocol.tenants import tenant_token
+    from burstrl.sandbox.node_client import NodeClient, NodeError
+
+    key = (fleet_dir / "tenant.key").read_text().strip()
+    tok_a, tok_b = tenant_token(key, "run-a"), tenant_token(key, "run-b")
+    node_token = (fleet_dir / "sandbox-node.token").read_text().strip()
+    [node] = listed_nodes(router, tok_a)
+    assert json.loads((fleet_dir / "fleet.json").read_text())["sandbox_nodes"] == [node]
+    [agent] = fleet_agents(fleet_dir)
+    argv = Path(f"/proc/{agent}/cmdline").read_bytes().split(b"\0")
+    key_file = Path(argv[argv.index(b"--tenant-key-file") + 1].decode())
+    assert key.encode() not in Path(f"/proc/{agent}/environ").read_bytes() + b"\0".join(argv)
+    wait_until(lambda: not key_file.exists(), 60, "the agent's key file to be removed once it is ready")
+    a, b = NodeClient(node["url"], tok_a), NodeClient(node["url"], tok_b)
+    box = a.create(cpu_limit=1, memory_limit_mb=256, start_timeout_s=120)
+    with pytest.raises(NodeError) as theirs:
+        b.delete(box.id)
+    assert theirs.value.status == 404
+    assert NodeClient(node["url"], node_token).owners() == {box.id: "run-a"}  # what the idle sweep reads
+    a.delete(box.id)
+    assert a.report()["sandboxes"] == []
+    return node
+
+
 def test_a_shared_fleet_on_ray_serves_a_tenant_run_replaces_a_replica_and_stops_every_actor(
         tmp_path: Path, warm_model: Path, ray_address: str) -> None:
     """Issue 51 on Ray: `burstrl fleet up --provider ray` runs its router, replicas (forked from the
-    node's zygote) and spare actors on the cluster; a tenant run (its trainer an actor too, its
+    node's zygote) and spare actors on the cluster, and (with bwrap) a sandbox node agent with the
+    fleet's tenant key on the `sandbox_node` node; a tenant run (its trainer an actor too, its
     orchestrator beside its driver) trains 2 steps on it and releases its versions; a killed replica
-    is replaced from the spare; SIGTERM ends the fleet with every one of its actors and processes."""
+    is replaced from the spare; a killed agent is started again at a new address, which the router
+    then lists, also after its own restart; SIGTERM ends the fleet with every one of its actors and
+    processes."""
     from ray._private import state  # the GCS's tables: this cluster runs no dashboard for ray.util.state
 
     from burstrl.protocol.tenants import tenant_token
 
     fleet_dir = tmp_path / "fleet"
+    sandboxes = shutil.which("bwrap") is not None  # the agents' namespace backend needs it
     fleet = start_fleet(fleet_dir, warm_model, "--provider", "ray", "--ray.address", ray_address,
-                        "--fleet.reserved", "1", "--fleet.on_demand", "1")  # output(fleet_dir) shows fleet.out
+                        "--fleet.reserved", "1", "--fleet.on_demand", "1",  # output(fleet_dir) shows fleet.out
+                        *(["--fleet.sandbox_nodes", "1", "--orchestrator.swe.backend", "namespace"] if sandboxes else []))
     tenant: subprocess.Popen | None = None
     try:
         info = wait_until(lambda: (fleet_dir / "fleet.json").exists() and json.loads(
             (fleet_dir / "fleet.json").read_text()), 180, "the fleet's ready file", fleet, fleet_dir)
         router = info["router"]
         wait_until(lambda: served_replicas(router) == 2, 120, "both replicas routable", fleet, fleet_dir)
+        node = check_the_fleets_sandbox_node(router, fleet_dir) if sandboxes else None
 
         run_dir = tmp_path / "run-a"
         tok = tenant_token((fleet_dir / "tenant.key").read_text().strip(), "run-a")
@@ -326,19 +380,29 @@ def test_a_shared_fleet_on_ray_serves_a_tenant_run_replaces_a_replica_and_stops_
                    "the dead replica's replacement", fleet, fleet_dir)
         wait_until(lambda: served_replicas(router) == 2, 60, "2 replicas routable again", fleet, fleet_dir)
 
+        if node is not None:  # the agent dies: started again at a new address, which the router lists
+            [agent] = fleet_agents(fleet_dir)
+            os.kill(agent, signal.SIGKILL)
+            node = wait_until(lambda: [n for n in listed_nodes(router, tok) if n["url"] != node["url"]], 120,
+                              "the router to list the agent started again", fleet, fleet_dir)[0]
+
         # the router's process dies: Ray restarts its actor at the same address, the fleet re-registers
         [router_pid] = pgrep(str(fleet_dir / "roles" / "router.toml"))
         os.kill(router_pid, signal.SIGKILL)
         wait_until(lambda: events(fleet_dir, "router_restarted"), 120, "the router's restart", fleet, fleet_dir)
         wait_until(lambda: served_replicas(router) == 2, 60, "2 replicas routable after the restart", fleet,
                    fleet_dir)
+        if node is not None:  # it started with its config's list: the fleet tells it the current one again
+            wait_until(lambda: listed_nodes(router, tok) == [node], 60, "the restarted router's node list", fleet,
+                       fleet_dir)
+            check_the_fleets_sandbox_node(router, fleet_dir)
 
         # the fleet's actors: those of the Ray job whose driver is the fleet's process
         [job] = [j["JobID"] for j in state.jobs() if j["DriverPid"] == fleet.pid]
         actors = {a["ActorID"]: a for a in state.actors().values() if a["JobID"] == job and a["State"] == "ALIVE"}
         kinds = sorted(a["ActorClassName"] for a in actors.values())
         assert kinds.count("ZygoteActor") == 1 and kinds.count("RoleActor") >= 3, kinds  # router, 2 replicas
-        processes = pgrep(str(fleet_dir)) + [a["Pid"] for a in actors.values()]
+        processes = pgrep(str(fleet_dir)) + fleet_agents(fleet_dir) + [a["Pid"] for a in actors.values()]
     finally:
         if tenant is not None and tenant.poll() is None:  # a failed check must not leave the run behind
             os.killpg(tenant.pid, signal.SIGKILL)

@@ -52,9 +52,11 @@ class FleetConfig(Section):
         "asked the fleet for its replicas (every 2 s while it runs) for this long: a run killed with -9 cannot "
         "release them itself; 0 = never.")
     sandbox_nodes: int = Field(
-        0, ge=0, description="`burstrl fleet up` (local provider): sandbox node agents the fleet runs with its tenant "
-        "key; a tenant run with the swe env places its sandboxes there with its tenant token, each tenant seeing "
-        "only its own (sandbox/node_tenants.py); 0 = runs keep their own sandboxes.")
+        0, ge=0, description="`burstrl fleet up`: sandbox node agents the fleet runs with its tenant key (local "
+        "provider: this many, on the fleet's host; ray: any value > 0 runs one on each node carrying the resource "
+        "`sandbox_node`, following nodes that join or leave); a tenant run with the swe env places its sandboxes "
+        "there with its tenant token, each tenant seeing only its own (sandbox/node_tenants.py); 0 = runs keep "
+        "their own sandboxes.")
     sandbox_tenant_max: int = Field(
         0, ge=0, description="Live sandboxes one tenant may hold on each of the fleet's sandbox nodes (beyond: a "
         "429 at once); 0 = no cap.")

@@ -60,8 +60,9 @@ class FleetSandboxNodes:
         """Start the agents; their {name, url}. RuntimeError naming the one that did not start."""
         from burstrl.launcher.control import write_secret
 
-        if self.cfg.provider != "local":
-            raise RuntimeError("fleet.sandbox_nodes: only the local provider runs the fleet's sandbox nodes so far")
+        if self.cfg.provider != "local":  # on Ray the provider's SandboxAgents run them (shared_fleet.py)
+            raise RuntimeError(f"fleet.sandbox_nodes: these agents run on the fleet's host (local provider), not "
+                               f"under provider {self.cfg.provider!r}")
         write_secret(self.token_file, secrets.token_hex(32))
         nodes = []
         for i in range(self.cfg.fleet.sandbox_nodes):

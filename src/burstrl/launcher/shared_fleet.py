@@ -20,6 +20,10 @@ so it needs `router.max_sessions_per_replica` > 0 (issue 51).
 
 With `fleet.sandbox_nodes` N the fleet also runs N sandbox node agents (`sandbox_nodes.py`) with its
 tenant key, listed in fleet.json and to tenants by the router (`GET /v1/fleet/sandbox-nodes`).
+On Ray (any N > 0) it runs one agent on each node carrying `sandbox_node` instead (the provider's
+`SandboxAgents`, with the same tenant flags and the fleet's node token); those nodes come and go, so
+the supervisor polls them and tells the router (`PUT /v1/fleet/sandbox-nodes`, cluster token), fleet.json
+and the idle-tenant sweep each new list, and tells a restarted router again.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import signal
 import sys
 import time
 from pathlib import Path
@@ -34,13 +39,22 @@ from typing import Any
 
 from burstrl.atomic import write_text
 from burstrl.config import RunConfig, dump_toml
-from burstrl.deadline import sync_client
+from burstrl.deadline import CallFailed, fetch, sync_client
 from burstrl.launcher import control
 from burstrl.launcher.control import write_secret
 from burstrl.launcher.fleet_autoscale import FleetAutoscaler
 from burstrl.launcher.idle_tenants import IdleTenants
-from burstrl.launcher.run import Launcher, LaunchError, _cause, _get_json, _tail
-from burstrl.launcher.sandbox_nodes import FleetSandboxNodes
+from burstrl.launcher.run import (
+    SANDBOX_NODE_POLL_S,
+    Launcher,
+    LaunchError,
+    Stopped,
+    _cause,
+    _get_json,
+    _raise_stopped,
+    _tail,
+)
+from burstrl.launcher.sandbox_nodes import TOKEN_FILE, FleetSandboxNodes, tenant_flags
 
 KEY_FILE = "tenant.key"
 ADMIN_FILE = "admin.token"
@@ -73,7 +87,36 @@ class SharedFleet(Launcher):
         super().__init__(cfg, resume=False, live=live)
         self.key = ""
         self.idle: IdleTenants | None = None
-        self.sandbox_nodes: FleetSandboxNodes | None = None
+        self.sandbox_nodes: FleetSandboxNodes | None = None  # local provider; on Ray: the provider's agents
+        self.info: dict[str, Any] = {}  # fleet.json's
+        self.told_router: list[dict[str, str]] | None = None  # the node list the router has now (Ray)
+        self.last_router_push = 0.0
+
+    def run(self) -> int:
+        """`Launcher.run` for a fleet, which is never done: serve until SIGTERM/SIGINT (130) or a router
+        that cannot be kept up (1), and say on a stop that the fleet, not a run, goes down."""
+        try:
+            self.prepare()
+        except BaseException:
+            self.provider.close()
+            raise
+        previous = {s: signal.signal(s, _raise_stopped) for s in (signal.SIGTERM, signal.SIGINT)}
+        status, outcome, detail = 1, "run_failed", "launcher error"
+        try:
+            self.start_roles()
+            self.supervise()
+        except LaunchError as exc:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            detail = str(exc).splitlines()[0][:500]
+        except (Stopped, KeyboardInterrupt) as exc:
+            print("stopped: taking the fleet down (its router, replicas and sandbox nodes; tenants' runs lose them)",
+                  file=sys.stderr, flush=True)
+            status, outcome, detail = 130, "run_stopped", str(exc)
+        finally:
+            self.teardown(outcome, detail)
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+        return status
 
     def prepare(self) -> bool:
         """The fleet directory, its tenant key and admin token; a live fleet there is refused."""
@@ -94,14 +137,8 @@ class SharedFleet(Launcher):
 
     def start_roles(self) -> None:
         """The router and the replicas with the tenant key (their role files, which hold it, mode 600)."""
-        nodes: list[dict[str, str]] = []
-        if self.cfg.fleet.sandbox_nodes:
-            self.sandbox_nodes = FleetSandboxNodes(self.cfg, self.run_dir, KEY_FILE)
-            try:
-                nodes = self.sandbox_nodes.start()
-            except RuntimeError as exc:
-                raise LaunchError(str(exc)) from None
-            self.event("sandbox_nodes", detail=", ".join(f"{n['name']} {n['url']}" for n in nodes))
+        nodes = self.start_fleet_sandbox_nodes()
+        self.told_router = nodes
         router = self.cfg.router_config().model_copy(update={"tenant_key": self.key, "sandbox_nodes": nodes})
         serve = self.cfg.serve_config()
         serve.server = serve.server.model_copy(update={"tenant_key": self.key})
@@ -110,17 +147,63 @@ class SharedFleet(Launcher):
         self.start_fleet(router, serve)
         self.wait_for_first_replica()
         control.write_launcher_info(self.run_dir, self.router.url)  # `burstrl scale FLEET_DIR` finds it
-        info = {"router": self.router.url, "key_file": str(self.run_dir / KEY_FILE),
-                "admin_token_file": str(self.run_dir / ADMIN_FILE), "pid": os.getpid(), "started": time.time(),
-                "sandbox_nodes": nodes,
-                "sandbox_node_token_file": str(self.sandbox_nodes.token_file) if self.sandbox_nodes else None}
-        write_text(self.run_dir / INFO_FILE, json.dumps(info))
+        token_file = self.run_dir / TOKEN_FILE if self.cfg.fleet.sandbox_nodes else None
+        self.info = {"router": self.router.url, "key_file": str(self.run_dir / KEY_FILE),
+                     "admin_token_file": str(self.run_dir / ADMIN_FILE), "pid": os.getpid(), "started": time.time(),
+                     "sandbox_nodes": nodes, "sandbox_node_token_file": str(token_file) if token_file else None}
+        write_text(self.run_dir / INFO_FILE, json.dumps(self.info))
         self.http = sync_client(timeout=2.0)
         self.idle = IdleTenants(self.http, self.router.url, self.cluster_token, self.admin_token,
                                 self.cfg.fleet.tenant_idle_s, self.event, nodes=[n["url"] for n in nodes],
-                                node_token=self.sandbox_nodes.token_file.read_text().strip() if self.sandbox_nodes else "")
+                                node_token=token_file.read_text().strip() if token_file else "")
         print(f"fleet ready at {self.router.url} ({len(self.fleet.up())} replicas up); tenant tokens: burstrl fleet "
               f"token NAME --key-file {self.run_dir / KEY_FILE}", flush=True)
+
+    def start_fleet_sandbox_nodes(self) -> list[dict[str, str]]:
+        """The fleet's sandbox node agents ({name, url}) with its tenant key and node token: N on this
+        host (local provider), or one on each Ray node carrying `sandbox_node` (none there yet: an empty
+        list, and agents on the nodes that join)."""
+        if not self.cfg.fleet.sandbox_nodes:
+            return []
+        try:
+            if self.cfg.provider != "ray":
+                self.sandbox_nodes = FleetSandboxNodes(self.cfg, self.run_dir, KEY_FILE)
+                nodes = self.sandbox_nodes.start()
+            else:
+                token = secrets.token_hex(32)
+                write_secret(self.run_dir / TOKEN_FILE, token)
+                self.provider.start_sandbox_nodes(self.cfg.orchestrator.swe.backend, token=token, tenant_key=self.key,
+                                                  tenant_flags=lambda key_file: tenant_flags(self.cfg, key_file))
+                nodes = self.provider.sandbox_node_list()
+        except RuntimeError as exc:
+            raise LaunchError(str(exc)) from None
+        self.event("sandbox_nodes", detail=", ".join(f"{n['name']} {n['url']}" for n in nodes) or
+                   "none yet: agents start on the sandbox_node nodes that join")
+        return nodes
+
+    def follow_sandbox_nodes(self) -> None:
+        """Ray: agents on sandbox nodes that joined, none on those that left (`poll_sandbox_nodes`); each new
+        list goes to fleet.json, the idle-tenant sweep and the router. A router that did not take it
+        (restarting) is told again a few seconds later."""
+        if self.cfg.provider != "ray" or not self.cfg.fleet.sandbox_nodes:
+            return
+        self.poll_sandbox_nodes()
+        nodes = self.provider.sandbox_node_list()
+        if nodes != self.info["sandbox_nodes"]:
+            self.info["sandbox_nodes"] = nodes
+            write_text(self.run_dir / INFO_FILE, json.dumps(self.info))
+            self.idle.nodes = [n["url"] for n in nodes]
+        if nodes == self.told_router or time.monotonic() - self.last_router_push < SANDBOX_NODE_POLL_S:
+            return
+        self.last_router_push = time.monotonic()
+        try:
+            fetch(self.http, "PUT", f"{self.router.url}/v1/fleet/sandbox-nodes", deadline=5.0, json={"nodes": nodes},
+                  headers={"Authorization": f"Bearer {self.cluster_token}"}).check()
+        except CallFailed as exc:
+            self.event("sandbox_nodes", detail=f"the router did not take the node list ({exc}); retrying")
+            return
+        self.told_router = nodes
+        self.event("sandbox_nodes", detail="the router lists " + (", ".join(n["url"] for n in nodes) or "none"))
 
     def supervise(self) -> None:
         """Until SIGTERM/SIGINT (`Stopped`) or a router that cannot be kept up (`LaunchError`)."""
@@ -132,6 +215,7 @@ class SharedFleet(Launcher):
             self.idle.check([r.url for r in self.fleet.up()])
             for change in self.sandbox_nodes.replace_dead() if self.sandbox_nodes else []:
                 self.event("sandbox_nodes", detail=change)
+            self.follow_sandbox_nodes()
             self.sample()
             time.sleep(0.5)
 
@@ -144,6 +228,7 @@ class SharedFleet(Launcher):
             self.router_restarts = self.router.restarts
             self.event("router_restarted", detail=f"restart {self.router.restarts} at {self.router.url}")
             self.fleet.reregister()
+            self.told_router = None  # it lists its config's sandbox nodes again: `follow_sandbox_nodes` re-tells it
         return False
 
     def sample(self, force: bool = False) -> None:

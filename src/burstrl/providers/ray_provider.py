@@ -38,6 +38,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -393,16 +394,27 @@ class RayProvider:
     def start_trainer(self, config: Path, world_size: int, resume: bool, append: bool) -> RayTrainer:
         return RayTrainer(self, config, world_size, resume, append)
 
-    def start_sandbox_nodes(self, backend: str) -> Path | None:
-        """Node agents on the `sandbox_node` nodes (providers/ray_sandbox.py); their nodes file, or None."""
+    def start_sandbox_nodes(self, backend: str, token: str = "", tenant_key: str = "",
+                            tenant_flags: Callable[[Path], list[str]] | None = None) -> Path | None:
+        """Node agents on the `sandbox_node` nodes (providers/ray_sandbox.py); their nodes file, or None.
+
+        With `tenant_key` (a shared fleet's agents: its node `token`, its tenant key and `tenant_flags`)
+        the agents are kept even when no node carries `sandbox_node` yet: the fleet serves on, and nodes
+        that join get agents at the next `poll_sandbox_nodes`."""
         from burstrl.providers.ray_sandbox import SandboxAgents
 
         self.sandbox_agents = SandboxAgents(self.run_dir, self.logs_dir, self.env, backend,
-                                            timeout_s=self.cfg.placement_timeout_s + 60)
+                                            timeout_s=self.cfg.placement_timeout_s + 60, token=token,
+                                            tenant_key=tenant_key, tenant_flags=tenant_flags)
         path = self.sandbox_agents.start()
-        if path is None:
-            self.sandbox_agents = None  # no sandbox node at launch: sandboxes stay local, none join later
+        if path is None and not tenant_key:
+            self.sandbox_agents = None  # no sandbox node at launch: a run's sandboxes stay local, none join later
         return path
+
+    def sandbox_node_list(self) -> list[dict[str, str]]:
+        """The ready agents as {name, url}, without their token (what a fleet's router lists to tenants)."""
+        rows = self.sandbox_agents.nodes if self.sandbox_agents is not None else []
+        return [{"name": r["name"], "url": r["url"]} for r in rows]
 
     def poll_sandbox_nodes(self) -> list[str]:
         """Agents for sandbox nodes that joined since, none for those that left (the nodes file follows)."""

@@ -14,6 +14,15 @@ nodes file in the run directory.
 
 A cluster without `sandbox_node` nodes gets no agents and no nodes file: sandboxes stay local.
 
+A shared fleet's agents (`burstrl fleet up --provider ray`, `fleet.sandbox_nodes`) also get the fleet's
+tenant key, so each tenant's token acts there for that tenant alone, and the fleet's node token. The
+key must be a mode-600 file on the agent's node, which may not be the fleet's host: it travels in the
+actor's environment, and a few lines run in the agent's process before the agent (`KEY_THEN_AGENT`)
+write it to `--tenant-key-file` (a 0700 dir of this uid under /tmp, one file per start) and exec the
+agent without it, so neither its argv nor its environment holds the key. The agent reads the file
+as it starts; once it is ready a task on its node removes the file, so no copy of the key stays on a
+node after its agent started (one whose node or fleet went first stays, mode 600).
+
 An agent that exits while its node stays alive (a crash, the OOM killer) is started again by a
 later poll (once its node is still listed `EXIT_GRACE_S` after), at most `MAX_RESTARTS` times per
 node: under a new name (`-r1`, `-r2`, ...) and a new port, so the pool, which never takes back an
@@ -23,11 +32,14 @@ them are re-run (the pool confirms their node dead).
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 import json
 import logging
 import os
 import secrets
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +54,8 @@ NODES_FILE = "sandbox-nodes.json"
 MAX_RESTARTS = 3  # per node and run: an agent that keeps dying on a live node is given up on
 EXIT_GRACE_S = 10.0  # an agent exited this long ago on a node Ray still lists: restarted there
 ACTOR_GRACE_S = 60.0  # the same when its actor died too (most often with its node)
+KEY_ENV = "BURSTRL_FLEET_TENANT_KEY"  # the fleet's tenant key, in the actor's environment only
+FLEET_SECRETS = ("BURSTRL_ADMIN_TOKEN", "BURSTRL_CLUSTER_TOKEN")  # the launcher's role env: no agent needs them
 log = logging.getLogger("burstrl.ray")
 
 
@@ -60,10 +74,14 @@ class SandboxAgents:
     """
 
     def __init__(self, run_dir: Path, logs_dir: Path, env: dict[str, str], backend: str = "auto",
-                 timeout_s: float = 120.0) -> None:
+                 timeout_s: float = 120.0, token: str = "", tenant_key: str = "",
+                 tenant_flags: Callable[[Path], list[str]] | None = None) -> None:
+        """`token`: the agents' bearer (default: a new one). `tenant_key` and `tenant_flags` (the agent
+        flags for a key file, `launcher/sandbox_nodes.tenant_flags`): a shared fleet's agents."""
         self.run_dir, self.logs_dir, self.env = Path(run_dir), Path(logs_dir), env
         self.backend, self.timeout_s = backend, timeout_s
-        self.token = secrets.token_urlsafe(24)
+        self.token = token or secrets.token_urlsafe(24)
+        self.tenant_key, self.tenant_flags = tenant_key, tenant_flags
         self.actors: list[Any] = []
         self.agents: dict[str, dict[str, Any]] = {}  # by Ray node id: actor, ready ref, start time, row
         self.failed: set[str] = set()  # node ids whose agent failed to start: not retried
@@ -82,13 +100,13 @@ class SandboxAgents:
             return None
         for node in found:
             self._launch(node)
-        for agent in self.agents.values():
+        for node_id, agent in self.agents.items():
             try:
                 url = ray.get(agent["ready"], timeout=self.timeout_s + 30)
             except (RayActorError, GetTimeoutError, RuntimeError) as exc:
                 self.stop()
                 raise RuntimeError(f"the sandbox node agent on {agent['name']} failed to start: {exc}") from None
-            agent["row"] = {"url": url, "token": self.token, "name": agent["name"]}
+            self._adopt(node_id, url)
         self._write()
         return self.path
 
@@ -108,7 +126,7 @@ class SandboxAgents:
         for ref in done:
             agent = self.agents[pending[ref]]
             try:
-                agent["row"] = {"url": ray.get(ref), "token": self.token, "name": agent["name"]}
+                self._adopt(pending[ref], ray.get(ref))
                 changes.append(f"agent on {agent['name']} ready at {agent['row']['url']}")
             except (RayError, RuntimeError) as exc:
                 self._drop(pending[ref], failed=True)
@@ -159,10 +177,19 @@ class SandboxAgents:
     def _launch(self, node: dict[str, Any]) -> None:
         restarts = self.restarts.get(node["NodeID"], 0)
         name = _node_name(node) + (f"-r{restarts}" if restarts else "")
-        actor = self._actor(node, name)
+        key_file = self.key_file(node["NodeID"][:12]) if self.tenant_key else None
+        actor = self._actor(node, name, key_file)
         self.agents[node["NodeID"]] = {"actor": actor, "ready": actor.ready.remote(self.timeout_s),
                                        "exit": actor.wait.remote(), "t0": time.monotonic(), "row": None,
-                                       "name": name}
+                                       "name": name, "key_file": key_file}
+
+    def _adopt(self, node_id: str, url: str) -> None:
+        """A ready agent joins the nodes file's rows; the key file it read at start is removed on its node."""
+        agent = self.agents[node_id]
+        agent["row"] = {"url": url, "token": self.token, "name": agent["name"]}
+        if agent["key_file"] is not None:  # not waited on: a node that is gone keeps nothing to remove
+            _forget_key.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(
+                str(agent["key_file"]))
 
     def _drop(self, node_id: str, failed: bool) -> None:
         """Forget a node's agent and kill its actor (its node may be gone: nothing waits on it)."""
@@ -184,7 +211,7 @@ class SandboxAgents:
         os.replace(tmp, self.path)
         log.info("sandbox node agents: %s", ", ".join(f"{n['name']} {n['url']}" for n in self.nodes) or "none")
 
-    def _actor(self, node: dict[str, Any], name: str) -> Any:
+    def _actor(self, node: dict[str, Any], name: str, key_file: Path | None) -> Any:
         """The agent's actor on `node`: allocatable from the node's Ray resources, a state dir of its own
         (an agent started again there sweeps what the one before it left)."""
         res, short = node["Resources"], node["NodeID"][:12]
@@ -198,10 +225,21 @@ class SandboxAgents:
             args += ["--memory-mb", str(int(res["memory"]) >> 20)]
         spec = ProcessSpec(args=args, log=str(self.logs_dir / f"sandbox-node-{short}.log"),
                            env={**self.env, "BURSTRL_NODE_TOKEN": self.token}, ready_line=True, host_key="host")
+        if key_file is not None:  # a fleet's agent serves tenants: none of the fleet's own tokens but its node's
+            spec.args += (self.tenant_flags or _key_flag)(key_file)
+            spec.env = {k: v for k, v in spec.env.items() if k not in FLEET_SECRETS}
+            spec.env[KEY_ENV], spec.code = self.tenant_key, KEY_THEN_AGENT
         actor = RoleActor.options(num_cpus=0, resources={SANDBOX_RESOURCE: 0.001}, scheduling_strategy=(
             NodeAffinitySchedulingStrategy(node["NodeID"], soft=False))).remote(spec)
         self.actors[-1] = actor
         return actor
+
+    def key_file(self, short: str) -> Path:
+        """Where an agent about to start on node `short` finds the fleet's tenant key: a name of its own
+        (`FLEET-NODE-NONCE.key`), so no agent reads another fleet's key, nor loses its file to the removal
+        of the one before it on that node."""
+        fleet = hashlib.sha256(str(self.run_dir.absolute()).encode()).hexdigest()[:12]
+        return Path(f"/tmp/burstrl-sbk-{os.getuid()}") / f"{fleet}-{short}-{secrets.token_hex(4)}.key"
 
     def stop(self, timeout: float = 30.0) -> None:
         """SIGTERM each agent (it closes its sandboxes), then kill the actors."""
@@ -225,3 +263,42 @@ def _node_name(node: dict[str, Any]) -> str:
 
 def _cache_root() -> Path:
     return Path(os.environ.get("BURSTRL_CACHE") or Path.home() / ".cache" / "burstrl") / "sandbox-layers"
+
+
+@ray.remote(num_cpus=0, max_retries=0)
+def _forget_key(path: str) -> None:
+    """On an agent's node once it is ready (it read the key as it started): its key file goes."""
+    Path(path).unlink(missing_ok=True)
+
+
+def _key_flag(key_file: Path) -> list[str]:
+    return ["--tenant-key-file", str(key_file)]
+
+
+def _write_key_then_exec_agent() -> None:
+    """Runs as the agent's process before the agent (`python -c`, so nothing of burstrl imported): the
+    fleet's tenant key from the environment into `--tenant-key-file`, mode 600 in a 0700 dir of this
+    uid, then the agent exec'd in this process (same pid, ready line and signals) without the key in its
+    environment. A dir that is not this uid's alone is refused: /tmp is everyone's."""
+    import os
+    import stat
+    import sys
+
+    args = sys.argv[1:]
+    path = args[args.index("--tenant-key-file") + 1]
+    key = os.environ.pop("BURSTRL_FLEET_TENANT_KEY")
+    folder = os.path.dirname(path)
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    st = os.lstat(folder)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        sys.exit(f"{folder} is not a dir of uid {os.getuid()}'s alone (mode 700): the tenant key is not written there")
+    tmp = f"{path}.{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key)
+    os.replace(tmp, path)
+    agent = "from burstrl.cli import main; main()"
+    os.execve(sys.executable, [sys.executable, "-c", agent, *args], dict(os.environ))
+
+
+KEY_THEN_AGENT = f"{inspect.getsource(_write_key_then_exec_agent)}\n_write_key_then_exec_agent()\n"

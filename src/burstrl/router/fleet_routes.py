@@ -15,6 +15,9 @@ for `fleet.tenant_idle_s` (`launcher/idle_tenants.py`).
 
 `GET /v1/fleet/sandbox-nodes` (a tenant token) lists the fleet's sandbox node agents
 (`fleet.sandbox_nodes`), where a tenant run's SWE env creates its sandboxes with its own token.
+The list starts as the router's config says; `PUT /v1/fleet/sandbox-nodes` (the cluster token: the
+fleet's supervisor) replaces it, because on Ray agents come and go with the nodes that carry
+`sandbox_node`. Only names and URLs are kept: no node token ever reaches the router.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 
-from burstrl.router.registry import Registry
+from burstrl.router.registry import Registry, RouteError, validate_url
 from burstrl.router.tenancy import RouteCaller
 
 
@@ -39,8 +42,16 @@ class RouterParts(Protocol):
     def require_token(self, request: Request) -> None: ...
 
 
+def node_rows(rows: Any) -> list[dict[str, str]]:
+    """[{name, url}] from what the fleet sent (http(s) URLs only); RouteError(400) naming what is wrong."""
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise RouteError(400, "expected {\"nodes\": [{\"name\": ..., \"url\": ...}, ...]}")
+    return [{"name": str(r.get("name", ""))[:200], "url": validate_url(r.get("url", ""))} for r in rows]
+
+
 def add_fleet_routes(app: FastAPI, router: RouterParts) -> None:
     asked: dict[str, float] = {}  # tenant -> when (monotonic) it last asked for the replicas
+    nodes = [{"name": n.get("name", ""), "url": n["url"]} for n in router.cfg.sandbox_nodes]
 
     @app.get("/v1/fleet/replicas")
     async def fleet_replicas(request: Request) -> dict[str, Any]:
@@ -54,7 +65,18 @@ def add_fleet_routes(app: FastAPI, router: RouterParts) -> None:
     async def fleet_sandbox_nodes(request: Request) -> dict[str, Any]:
         """The fleet's sandbox node agents ({name, url}); a tenant's token acts there for it alone."""
         router.reading(request)
-        return {"nodes": [{"name": n.get("name", ""), "url": n["url"]} for n in router.cfg.sandbox_nodes]}
+        return {"nodes": nodes}
+
+    @app.put("/v1/fleet/sandbox-nodes")
+    async def set_fleet_sandbox_nodes(request: Request) -> dict[str, Any]:
+        """The fleet's supervisor says which agents are up now (Ray: nodes joined or left)."""
+        router.require_token(request)  # before the body is read: a stranger learns nothing from a 400
+        try:
+            body = await request.json()
+        except ValueError:
+            raise RouteError(400, "the body is not JSON") from None
+        nodes[:] = node_rows(body.get("nodes") if isinstance(body, dict) else None)
+        return {"nodes": nodes}
 
     @app.get("/v1/fleet/tenants")
     async def fleet_tenants(request: Request) -> dict[str, Any]:
