@@ -292,6 +292,37 @@ def test_lora_subset_of_targets_matches_peft(qwen3, tmp_path):
     assert torch.allclose(got, _hf_logits(peft_model, ids), atol=1e-5)
 
 
+def test_mix_of_same_scale_versions_and_a_partial_adapter_equals_each_alone(qwen3, adapters, tmp_path):
+    """The concatenated path (several adapters in one batch) with equal scales (a 0/1 mask and
+    alpha = the scale), an adapter on two targets of one layer only, and a base row: each row's
+    logits as that row alone gets them, decoded and in a packed prefill."""
+    from burstrl.inference.lora import LoraStacks
+
+    runner = ModelRunner(qwen3)
+    a = adapters["a"][2]
+    a2 = load_adapter("a2", adapters["a"][1], 2, torch.float32, CPU)  # same files: a distinct version
+    torch.manual_seed(4)
+    cfg = LoraConfig(r=2, lora_alpha=4, target_modules=["v_proj", "up_proj"], init_lora_weights=False,
+                     layers_to_transform=[1])
+    get_peft_model(copy.deepcopy(qwen3), cfg).eval().save_pretrained(tmp_path / "sub")
+    sub = load_adapter("sub", tmp_path / "sub", 2, torch.float32, CPU)
+    which = [a, None, a2, sub, a]
+    stacks = LoraStacks(size=1)
+    prompts = [_ids(n, seed=60 + n) for n in (3, 5, 2, 6, 4)]
+    att = PackedPrefillAttention([_new_kv(runner) for _ in which], [len(p) for p in prompts], runner.scaling)
+    ids = torch.tensor([[t for p in prompts for t in p]])
+    positions = torch.cat([torch.arange(len(p)) for p in prompts])[None]
+    lora = LoraBatch([w for w, p in zip(which, prompts, strict=True) for _ in p], per_token=True, stacks=stacks)
+    assert lora.concat is not None
+    got = runner.forward(ids, positions, att, lora, select=torch.tensor(att.last_positions))
+    for r, (prompt, adapter) in enumerate(zip(prompts, which, strict=True)):
+        alone = _prefill(runner, _new_kv(runner), prompt, LoraBatch([adapter]) if adapter else None)
+        assert torch.allclose(got[r], alone[-1], atol=1e-5), r
+    again = LoraBatch([a, sub, a2], stacks=stacks)
+    assert again.concat is lora.concat  # the same set of adapters, in any order, is not copied again
+    assert LoraBatch([sub, a], stacks=stacks).concat is not lora.concat and len(stacks.mixes) == 1
+
+
 # ---- refusals ----
 
 def test_unsupported_model_without_layout():

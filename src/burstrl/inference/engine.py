@@ -31,7 +31,7 @@ from burstrl.inference.backend import MetricRow
 from burstrl.inference.calls import report_done, settle_session
 from burstrl.inference.kvcache import SessionCache
 from burstrl.inference.load_report import LoadReport
-from burstrl.inference.lora import AdapterError, LoraAdapter, LoraBatch
+from burstrl.inference.lora import AdapterError, LoraAdapter, LoraBatch, LoraStacks
 from burstrl.inference.paged import KVPool, SequenceKV
 from burstrl.inference.paged_attention import PagedDecode, PagedPrefill, RowsOutOfBlocks
 from burstrl.inference.prefix import block_hashes
@@ -95,6 +95,7 @@ class Engine:
         self._gen.manual_seed(cfg.seed)
         self._lora: LoraBatch | None = None
         self._lora_dirty = True
+        self._lora_stacks = LoraStacks()  # mixed batches' concatenated adapters (engine thread only)
         self._next_expiry = 0.0
         self._crash_after = _crash_point()
         self._report = LoadReport(sessions, self.cache,
@@ -315,7 +316,8 @@ class Engine:
         positions = torch.cat([torch.arange(r.cached_tokens, len(r.prompt_ids)) for r in reqs])[None].to(device)
         lora = None
         if any(r.adapter is not None for r in reqs):
-            lora = LoraBatch([r.adapter for r, n in zip(reqs, new, strict=False) for _ in n], per_token=True)
+            lora = LoraBatch([r.adapter for r, n in zip(reqs, new, strict=False) for _ in n], per_token=True,
+                             stacks=self._lora_stacks)
         try:
             attention = PagedPrefill(self.pool, [r.kv for r in reqs], [len(n) for n in new], self.runner.scaling)
             select = torch.tensor(attention.last_positions, device=device)
@@ -389,7 +391,7 @@ class Engine:
 
     def _lora_batch(self) -> LoraBatch | None:
         if self._lora_dirty:
-            batch = LoraBatch([r.adapter for r in self.rows])
+            batch = LoraBatch([r.adapter for r in self.rows], stacks=self._lora_stacks)
             self._lora = None if batch.empty else batch
             self._lora_dirty = False
         return self._lora
