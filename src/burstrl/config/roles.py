@@ -302,6 +302,11 @@ class RouteConfig(Section):
         "kv", description="Placement policy for new sessions (router/catalog.py; benchmarks in docs/benchmarks.md)."
     )
     k: int = Field(2, ge=1, description="Replicas sampled per new session (headroom).")
+    text_prefix_keys: bool = Field(
+        True, description="Key text and chat prompts by chunks of their canonical JSON (router/text_keys.py), so "
+        "a GRPO group's sessions with one first prompt follow each other to one replica's prefix cache; off: "
+        "such prompts are placed by load alone (the router holds no tokenizer)."
+    )
     scrape_s: float = Field(1.0, gt=0, description="Seconds between load scrapes of every replica.")
     health_failures: int = Field(
         2, ge=1, description="Consecutive failed scrapes after which a replica is dropped."

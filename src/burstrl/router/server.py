@@ -56,6 +56,7 @@ from burstrl.router.relay import drop, forward
 from burstrl.router.scrape import Scraper
 from burstrl.router.shares import Shares
 from burstrl.router.tenancy import FLEET, RouteCaller, check_served, generating, reading, resolve
+from burstrl.router.text_keys import CHUNK_TOKENS, text_prefix_keys
 from burstrl.router.traces import forward_trace
 from burstrl.router.visibility import Viewer, replicas_answer, stats_answer, viewer
 
@@ -149,12 +150,26 @@ def prompt_ids(body: dict[str, Any]) -> list[int]:
 def prompt_blocks(body: dict[str, Any], version: str, caller: RouteCaller = FLEET) -> tuple[int, ...]:
     """Prefix block keys of a token-in prompt, as the replicas summarise their caches (protocol.blocks).
 
-    Text and chat prompts give none: the router holds no tokenizer, so their placement is by load.
-    `version` is as stored and the salt is the caller's as the engine sees it (a tenant's is scoped).
+    Text and chat prompts give none: the router holds no tokenizer (`prompt_keys` gives them text keys).
     """
+    return tuple(prefix_block_hashes(prompt_ids(body), prompt_scope(body, version, caller)))
+
+
+def prompt_scope(body: dict[str, Any], version: str, caller: RouteCaller = FLEET) -> str:
+    """The seed of a prompt's keys: `version` as stored and the salt as the engine sees it (a tenant's is scoped)."""
     salt = body.get("cache_salt")
-    scope = cache_scope(version, caller.salt(salt if isinstance(salt, str) else None))
-    return tuple(prefix_block_hashes(prompt_ids(body), scope))
+    return cache_scope(version, caller.salt(salt if isinstance(salt, str) else None))
+
+
+def prompt_keys(body: dict[str, Any], version: str, caller: RouteCaller = FLEET,
+                text: bool = True) -> tuple[tuple[int, ...], int]:
+    """The prefix keys a new session is placed by, and tokens per key: token blocks, else (with `text`,
+    `router.text_prefix_keys`) the chat or text prompt's chunk keys (`text_keys`), so a GRPO group's
+    siblings follow the first to its replica."""
+    blocks = prompt_blocks(body, version, caller)
+    if blocks or not text:
+        return blocks, BLOCK_TOKENS
+    return text_prefix_keys(body, prompt_scope(body, version, caller)), CHUNK_TOKENS
 
 
 class Router:
@@ -376,8 +391,8 @@ async def proxy(router: Router, request: Request, path: str) -> Response:
                 version = resolve(reg, caller, key, body["model"])
                 check_served(reg, caller, key, version, body["model"])
                 placing = key is None or key not in reg.homes or reg.may_move(key)  # its prompt's cached blocks count
-                blocks = prompt_blocks(body, version, caller) if placing else ()
-                url = reg.place(key, version, hint, kind, blocks, BLOCK_TOKENS).id
+                blocks, per = prompt_keys(body, version, caller, router.cfg.text_prefix_keys) if placing else ((), 0)
+                url = reg.place(key, version, hint, kind, blocks, per).id
                 reg.call_started(url)
             if caller.shown(version) != body["model"]:  # `latest`: the replica must see the concrete version
                 body["model"] = caller.shown(version)
