@@ -3,7 +3,7 @@ agent with the fleet's tenant key, lists it in fleet.json and to tenants (`GET /
 a tenant run's nodes file (`tenant_run.write_fleet_sandbox_nodes`, what its SWE env reads) holds its
 tenant token, never the node's; through it the tenant's `ClusterPool` places sandboxes on the node,
 which another tenant cannot see, and past `fleet.sandbox_tenant_max` a tenant is refused while the
-other still creates. A tenant whose launcher goes quiet (killed with -9; here one that never calls)
+other still creates; the fleet's `router.tenants` weights and `fleet.sandbox_node_slots` reach the node. A tenant whose launcher goes quiet (killed with -9; here one that never calls)
 loses its sandboxes to the fleet after `fleet.tenant_idle_s`, while the sandbox of a tenant whose
 launcher still asks for the replicas stays. Stopping the fleet stops the agent and its sandboxes.
 """
@@ -69,6 +69,7 @@ def test_fleet_sandbox_nodes_serve_tenants_apart(tmp_path: Path, tiny_model_dir:
     fleet_dir = tmp_path / "fleet"
     proc = start_fleet(fleet_dir, tiny_model_dir, "--fleet.reserved", "1", "--fleet.on_demand", "0",
                        "--fleet.sandbox_nodes", "1", "--fleet.sandbox_tenant_max", "1",
+                       "--fleet.sandbox_node_slots", "4", "--router.tenants.run-b.weight", "2",
                        "--orchestrator.swe.backend", "namespace", "--fleet.tenant_idle_s", "4")
     pool, stop = None, threading.Event()
     try:
@@ -133,6 +134,10 @@ def test_fleet_sandbox_nodes_serve_tenants_apart(tmp_path: Path, tiny_model_dir:
         assert a.report()["sandboxes"] == []
         whole = NodeClient(node["url"], node_token).report()  # the fleet's own token sees the node
         assert whole["counts"]["tenant_refused"] == 1
+        # the fleet's weights and slots reach its node (weighted shares: tests/security/test_sandbox_node_shares.py)
+        shares = whole["shares"]
+        assert shares["slots"] == 4 and shares["tenants"]["run-b"]["weight"] == 2.0, shares
+        assert shares["tenants"]["run-a"]["weight"] == 1.0 and "shares" not in a.report(), shares
 
         # an agent that dies is started again at the same URL (the list tenants read stays true)
         os.kill(agent_pid(node["url"]), signal.SIGKILL)
