@@ -20,6 +20,7 @@ Issue 51's measured figures, side by side in one invocation:
 
     .venv/bin/python benchmarks/shared_fleet_runs.py                 # ~25 min on 2 busy cores
     .venv/bin/python benchmarks/shared_fleet_runs.py --rounds 1 --steps 4 --skip-loss
+    .venv/bin/python benchmarks/shared_fleet_runs.py --gemma --rounds 1 --steps 3 --skip-loss   # Gemma 3 270M
 """
 
 from __future__ import annotations
@@ -264,12 +265,15 @@ def main() -> None:
     parser.add_argument("--skip-loss", action="store_true")
     parser.add_argument("--functions", action="store_true", help="functions tasks graded in sandboxes (steps of "
                         "seconds) instead of the quickstart's toy tasks (steps of ~0.5 s)")
+    parser.add_argument("--gemma", action="store_true", help="Gemma 3 270M (fp32, `make gemma`) instead of the tiny "
+                        "model; implies --functions (its example's config)")
     args = parser.parse_args()
-    if args.functions:
+    if args.functions or args.gemma:
         CONFIG.append(str(REPO / "examples" / "functions-gemma.toml"))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` runs and stops what was started
-    model = quickstart_model()
-    result: dict = {"replicas": args.replicas, "steps": args.steps, "env": "functions" if args.functions else "toy",
+    model = gemma_dir() if args.gemma else quickstart_model()
+    result: dict = {"replicas": args.replicas, "steps": args.steps, "env": "functions" if CONFIG else "toy",
+                    "model": "gemma-3-270m" if args.gemma else "tiny",
                     "cpu_count": os.cpu_count(), "rounds": []}
     with tempfile.TemporaryDirectory(prefix="burstrl-shared-runs-") as tmp:
         try:
@@ -277,6 +281,15 @@ def main() -> None:
         finally:
             kill_started()
     print(json.dumps(result, indent=1))
+
+
+def gemma_dir() -> Path:
+    from burstrl.model.gguf import default_gemma_dir
+
+    path = Path(default_gemma_dir())
+    if not (path / "config.json").exists():
+        raise SystemExit(f"no Gemma 3 270M at {path}: run `make gemma` first")
+    return path
 
 
 def measure(tmp: Path, model: Path, args: argparse.Namespace, result: dict) -> None:
