@@ -107,7 +107,7 @@ def test_learned_sizes_move_the_projection() -> None:
     """Finished sessions of a kind teach the size model; the quota follows it as placement does."""
     reg, shares = fleet(a=50_000)
     for _ in range(reg.sizes.min_samples):
-        reg.sizes.observe("default", 20_000)
+        reg.sizes.observe("a~default", 20_000)  # tenant a's sessions of no kind (its own, not the fleet's)
     asyncio.run(admit(shares, "a", "a~s0"))
     asyncio.run(admit(shares, "a", "a~s1"))
     assert shares.kv_held("a") == 40_000
@@ -165,3 +165,43 @@ def test_config_validates_the_cap() -> None:
     assert RouteConfig(tenants={"a": {"max_kv_tokens": None}}).tenants["a"].max_kv_tokens == 0
     assert RouteConfig(tenants={"a": {}}).tenants["a"].max_kv_tokens == 0
     assert not fleet(a=0)[1].enabled  # 0 = no cap: admission stays off
+
+
+def finish_sessions(reg: Registry, keys: list[str], tokens: int) -> None:
+    """A scrape that shows `keys` live at `tokens` on replica 0, then one that shows them gone: the
+    size model learns each one's final size under the kind its placement gave it."""
+    url = list(reg.replicas)[0]
+    loads = {"sessions": [{"session_id": k, "tokens": tokens} for k in keys], "max_total_num_tokens": 1_000_000}
+    reg.apply_scrape(url, loads, {"data": [{"id": "base"}]})
+    reg.apply_scrape(url, {"sessions": [], "max_total_num_tokens": 1_000_000}, {"data": [{"id": "base"}]})
+
+
+def test_one_tenants_session_sizes_do_not_move_anothers_projection_or_quota() -> None:
+    """Attack: run-a makes its `swe` sessions huge so the shared size model projects every `swe`
+    session huge and run-b, with a KV cap, is refused. A tenant's kinds are its own (`run-a~swe`):
+    run-b's `swe` stays at the prior and both its sessions fit its cap; run-a's own projection learns."""
+    reg, shares = fleet(replicas=1, **{"run-b": 2 * PRIOR + 100})
+    flood = [f"run-a~s{i}" for i in range(12)]
+    for key in flood:
+        reg.place(key, "base", kind="swe")
+    finish_sessions(reg, flood, 200_000)
+    assert reg.sizes.expected("run-a~swe") == 200_000  # run-a's own sessions are sized by what it did
+    assert reg.sizes.expected("run-b~swe") == PRIOR and reg.sizes.expected("swe") == PRIOR
+
+    async def admit_swe(key: str) -> None:
+        async with shares.admission("run-b", key, never_gone, "swe", 0):
+            reg.place(key, "base", kind="swe")
+
+    for i in range(2):
+        asyncio.run(admit_swe(f"run-b~s{i}"))
+    assert shares.kv_held("run-b") == 2 * PRIOR and reg.counters.admission_kv_quota_refusals == 0
+
+
+def test_one_tenants_flood_of_kind_names_leaves_anothers_kinds_its_own() -> None:
+    """Attack: run-a sends more kind names than the size model tracks; run-b's kinds (and the
+    fleet's) are still tracked as their own, and run-a's extra kinds fall back to its own default."""
+    reg = Registry()
+    limit = reg.sizes.max_kinds
+    for i in range(limit + 10):
+        assert reg.sizes.admit(f"run-a~k{i}") == (f"run-a~k{i}" if i < limit else "run-a~default")
+    assert reg.sizes.admit("run-b~swe") == "run-b~swe" and reg.sizes.admit("swe") == "swe"

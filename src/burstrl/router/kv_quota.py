@@ -26,7 +26,7 @@ projection at admission (`Shares` keeps those). Everything here is read-only ove
 from __future__ import annotations
 
 from burstrl.protocol.tenants import owner
-from burstrl.router.policies import NewSession
+from burstrl.router.policies import NewSession, kind_of
 from burstrl.router.registry import Registry
 
 FLEET_TENANT = ""  # the namespace of sessions without tenancy (as in shares.py)
@@ -56,7 +56,7 @@ def homed_kv(registry: Registry, tenant: str, up: set[str]) -> tuple[float, set[
             continue
         counted.add(key)
         view = replicas[url]
-        kind = registry.kinds.get(key, "default")
+        kind = registry.kinds.get(key) or kind_of(owner(key), "default")
         tokens = view.live_sessions.get(key)
         if tokens is not None:
             total += sizes.project(view.session_kinds.get(key, kind), tokens)

@@ -14,11 +14,12 @@ from __future__ import annotations
 import bisect
 import random
 import statistics
-from collections import defaultdict, deque
+from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from burstrl.protocol.tenants import owner, scoped
 from burstrl.protocol.versions import version_key
 
 POOLS = ("reserved", "on_demand")
@@ -118,6 +119,11 @@ def eligible(session: NewSession, replicas: list[ReplicaView]) -> list[ReplicaVi
     return ok
 
 
+def kind_of(tenant: str | None, kind: str) -> str:
+    """The size model's name for a tenant's task kind (`run-a~swe`); the fleet's own kinds as given."""
+    return scoped(tenant or None, kind)
+
+
 class SizeModel:
     """Projects the final size (tokens) of a session from finished sessions of the same kind.
 
@@ -128,6 +134,10 @@ class SizeModel:
     A live session is projected from the finished ones that grew past its current size (a session
     already at 40k tokens will likely end well above the kind's p90), never below its size now.
     Kinds come from callers, so at most `max_kinds` are tracked; later ones are sized as `default`.
+    On a shared fleet a tenant's kinds are its own (`tenant~kind`, `kind_of`): one tenant's session
+    sizes never move another's projections (which its KV quota and placement read), and each tenant
+    has its own `max_kinds` budget and its own `tenant~default`, so a flood of kind names from one
+    tenant leaves every other tenant's kinds as they were.
     """
 
     def __init__(self, prior_tokens: int = 8192, stat: str = "quantile", quantile: float = 0.9,
@@ -141,16 +151,25 @@ class SizeModel:
         self.window = window
         self.max_kinds = max_kinds
         self._admitted: set[str] = {"default"}
+        self._known: Counter[str | None] = Counter({None: 1})  # admitted kinds per owner (the fleet: None)
         self._order: dict[str, deque[int]] = defaultdict(deque)  # arrival order, for the window
         self._sorted: dict[str, list[int]] = defaultdict(list)
         self._cache: dict[str, float] = {}
         self.generation = 0  # bumped by every observation: projections made before are stale
 
     def admit(self, kind: str) -> str:
-        """The kind a session is sized as: its own while fewer than `max_kinds` are known, else `default`."""
-        if kind not in self._admitted and len(self._admitted) < self.max_kinds:
+        """The kind a session is sized as: its own while its owner (a tenant, or the fleet) has fewer
+        than `max_kinds` known, else its owner's `default`."""
+        if kind in self._admitted:
+            return kind
+        tenant = owner(kind)
+        fallback = "default" if tenant is None else scoped(tenant, "default")
+        if self._known[tenant] < self.max_kinds:
             self._admitted.add(kind)
-        return kind if kind in self._admitted else "default"
+            self._known[tenant] += 1
+            return kind
+        self._admitted.add(fallback)
+        return fallback
 
     def kinds(self) -> set[str]:
         """Kinds with finished sizes recorded."""

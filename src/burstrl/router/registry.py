@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from burstrl.protocol.tenants import owner
 from burstrl.router.catalog import DEFAULT_POLICY, make_policy
 from burstrl.router.loads import block_summary, keep_recent
 from burstrl.router.policies import (
@@ -28,6 +29,7 @@ from burstrl.router.policies import (
     ReplicaView,
     RoutingPolicy,
     SizeModel,
+    kind_of,
     live_projection,
     newest_routable_version,
     projected_headroom,
@@ -202,7 +204,7 @@ class Registry:
                 for s in loads.get("sessions", []) if self.homes.get(s["session_id"], url) == url}
         for sid, tokens in view.live_sessions.items():
             if sid not in live and tokens > 0 and self.homes.get(sid, url) == url:
-                self.sizes.observe(view.session_kinds.get(sid, "default"), tokens)
+                self.sizes.observe(view.session_kinds.get(sid) or kind_of(owner(sid), "default"), tokens)
         view.live_sessions = live
         view.session_kinds = {sid: self.kinds[sid] for sid in live if sid in self.kinds}
         self._touch(live)
@@ -310,7 +312,8 @@ class Registry:
         """
         if session_id and session_id not in self.homes:
             self._adopt_sample(session_id)
-        kind = self.kinds.get(session_id, kind) if session_id else kind  # a session keeps its first kind
+        # a session keeps its first kind; a tenant's session (key `tenant~id`) is sized among its own
+        kind = self.kinds.get(session_id, kind_of(owner(session_id), kind)) if session_id else kind
         session = NewSession(id=session_id or "", kind=self.sizes.admit(kind), version=version,
                              expected_tokens=expected_tokens, prefix_hashes=prefix_hashes, block_tokens=block_tokens)
         home = self.homes.get(session_id) if session_id else None

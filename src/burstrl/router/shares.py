@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from burstrl.config import RouteConfig
 from burstrl.protocol.tenants import owner
 from burstrl.router.kv_quota import homed_kv, new_session_kv, refusal_message
+from burstrl.router.policies import kind_of
 from burstrl.router.registry import Registry, RouteError
 
 POLL_S = 0.05  # how often a waiter looks for a freed place and for its client having hung up
@@ -185,7 +186,7 @@ class Shares:
                              "end a session or try again later", "rate_limit_error")
         kv, kv_cap = 0.0, self.kv_cap(tenant)
         if kv_cap:
-            kv, held = new_session_kv(self.registry, kind, expected_tokens), self.kv_held(tenant)
+            kv, held = new_session_kv(self.registry, kind_of(tenant, kind), expected_tokens), self.kv_held(tenant)
             if held + kv > kv_cap:
                 counters.admission_kv_quota_refusals += 1
                 raise RouteError(429, refusal_message(tenant, kv_cap, held, kv), "rate_limit_error")
