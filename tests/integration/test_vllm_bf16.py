@@ -18,17 +18,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
 
 from burstrl.protocol.process import start_replica
+from tests.fuzz import test_replica_fuzz as fuzz
 from tests.fuzz.test_replica_fuzz import test_adapter_admin as fuzz_adapter_admin
-from tests.fuzz.test_replica_fuzz import (  # noqa: F401 - collected here, against this module's `server`
-    test_chat_bodies,
-    test_completion_bodies,
-    test_raw_bytes,
-    test_the_fuzzer_saw_every_kind_of_answer,
-    test_uploads,
-)
-from tests.fuzz.test_replica_regressions import (  # noqa: F401 - as above
+from tests.fuzz.test_replica_regressions import (  # noqa: F401 - collected here, against this module's `server`
     CLUSTER_TOKEN,
     test_deeply_nested_json_is_a_400,
     test_explicit_nulls_are_defaults,
@@ -53,6 +48,26 @@ from .conftest import ADMIN_TOKEN, Server, stop_server
 from .test_gemma import complete, load_versions, make_reference
 
 pytestmark = pytest.mark.slow
+
+
+def fewer(test, examples: int):
+    """A replica fuzz test of tests/fuzz, collected here against this module's `server`, with its own
+    strategies, body and invariant but fewer drawn examples than the own engine's 30: each costs about
+    2 s on vLLM (its check's request), and the drawn 30 run against the own engine in
+    tests/fuzz/test_replica_fuzz.py."""
+    return settings(fuzz.FUZZ, max_examples=min(examples, fuzz.EXAMPLES))(
+        given(**test.hypothesis._given_kwargs)(test.hypothesis.inner_test))
+
+
+# what reaches the engine (sampling options, prompts, chat turns, versions) keeps more examples than
+# what the server refuses before any engine sees it (raw bytes, adapter uploads); the suite's own
+# guard runs after them (both served and refused bodies occurred, no 5xx)
+test_chat_bodies = fewer(fuzz.test_chat_bodies, 15)
+test_completion_bodies = fewer(fuzz.test_completion_bodies, 15)
+test_raw_bytes = fewer(fuzz.test_raw_bytes, 10)
+test_uploads = fewer(fuzz.test_uploads, 10)
+test_the_fuzzer_saw_every_kind_of_answer = fuzz.test_the_fuzzer_saw_every_kind_of_answer
+
 BF16_TOL = 0.25  # mean |captured - fp32 HF| logprob in bf16 (the start probe's bound, issue 50's figure)
 
 
