@@ -21,10 +21,14 @@ an equal pool and a heterogeneous one (different KV budgets and weights); `kv` v
 vs `cache_aware`, a fresh router each, the same workload, after one unmeasured warm-up pass.
 `--aa` runs round_robin a second time each round (`round_robin_again`): the ratio of a policy to
 itself on the same workload is the noise floor of every live ratio (`--fleets equal` picks a pool).
+`--chat`: the same workload as chat sessions (`messages` of words, the first prompt shared by a
+group; each turn appends the reply and a user message), `kv` with the router's text prefix keys
+(`router.text_prefix_keys`, router/text_keys.py) against `kv_text_off` (placed by load alone).
 
     .venv/bin/python benchmarks/router.py --part generated --workers 2     # ~1 h on 2 busy cores
     .venv/bin/python benchmarks/router.py --part mooncake --workers 2
     .venv/bin/python benchmarks/router.py --live [--rounds 3] [--aa] [--fleets equal]
+    .venv/bin/python benchmarks/router.py --live --chat --fleets equal [--rounds 3]  # text keys on vs off: ~1.5 / 3 min
     .venv/bin/python benchmarks/router.py --part generated --quick          # smoke test
 """
 
@@ -157,6 +161,8 @@ def main() -> None:
                         help="live: runs of every policy per pool (p99 over all their sessions; order rotated)")
     parser.add_argument("--aa", action="store_true",
                         help="live: run round_robin twice per round, to show one policy's spread against itself")
+    parser.add_argument("--chat", action="store_true",
+                        help="live: chat sessions, kv with text prefix keys vs kv_text_off (router.text_prefix_keys)")
     parser.add_argument("--keep-finished", action="store_true",
                         help="generated: finished sessions' blocks stay in the LRU (the model before 2026-12-01's fifth session)")
     parser.add_argument("--eviction", choices=("block", "session"), default="block",
@@ -169,7 +175,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.live or args.part == "live":
         run_live(seed=args.seed, rounds=args.rounds, pools=tuple(args.fleets.split(",")) if args.fleets else tuple(POOLS),
-                 aa=args.aa)
+                 aa=args.aa, chat=args.chat)
         return
     seeds = [0] if args.quick else [int(s) for s in args.seeds.split(",")]
     policies = args.policies.split(",") if args.policies else ["kv", "least_sessions", "headroom", "cache_aware",
@@ -225,13 +231,18 @@ LIVE = {"sessions": 48, "group": 4, "turns": 6, "concurrency": 12, "first_prompt
 # (KV tokens, weight) per replica; the heterogeneous pool has the equal pool's total KV
 POOLS = {"equal": [(3000, 1), (3000, 1), (3000, 1)], "hetero": [(5000, 2), (2000, 1), (2000, 1)]}
 LIVE_POLICIES = ("kv", "round_robin", "cache_aware")
+CHAT_POLICIES = ("kv", "kv_text_off")  # --chat: the router's text prefix keys on, then off
+WORDS = ("apple river stone cloud seven orange quiet table music bridge lamp forest number paper window "
+         "garden silver yellow engine planet").split()
 COUNTERS = ("prefix_cache_hit_tokens", "prefix_cache_queries_tokens", "evictions", "thrash", "refills")
 
 
 def start_router(workdir: Path, policy: str, replicas: list[str], pool: list[tuple[int, int]]) -> RoleProcess:
-    """`burstrl route serve` as a child process, replicas registered with their weight and KV budget."""
-    router = process.start_router(workdir, "--cluster_token", CLUSTER, "--policy", policy, "--k", str(LIVE["k"]),
-                                  "--scrape_s", str(LIVE["scrape_s"]))
+    """`burstrl route serve` as a child process, replicas registered with their weight and KV budget;
+    `kv_text_off` is `kv` with `router.text_prefix_keys` off."""
+    off = ("--text_prefix_keys", "false") if policy == "kv_text_off" else ()
+    router = process.start_router(workdir, "--cluster_token", CLUSTER, "--policy", policy.removesuffix("_text_off"),
+                                  "--k", str(LIVE["k"]), "--scrape_s", str(LIVE["scrape_s"]), *off)
     for url, (kv, weight) in zip(replicas, pool, strict=True):
         httpx.post(router.url + "/v1/replicas", json={"url": url, "weight": weight, "capacity_tokens": kv},
                    headers={"Authorization": f"Bearer {CLUSTER}"}, timeout=30).raise_for_status()
@@ -242,19 +253,25 @@ def replica_counters(urls: list[str]) -> dict[str, dict[str, int]]:
     return {u: {k: int(httpx.get(u + "/v1/loads", timeout=30).json()[k]) for k in COUNTERS} for u in urls}
 
 
-def run_session(router_url: str, sid: str, first: list[int], rng: random.Random) -> tuple[float, str]:
-    """One rollout: `turns` token-in calls, each prompt = previous prompt + completion + tool ids, a tool gap between."""
+def run_session(router_url: str, sid: str, first: list[int], rng: random.Random, chat: bool = False) -> tuple[float, str]:
+    """One rollout: `turns` token-in calls, each prompt = previous prompt + completion + tool ids, a tool gap
+    between; `chat`: the same as messages (the first prompt's ids as words, new ids as a user message)."""
     client = httpx.Client(timeout=300)
     ids = list(first)
+    messages = [{"role": "user", "content": words(first)}]
     t0 = time.perf_counter()
     for turn in range(LIVE["turns"]):
         if turn:
             time.sleep(rng.uniform(*LIVE["tool_gap_s"]))
+        new = [rng.randrange(100, 2000) for _ in range(LIVE["new_ids_per_turn"])]
+        if chat:
+            messages += chat_turn(client, router_url, sid, messages, new)
+            continue
         body = {"model": "base", "prompt": "", "input_ids": ids, "max_tokens": LIVE["max_tokens"],
                 "temperature": 0, "ignore_eos": True, "return_token_ids": True, "session_id": sid}
         r = client.post(router_url + "/v1/completions", json=body)
         r.raise_for_status()
-        ids = ids + r.json()["choices"][0]["token_ids"] + [rng.randrange(100, 2000) for _ in range(LIVE["new_ids_per_turn"])]
+        ids = ids + r.json()["choices"][0]["token_ids"] + new
     elapsed = time.perf_counter() - t0
     # read and released through the router, as the orchestrator does: every replica that holds part
     # of the capture (a session moved off an overflowing home left its earlier calls there)
@@ -269,8 +286,24 @@ def run_session(router_url: str, sid: str, first: list[int], rng: random.Random)
     return elapsed, trace["replica"]
 
 
+def words(ids: list[int]) -> str:
+    """Ids as words (~2.5 tiny-model tokens a word): a chat prompt as long as the token-in one, a third as many words."""
+    return " ".join(WORDS[i % len(WORDS)] for i in ids[::3])
+
+
+def chat_turn(client: httpx.Client, router_url: str, sid: str, messages: list[dict], new: list[int]) -> list[dict]:
+    """One chat call of a session; the messages the next call appends: the reply as returned, then new words
+    (the replica then continues the session's ids instead of re-tokenizing, as an agent's loop does)."""
+    body = {"model": "base", "messages": messages, "max_tokens": LIVE["max_tokens"], "temperature": 0,
+            "ignore_eos": True, "session_id": sid}
+    r = client.post(router_url + "/v1/chat/completions", json=body)
+    r.raise_for_status()
+    reply = r.json()["choices"][0]["message"]
+    return [{"role": "assistant", "content": reply["content"]}, {"role": "user", "content": words(new)}]
+
+
 def run_policy(policy: str, replicas: list[str], pool: list[tuple[int, int]], workdir: Path, seed: int,
-               tag: str = "") -> dict:
+               tag: str = "", chat: bool = False) -> dict:
     """The workload through a fresh router with `policy`: the replicas' counter deltas, rollout times, homes."""
     rng = random.Random(seed)  # the same prompts for every policy; a group of sessions shares its first prompt
     lo, hi = LIVE["first_prompt"]
@@ -283,7 +316,7 @@ def run_policy(policy: str, replicas: list[str], pool: list[tuple[int, int]], wo
         t0 = time.perf_counter()
         with ThreadPoolExecutor(LIVE["concurrency"]) as threads:
             results = list(threads.map(
-                lambda i: run_session(router.url, f"{policy}{tag}-{i}", firsts[i], random.Random(seed + i)),
+                lambda i: run_session(router.url, f"{policy}{tag}-{i}", firsts[i], random.Random(seed + i), chat),
                 range(LIVE["sessions"])))
         wall = time.perf_counter() - t0
         after = replica_counters(replicas)
@@ -309,7 +342,8 @@ def live_figures(runs: list[dict]) -> dict:
             "sessions_per_replica": [sum(col) for col in zip(*(r["sessions_per_replica"] for r in runs), strict=True)]}
 
 
-def run_live(seed: int = 0, rounds: int = 1, pools: tuple[str, ...] = tuple(POOLS), aa: bool = False) -> None:
+def run_live(seed: int = 0, rounds: int = 1, pools: tuple[str, ...] = tuple(POOLS), aa: bool = False,
+             chat: bool = False) -> None:
     """Every policy on each pool, `rounds` times; round r runs workload `seed + 100 r` and starts the
     policies at the r-th (rotated), so no policy always runs first on the pool's warmed replicas.
 
@@ -321,7 +355,10 @@ def run_live(seed: int = 0, rounds: int = 1, pools: tuple[str, ...] = tuple(POOL
     from burstrl.model.tiny import ensure_tiny_model
 
     model = ensure_tiny_model(Path(".cache/tiny-qwen3"))
-    labels = LIVE_POLICIES + (("round_robin_again",) if aa else ())
+    if chat and aa:
+        raise SystemExit("--aa is round_robin against itself; --chat runs kv with and without text keys")
+    policies = CHAT_POLICIES if chat else LIVE_POLICIES
+    labels = policies + (("round_robin_again",) if aa else ())
     figures: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -333,12 +370,12 @@ def run_live(seed: int = 0, rounds: int = 1, pools: tuple[str, ...] = tuple(POOL
                     "--engine.num_threads", "1", "--engine.max_total_num_tokens", str(pool[i][0])), range(len(pool))))
             try:
                 urls = [p.url for p in procs]
-                run_policy("round_robin", urls, pool, root / f"{name}-warmup", seed + 1000)  # first calls are slow: not measured
+                run_policy("round_robin", urls, pool, root / f"{name}-warmup", seed + 1000, chat=chat)  # not measured
                 runs: dict[str, list[dict]] = {label: [] for label in labels}
                 for r in range(rounds):
                     for label in labels[r % len(labels):] + labels[:r % len(labels)]:
                         runs[label].append(run_policy(label.removesuffix("_again"), urls, pool, root / name,
-                                                      seed + 100 * r, f"-{label}-r{r}"))
+                                                      seed + 100 * r, f"-{label}-r{r}", chat))
                         print(f"{name}/{label} round {r}: {json.dumps(live_figures(runs[label][-1:]))}",
                               file=sys.stderr, flush=True)
                 for label in labels:
@@ -347,15 +384,16 @@ def run_live(seed: int = 0, rounds: int = 1, pools: tuple[str, ...] = tuple(POOL
                 for p in procs:
                     p.stop()
     ratios = {}
-    pairs = [("kv", other) for other in LIVE_POLICIES[1:]] + ([("round_robin_again", "round_robin")] if aa else [])
+    pairs = [("kv", other) for other in policies[1:]] + ([("round_robin_again", "round_robin")] if aa else [])
     for name in pools:
         for mine, other in pairs:
             a, b = figures[f"{name}/{mine}"], figures[f"{name}/{other}"]
             ratios[f"{name}/{mine}_vs_{other}"] = {"hit_rate": a["hit_rate"] / max(b["hit_rate"], 1e-12),
                                                    "p99_rollout": a["p99_rollout_s"] / b["p99_rollout_s"],
-                                                   "mean_rollout": a["mean_rollout_s"] / b["mean_rollout_s"]}
+                                                   "mean_rollout": a["mean_rollout_s"] / b["mean_rollout_s"],
+                                                   "throughput": b["wall_s"] / a["wall_s"]}
     print(json.dumps({"benchmark": "router_live", "config": LIVE, "pools": {p: POOLS[p] for p in pools}, "seed": seed,
-                      "rounds": rounds, "aa": aa,
+                      "rounds": rounds, "aa": aa, "chat": chat,
                       "figures": figures, "ratios": ratios}))
 
 
