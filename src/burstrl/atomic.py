@@ -112,15 +112,16 @@ def publish_dir(tmp: Path, out: Path, force: bool) -> None:
         raise
 
 
-def write_text(path: Path, text: str) -> None:
+def write_text(path: Path, text: str, mode: int = 0o644) -> None:
     """Replace `path`'s content at once: a reader sees the old text or the new, never part of one.
 
     The temp file's name is unique, so concurrent writers of the same path (threads of the
-    launcher's fleet) never rename each other's half-written file; the last rename wins.
+    launcher's fleet) never rename each other's half-written file; the last rename wins. `mode`
+    0o600 for a secret: the temp file is private from its creation (mkstemp) until the rename.
     """
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        os.fchmod(fd, 0o644)  # mkstemp makes it private; these files are read by the run's other roles
+        os.fchmod(fd, mode)  # mkstemp makes it private; most of these files are read by the run's other roles
         with os.fdopen(fd, "w") as f:
             f.write(text)
         os.replace(tmp, path)

@@ -27,6 +27,7 @@ deletes at the end with the tenant token, and after a -9 the fleet does (`idle_t
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -35,10 +36,11 @@ from burstrl.atomic import write_text
 from burstrl.config import RunConfig, dump_toml
 from burstrl.deadline import CallFailed, fetch, sync_client
 from burstrl.launcher.catch_up import CatchUp
-from burstrl.launcher.run import Launcher, LaunchError
+from burstrl.launcher.run import SANDBOX_NODE_POLL_S, Launcher, LaunchError
 
 REPLICA_POLL_S = 2.0  # how often the run asks the fleet which replicas its trainer pushes to
 NODES_FILE = "sandbox_nodes.json"
+log = logging.getLogger("burstrl.run")
 
 
 def write_fleet_sandbox_nodes(http: Any, url: str, token: str, run_dir: Path) -> Path | None:
@@ -48,11 +50,10 @@ def write_fleet_sandbox_nodes(http: Any, url: str, token: str, run_dir: Path) ->
                   headers={"Authorization": f"Bearer {token}"}).check().json()["nodes"]
     if not nodes:
         return None
-    from burstrl.launcher.control import write_secret
-
     path = run_dir / NODES_FILE
-    write_secret(path, json.dumps([{"url": str(n["url"]), "token": token, "name": str(n.get("name", ""))}
-                                   for n in nodes]))
+    text = json.dumps([{"url": str(n["url"]), "token": token, "name": str(n.get("name", ""))} for n in nodes])
+    if not path.exists() or path.read_text() != text:  # unchanged: left alone (the pool re-reads on change)
+        write_text(path, text, mode=0o600)  # at once: the SWE env's pool may be reading it
     return path
 
 
@@ -68,6 +69,7 @@ class TenantLauncher(Launcher):
         self.last_replica_poll = 0.0
         self.replica_poll_errors = 0
         self.catch_up: CatchUp | None = None
+        self.fleet_nodes = False  # the run's sandboxes are on the fleet's nodes (its nodes file follows them)
 
     def role_env(self) -> dict[str, str]:
         """The tenant token where a run with its own fleet gives the replicas' admin token, and as the
@@ -118,6 +120,20 @@ class TenantLauncher(Launcher):
             time.sleep(0.5)
         self.sample(force=True)
 
+    def poll_sandbox_nodes(self) -> None:
+        """Every few seconds, where the run's sandboxes are on the fleet's nodes: the fleet's list
+        again, into the nodes file, so nodes that join the fleet mid-run (a Ray node with
+        `sandbox_node`) reach the SWE env's pool, which re-reads the file when it changes. An
+        empty list (the router restarting, an agent between lives) leaves the file as it is."""
+        if not self.fleet_nodes or time.monotonic() - self.last_node_poll < SANDBOX_NODE_POLL_S:
+            return
+        self.last_node_poll = time.monotonic()
+        try:
+            write_fleet_sandbox_nodes(self.http, self.url, self.token, self.run_dir)
+        except (CallFailed, ValueError, KeyError, TypeError) as exc:  # the router restarting: the next poll
+            self.node_poll_errors += 1
+            log.warning("the fleet's sandbox nodes were not listed: %s", exc)
+
     def start_sandbox_nodes(self, orch: Any) -> None:
         """The SWE env's sandboxes on the fleet's sandbox nodes, with the tenant token (if it runs any)."""
         if "swe" not in self.cfg.orchestrator.envs or orch.orchestrator.swe.nodes_file:
@@ -127,6 +143,7 @@ class TenantLauncher(Launcher):
         except (CallFailed, ValueError, KeyError, TypeError) as exc:
             raise LaunchError(f"the fleet at {self.url} did not list its sandbox nodes: {exc}") from None
         if path is not None:
+            self.fleet_nodes = True
             orch.orchestrator.swe.nodes_file = str(path)
             self.event("sandbox_nodes", detail=f"the fleet's, as tenant {self.tenant}: {path}")
 
