@@ -170,3 +170,4 @@ def test_fleet_sandbox_nodes_serve_tenants_apart(tmp_path: Path, tiny_model_dir:
     with pytest.raises(NodeError):  # the agent went with the fleet
         NodeClient(node["url"], node_token, timeout=3).health()
     assert not alive(proc.pid)
+    assert "stopped: taking the fleet down" in (tmp_path / "fleet.out").read_text()  # a fleet's own stop line

@@ -110,6 +110,8 @@ class Launcher:
         return {"BURSTRL_ADMIN_TOKEN": self.admin_token, "BURSTRL_CLUSTER_TOKEN": self.cluster_token}
 
     # ---- the run ----
+    STOP_LINE = "stopped: tearing the run down"  # said on SIGTERM/SIGINT (a fleet says its own)
+
     def run(self) -> int:
         """Run to the last step; returns the exit status (0 done, 1 a role failed, 130 stopped)."""
         try:
@@ -131,7 +133,7 @@ class Launcher:
             print(f"error: {exc}", file=sys.stderr, flush=True)
             detail = str(exc).splitlines()[0][:500]
         except (Stopped, KeyboardInterrupt) as exc:
-            print("stopped: tearing the run down", file=sys.stderr, flush=True)
+            print(self.STOP_LINE, file=sys.stderr, flush=True)
             status, outcome, detail = 130, "run_stopped", str(exc)
         finally:
             self.teardown(outcome, detail)

@@ -31,7 +31,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import signal
 import sys
 import time
 from pathlib import Path
@@ -48,10 +47,8 @@ from burstrl.launcher.run import (
     SANDBOX_NODE_POLL_S,
     Launcher,
     LaunchError,
-    Stopped,
     _cause,
     _get_json,
-    _raise_stopped,
     _tail,
 )
 from burstrl.launcher.sandbox_nodes import TOKEN_FILE, FleetSandboxNodes, tenant_flags
@@ -92,31 +89,7 @@ class SharedFleet(Launcher):
         self.told_router: list[dict[str, str]] | None = None  # the node list the router has now (Ray)
         self.last_router_push = 0.0
 
-    def run(self) -> int:
-        """`Launcher.run` for a fleet, which is never done: serve until SIGTERM/SIGINT (130) or a router
-        that cannot be kept up (1), and say on a stop that the fleet, not a run, goes down."""
-        try:
-            self.prepare()
-        except BaseException:
-            self.provider.close()
-            raise
-        previous = {s: signal.signal(s, _raise_stopped) for s in (signal.SIGTERM, signal.SIGINT)}
-        status, outcome, detail = 1, "run_failed", "launcher error"
-        try:
-            self.start_roles()
-            self.supervise()
-        except LaunchError as exc:
-            print(f"error: {exc}", file=sys.stderr, flush=True)
-            detail = str(exc).splitlines()[0][:500]
-        except (Stopped, KeyboardInterrupt) as exc:
-            print("stopped: taking the fleet down (its router, replicas and sandbox nodes; tenants' runs lose them)",
-                  file=sys.stderr, flush=True)
-            status, outcome, detail = 130, "run_stopped", str(exc)
-        finally:
-            self.teardown(outcome, detail)
-            for s, handler in previous.items():
-                signal.signal(s, handler)
-        return status
+    STOP_LINE = "stopped: taking the fleet down (its router, replicas and sandbox nodes; tenants' runs lose them)"
 
     def prepare(self) -> bool:
         """The fleet directory, its tenant key and admin token; a live fleet there is refused."""
