@@ -11,10 +11,9 @@ from __future__ import annotations
 import json
 import shutil
 import socket
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -23,6 +22,7 @@ from burstrl.launcher.catch_up import MAX_TRIES, CatchUp
 from burstrl.protocol.tenants import tenant_token
 from burstrl.weights.volume import publish
 from tests.http_client import HTTP
+from tests.loopback import JsonHandler, serving
 
 from .conftest import Server, start_server, stop_server
 
@@ -112,7 +112,7 @@ def test_an_empty_volume_sends_nothing(server: Server, tmp_path: Path) -> None:
     catch_up.close()
 
 
-class FleetListing(BaseHTTPRequestHandler):
+class FleetListing(JsonHandler):
     """A shared fleet's router as a tenant launcher asks it: only `GET /v1/fleet/replicas`, with the token."""
 
     replicas: list[str] = []
@@ -120,31 +120,16 @@ class FleetListing(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:  # noqa: N802 - the http.server name
         ok = self.path == "/v1/fleet/replicas" and self.headers.get("Authorization") == f"Bearer {TOKEN}"
-        body = json.dumps({"replicas": self.replicas} if ok else {"error": {"message": "no"}}).encode()
-        self.send_response(200 if ok else 401)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: object) -> None:
-        pass
+        self.send_json(200 if ok else 401, {"replicas": self.replicas} if ok else {"error": {"message": "no"}})
 
 
 @pytest.fixture
 def fleet_listing() -> Iterator[type[FleetListing]]:
     """A loopback fleet that lists one replica nothing listens on (each test sets its own list)."""
     handler = type("Listing", (FleetListing,), {"replicas": [dead_url()]})
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=srv.serve_forever, daemon=True)
-    thread.start()
-    handler.url = f"http://127.0.0.1:{srv.server_address[1]}"
-    try:
+    with serving(ThreadingHTTPServer(("127.0.0.1", 0), handler)) as url:
+        handler.url = url
         yield handler
-    finally:
-        srv.shutdown()
-        thread.join()
-        srv.server_close()
 
 
 def test_a_given_up_catch_up_shows_in_the_runs_fleet_jsonl(fleet_listing: type[FleetListing], volume: Path,

@@ -6,10 +6,8 @@ list leaves the file alone; an empty one (the router restarting) keeps the last.
 
 from __future__ import annotations
 
-import json
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,40 +16,26 @@ import pytest
 from burstrl.deadline import sync_client
 from burstrl.launcher.tenant_run import NODES_FILE, TenantLauncher
 from burstrl.sandbox.cluster import load_nodes
+from tests.loopback import JsonHandler, serving
 
 TOKEN = "run-a.0123456789abcdef"
 
 
-class NodeListing(BaseHTTPRequestHandler):
+class NodeListing(JsonHandler):
     """The fleet's router as a tenant's launcher asks it for the sandbox nodes (tenant token only)."""
 
     nodes: list[dict[str, str]] = []
 
     def do_GET(self) -> None:  # noqa: N802 - the http.server name
         ok = self.path == "/v1/fleet/sandbox-nodes" and self.headers.get("Authorization") == f"Bearer {TOKEN}"
-        body = json.dumps({"nodes": self.nodes} if ok else {"error": {"message": "no"}}).encode()
-        self.send_response(200 if ok else 401)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: object) -> None:
-        pass
+        self.send_json(200 if ok else 401, {"nodes": self.nodes} if ok else {"error": {"message": "no"}})
 
 
 @pytest.fixture
 def listing() -> Iterator[tuple[type[NodeListing], str]]:
     handler = type("Listing", (NodeListing,), {"nodes": [{"name": "n0", "url": "http://10.0.0.1:7000"}]})
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=srv.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield handler, f"http://127.0.0.1:{srv.server_address[1]}"
-    finally:
-        srv.shutdown()
-        thread.join()
-        srv.server_close()
+    with serving(ThreadingHTTPServer(("127.0.0.1", 0), handler)) as url:
+        yield handler, url
 
 
 def test_the_runs_nodes_file_follows_the_fleets_list(listing: tuple[type[NodeListing], str], tmp_path: Path) -> None:

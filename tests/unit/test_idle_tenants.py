@@ -16,7 +16,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from typing import Any
 
 import pytest
@@ -24,6 +24,7 @@ import pytest
 from burstrl.deadline import sync_client
 from burstrl.launcher import idle_tenants
 from burstrl.launcher.idle_tenants import IdleTenants
+from tests.loopback import JsonHandler, serving
 
 
 class Fleet(ThreadingHTTPServer):
@@ -67,7 +68,7 @@ class Fleet(ThreadingHTTPServer):
         return 404, {"error": {"message": f"no route {path}"}}
 
 
-class Answer(BaseHTTPRequestHandler):
+class Answer(JsonHandler):
     server: Fleet
 
     def serve(self, method: str) -> None:
@@ -76,13 +77,8 @@ class Answer(BaseHTTPRequestHandler):
         with self.server.lock:
             self.server.calls.append((method, self.path, self.headers.get("Authorization", "")))
         status, answer = self.server.answer(method, self.path, body)
-        data = json.dumps(answer).encode()
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # a caller that gave up waiting
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            self.send_json(status, answer)
 
     def do_GET(self) -> None:  # noqa: N802 - the http.server names
         self.serve("GET")
@@ -92,9 +88,6 @@ class Answer(BaseHTTPRequestHandler):
 
     def do_DELETE(self) -> None:  # noqa: N802
         self.serve("DELETE")
-
-    def log_message(self, *args: object) -> None:
-        pass
 
 
 def dead_url() -> str:
@@ -106,14 +99,8 @@ def dead_url() -> str:
 @pytest.fixture
 def fleet() -> Iterator[Fleet]:
     srv = Fleet({"run-k": 30.0, "run-a": 1.0})
-    thread = threading.Thread(target=srv.serve_forever, daemon=True)
-    thread.start()
-    try:
+    with serving(srv):
         yield srv
-    finally:
-        srv.shutdown()
-        thread.join()
-        srv.server_close()
 
 
 @pytest.fixture

@@ -4,13 +4,13 @@ against a loopback server that answers what a broken or hostile agent might."""
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import pytest
 
 from burstrl.sandbox.node_client import NodeClient, NodeError
+from tests.loopback import JsonHandler, serving
 
 
 class Agent(ThreadingHTTPServer):
@@ -24,31 +24,18 @@ class Agent(ThreadingHTTPServer):
         self.status, self.body = 200, b"{}"
 
 
-class Answer(BaseHTTPRequestHandler):
+class Answer(JsonHandler):
     server: Agent
 
     def do_GET(self) -> None:  # noqa: N802 - the http.server name
-        self.send_response(self.server.status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(self.server.body)))
-        self.end_headers()
-        self.wfile.write(self.server.body)
-
-    def log_message(self, *args: object) -> None:
-        pass
+        self.send_json(self.server.status, self.server.body)
 
 
 @pytest.fixture
 def agent() -> Iterator[Agent]:
     srv = Agent()
-    thread = threading.Thread(target=srv.serve_forever, daemon=True)
-    thread.start()
-    try:
+    with serving(srv):
         yield srv
-    finally:
-        srv.shutdown()
-        thread.join()
-        srv.server_close()
 
 
 def report(sandboxes: list[dict[str, object]]) -> bytes:
