@@ -1,6 +1,6 @@
 """The quickstart's learning curve: 30 steps of `burstrl run`, locally and on a local Ray instance.
 
-What the suite's short learning tests (tests/e2e/test_run.py::test_quickstart_learns and, across a
+What the suite's short learning tests (tests/e2e/test_run.py::test_quickstart_killed_mid_step_resumes_and_learns and, across a
 launcher kill on Ray, tests/e2e/test_ray.py::test_kill_9_of_the_launcher_takes_every_actor_with_it_
 then_resume_and_learn, 8 steps each; tests/integration/test_learning.py, 6 synchronous steps) no
 longer measure: the whole curve. Per provider, one
