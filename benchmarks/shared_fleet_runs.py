@@ -270,6 +270,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.functions or args.gemma:
         CONFIG.append(str(REPO / "examples" / "functions-gemma.toml"))
+    if args.gemma:  # three Gemma trainers at once: logits of 262k-token vocabulary in 512-token micro-batches
+        RUN.extend(["--trainer.micro_batch_tokens", "512"])
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` runs and stops what was started
     model = gemma_dir() if args.gemma else quickstart_model()
     result: dict = {"replicas": args.replicas, "steps": args.steps, "env": "functions" if CONFIG else "toy",
