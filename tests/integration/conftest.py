@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,6 +53,27 @@ def start_server(model_dir: Path, workdir: Path, *overrides: str) -> Server:
 
 def stop_server(server: Server) -> None:
     server.replica.stop()
+
+
+@contextmanager
+def routed_replicas(model_dir: Path, root: Path, n: int, replica_args: tuple[str, ...] = (),
+                    router_args: tuple[str, ...] = ()) -> Iterator[tuple[RoleProcess, list[Server]]]:
+    """`n` replicas started at once (`replica_args`) behind a router listing them (`router_args`);
+    all stopped when the block ends."""
+    from burstrl.protocol import process
+
+    with ThreadPoolExecutor(n) as pool:
+        servers = list(pool.map(lambda i: start_server(model_dir, root / f"r{i}", *replica_args), range(n)))
+    router = None
+    try:
+        router = process.start_router(root / "router", "--replicas", json.dumps([s.url for s in servers]),
+                                      *router_args)
+        yield router, servers
+    finally:
+        if router is not None:
+            router.stop()
+        for s in servers:
+            stop_server(s)
 
 
 @pytest.fixture(scope="session")

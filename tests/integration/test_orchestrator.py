@@ -12,8 +12,6 @@ in file order: the replica-death test kills one of them, so it comes last.
 from __future__ import annotations
 
 import asyncio
-import json
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -23,29 +21,18 @@ from burstrl.envs.base import ChatClient, Outcome, Task
 from burstrl.envs.toy_multi import MultiToyEnv
 from burstrl.orchestrator.attempt import run_attempt
 from burstrl.orchestrator.client import ReplicaFailure, VersionGone, assign
-from burstrl.protocol import process
 from tests.http_client import HTTP
 
-from .conftest import ADMIN_TOKEN, start_server, stop_server
+from .conftest import ADMIN_TOKEN, routed_replicas
 
 TOKEN = "orchestrator-test-cluster-token"
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    root = tmp_path_factory.mktemp("orchestrator")
-    with ThreadPoolExecutor(2) as pool:
-        servers = list(pool.map(lambda i: start_server(tiny_model_dir, root / f"r{i}"), range(2)))
-    router = None
-    try:
-        router = process.start_router(root / "router", "--cluster_token", TOKEN, "--replicas",
-                                      json.dumps([s.url for s in servers]), "--scrape_s", "0.5")
-        yield router, servers
-    finally:
-        if router is not None:
-            router.stop()
-        for s in servers:
-            stop_server(s)
+    with routed_replicas(tiny_model_dir, tmp_path_factory.mktemp("orchestrator"), 2,
+                         router_args=("--cluster_token", TOKEN, "--scrape_s", "0.5")) as cluster:
+        yield cluster
 
 
 class KillHomeAfterFirstCall(MultiToyEnv):

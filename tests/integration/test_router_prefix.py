@@ -4,12 +4,10 @@ router's keys, and the default `kv` policy sends a prompt (with or without a ses
 from __future__ import annotations
 
 import random
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from burstrl.protocol import process
 from burstrl.protocol.blocks import BLOCK_TOKENS, prefix_block_hashes
 from tests.http_client import HTTP
 from tests.waiting import wait_for
@@ -18,7 +16,7 @@ from tests.waiting import wait_for
 # it; the fast lane keeps the index's unit tests (tests/unit/test_prefix.py, test_router_policies.py).
 pytestmark = pytest.mark.slow
 
-from .conftest import start_server, stop_server
+from .conftest import routed_replicas
 
 TOKEN = "prefix-cluster-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -26,20 +24,10 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 @pytest.fixture(scope="module")
 def pair(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    root = tmp_path_factory.mktemp("router-prefix")
-    with ThreadPoolExecutor(2) as pool:
-        servers = list(pool.map(lambda i: start_server(tiny_model_dir, root / f"r{i}", "--server.cluster_token", TOKEN),
-                                range(2)))
-    router = None
-    try:
-        router = process.start_router(root / "router", "--cluster_token", TOKEN, "--policy", "kv", "--scrape_s", "0.3",
-                                      "--replicas", "[" + ",".join(f'"{s.url}"' for s in servers) + "]")
-        yield router, servers
-    finally:
-        if router is not None:
-            router.stop()
-        for s in servers:
-            stop_server(s)
+    with routed_replicas(tiny_model_dir, tmp_path_factory.mktemp("router-prefix"), 2,
+                         ("--server.cluster_token", TOKEN),
+                         ("--cluster_token", TOKEN, "--policy", "kv", "--scrape_s", "0.3")) as pair:
+        yield pair
 
 
 def summary(url: str) -> set[int]:

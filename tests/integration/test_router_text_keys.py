@@ -10,14 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from burstrl.protocol import process
 from tests.http_client import HTTP
 
 # Three replica processes and a router (~30 s): `make test` runs it; the fast lane keeps the unit tests
 # (tests/unit/test_router_text_keys.py).
 pytestmark = pytest.mark.slow
 
-from .conftest import start_server, stop_server
+from .conftest import routed_replicas
 
 TOKEN = "text-keys-cluster-token"
 G, GROUPS = 4, 3
@@ -26,20 +25,10 @@ WORDS = "apple river stone cloud seven orange quiet table music bridge lamp fore
 
 @pytest.fixture(scope="module")
 def fleet(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    root = tmp_path_factory.mktemp("router-text-keys")
-    with ThreadPoolExecutor(3) as pool:
-        servers = list(pool.map(lambda i: start_server(tiny_model_dir, root / f"r{i}", "--server.cluster_token", TOKEN),
-                                range(3)))
-    router = None
-    try:
-        router = process.start_router(root / "router", "--cluster_token", TOKEN, "--policy", "kv", "--scrape_s", "0.3",
-                                      "--replicas", "[" + ",".join(f'"{s.url}"' for s in servers) + "]")
-        yield router, servers
-    finally:
-        if router is not None:
-            router.stop()
-        for s in servers:
-            stop_server(s)
+    with routed_replicas(tiny_model_dir, tmp_path_factory.mktemp("router-text-keys"), 3,
+                         ("--server.cluster_token", TOKEN),
+                         ("--cluster_token", TOKEN, "--policy", "kv", "--scrape_s", "0.3")) as fleet:
+        yield fleet
 
 
 def prompt(rng: random.Random) -> list[dict[str, str]]:
