@@ -16,6 +16,8 @@ from tests.http_client import HTTP
 
 from .conftest import Server
 
+pytestmark = pytest.mark.slow  # real processes: `make test` runs it, `make test-fast` (<= 2 min) does not
+
 COMPLETION = {"model": "base", "prompt": [1, 2, 3], "max_tokens": 4}
 
 

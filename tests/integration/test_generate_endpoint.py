@@ -23,6 +23,8 @@ from tests.http_client import HTTP
 
 from .conftest import start_server, stop_server
 
+pytestmark = pytest.mark.slow  # real processes: `make test` runs it, `make test-fast` (<= 2 min) does not
+
 TOKEN = "generate-cluster-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 PATH = "/inference/v1/generate"

@@ -25,6 +25,8 @@ from tests.http_client import HTTP
 
 from .conftest import ADMIN_TOKEN, routed_replicas
 
+pytestmark = pytest.mark.slow  # real processes: `make test` runs it, `make test-fast` (<= 2 min) does not
+
 TOKEN = "orchestrator-test-cluster-token"
 
 

@@ -15,6 +15,8 @@ from tests.http_client import HTTP
 
 from .conftest import Server
 
+pytestmark = pytest.mark.slow  # real processes: `make test` runs it, `make test-fast` (<= 2 min) does not
+
 CHAT = {"model": "base", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 

@@ -22,6 +22,8 @@ from tests.http_client import HTTP
 from .test_router import start_router
 from .test_router_hostile import replicas, scraped_again, wait_for
 
+pytestmark = pytest.mark.slow  # real processes: `make test` runs it, `make test-fast` (<= 2 min) does not
+
 SCRAPE_S, SCRAPE_DEADLINE_S = 0.2, 1.0
 REQUEST_DEADLINE_S, STREAM_GAP_S = 6.0, 1.0  # the gap far below the deadline: a cut by the gap is the gap's
 SLACK_S = 3.5  # what a busy shared machine may add; far below how long the drips below last

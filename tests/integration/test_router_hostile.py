@@ -22,6 +22,8 @@ from tests.http_client import HTTP
 
 from .test_router import AUTH, start_router
 
+pytestmark = pytest.mark.slow  # real processes: `make test` runs it, `make test-fast` (<= 2 min) does not
+
 DEADLINE_S = 30.0  # generous: the machine is shared and busy
 
 

@@ -19,6 +19,8 @@ import pytest
 from burstrl.sandbox.client import AsyncSandboxClient, SandboxClient, SandboxError
 from burstrl.sandbox.protocol import ExecResult
 
+pytestmark = pytest.mark.slow  # real processes: `make test` runs it, `make test-fast` (<= 2 min) does not
+
 SRC = Path(__file__).resolve().parents[2] / "src"
 TOKEN = "s3cret-token"
 

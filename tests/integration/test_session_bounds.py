@@ -17,6 +17,8 @@ from tests.http_client import HTTP
 
 from .conftest import Server, start_server, stop_server
 
+pytestmark = pytest.mark.slow  # real processes: `make test` runs it, `make test-fast` (<= 2 min) does not
+
 
 @pytest.fixture(scope="module")
 def strict(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
