@@ -30,6 +30,16 @@ TOKEN_FILE = "sandbox-node.token"
 RETRY_S = 10.0  # between tries to restart an agent whose restart failed
 
 
+def write_node_token(fleet_dir: Path) -> str:
+    """A new node token for the fleet's agents, in FLEET_DIR/sandbox-node.token (mode 600; the fleet's
+    idle sweep reads it there); the token."""
+    from burstrl.launcher.control import write_secret
+
+    token = secrets.token_hex(32)
+    write_secret(Path(fleet_dir) / TOKEN_FILE, token)
+    return token
+
+
 def tenant_flags(cfg: Any, key_file: Path) -> list[str]:
     """The `burstrl sandbox node` flags that make an agent one of the fleet's: its tenant key, the
     fleet's per-tenant limits, its slots and the tenants' fair-share weights (the same on every
@@ -58,12 +68,10 @@ class FleetSandboxNodes:
 
     def start(self) -> list[dict[str, str]]:
         """Start the agents; their {name, url}. RuntimeError naming the one that did not start."""
-        from burstrl.launcher.control import write_secret
-
         if self.cfg.provider != "local":  # on Ray the provider's SandboxAgents run them (shared_fleet.py)
             raise RuntimeError(f"fleet.sandbox_nodes: these agents run on the fleet's host (local provider), not "
                                f"under provider {self.cfg.provider!r}")
-        write_secret(self.token_file, secrets.token_hex(32))
+        write_node_token(self.fleet_dir)
         nodes = []
         for i in range(self.cfg.fleet.sandbox_nodes):
             self.state_dirs.append(Path(tempfile.mkdtemp(prefix="bfsn", dir="/tmp")))  # short: socket paths <= 107 B

@@ -51,7 +51,7 @@ from burstrl.launcher.run import (
     _get_json,
     _tail,
 )
-from burstrl.launcher.sandbox_nodes import TOKEN_FILE, FleetSandboxNodes, tenant_flags
+from burstrl.launcher.sandbox_nodes import TOKEN_FILE, FleetSandboxNodes, tenant_flags, write_node_token
 
 KEY_FILE = "tenant.key"
 ADMIN_FILE = "admin.token"
@@ -143,8 +143,7 @@ class SharedFleet(Launcher):
                 self.sandbox_nodes = FleetSandboxNodes(self.cfg, self.run_dir, KEY_FILE)
                 nodes = self.sandbox_nodes.start()
             else:
-                token = secrets.token_hex(32)
-                write_secret(self.run_dir / TOKEN_FILE, token)
+                token = write_node_token(self.run_dir)
                 self.provider.start_sandbox_nodes(self.cfg.orchestrator.swe.backend, token=token, tenant_key=self.key,
                                                   tenant_flags=lambda key_file: tenant_flags(self.cfg, key_file))
                 nodes = self.provider.sandbox_node_list()

@@ -30,27 +30,22 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from burstrl.protocol.tenants import check_name
-from burstrl.sandbox.node_tenants import NodeTenancy
+from burstrl.sandbox.node_tenants import NodeTenancy, parse_tenant_values
 
 EPS = 1e-9  # float slack: a share of 2.0000000001 is 2
 
 
 def parse_weights(text: str | None) -> dict[str, float]:
     """`a=2,b=0.5` -> {"a": 2.0, "b": 0.5} (ValueError naming the first bad entry)."""
-    weights: dict[str, float] = {}
-    for item in (text or "").split(","):
-        if not item.strip():
-            continue
-        name, eq, value = item.strip().partition("=")
-        try:
-            weight = float(value) if eq else -1.0
-        except ValueError:
-            weight = -1.0
-        if not 0 < weight < 1e9:
-            raise ValueError(f"--tenant-weights entry {item!r}: expected TENANT=WEIGHT > 0, e.g. a=2,b=1")
-        weights[check_name(name.strip())] = weight
-    return weights
+    return parse_tenant_values(text, "--tenant-weights", _weight, "TENANT=WEIGHT > 0, e.g. a=2,b=1")
+
+
+def _weight(text: str) -> float | None:
+    try:
+        weight = float(text)
+    except ValueError:
+        return None
+    return weight if 0 < weight < 1e9 else None
 
 
 def fair_shares(slots: int, weights: Mapping[str, float]) -> dict[str, float]:

@@ -24,14 +24,15 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from burstrl.protocol.http import bearer_matches
 from burstrl.protocol.tenants import check_name, tenant_of
 
+T = TypeVar("T")
 OTHERS = "(other tenants)"  # the name of the aggregate in a tenant's `node_state`
 
 
@@ -53,17 +54,25 @@ def read_tenant_key(path: str | Path) -> str:
     return key
 
 
-def parse_caps(text: str | None) -> dict[str, int]:
-    """`a=2,b=8` -> {"a": 2, "b": 8} (ValueError naming the first bad entry)."""
-    caps: dict[str, int] = {}
+def parse_tenant_values(text: str | None, flag: str, value: Callable[[str], T | None], expected: str) -> dict[str, T]:
+    """`a=x,b=y` -> {"a": value("x"), ...} for a `--tenant-...` flag; ValueError naming `flag`, the
+    first bad entry and `expected` (an entry whose `value` is None, or that has no `=`, is bad)."""
+    out: dict[str, T] = {}
     for item in (text or "").split(","):
         if not item.strip():
             continue
-        name, eq, value = item.strip().partition("=")
-        if not eq or not value.strip().isdigit():
-            raise ValueError(f"--tenant-caps entry {item!r}: expected TENANT=N, e.g. a=2,b=8")
-        caps[check_name(name.strip())] = int(value)
-    return caps
+        name, eq, raw = item.strip().partition("=")
+        parsed = value(raw.strip()) if eq else None
+        if parsed is None:
+            raise ValueError(f"{flag} entry {item!r}: expected {expected}")
+        out[check_name(name.strip())] = parsed
+    return out
+
+
+def parse_caps(text: str | None) -> dict[str, int]:
+    """`a=2,b=8` -> {"a": 2, "b": 8} (ValueError naming the first bad entry)."""
+    return parse_tenant_values(text, "--tenant-caps", lambda v: int(v) if v.isdigit() else None,
+                               "TENANT=N, e.g. a=2,b=8")
 
 
 @dataclass(frozen=True)
